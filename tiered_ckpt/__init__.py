@@ -1,0 +1,26 @@
+"""tiered_ckpt: checkpointing for distributed training that never resumes from a corrupt checkpoint.
+
+Local tier (per-rank safetensors shards + a manifest committed last), an uploader sidecar that pushes
+committed steps to S3, and restore after cluster loss. See README.md and SPEC.md.
+"""
+
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
+                     DistributedSaveError, ManifestError, MissingShardError, NoCheckpointError,
+                     ReshardError, ShardCorruptedError, UnsupportedStateError, UploadError,
+                     WorldSizeMismatchError)
+from .local import (commit_step, committed_steps, latest_step, load_shard, load_sharded, new_save_id,
+                    read_manifest, save_sharded, write_shard)
+from .manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
+from .state import GlobalSlice, Replicated
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "CheckpointExistsError", "CheckpointWriteError", "ConcurrentSaveError",
+    "DistributedSaveError", "ManifestError", "MissingShardError", "NoCheckpointError", "ReshardError",
+    "ShardCorruptedError", "UnsupportedStateError", "UploadError", "WorldSizeMismatchError",
+    "commit_step", "committed_steps", "latest_step", "load_shard", "load_sharded", "new_save_id",
+    "read_manifest", "save_sharded", "write_shard",
+    "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",
+    "GlobalSlice", "Replicated",
+]

@@ -1,0 +1,99 @@
+"""Exception hierarchy of tiered_ckpt.
+
+Every failure the library reports derives from :class:`CheckpointError` (which derives from
+``Exception``). Where the meaning matches a builtin, the subclass derives from it as well, so callers
+may catch either (a missing step is also a ``FileNotFoundError``). Errors caused by an ``OSError`` keep
+it as ``__cause__``; the multi-rank ones collect per-rank failures in ``failures``.
+
+Source: SPEC §2 "Loading (fail loudly, early)"; style after torch.distributed.checkpoint's
+``CheckpointException`` and s3transfer's exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class CheckpointError(Exception):
+    """Root of every error raised by tiered_ckpt."""
+
+
+class WorldSizeMismatchError(CheckpointError, ValueError):
+    """The manifest's ``world_size`` differs from the caller's (and resharding was not asked for)."""
+
+
+class MissingShardError(CheckpointError, FileNotFoundError):
+    """A rank is missing from ``shards``, listed twice, or its listed file is absent."""
+
+
+class ShardCorruptedError(CheckpointError, ValueError):
+    """A shard's size or sha256/CRC32C differs from the manifest, or its header is unreadable."""
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A manifest is unreadable, malformed, hostile (paths outside the step), or of an unknown schema."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No committed step exists (or the requested step is not committed)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """Saving a step that is already committed without ``replace=True``."""
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another live writer (a different ``save_id``) is saving the same step (SPEC invariant I4)."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save failed on I/O (disk full, EIO, permission); the ``OSError`` is kept as ``__cause__``."""
+
+    def __init__(self, message: str, *, errno_: int | None = None) -> None:
+        # OSError's constructor interprets positional args; keep ours plain.
+        super().__init__(message)
+        self.errno = errno_
+
+    def __str__(self) -> str:  # OSError.__str__ would format errno/strerror
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """A state value cannot be stored: an unsupported dtype, a non-string key, a non-JSON value."""
+
+
+class UploadError(CheckpointError):
+    """A remote (S3) operation failed after all retries; ``last_exception`` holds the final cause."""
+
+    def __init__(self, message: str, *, last_exception: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.last_exception = last_exception
+
+
+class ReshardError(CheckpointError, ValueError):
+    """Per-rank state has no resharding rule, or the checkpoint cannot be re-split as asked."""
+
+
+class DistributedSaveError(CheckpointError):
+    """A multi-rank save failed on one or more ranks; ``failures`` maps rank -> message."""
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+__all__ = [
+    "CheckpointError",
+    "WorldSizeMismatchError",
+    "MissingShardError",
+    "ShardCorruptedError",
+    "ManifestError",
+    "NoCheckpointError",
+    "CheckpointExistsError",
+    "ConcurrentSaveError",
+    "CheckpointWriteError",
+    "UnsupportedStateError",
+    "UploadError",
+    "ReshardError",
+    "DistributedSaveError",
+]

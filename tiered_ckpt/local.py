@@ -1,0 +1,582 @@
+"""Local tier: per-rank shard files, the manifest commit, and fail-loud loading (SPEC §2).
+
+Lifecycle of one save of step ``S`` by ``world_size`` ranks (who makes each call):
+
+1. coordinator: choose a ``save_id`` (:func:`new_save_id`) and share it with every rank (in a job, a
+   broadcast; :class:`~tiered_ckpt.manager.CheckpointManager` does this).
+2. every rank: :func:`write_shard` -> :class:`ShardRecord`. Claims the step's writer lock for
+   ``save_id`` (a different live ``save_id`` -> :class:`ConcurrentSaveError`, I4), writes
+   ``rank_XXXXX.safetensors`` under a unique temp name, fsyncs, renames, fsyncs the directory.
+3. coordinator: gathers the records and calls :func:`commit_step`, which checks that every listed
+   shard is on disk with the right size and the same ``save_id`` in its header, then writes
+   ``manifest.json`` the same durable way, last (I1). The step is committed from that rename on.
+
+Readers (:func:`load_shard`, :func:`load_sharded`, :func:`read_manifest`) see committed steps only (I3),
+and verify sizes and hashes before returning anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import google_crc32c  # noqa: F401  (imported here so a missing dependency fails at import, not mid-save)
+
+from . import _format as fmt
+from ._fs import (atomic_write_bytes, fsync_dir, hostname, owner_alive, owner_token, temp_name_for,
+                  unlink_durable, unlink_quietly)
+from ._locks import hold_step_lock
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
+                     ManifestError, MissingShardError, NoCheckpointError, ShardCorruptedError,
+                     WorldSizeMismatchError)
+from .layout import MANIFEST_NAME, SAVE_LOCK_NAME, parse_step_dir_name, shard_file_name, step_dir_name
+from .manifest import ShardManifest, ShardRecord
+
+log = logging.getLogger(__name__)
+
+#: Largest manifest we read (bytes).
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+#: Prefix of a step directory being deleted by rotation or gc (renamed first, then removed).
+TRASH_PREFIX = ".trash."
+
+PathLike = str | os.PathLike[str]
+
+
+# ------------------------------------------------------------------------------------------ locating
+
+
+def new_save_id() -> str:
+    """A fresh random save id (32 hex chars)."""
+    return uuid.uuid4().hex
+
+
+def resolve_root(root: PathLike, step: int | None = None) -> tuple[Path, int | None]:
+    """Accept a run directory or a step directory. Returns ``(run_root, step)``.
+
+    Raises ``ValueError`` if a step directory is given together with a different ``step``.
+    """
+    p = Path(root).absolute()
+    parsed = parse_step_dir_name(p.name)
+    if parsed is not None and not (p / step_dir_name(parsed)).is_dir():
+        if step is not None and step != parsed:
+            raise ValueError(f"{p} is the directory of step {parsed}, but step={step} was asked for")
+        return p.parent, parsed
+    return p, step
+
+
+def step_path(root: PathLike, step: int) -> Path:
+    """``<root>/step_XXXXXXXXXX`` (no I/O)."""
+    return Path(root).absolute() / step_dir_name(step)
+
+
+def _is_real_dir(p: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(p).st_mode)
+    except OSError:
+        return False
+
+
+def _is_committed(sdir: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(sdir / MANIFEST_NAME).st_mode)
+    except OSError:
+        return False
+
+
+def all_step_dirs(root: PathLike) -> list[int]:
+    """Every step number with a (real, not symlinked) step directory, committed or not, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        s = parse_step_dir_name(name)
+        if s is not None and _is_real_dir(Path(root) / name):
+            steps.append(s)
+    return sorted(steps)
+
+
+def committed_steps(root: PathLike) -> list[int]:
+    """Committed steps (their ``manifest.json`` is present) under the run directory ``root``, ascending
+    by step number. Uncommitted leftovers are ignored (I3)."""
+    r, _ = resolve_root(root)
+    return [s for s in all_step_dirs(r) if _is_committed(r / step_dir_name(s))]
+
+
+def latest_step(root: PathLike) -> int | None:
+    """The newest committed step, or ``None`` when nothing is committed."""
+    steps = committed_steps(root)
+    return steps[-1] if steps else None
+
+
+def _pick_step(root: PathLike, step: int | None) -> tuple[Path, int]:
+    r, step = resolve_root(root, step)
+    if step is None:
+        step = latest_step(r)
+        if step is None:
+            raise NoCheckpointError(f"no committed step under {r}")
+    elif not _is_committed(r / step_dir_name(step)):
+        raise NoCheckpointError(f"step {step} is not committed under {r}")
+    return r, step
+
+
+# ------------------------------------------------------------------------------------------ manifest
+
+
+def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
+    """Read and validate the manifest of ``step`` (newest committed when ``None``).
+
+    Raises :class:`NoCheckpointError` if the step is not committed, :class:`ManifestError` if the
+    manifest is unreadable, malformed, hostile, names another step or is a symlink, and
+    :class:`MissingShardError` if it lacks or repeats a rank.
+    """
+    r, step = _pick_step(root, step)
+    sdir = r / step_dir_name(step)
+    if not _is_real_dir(sdir):
+        raise ManifestError(f"{sdir} is not a directory (symlinked step directories are refused)")
+    path = sdir / MANIFEST_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"step {step} is not committed under {r}") from None
+    except OSError as e:
+        raise ManifestError(f"cannot open {path}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path} is {st.st_size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap")
+        data = os.pread(fd, st.st_size + 1, 0)
+    except OSError as e:
+        raise ManifestError(f"cannot read {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    m = ShardManifest.from_json(data)
+    if m.step != step:
+        raise ManifestError(f"{path} says step {m.step} but lies in the directory of step {step}")
+    return m
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def _claim_save_lock(sdir: Path, step: int, save_id: str | None) -> str:
+    """Claim (or join) the writer lock of ``sdir`` for ``save_id``; returns the save id in force.
+
+    - no lock, or a lock of a dead writer: ours (created with ``O_EXCL``, so one of two racing writers
+      loses and retries against the winner);
+    - a lock with the same ``save_id``: joined (the other ranks of the same save);
+    - a lock of this very process (sequential retry, or ``save_id=None`` after an earlier
+      :func:`write_shard` of the same save): taken over / adopted;
+    - otherwise :class:`ConcurrentSaveError`.
+    """
+    path = sdir / SAVE_LOCK_NAME
+    me = owner_token()
+    for _ in range(8):
+        try:
+            cur = json.loads(path.read_bytes())
+            cur_id, cur_owner = str(cur["save_id"]), str(cur["owner"])
+        except FileNotFoundError:
+            cur = None
+        except (OSError, ValueError, KeyError, TypeError):
+            cur, cur_id, cur_owner = {}, "", ""  # unreadable lock: treat as stale
+        if cur is not None:
+            if save_id is None and cur_owner == me:
+                return cur_id
+            if cur_id == save_id:
+                return save_id
+            if cur_owner and cur_owner != me and owner_alive(cur_owner):
+                raise ConcurrentSaveError(
+                    f"step {step}: another writer (save_id {cur_id}, process {cur_owner}) is saving this "
+                    f"step; refusing to mix shards of two saves (I4)")
+            unlink_quietly(path)  # stale, or our own earlier attempt
+        sid = save_id or new_save_id()
+        body = json.dumps({"save_id": sid, "owner": me, "created_at": _utc_now()}).encode()
+        try:
+            atomic_write_bytes(path, body, exclusive=True)
+            return sid
+        except FileExistsError:
+            continue  # lost a race: look again
+    raise ConcurrentSaveError(f"step {step}: could not claim the writer lock of {sdir}")
+
+
+def _ensure_step_dir(r: Path, step: int) -> Path:
+    sdir = r / step_dir_name(step)
+    if not _is_real_dir(r):
+        os.makedirs(r, exist_ok=True)
+    try:
+        os.mkdir(sdir, 0o755)
+        fsync_dir(r)
+    except FileExistsError:
+        if not _is_real_dir(sdir):
+            raise CheckpointWriteError(f"{sdir} exists and is not a directory") from None
+    return sdir
+
+
+def _uncommit(sdir: Path, step: int) -> None:
+    """Remove ``manifest.json`` (and fsync the directory) before any file of the step changes (I2)."""
+    if unlink_durable(sdir / MANIFEST_NAME):
+        log.warning("step %d: un-committed the existing step to replace it", step)
+
+
+def _infer_param_shard(entries: list[fmt.TensorEntry]) -> tuple[int, int]:
+    """The rank's ZeRO flat partition: the common ``(offset, numel)`` of its 1-D global slices, or
+    ``(0, 0)`` when it holds none or they disagree (pass ``param_shard=`` explicitly then)."""
+    spans = {(e.global_offset[0], e.array.shape[0]) for e in entries
+             if e.global_shape is not None and len(e.global_shape) == 1}
+    if len(spans) == 1:
+        return spans.pop()
+    if len(spans) > 1:
+        log.debug("1-D global slices disagree (%d spans); param_shard left at (0, 0)", len(spans))
+    return 0, 0
+
+
+def write_shard(
+    root: PathLike,
+    step: int,
+    rank: int,
+    state: Mapping[str, Any],
+    *,
+    save_id: str | None = None,
+    replace: bool = False,
+    param_shard: tuple[int, int] | None = None,
+) -> ShardRecord:
+    """Write one rank's shard of ``step`` durably (call on every rank).
+
+    ``state``: nested mapping of ``str`` to numpy arrays (bool, (u)int8-64, float16, bfloat16,
+    float32/64, complex64, float8 e4m3fn/e5m2/e8m0fnu; any shape incl. 0-d and zero-size; non-contiguous
+    is copied per tensor), :class:`~tiered_ckpt.state.GlobalSlice`, or JSON-able values.
+    ``param_shard``: the rank's ZeRO flat partition ``(offset, numel)`` in elements; inferred from 1-D
+    ``GlobalSlice`` s when omitted. ``save_id``: shared by every rank of one save (``None``: adopt the
+    one this process is already writing for ``step``, or start a new one).
+
+    Raises :class:`CheckpointExistsError` if ``step`` is committed and ``replace`` is false (with
+    ``replace=True`` the old step is un-committed first, I2), :class:`ConcurrentSaveError` if another live
+    save of ``step`` is in progress (I4), :class:`UnsupportedStateError` for unstorable values, and
+    :class:`CheckpointWriteError` (the ``OSError`` as cause) on disk full, EIO or permission errors, after
+    removing this attempt's temp file (I5).
+    """
+    r, _ = resolve_root(root)
+    entries: list[fmt.TensorEntry]
+    tree, entries = fmt.flatten_state(state)
+    shard_file_name(rank)  # validates rank
+    step_dir_name(step)  # validates step
+    try:
+        sdir = _ensure_step_dir(r, step)
+        if _is_committed(sdir):
+            if not replace:
+                raise CheckpointExistsError(
+                    f"step {step} is already committed under {r}; pass replace=True to overwrite it")
+            _uncommit(sdir, step)
+        sid = _claim_save_lock(sdir, step, save_id)
+    except OSError as e:
+        raise _write_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
+    records = fmt.layout(entries)
+    offset, numel_ = param_shard if param_shard is not None else _infer_param_shard(entries)
+    header = fmt.encode_header(records, {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step,
+                                         "save_id": sid, "tree": tree})
+    final = sdir / shard_file_name(rank)
+    tmp = sdir / temp_name_for(final.name)
+    sha = fmt.new_sha256()
+    log.debug("rank %d step %d: writing %s", rank, step, final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            size = fmt.write_stream(fd, fmt.iter_chunks(header, entries), [sha])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        fsync_dir(sdir)
+    except OSError as e:
+        unlink_quietly(tmp)
+        raise _write_error(e, f"rank {rank} step {step}: writing {final.name} failed") from e
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    return ShardRecord(rank=rank, path=final.name, sha256=sha.hexdigest(), size_bytes=size,
+                       param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),
+                       save_id=sid, tensors=tuple(records))
+
+
+def _write_error(e: OSError, what: str) -> CheckpointWriteError:
+    reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "quota exceeded", errno.EIO: "I/O error",
+              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+              errno.EROFS: "read-only filesystem"}.get(e.errno or -1, e.strerror or str(e))
+    return CheckpointWriteError(f"{what}: {reason}", errno_=e.errno)
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def commit_step(
+    root: PathLike,
+    step: int,
+    world_size: int,
+    records: Iterable[ShardRecord],
+    extra: Mapping[str, Any] | None = None,
+    *,
+    save_id: str | None = None,
+    replace: bool = False,
+    wall_clock_seconds: float | None = None,
+    local_ranks: Iterable[int] | None = None,
+) -> ShardManifest:
+    """Commit ``step``: write ``manifest.json`` last, after checking the shards (call on the coordinator;
+    with node-local disks, on each node's local rank 0 with that node's ``local_ranks``).
+
+    ``records``: one :class:`ShardRecord` per rank (as returned by :func:`write_shard`, gathered).
+    ``extra``: step-level JSON metadata. ``wall_clock_seconds``: elapsed training time (seconds).
+    ``local_ranks``: the ranks whose shard files must be present in this ``root`` (default: all).
+
+    Raises :class:`MissingShardError` (a rank missing, duplicated, or its file absent),
+    :class:`ShardCorruptedError` (a file's size or header disagrees with its record),
+    :class:`ConcurrentSaveError` (records or files of another save, I4), :class:`CheckpointExistsError`
+    (already committed and not ``replace``), :class:`CheckpointWriteError` (I/O).
+    """
+    r, _ = resolve_root(root)
+    records = sorted(records, key=lambda rec: rec.rank)
+    ids = {rec.save_id for rec in records}
+    if save_id is None:
+        if len(ids) != 1:
+            raise ConcurrentSaveError(f"step {step}: records come from {len(ids)} different saves")
+        save_id = ids.pop()
+    elif ids != {save_id}:
+        raise ConcurrentSaveError(f"step {step}: records of save(s) {sorted(ids)[:4]} do not belong to "
+                                  f"save {save_id}")
+    sdir = r / step_dir_name(step)
+    if not _is_real_dir(sdir):
+        raise MissingShardError(f"step {step}: {sdir} does not exist")
+    manifest = ShardManifest(world_size=world_size, step=step, shards=tuple(records), save_id=save_id,
+                             wall_clock_seconds=float(wall_clock_seconds or 0.0), created_at=_utc_now(),
+                             extra=dict(extra) if extra is not None else None)
+    try:
+        cur = json.loads((sdir / SAVE_LOCK_NAME).read_bytes()).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        cur = None
+    if cur is not None and cur != save_id:
+        raise ConcurrentSaveError(f"step {step}: save {cur} has taken over this step; not committing "
+                                  f"save {save_id}")
+    present = set(range(world_size)) if local_ranks is None else set(local_ranks)
+    for rec in manifest.shards:
+        if rec.rank in present:
+            _check_written_shard(sdir, rec, step, save_id)
+    if _is_committed(sdir):
+        if not replace:
+            raise CheckpointExistsError(f"step {step} is already committed under {r}")
+        _uncommit(sdir, step)
+    try:
+        atomic_write_bytes(sdir / MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
+    except FileExistsError:
+        raise CheckpointExistsError(f"step {step} was committed by another writer meanwhile") from None
+    except OSError as e:
+        raise _write_error(e, f"step {step}: writing {MANIFEST_NAME} failed") from e
+    unlink_quietly(sdir / SAVE_LOCK_NAME)
+    log.info("step %d: committed %d shard(s), %d bytes, save %s", step, world_size, manifest.total_bytes,
+             save_id)
+    return manifest
+
+
+def _check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -> None:
+    """Cheap pre-commit check: file present, size right, header names this save, rank and step."""
+    path = sdir / rec.path
+    where = f"step {step} rank {rec.rank} ({rec.path})"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MissingShardError(f"{where}: shard file is missing") from None
+    except OSError as e:
+        raise _write_error(e, f"{where}: cannot open") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size != rec.size_bytes:
+            raise ShardCorruptedError(f"{where}: {size} bytes on disk, record says {rec.size_bytes}")
+        n = fmt.parse_header_length(os.pread(fd, 8, 0), size, where)
+        hdr = fmt.parse_header(os.pread(fd, n, 8), size, where)
+    finally:
+        os.close(fd)
+    meta = hdr.metadata
+    if meta.get("save_id") != save_id:
+        raise ConcurrentSaveError(f"{where}: file belongs to save {meta.get('save_id')!r}, not {save_id} "
+                                  "(another writer replaced it; I4)")
+    if meta.get("rank") != rec.rank or meta.get("step") != step:
+        raise ShardCorruptedError(f"{where}: header names rank {meta.get('rank')} step {meta.get('step')}")
+
+
+def save_sharded(
+    state_dict_per_rank: Sequence[Mapping[str, Any]],
+    root: PathLike,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    replace: bool = False,
+    wall_clock_seconds: float | None = None,
+) -> ShardManifest:
+    """Single-process convenience (the seed's API): write every rank's shard in parallel, then commit.
+
+    ``state_dict_per_rank[i]`` is rank ``i`` 's state. Errors as :func:`write_shard` and
+    :func:`commit_step`; when several ranks fail, the lowest rank's error is raised.
+    """
+    world_size = len(state_dict_per_rank)
+    if world_size < 1:
+        raise ValueError("state_dict_per_rank is empty")
+    sid = new_save_id()
+    r, _ = resolve_root(root)
+    if replace:
+        # Un-commit once, up front, so that no rank sees a committed step mid-way (I2).
+        try:
+            sdir = _ensure_step_dir(r, step)
+            if _is_committed(sdir):
+                _uncommit(sdir, step)
+        except OSError as e:
+            raise _write_error(e, f"step {step}: cannot prepare {r}") from e
+    with ThreadPoolExecutor(max_workers=min(world_size, 8), thread_name_prefix="tiered-ckpt-save") as pool:
+        futs = [pool.submit(write_shard, r, step, rank, st, save_id=sid)
+                for rank, st in enumerate(state_dict_per_rank)]
+        errors = []
+        records = []
+        for f in futs:
+            try:
+                records.append(f.result())
+            except CheckpointError as e:
+                errors.append(e)
+    if errors:
+        raise errors[0]
+    return commit_step(r, step, world_size, records, extra, save_id=sid,
+                       wall_clock_seconds=wall_clock_seconds)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class VerifiedShard:
+    """A shard read whole and verified: ``buffer`` holds the file, ``header`` its parsed header."""
+
+    record: ShardRecord
+    buffer: bytearray
+    header: fmt.ParsedHeader
+
+
+def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int) -> VerifiedShard:
+    """Open rank ``rank`` 's shard without following symlinks, check size, sha256, header against the
+    manifest's record. Raises MissingShardError, ShardCorruptedError, ManifestError."""
+    rec = manifest.shards[rank]
+    where = f"step {manifest.step} rank {rank} ({rec.path})"
+    path = sdir / rec.path  # rec.path is the canonical file name: validated by the manifest layer
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise MissingShardError(f"{where}: shard file is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ManifestError(f"{where}: shard file is a symlink; refusing to follow it") from None
+        raise ShardCorruptedError(f"{where}: cannot open: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{where}: not a regular file")
+        if st.st_size != rec.size_bytes:
+            raise ShardCorruptedError(f"{where}: {st.st_size} bytes on disk, manifest says {rec.size_bytes} "
+                                      "(partial or corrupt write)")
+        sha = fmt.new_sha256()
+        try:
+            buf = fmt.read_verified(fd, rec.size_bytes, [sha], where)
+        except OSError as e:
+            raise ShardCorruptedError(f"{where}: read failed: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    if sha.hexdigest() != rec.sha256:
+        raise ShardCorruptedError(f"{where}: sha256 {sha.hexdigest()[:16]}... differs from the manifest's "
+                                  f"{rec.sha256[:16]}... (corrupt or partial write)")
+    n = fmt.parse_header_length(bytes(buf[:8]), len(buf), where)
+    hdr = fmt.parse_header(bytes(buf[8 : 8 + n]), len(buf), where)
+    _match_header(hdr, rec, manifest, where)
+    return VerifiedShard(rec, buf, hdr)
+
+
+def _match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> None:
+    meta = hdr.metadata
+    if meta.get("rank") != rec.rank or meta.get("step") != m.step or meta.get("save_id") != m.save_id:
+        raise ShardCorruptedError(f"{where}: header belongs to rank {meta.get('rank')} step "
+                                  f"{meta.get('step')} save {meta.get('save_id')}, not this manifest's")
+    mine = {t.name: (t.dtype, t.shape, t.data_offsets) for t in rec.tensors}
+    theirs = {t.name: (t.dtype, t.shape, t.data_offsets) for t in hdr.tensors}
+    if mine != theirs:
+        raise ShardCorruptedError(f"{where}: header tensors disagree with the manifest")
+
+
+def _load_rank(sdir: Path, manifest: ShardManifest, rank: int) -> dict[str, Any]:
+    shard = read_shard_verified(sdir, manifest, rank)
+    where = f"step {manifest.step} rank {rank}"
+    return fmt.decode_state(shard.buffer, shard.header, where)
+
+
+def _check_world(manifest: ShardManifest, expected_world_size: int) -> None:
+    if manifest.world_size != expected_world_size:
+        raise WorldSizeMismatchError(
+            f"step {manifest.step} was saved by {manifest.world_size} ranks, but {expected_world_size} "
+            "are loading it (resharding was not asked for)")
+
+
+class _MaybeReadLock:
+    """A ``read`` lock so that rotation skips the step while it is read; a read-only checkpoint
+    directory (where no lock file can be made) is read without one."""
+
+    def __init__(self, sdir: Path) -> None:
+        self._cm = hold_step_lock(sdir, "read")
+        self._held = False
+
+    def __enter__(self) -> None:
+        try:
+            self._cm.__enter__()
+            self._held = True
+        except OSError:
+            self._held = False
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held:
+            self._cm.__exit__(None, None, None)
+
+
+def load_shard(
+    root: PathLike, rank: int, expected_world_size: int, step: int | None = None
+) -> dict[str, Any]:
+    """Load and verify rank ``rank`` 's state of ``step`` (newest committed when ``None``).
+
+    Returns the nested state as saved; arrays are byte-identical (little-endian, writable).
+    Raises :class:`NoCheckpointError`, :class:`WorldSizeMismatchError`, :class:`MissingShardError`,
+    :class:`ShardCorruptedError`, :class:`ManifestError`; ``ValueError`` for a rank outside the world.
+    """
+    r, step = _pick_step(root, step)
+    m = read_manifest(r, step)
+    _check_world(m, expected_world_size)
+    if not 0 <= rank < m.world_size:
+        raise ValueError(f"rank {rank} is outside world_size {m.world_size}")
+    sdir = r / step_dir_name(step)
+    with _MaybeReadLock(sdir):
+        return _load_rank(sdir, m, rank)
+
+
+def load_sharded(root: PathLike, expected_world_size: int, step: int | None = None) -> list[dict[str, Any]]:
+    """Load and verify every rank's state of ``step``; element ``i`` is rank ``i`` 's state.
+
+    Errors as :func:`load_shard`; every shard is verified before anything is returned.
+    """
+    r, step = _pick_step(root, step)
+    m = read_manifest(r, step)
+    _check_world(m, expected_world_size)
+    sdir = r / step_dir_name(step)
+    with _MaybeReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:
+        return list(pool.map(lambda k: _load_rank(sdir, m, k), range(m.world_size)))
