@@ -176,23 +176,50 @@ def iter_chunks(header: bytes, entries: list[TensorEntry]) -> Iterator[memoryvie
             yield flat[i : i + CHUNK_BYTES]
 
 
+class OverlappedHasher:
+    """Feeds chunks to ``hashers`` on a second thread, in order, at most ``depth`` chunks behind.
+
+    hashlib and google_crc32c release the GIL on large buffers, so hashing overlaps the caller's I/O on
+    a second core. Chunks must stay unmodified until :meth:`drain` returns (they are views, not copies).
+    """
+
+    def __init__(self, hashers: list[Any], depth: int = 4) -> None:
+        self._hashers = hashers
+        self._depth = depth
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-ckpt-hash")
+        self._pending: list[Any] = []
+
+    def feed(self, chunk: memoryview) -> None:
+        self._pending.append(self._pool.submit(_update_all, self._hashers, chunk))
+        if len(self._pending) > self._depth:
+            self._pending.pop(0).result()
+
+    def drain(self) -> None:
+        try:
+            for p in self._pending:
+                p.result()
+        finally:
+            self._pending.clear()
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> OverlappedHasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drain()
+
+
 def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Any]) -> int:
-    """Write every chunk to ``fd`` while a second thread feeds the same chunks to ``hashers`` (hashlib
-    releases the GIL on large buffers, so hashing overlaps writing on a second core). Returns bytes
-    written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
+    """Write every chunk to ``fd`` while a second thread feeds the same chunks to ``hashers``. Returns
+    bytes written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
     from ._fs import write_all
 
     total = 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-ckpt-hash") as pool:
-        pending = []
+    with OverlappedHasher(hashers) as hasher:
         for chunk in chunks:
-            pending.append(pool.submit(_update_all, hashers, chunk))
+            hasher.feed(chunk)
             write_all(fd, chunk)
             total += chunk.nbytes
-            if len(pending) > 4:  # bound the queue; chunks are views, but stay in step
-                pending.pop(0).result()
-        for p in pending:
-            p.result()
     return total
 
 
@@ -286,17 +313,18 @@ def _pairs_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def read_verified(fd: int, size: int, hashers: list[Any], where: str) -> bytearray:
     """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer, feeding ``hashers`` chunk by
-    chunk. Raises ShardCorruptedError if the file is shorter."""
+    chunk on a second thread (see :class:`OverlappedHasher`). Raises ShardCorruptedError if the file is
+    shorter; ``OSError`` from ``read(2)`` propagates."""
     buf = bytearray(size)
     view = memoryview(buf)
     pos = 0
-    while pos < size:
-        n = os.preadv(fd, [view[pos : pos + CHUNK_BYTES]], pos)
-        if n == 0:
-            raise _corrupt(where, f"file ended after {pos} of {size} bytes")
-        for h in hashers:
-            h.update(view[pos : pos + n])
-        pos += n
+    with OverlappedHasher(hashers) as hasher:
+        while pos < size:
+            n = os.preadv(fd, [view[pos : pos + CHUNK_BYTES]], pos)
+            if n == 0:
+                raise _corrupt(where, f"file ended after {pos} of {size} bytes")
+            hasher.feed(view[pos : pos + n])
+            pos += n
     return buf
 
 
