@@ -10,6 +10,7 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointWriteErro
                      WorldSizeMismatchError)
 from .local import (commit_step, committed_steps, latest_step, load_shard, load_sharded, new_save_id,
                     read_manifest, save_sharded, write_shard)
+from .manager import CheckpointManager, SavePolicy
 from .manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
 from .state import GlobalSlice, Replicated
 
@@ -23,4 +24,5 @@ __all__ = [
     "read_manifest", "save_sharded", "write_shard",
     "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",
     "GlobalSlice", "Replicated",
+    "CheckpointManager", "SavePolicy",
 ]
