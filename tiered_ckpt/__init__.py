@@ -13,6 +13,8 @@ from .local import (commit_step, committed_steps, latest_step, load_shard, load_
 from .manager import CheckpointManager, SavePolicy
 from .manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
 from .state import GlobalSlice, Replicated
+from .upload import Uploader, UploadPolicy
+from .upload_manifest import UploadManifest
 
 __version__ = "0.1.0"
 
@@ -24,5 +26,6 @@ __all__ = [
     "read_manifest", "save_sharded", "write_shard",
     "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",
     "GlobalSlice", "Replicated",
+    "Uploader", "UploadPolicy", "UploadManifest",
     "CheckpointManager", "SavePolicy",
 ]

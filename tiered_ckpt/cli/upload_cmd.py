@@ -1,0 +1,182 @@
+"""``tiered-ckpt upload``: push committed local steps to S3 once, or run as the sidecar (``--watch``).
+
+S3 configuration follows boto3's chain first (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``,
+``AWS_PROFILE``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` ..., config files, instance
+metadata); flags override it. Each flag also has a ``TIERED_CKPT_*`` environment default (read here only)
+so that a container can be configured without a command line: ``TIERED_CKPT_LOCAL``,
+``TIERED_CKPT_REMOTE``, ``TIERED_CKPT_METRICS_PORT``, ``TIERED_CKPT_PATH_STYLE`` (1/true),
+``TIERED_CKPT_SSE``, ``TIERED_CKPT_SSE_KMS_KEY_ID``, ``TIERED_CKPT_STORAGE_CLASS``,
+``TIERED_CKPT_KEEP_REMOTE``, ``TIERED_CKPT_POLL_INTERVAL_S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json
+
+MiB = 1024 * 1024
+
+
+def _env(name: str, default: Any = None) -> Any:
+    v = os.environ.get(name)
+    return default if v in (None, "") else v
+
+
+def _env_int(name: str) -> int | None:
+    v = _env(name)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise CliError(f"{name}={v!r} is not an integer", EXIT_USAGE) from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "upload", help="upload committed steps to S3 (once, or as the --watch sidecar)",
+        description="Upload committed local steps to s3://bucket/prefix: every shard confirmed end to end "
+                    "against the manifest's sha256, upload_manifest.json written last, then the 'latest' "
+                    "pointer. Without --watch: upload what is pending (newest first) and exit. S3 settings "
+                    "follow boto3's chain (AWS_ENDPOINT_URL, AWS_PROFILE, AWS_REGION, ...); see "
+                    "docs/sidecar.md.")
+    p.add_argument("--local", type=Path, default=_env("TIERED_CKPT_LOCAL"),
+                   help="local run directory (env TIERED_CKPT_LOCAL)")
+    p.add_argument("--remote", default=_env("TIERED_CKPT_REMOTE"),
+                   help="s3://bucket/prefix (env TIERED_CKPT_REMOTE)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--watch", action="store_true", help="run as the sidecar until SIGTERM/SIGINT")
+    mode.add_argument("--once", action="store_true", help="upload every pending step, then exit (default)")
+    mode.add_argument("--step", type=int, default=None, help="upload this step only")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (env TIERED_CKPT_METRICS_PORT)")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL / AWS)")
+    p.add_argument("--region", default=None, help="region (default: AWS_REGION / profile)")
+    p.add_argument("--profile", default=None, help="AWS profile (default: AWS_PROFILE)")
+    p.add_argument("--path-style", action="store_true", default=None,
+                   help="path-style addressing, for MinIO (env TIERED_CKPT_PATH_STYLE=1)")
+    p.add_argument("--sse", default=None, choices=["AES256", "aws:kms", "aws:kms:dsse"],
+                   help="server-side encryption (env TIERED_CKPT_SSE)")
+    p.add_argument("--sse-kms-key-id", default=None, help="KMS key for --sse aws:kms (env TIERED_CKPT_SSE_KMS_KEY_ID)")
+    p.add_argument("--storage-class", default=None, help="e.g. STANDARD, INTELLIGENT_TIERING")
+    p.add_argument("--keep-remote", type=int, default=None,
+                   help="keep the last M remotely committed steps (env TIERED_CKPT_KEEP_REMOTE)")
+    p.add_argument("--keep-remote-every", type=int, default=None, help="also keep every Nth step remotely")
+    p.add_argument("--skip-intermediate", action="store_true", help="upload only the newest pending step")
+    p.add_argument("--verify", choices=["auto", "read-back"], default="auto",
+                   help="auto: server checksums where the bucket validates them, else read-back")
+    p.add_argument("--poll-interval-s", type=float, default=None, help="--watch poll interval (default 2)")
+    p.add_argument("--part-size-mib", type=int, default=32, help="multipart part size (MiB, default 32)")
+    p.add_argument("--multipart-threshold-mib", type=int, default=64, help="default 64")
+    p.add_argument("--max-concurrency", type=int, default=8, help="parts in flight (default 8)")
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_upload)
+
+
+def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | None = None,
+                   on_progress: Any = None, metrics: Any = None) -> Any:
+    from ..store import WriteSettings, make_s3_client, parse_s3_url
+    from ..upload import Uploader, UploadPolicy
+
+    if not args.local:
+        raise CliError("--local is required (or TIERED_CKPT_LOCAL)", EXIT_USAGE)
+    if not args.remote:
+        raise CliError("--remote s3://bucket/prefix is required (or TIERED_CKPT_REMOTE)", EXIT_USAGE)
+    try:
+        parse_s3_url(args.remote)
+        path_style = args.path_style if args.path_style is not None else \
+            str(_env("TIERED_CKPT_PATH_STYLE", "")).lower() in ("1", "true", "yes")
+        keep = args.keep_remote if args.keep_remote is not None else _env_int("TIERED_CKPT_KEEP_REMOTE")
+        write = WriteSettings(server_side_encryption=args.sse or _env("TIERED_CKPT_SSE"),
+                              sse_kms_key_id=args.sse_kms_key_id or _env("TIERED_CKPT_SSE_KMS_KEY_ID"),
+                              storage_class=args.storage_class or _env("TIERED_CKPT_STORAGE_CLASS"))
+        policy = UploadPolicy(skip_intermediate=args.skip_intermediate, keep_remote_last=keep,
+                              keep_remote_every_n_steps=args.keep_remote_every, verify=args.verify)
+        client = make_s3_client(endpoint_url=args.endpoint_url, region_name=args.region,
+                                profile_name=args.profile, path_style=path_style,
+                                max_pool_connections=max(32, args.max_concurrency + 12))
+        return Uploader(args.local, args.remote, s3_client=client, max_concurrency=args.max_concurrency,
+                        multipart_threshold_bytes=args.multipart_threshold_mib * MiB,
+                        part_size_bytes=args.part_size_mib * MiB, policy=policy, write=write,
+                        stop_event=stop_event, on_progress=on_progress, metrics=metrics)
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    from ..daemon import run_sidecar
+    from ..metrics import UploadMetrics
+    from ..upload import StepIncompleteError
+
+    port = args.metrics_port if args.metrics_port is not None else _env_int("TIERED_CKPT_METRICS_PORT")
+    metrics = UploadMetrics()
+    if args.watch:
+        up = build_uploader(args, metrics=metrics)
+        poll = args.poll_interval_s if args.poll_interval_s is not None else \
+            float(_env("TIERED_CKPT_POLL_INTERVAL_S", 2.0))
+        return run_sidecar(up, poll_interval_s=poll, metrics_port=port, shutdown_timeout_s=args.shutdown_timeout_s)
+
+    bar = None
+    if not args.no_progress and not args.json and sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="upload", file=sys.stderr)
+    up = build_uploader(args, metrics=metrics, on_progress=(bar.update if bar is not None else None))
+    if port is not None:
+        metrics.serve(port)
+    results: list[dict[str, Any]] = []
+    rc = EXIT_OK
+    try:
+        steps = [args.step] if args.step is not None else up.pending_steps()
+        if up.policy.skip_intermediate and args.step is None:
+            steps = up._select_pending()
+        if bar is not None:
+            from ..local import read_manifest
+            total = 0
+            for s in steps:
+                try:
+                    total += read_manifest(up.local_root, s).total_bytes
+                except Exception:  # noqa: BLE001 - only for the progress total
+                    pass
+            bar.reset(total=total)
+        if args.step is None:
+            up.abort_abandoned_uploads()
+        for s in steps:
+            try:
+                um = up.upload_step(s)
+                t = up.last_timing
+                results.append({"step": s, "state": "committed", "bytes": um.total_bytes,
+                                "upload_manifest": f"{up.store.url}/step_{s:010d}/upload_manifest.json",
+                                "seconds": round(t.total_s, 3) if t else None})
+                if not args.json:
+                    print(f"step {s}: committed remotely ({human_bytes(um.total_bytes)})", file=sys.stdout)
+            except StepIncompleteError as e:
+                results.append({"step": s, "state": "waiting-for-other-nodes", "missing_ranks": list(e.missing_ranks)})
+                if not args.json:
+                    print(f"step {s}: this node's shards confirmed; waiting for ranks {list(e.missing_ranks)}")
+            except Exception as e:  # CheckpointError, OSError: reported per step, exit 1
+                if args.step is not None:
+                    raise
+                rc = EXIT_FAULT
+                results.append({"step": s, "state": "failed", "error": f"{type(e).__name__}: {e}"})
+                print(f"tiered-ckpt: error: step {s}: {type(e).__name__}: {' '.join(str(e).split())}",
+                      file=sys.stderr)
+        if up.policy.keep_remote_last is not None:
+            up.apply_remote_retention()
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        up.close()
+    if args.json:
+        print_json(results)
+    elif not results:
+        print("nothing to upload")
+    return rc

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the uploader sidecar (SPEC §4 "Observable").
+
+Each :class:`UploadMetrics` owns its own ``CollectorRegistry`` (several uploaders in one process, e.g.
+tests, never collide). :meth:`UploadMetrics.serve` exposes it over HTTP at ``/metrics``.
+
+=====================================================  =======  ==============================================
+name                                                   type     meaning
+=====================================================  =======  ==============================================
+``tiered_ckpt_upload_bytes_total``                     counter  shard bytes sent AND confirmed remotely
+``tiered_ckpt_upload_steps_total``                     counter  steps this sidecar saw remotely committed
+``tiered_ckpt_upload_failures_total``                  counter  failed step attempts (after retries)
+``tiered_ckpt_upload_queue_depth``                     gauge    committed local steps not yet uploaded
+``tiered_ckpt_upload_newest_remote_step``              gauge    newest remotely committed step (-1: none)
+``tiered_ckpt_upload_seconds_since_newest_remote``     gauge    now minus the local commit time of that step:
+                                                                the training time at risk (NaN: none yet)
+=====================================================  =======  ==============================================
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class UploadMetrics:
+    """The sidecar's metrics; pass it to ``Uploader(metrics=...)``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.bytes = Counter("tiered_ckpt_upload_bytes", "Shard bytes uploaded and confirmed remotely",
+                             registry=r)
+        self.steps = Counter("tiered_ckpt_upload_steps", "Steps remotely committed", registry=r)
+        self.failures = Counter("tiered_ckpt_upload_failures", "Failed step upload attempts", registry=r)
+        self.queue_depth = Gauge("tiered_ckpt_upload_queue_depth", "Committed local steps pending upload",
+                                 registry=r)
+        self.newest_remote_step = Gauge("tiered_ckpt_upload_newest_remote_step",
+                                        "Newest remotely committed step (-1: none)", registry=r)
+        self.newest_remote_step.set(-1)
+        self._lock = threading.Lock()
+        self._newest_commit_time: float | None = None
+        age = Gauge("tiered_ckpt_upload_seconds_since_newest_remote",
+                    "Seconds since the newest remotely committed step was saved (training time at risk)",
+                    registry=r)
+        age.set_function(self._age)
+        self._server: Any = None
+
+    def set_newest_remote(self, step: int, commit_time_epoch_s: float) -> None:
+        with self._lock:
+            self._newest_commit_time = commit_time_epoch_s
+        self.newest_remote_step.set(step)
+
+    def _age(self) -> float:
+        with self._lock:
+            t = self._newest_commit_time
+        return math.nan if t is None else max(0.0, time.time() - t)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``addr:port`` in a daemon thread (``port=0``: any free port).
+        Returns the port."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+__all__ = ["UploadMetrics"]
