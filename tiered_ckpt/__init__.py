@@ -12,6 +12,7 @@ from .local import (commit_step, committed_steps, latest_step, load_shard, load_
                     read_manifest, save_sharded, write_shard)
 from .manager import CheckpointManager, SavePolicy
 from .manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
+from .restore import list_remote_steps, restore
 from .state import GlobalSlice, Replicated
 from .upload import Uploader, UploadPolicy
 from .upload_manifest import UploadManifest
@@ -27,5 +28,6 @@ __all__ = [
     "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",
     "GlobalSlice", "Replicated",
     "Uploader", "UploadPolicy", "UploadManifest",
+    "restore", "list_remote_steps",
     "CheckpointManager", "SavePolicy",
 ]

@@ -76,6 +76,10 @@ class CheckpointManager:
     ``keep_last``, ``upload_gated``, ``max_pending_uploads``: rotation (:mod:`tiered_ckpt.rotation`).
     ``async_save=False`` writes and commits inside ``save``.
     ``handle_sigterm=True`` installs the preemption handler (:meth:`install_sigterm_handler`).
+    ``remote_url`` (``s3://bucket/prefix``, the sidecar's): :meth:`load` restores this rank's shard from
+    the bucket when it is missing locally (a replaced node, a whole lost step); see
+    :func:`tiered_ckpt.restore.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore client
+    for it (default: boto3's chain).
     """
 
     def __init__(
@@ -94,6 +98,8 @@ class CheckpointManager:
         shared_filesystem: bool = False,
         collective_timeout_s: float = 600.0,
         handle_sigterm: bool = False,
+        remote_url: str | None = None,
+        remote_s3_client: Any = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank ({rank}) < world_size ({world_size})")
@@ -103,6 +109,8 @@ class CheckpointManager:
         self.policy = SavePolicy(save_every_steps, save_every_seconds)
         self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads)
         self.async_save = async_save
+        self.remote_url = remote_url
+        self._remote_s3_client = remote_s3_client
         self.root.mkdir(parents=True, exist_ok=True)
         self._coord = None
         if world_size > 1 or process_group is not None:
@@ -237,6 +245,12 @@ class CheckpointManager:
         errors of :func:`tiered_ckpt.local.load_shard`.
         """
         self.wait()
+        if self.remote_url is not None:  # restore-from-bucket hook (tiered_ckpt.restore)
+            from .restore import prepare_load_from_remote
+
+            step = prepare_load_from_remote(
+                self.root, self.remote_url, self.rank, step, s3_client=self._remote_s3_client,
+                common_steps=self._coord.common_steps if self._coord is not None else None)
         if step is None and self._coord is not None:
             common = self._coord.common_steps(committed_steps(self.root))
             if common:

@@ -6,14 +6,19 @@ import argparse
 from pathlib import Path
 
 from ..scan import COMMITTED, UNCOMMITTED, gc, scan
-from ._common import EXIT_FAULT, EXIT_OK, human_bytes, print_json, print_table
+from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, print_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("ls", help="list the steps of a local run directory",
-                       description="List every step directory under ROOT: committed or not, world size, bytes.")
-    p.add_argument("root", type=Path, help="run directory holding step_XXXXXXXXXX/")
+    p = sub.add_parser("ls", help="list the steps of a local run directory (or, with --remote, a bucket)",
+                       description="List every step directory under ROOT: committed or not, world size, bytes. "
+                                   "With --remote s3://bucket/prefix: the remote steps and their state.")
+    p.add_argument("root", type=Path, nargs="?", default=None, help="run directory holding step_XXXXXXXXXX/")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--remote", default=None, metavar="S3_URL", help="list s3://bucket/prefix instead")
+    from .restore_cmd import add_s3_args  # remote listing lives with restore
+
+    add_s3_args(p)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("verify", help="fully verify steps (sizes, sha256, headers)",
@@ -37,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.remote is not None:
+        from .restore_cmd import cmd_ls_remote
+
+        return cmd_ls_remote(args)
+    if args.root is None:
+        raise CliError("ls needs ROOT or --remote s3://bucket/prefix", EXIT_USAGE)
     rows = scan(args.root, verify=False)
     if args.json:
         print_json([s.to_dict() for s in rows])

@@ -1,0 +1,170 @@
+"""``tiered-ckpt restore`` (bucket -> local disk, after cluster loss) and ``tiered-ckpt ls --remote``.
+
+S3 configuration follows boto3's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``AWS_REGION``, ...);
+``--endpoint-url``, ``--region``, ``--profile`` and ``--path-style`` (env ``TIERED_CKPT_PATH_STYLE=1``)
+override it, as for ``tiered-ckpt upload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from ._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, print_json, print_table
+
+MiB = 1024 * 1024
+
+
+def add_s3_args(p: argparse.ArgumentParser) -> None:
+    """The S3 connection flags shared by ``restore`` and ``ls --remote``."""
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL / AWS)")
+    p.add_argument("--region", default=None, help="region (default: AWS_REGION / profile)")
+    p.add_argument("--profile", default=None, help="AWS profile (default: AWS_PROFILE)")
+    p.add_argument("--path-style", action="store_true", default=None,
+                   help="path-style addressing, for MinIO (env TIERED_CKPT_PATH_STYLE=1)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "restore", help="restore a remotely committed step from S3 to local disk",
+        description="Download the newest step that has an upload manifest (or --step N) from "
+                    "s3://bucket/prefix into ROOT: every shard verified against the manifest's sha256, "
+                    "committed locally with manifest.json last and marked as uploaded. A step that is "
+                    "broken in the bucket fails with nothing committed locally, unless --fallback.")
+    p.add_argument("--remote", required=True, help="s3://bucket/prefix the sidecar uploaded to")
+    p.add_argument("--local", required=True, type=Path, help="local run directory to restore into")
+    p.add_argument("--step", type=int, default=None, help="restore this step (default: the newest)")
+    p.add_argument("--ranks", default=None, help="restore only these ranks' shards, e.g. 0-1 or 2,3 "
+                                                 "(a replaced node); default: all")
+    p.add_argument("--fallback", action="store_true",
+                   help="if the chosen step is broken remotely, restore the next older one (with a warning)")
+    p.add_argument("--replace", action="store_true",
+                   help="overwrite a different save of the same step committed locally")
+    p.add_argument("--dry-run", action="store_true", help="say what would be fetched; download nothing")
+    p.add_argument("--part-size-mib", type=int, default=None,
+                   help="ranged-GET size in MiB (default 64; use >= the shard size on moto)")
+    p.add_argument("--concurrency", type=int, default=None, help="ranged GETs in flight (default 8)")
+    p.add_argument("--parallel-shards", type=int, default=8, help="shards downloaded at once (default 8)")
+    add_s3_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_restore)
+
+
+def make_client(args: argparse.Namespace) -> Any:
+    from ..store import make_s3_client
+
+    path_style = args.path_style if args.path_style is not None else \
+        os.environ.get("TIERED_CKPT_PATH_STYLE", "").lower() in ("1", "true", "yes")
+    try:
+        return make_s3_client(endpoint_url=args.endpoint_url, region_name=args.region,
+                              profile_name=args.profile, path_style=path_style)
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+
+
+def _check_url(url: str) -> None:
+    from ..store import parse_s3_url
+
+    try:
+        parse_s3_url(url)
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+
+
+class _Progress:
+    """A tqdm bar fed from transfer threads (created once the plan's size is known)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self._lock = threading.Lock()
+
+    def on_plan(self, plan: Any) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if self.bar is not None:  # a fallback to an older step: start over
+            self.bar.close()
+        self.bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                        desc=f"restore step {plan.step}", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, delta: int) -> None:
+        if self.bar is not None:
+            with self._lock:
+                self.bar.update(delta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from ..restore import plan_restore, restore_detailed
+
+    _check_url(args.remote)
+    ranks = parse_ranks(args.ranks) if args.ranks else None
+    client = make_client(args)
+    if args.dry_run:
+        plan = plan_restore(args.remote, step=args.step, ranks=ranks, fallback=args.fallback, s3_client=client)
+        if args.json:
+            print_json({**plan.to_dict(), "dry_run": True, "local": str(args.local)})
+            return EXIT_OK
+        for s, reason in plan.skipped:
+            print(f"skipping step {s}: {reason}")
+        print(f"would restore step {plan.step} (world size {plan.manifest.world_size}, ranks "
+              f"{_ranks_text(plan.ranks)}) from {plan.remote_url} into {args.local}: "
+              f"{len(plan.objects)} object(s), {human_bytes(plan.total_bytes)}")
+        for o in plan.objects:
+            print(f"  {o.key}  {human_bytes(o.size_bytes)}  sha256 {o.sha256[:16]}...")
+        return EXIT_OK
+    progress = _Progress(enabled=not (args.no_progress or args.json))
+    try:
+        res = restore_detailed(
+            args.remote, args.local, step=args.step, ranks=ranks, s3_client=client, fallback=args.fallback,
+            replace=args.replace,
+            download_part_size_bytes=args.part_size_mib * MiB if args.part_size_mib else None,
+            download_max_concurrency=args.concurrency, max_parallel_shards=args.parallel_shards,
+            on_progress=progress, on_plan=progress.on_plan)
+    finally:
+        progress.close()
+    if args.json:
+        print_json(res.to_dict())
+        return EXIT_OK
+    for s, reason in res.plan.skipped:
+        print(f"skipped step {s}: {reason}")
+    rate = res.bytes_downloaded / res.seconds / MiB if res.seconds > 0 else 0.0
+    print(f"restored step {res.plan.step} (ranks {_ranks_text(res.plan.ranks)} of "
+          f"{res.manifest.world_size}, {human_bytes(res.bytes_downloaded)}) from {res.plan.remote_url} into "
+          f"{res.local_step_dir} in {res.seconds:.2f} s ({rate:.0f} MiB/s), verified")
+    return EXIT_OK
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    if ranks and list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def cmd_ls_remote(args: argparse.Namespace) -> int:
+    """``tiered-ckpt ls --remote s3://bucket/prefix``: remote steps and their state."""
+    from ..restore import list_remote_steps
+
+    _check_url(args.remote)
+    rows = list_remote_steps(args.remote, s3_client=make_client(args))
+    if args.json:
+        print_json([s.to_dict() for s in rows])
+        return EXIT_OK
+    if not rows:
+        print(f"no steps under {args.remote}")
+        return EXIT_OK
+    print_table(["step", "state", "world_size", "size", "latest", "note"],
+                [[s.step, s.state, s.world_size if s.world_size is not None else "-",
+                  human_bytes(s.size_bytes) if s.ok else f"{s.objects} object(s)", "*" if s.latest else "",
+                  s.reason] for s in rows])
+    return EXIT_OK
