@@ -197,6 +197,10 @@ class CheckpointManager:
     def _persist(self, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
                  wall: float) -> None:
         """Write, commit and rotate (background thread when async). Raises ``CheckpointError``."""
+        if self._executor is not None and threading.current_thread() is not threading.main_thread():
+            # Hand the GIL straight back to the caller of save(): otherwise this thread may hold it for
+            # a whole switch interval (5 ms) of Python bookkeeping before save() can return.
+            time.sleep(0)
         t0 = time.perf_counter()
         committed_here = True
         if self._coord is not None:
