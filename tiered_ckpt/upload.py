@@ -556,8 +556,13 @@ class Uploader:
 
         log.info("step %d rank %d: uploading %d bytes to %s/%s", step, rec.rank, rec.size_bytes,
                  self.store.url, key)
-        sent, how = self._retrying(f"step {step} rank {rec.rank}: upload {self.store.url}/{key}", attempt,
-                                   retryable)
+        try:
+            sent, how = self._retrying(f"step {step} rank {rec.rank}: upload {self.store.url}/{key}", attempt,
+                                       retryable)
+        except UploadError as e:
+            if isinstance(e.last_exception, LocalShardError):  # local rot: keep its own type
+                raise e.last_exception from None
+            raise
         record = {"rank": rec.rank, "key": remote_key(self.prefix, step, shard_file_name(rec.rank)),
                   "size_bytes": sent.size_bytes, "sha256": sent.sha256_hex, "confirmed_by": how,
                   "checksum_sha256": sent.checksum_sha256_b64, "save_id": m.save_id}
