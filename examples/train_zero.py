@@ -15,8 +15,8 @@ bytes), cut into windows of ``seq_len + 1`` bytes; the order of windows is
 ZeRO-1: all parameters live as views in one flat fp32 buffer of ``N`` elements (padded to a multiple of
 the world size). Rank ``r`` owns ``[r*c, min((r+1)*c, N))`` with ``c = ceil(N / world)``: it keeps the
 fp32 master copy and the AdamW moments of that slice only. Per step: backward, flat gradient,
-``reduce_scatter_tensor`` (supported by gloo in torch 2.13) divided by the world size, global-norm
-clipping (one all-reduce), AdamW on the local slice, ``all_gather_into_tensor`` of the parameters. The
+a reduce-scatter (gloo supports it in torch 2.13: no all-reduce fallback needed) divided by the world size, global-norm
+clipping (one all-reduce), AdamW on the local slice, an all-gather of the parameters. The
 checkpoint stores master and moments as :class:`tiered_ckpt.GlobalSlice` of the global ``(N,)`` vectors,
 so ``param_shard_offset/numel`` in the manifest are the real partition.
 
@@ -50,6 +50,10 @@ from tiered_ckpt.manager import CheckpointManager
 from tiered_ckpt.torch import capture_rng_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
 
 log = logging.getLogger("train_zero")
+
+# torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -165,7 +169,7 @@ class FlatZero1:
             self._gflat[off:off + n].copy_(p.grad.reshape(-1))
             p.grad = None
             off += n
-        dist.reduce_scatter_tensor(self._gslice, self._gflat, op=dist.ReduceOp.SUM)
+        _reduce_scatter(self._gslice, self._gflat, op=dist.ReduceOp.SUM)
         g = self._gslice.div_(self.world)
         sq = (g * g).sum().reshape(1)
         dist.all_reduce(sq)
@@ -179,7 +183,7 @@ class FlatZero1:
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - b2 ** self.t)).add_(self.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / (1.0 - b1 ** self.t))
-        dist.all_gather_into_tensor(self.flat, self.master)
+        _all_gather(self.flat, self.master)
         return norm
 
     def state(self) -> dict:
@@ -197,7 +201,7 @@ class FlatZero1:
                 raise ValueError(f"{name}: checkpoint slice has {a.numel()} elements, expected {self.valid}")
             getattr(self, name)[:self.valid].copy_(a)
         self.t = int(st["adam_step"])
-        dist.all_gather_into_tensor(self.flat, self.master)
+        _all_gather(self.flat, self.master)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:

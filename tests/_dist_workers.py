@@ -6,6 +6,7 @@ set; each rank writes ``OUT_DIR/result_<rank>.json``. Modes:
 - ``zero``: capture a ZeroRedundancyOptimizer's local partition, restore it into a fresh one (no
   consolidation), check state and the next step are identical.
 - ``manager``: two-rank CheckpointManager save/load with node-local roots (``OUT_DIR/node<rank>``).
+- ``policy``: the time policy (rank 0's clock) and a SIGTERM on one rank give the same answer on all.
 - ``dead_rank``: rank 1 dies (SIGKILL) right after its async ``save`` returns; rank 0 must get a
   CheckpointError from ``wait`` within the collective timeout instead of hanging.
 """
@@ -115,6 +116,37 @@ def mode_dead_rank(rank: int, world: int, out: Path) -> dict:
     except CheckpointError as exc:
         return {"raised": type(exc).__name__, "seconds": time.monotonic() - t0, "msg": str(exc)[:300],
                 "latest": mgr.latest_step()}
+
+
+def mode_policy(rank: int, world: int, out: Path) -> dict:
+    """Time policy on rank 0's clock and a SIGTERM seen by rank 1 only: every rank must agree."""
+    res: dict = {}
+    with CheckpointManager(out / f"timed{rank}", rank=rank, world_size=world, save_every_seconds=0.5,
+                           collective_timeout_s=30) as mgr:
+        due = []
+        for step in range(1, 6):
+            if rank == 0 and step == 3:
+                time.sleep(0.7)  # only rank 0's clock passes the period
+            if mgr.should_save(step):
+                due.append(step)
+                mgr.save(step, {"x": np.full(2, step)})
+        res["due"] = due
+    old = signal.getsignal(signal.SIGTERM)
+    with CheckpointManager(out / f"node{rank}", rank=rank, world_size=world, save_every_steps=100,
+                           handle_sigterm=True, collective_timeout_s=30) as mgr:
+        stopped = None
+        for step in range(1, 50):
+            if rank == 1 and step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.should_save(step):
+                mgr.save(step, {"x": np.full(2, step)})
+            if mgr.preempted:
+                stopped = step
+                break
+        res["stopped"] = stopped
+        res["latest"] = mgr.latest_step()
+    signal.signal(signal.SIGTERM, old)
+    return res
 
 
 def main() -> None:

@@ -350,3 +350,12 @@ def test_dead_rank_mid_save_raises_instead_of_hanging(tmp_path):
     assert res[0]["raised"] in ("DistributedSaveError",), res[0]
     assert res[0]["latest"] == 1  # step 2 was never committed
     assert time.monotonic() - t0 < 60
+
+
+def test_two_ranks_agree_on_time_policy_and_preemption(tmp_path):
+    from test_torch_state import run_ranks
+
+    res = run_ranks("policy", tmp_path)
+    assert res[0]["due"] == res[1]["due"] and 3 in res[0]["due"], res
+    assert res[0]["stopped"] == res[1]["stopped"] == 4, res  # SIGTERM hit rank 1 only
+    assert res[0]["latest"] == res[1]["latest"] == 4
