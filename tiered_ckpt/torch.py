@@ -22,8 +22,9 @@ bfloat16 and float8 tensors are *viewed* as integers of the same width and then 
 copy): store them before the tensors change (``CheckpointManager.save`` copies them into its staging
 buffers before returning). CUDA tensors are copied into pinned host buffers (``torch.empty(...,
 pin_memory=True)``, ``copy_(non_blocking=True)``, one ``torch.cuda.synchronize()``), cached per name in
-a :class:`PinnedBufferPool` and reused between captures; that path is simple on purpose and is not
-exercised by the CPU-only tests.
+a :class:`PinnedBufferPool` (``pool=``, default :data:`DEFAULT_PINNED_POOL`) and reused between
+captures, so the arrays of one capture stay valid until the next capture (save before capturing again);
+that path is simple on purpose and is not exercised by the CPU-only tests.
 
 Optimizer state is keyed by parameter *name* (from ``model.named_parameters()``), not by the
 optimizer's local index, so that a checkpoint survives a change of parameter order or partition.
@@ -122,13 +123,15 @@ def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(a, copy=True))
 
 
+#: The pool used when a capture is given none: pinned buffers reused from one capture to the next.
+DEFAULT_PINNED_POOL = PinnedBufferPool()
+
+
 def _host_array(name: str, t: torch.Tensor, pool: PinnedBufferPool | None) -> tuple[Any, bool]:
     """``(array_or_pinned_tensor, needs_sync)`` for one tensor."""
     if t.device.type == "cpu":
         return tensor_to_numpy(t), False
-    if pool is None:
-        return tensor_to_numpy(t.detach().to("cpu")), False
-    return pool.host_copy(name, t.detach()), True
+    return (pool or DEFAULT_PINNED_POOL).host_copy(name, t.detach()), True
 
 
 def _finish(out: MutableMapping[str, Any], pending: bool) -> None:
