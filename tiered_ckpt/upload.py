@@ -201,6 +201,7 @@ class Uploader:
         self._part_slots = threading.BoundedSemaphore(max_concurrency)
         self._shard_executor = ThreadPoolExecutor(max_concurrent_shards, thread_name_prefix="tc-upload-shard")
         self._server_validates: bool | None = None
+        self._probe_lock = threading.Lock()
         self._failed_at: dict[int, float] = {}
         self.last_timing: StepTiming | None = None
         self.newest_remote_commit: tuple[int, float] | None = None  # (step, local commit epoch seconds)
@@ -217,9 +218,10 @@ class Uploader:
 
     def server_validates_checksums(self) -> bool:
         """Whether the bucket's server validates SHA-256 checksums (probed once, cached)."""
-        if self._server_validates is None:
-            self._server_validates = bool(self.store.server_validates_checksums())
-        return self._server_validates
+        with self._probe_lock:
+            if self._server_validates is None:
+                self._server_validates = bool(self.store.server_validates_checksums())
+            return self._server_validates
 
     def upload_step(self, step: int) -> UploadManifest:
         """Upload this node's shards of ``step`` and commit it remotely when every shard is confirmed.
