@@ -348,13 +348,6 @@ def T(id: str, mutate: Callable[[Ctx], None], exc: type[CheckpointError], bug: s
 
 ME, MS, SC = ManifestError, MissingShardError, ShardCorruptedError
 T0 = "shards.0.tensors.0"
-_BUG_UNCOMMITTED = ("local.py _is_committed() uses S_ISREG(lstat(manifest.json)), so a manifest.json that "
-                    "is a {} counts as 'not committed': the load raises NoCheckpointError (and step=None "
-                    "silently falls back to an older step) instead of ManifestError for a present but "
-                    "unreadable manifest (issue 2). Fix: treat any directory entry named manifest.json as "
-                    "committed (os.path.lexists) and let read_manifest's O_NOFOLLOW/S_ISREG checks raise "
-                    "ManifestError")
-
 CASES: list[Case] = [
     # --- manifest: syntax ---------------------------------------------------------------------------
     T("manifest-bad-json", lambda c: c.write_manifest_text("{\"schema_version\": 1,"), ME),
@@ -365,7 +358,7 @@ CASES: list[Case] = [
     T("manifest-duplicate-key", dup_key, ME),
     T("manifest-deep-nesting", lambda c: c.write_manifest_text("[" * 200_000 + "]" * 200_000), ME),
     # --- manifest: schema_version -------------------------------------------------------------------
-    T("version-newer", setp("schema_version", 2), ME),
+    T("version-newer", setp("schema_version", tc.SCHEMA_VERSION + 1), ME),
     T("version-zero", setp("schema_version", 0), ME),
     T("version-missing", lambda c: c.edit(lambda m: m.pop("schema_version")), ME),
     T("version-string", setp("schema_version", "1"), ME),
@@ -428,8 +421,8 @@ CASES: list[Case] = [
     T("global-slices-overlap", setp(f"{T0}.global_offset", [1]), ME),
     T("global-shape-disagree", setp(f"{T0}.global_shape", [6]), ME),
     # --- manifest: the file itself -------------------------------------------------------------------
-    T("manifest-is-directory", manifest_directory, ME, _BUG_UNCOMMITTED.format("directory")),
-    T("manifest-symlink-outside", symlink_manifest_outside, ME, _BUG_UNCOMMITTED.format("symlink")),
+    T("manifest-is-directory", manifest_directory, ME),
+    T("manifest-symlink-outside", symlink_manifest_outside, ME),
     T("manifest-huge-sparse", manifest_huge, ME),
     T("step-dir-symlink-outside", symlink_step_dir, ME),
     # --- shard files: type, presence, bytes ----------------------------------------------------------
@@ -524,27 +517,13 @@ def _case_params(kind: str) -> list[Any]:
         marks = []
         if kind == "load" and c.bug:
             marks.append(pytest.mark.xfail(strict=True, reason=c.bug))
-        if kind == "cli" and c.id in CLI_VERIFY_BUGS:
-            marks.append(pytest.mark.xfail(strict=True, reason=CLI_VERIFY_BUG))
-        if kind == "cli-open" and c.id in CLI_OPEN_BUGS:
-            marks.append(pytest.mark.xfail(strict=True, reason=CLI_OPEN_BUGS[c.id]))
         out.append(pytest.param(c, id=c.id, marks=marks))
     return out
 
 
-CLI_VERIFY_BUG = ("scan.py inspect_step(verify=True) stops at local.read_shard_verified(), which checks size, "
-                  "sha256 and the header but never decodes the state tree: a shard whose tree names an "
-                  "unknown/repeated tensor, leaves one out, or is malformed verifies as 'committed' yet "
-                  "load_sharded raises ShardCorruptedError. Fix: in inspect_step call "
-                  "_format.decode_state(shard.buffer, shard.header, where) on the verified shard (as "
-                  "local._load_rank does), or better move that check into read_shard_verified")
-CLI_VERIFY_BUGS = {"tree-unknown-tensor", "tree-unreferenced-tensor", "tree-repeated-tensor",
-                   "tree-unknown-node-kind", "tree-too-deep"}
-CLI_OPEN_BUGS = {
-    "step-dir-symlink-outside": "scan.py inspect_step() calls _dir_bytes(sdir) before read_manifest refuses "
-    "the symlinked step directory; os.scandir follows the link and lists the directory outside the run. "
-    "Fix: in _dir_bytes (or inspect_step) return 0 unless local._is_real_dir(sdir)",
-}
+#: cases whose fault only shows when the state tree is decoded (verify decodes it too)
+TREE_CASES = {"tree-unknown-tensor", "tree-unreferenced-tensor", "tree-repeated-tensor",
+              "tree-unknown-node-kind", "tree-too-deep"}
 
 
 def test_table_size_and_errors() -> None:
@@ -562,7 +541,7 @@ def test_load_raises(world: World, case: Case) -> None:
         tc.load_sharded(world.root, WORLD, step=c.step)
     assert type(ei.value) is case.exc, f"{type(ei.value).__name__}: {ei.value}"
     if case.id == "version-newer":
-        assert "schema_version 2" in str(ei.value) and "newer" in str(ei.value)
+        assert f"schema_version {tc.SCHEMA_VERSION + 1}" in str(ei.value) and "newer" in str(ei.value)
     # the other entry points agree on the type
     with pytest.raises(case.exc):
         tc.load_shard(world.root, 0 if case.id not in RANK1_CASES else 1, WORLD, step=c.step)
@@ -784,17 +763,11 @@ def test_cli_verify_all_steps(world: World) -> None:
             assert step not in by_step  # symlinked step directories are not steps of this run
             continue
         state = by_step[step][0].split(":")[1].strip()
-        if c.id in CLI_VERIFY_BUGS:
-            continue  # see test_cli_verify_checks_state_tree
-        if c.id in ("manifest-is-directory", "manifest-symlink-outside"):
-            assert state == "uncommitted"
-        else:
-            assert state in ("corrupt", "incomplete"), by_step[step]
+        assert state in ("corrupt", "incomplete"), by_step[step]
 
 
-@pytest.mark.xfail(strict=True, reason=CLI_VERIFY_BUG)
 def test_cli_verify_checks_state_tree(world: World) -> None:
     from tiered_ckpt.scan import inspect_step
 
-    bad = [cid for cid in sorted(CLI_VERIFY_BUGS) if inspect_step(world.root, STEP_OF[cid]).ok]
+    bad = [cid for cid in sorted(TREE_CASES) if inspect_step(world.root, STEP_OF[cid]).ok]
     assert bad == []

@@ -336,9 +336,6 @@ def test_no_checkpoint(tmp_path) -> None:
         tc.load_sharded(tmp_path, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="local.py write_shard: CheckpointExistsError (a FileExistsError, hence "
-                   "an OSError) is raised inside `try: ... except OSError` and re-raised as "
-                   "CheckpointWriteError; let CheckpointError pass before the OSError handler")
 def test_resave_committed_step_raises_exists(tmp_path) -> None:
     root = tmp_path / "run"
     tc.save_sharded(small(1), root, 5)

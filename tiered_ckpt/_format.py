@@ -4,8 +4,10 @@ numpy loader refuses them) and so that writing streams from the caller's arrays 
 copy. Pure encoding/decoding plus one streaming writer; no knowledge of steps, manifests on disk or S3.
 
 The nested state is kept in the header's ``__metadata__["tiered_ckpt"]`` as JSON: a tree whose nodes
-are ``{"d": {key: node}}`` (a dict), ``{"t": name}`` (a tensor in this file) or ``{"v": value}`` (a
-JSON value). Nothing is ever pickled. Tensor names are the key path joined by ``/`` (``%`` and ``/``
+are ``{"d": {key: node}}`` (a dict), ``{"t": name}`` (a tensor in this file), ``{"v": value}`` (a
+JSON value) or ``{"r": node | null}`` (a :class:`~tiered_ckpt.state.Replicated` value: stored once, as
+``node``, in rank 0's file; every other rank's file holds ``{"r": null}``, a reference to rank 0's node
+at the same key path; manifest schema v2). Nothing is ever pickled. Tensor names are the key path joined by ``/`` (``%`` and ``/``
 inside keys escaped as ``%25`` and ``%2F``), so plain safetensors tools see readable names.
 
 Source: safetensors format (huggingface/safetensors README and ``safetensors/src/tensor.rs``
@@ -20,7 +22,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -82,11 +84,17 @@ def _escape(key: str) -> str:
     return key.replace("%", "%25").replace("/", "%2F")
 
 
-def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[TensorEntry]]:
+def flatten_state(
+    state: Mapping[str, Any], *, replicated_owner: bool | None = None
+) -> tuple[dict[str, Any], list[TensorEntry]]:
     """Split a nested state into a JSON tree and the tensors to write.
 
-    Raises :class:`UnsupportedStateError` for a non-string key, an unsupported dtype, an object array or a
-    value that JSON cannot hold.
+    ``replicated_owner``: how :class:`~tiered_ckpt.state.Replicated` values are stored: ``True`` (rank
+    0) stores the value as ``{"r": node}``, ``False`` (any other rank) stores the reference
+    ``{"r": null}`` and nothing else; ``None`` refuses them.
+
+    Raises :class:`UnsupportedStateError` for a non-string key, an unsupported dtype, an object array, a
+    value that JSON cannot hold, or a ``Replicated`` inside a ``Replicated``.
     """
     entries: list[TensorEntry] = []
 
@@ -102,7 +110,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[Tensor
         entries.append(TensorEntry(name, a, code, gs, go))
         return {"t": name}
 
-    def walk(obj: Any, path: list[str]) -> dict[str, Any]:
+    def walk(obj: Any, path: list[str], in_rep: bool = False) -> dict[str, Any]:
         name = "/".join(_escape(p) for p in path)
         if isinstance(obj, Mapping):
             out = {}
@@ -111,7 +119,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[Tensor
                     raise UnsupportedStateError(
                         f"state key {k!r} under {name or '<root>'!r} is a {type(k).__name__}; keys must "
                         "be strings (convert integer keys yourself)")
-                out[k] = walk(v, path + [k])
+                out[k] = walk(v, path + [k], in_rep)
             return {"d": out}
         if not path:
             raise UnsupportedStateError("state must be a mapping")
@@ -120,8 +128,13 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[Tensor
         if isinstance(obj, GlobalSlice):
             return array_entry(name, obj.array, obj.global_shape, obj.offset)
         if isinstance(obj, Replicated):
-            raise UnsupportedStateError(f"{name}: Replicated values are stored by the resharding-aware "
-                                        "save path; pass the plain value here")
+            if replicated_owner is None:
+                raise UnsupportedStateError(f"{name}: Replicated values need a rank (write_shard)")
+            if in_rep:
+                raise UnsupportedStateError(f"{name}: Replicated inside Replicated")
+            if isinstance(obj.value, GlobalSlice):
+                raise UnsupportedStateError(f"{name}: a GlobalSlice cannot be Replicated")
+            return {"r": walk(obj.value, path, True) if replicated_owner else None}
         if isinstance(obj, (np.ndarray, np.generic)):
             if isinstance(obj, np.ndarray) and obj.dtype == object:
                 raise UnsupportedStateError(f"{name}: object arrays cannot be stored (no pickle)")
@@ -157,7 +170,7 @@ def layout(entries: list[TensorEntry]) -> list[TensorRecord]:
 
 def encode_header(records: list[TensorRecord], metadata: Mapping[str, Any]) -> bytes:
     """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8 bytes."""
-    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(metadata, sort_keys=True, allow_nan=True)}}
+    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(metadata, allow_nan=True)}}
     for r in records:
         hdr[r.name] = {"dtype": r.dtype, "shape": list(r.shape), "data_offsets": list(r.data_offsets)}
     body = json.dumps(hdr, separators=(",", ":")).encode()
@@ -328,20 +341,37 @@ def read_verified(fd: int, size: int, hashers: list[Any], where: str) -> bytearr
     return buf
 
 
-def decode_state(buf: bytearray | memoryview, hdr: ParsedHeader, where: str) -> dict[str, Any]:
-    """Rebuild the nested state from a verified file buffer. Arrays are views into ``buf``."""
+def decode_state(
+    buf: bytearray | memoryview | None,
+    hdr: ParsedHeader,
+    where: str,
+    resolve_ref: Callable[[tuple[str, ...]], Any] | None = None,
+) -> dict[str, Any]:
+    """Rebuild the nested state from a verified file buffer. Arrays are views into ``buf``.
+
+    ``resolve_ref(key_path)`` supplies the value of a replicated reference ``{"r": null}`` (stored in
+    rank 0's file); without it such a node raises :class:`ShardCorruptedError`. ``buf=None`` only
+    validates the tree against the header (every tensor leaf comes back as ``None``).
+    """
     by_name = {t.name: t for t in hdr.tensors}
     used: set[str] = set()
     base = hdr.data_start
 
-    def node(n: Any, depth: int) -> Any:
+    def node(n: Any, depth: int, path: tuple[str, ...] = (), in_rep: bool = False) -> Any:
         if depth > 256 or not isinstance(n, dict) or len(n) != 1:
             raise _corrupt(where, "state tree node is malformed")
         (kind, val), = n.items()
         if kind == "d":
             if not isinstance(val, dict):
                 raise _corrupt(where, "state tree dict node is malformed")
-            return {k: node(v, depth + 1) for k, v in val.items()}
+            return {k: node(v, depth + 1, path + (k,), in_rep) for k, v in val.items()}
+        if kind == "r" and not in_rep:
+            if val is not None:
+                return node(val, depth + 1, path, True)
+            if resolve_ref is None:
+                raise _corrupt(where, f"replicated value {'/'.join(path)[:80]!r} is stored in rank 0's "
+                                      "shard, which this read has no access to")
+            return resolve_ref(path)
         if kind == "v":
             return val
         if kind == "t":
@@ -351,6 +381,8 @@ def decode_state(buf: bytearray | memoryview, hdr: ParsedHeader, where: str) -> 
             used.add(val)
             dt = numpy_dtype(t.dtype)
             count = numel(t.shape)
+            if buf is None:
+                return None
             if count == 0:
                 return np.empty(t.shape, dtype=dt)
             return np.frombuffer(buf, dtype=dt, count=count, offset=base + t.data_offsets[0]).reshape(t.shape)

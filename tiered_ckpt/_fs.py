@@ -130,7 +130,8 @@ def atomic_write(
     Temp file in the same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, then
     ``rename`` over ``path`` (or, with ``exclusive=True``, ``link`` + ``unlink`` so that an existing
     ``path`` makes it fail with ``FileExistsError``), then fsync the directory. On any error the temp
-    file is removed and the ``OSError`` propagates.
+    file is removed and the ``OSError`` propagates; with ``exclusive=True`` an error of the directory
+    fsync also removes ``path`` again, so that an error always means "not created".
     """
     path = Path(path)
     tmp = path.with_name(temp_name_for(path.name))
@@ -143,14 +144,22 @@ def atomic_write(
             os.close(fd)
         if exclusive:
             os.link(tmp, path)
-            os.unlink(tmp)
         else:
             os.rename(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
         raise
+    if exclusive:
+        _unlink_quietly(tmp)  # a leftover hard link is harmless: gc removes it once we are gone
     if dir_fsync:
-        fsync_dir(path.parent)
+        try:
+            fsync_dir(path.parent)
+        except BaseException:
+            if exclusive:
+                # The new entry may not be durable: take it away again so that the caller's error is
+                # the whole truth (for a manifest: the step is not committed, the previous stays newest).
+                _unlink_quietly(path)
+            raise
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, **kwargs: bool) -> None:

@@ -17,7 +17,9 @@ and verify sizes and hashes before returning anything.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -27,11 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import google_crc32c  # noqa: F401  (imported here so a missing dependency fails at import, not mid-save)
+import numpy as np
 
 from . import _format as fmt
+from . import _shard_reader as sr
+from ._crc import DEFAULT_CHUNK_BYTES, Crc32c, TensorChunkCrcs
 from ._fs import (atomic_write_bytes, fsync_dir, hostname, owner_alive, owner_token, temp_name_for,
                   unlink_durable, unlink_quietly)
 from ._locks import hold_step_lock
@@ -86,10 +90,10 @@ def _is_real_dir(p: Path) -> bool:
 
 
 def _is_committed(sdir: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(sdir / MANIFEST_NAME).st_mode)
-    except OSError:
-        return False
+    """A step is committed iff an entry named ``manifest.json`` is present (I1). One that is not a
+    regular file still counts, so that loading it fails loudly (ManifestError) instead of silently
+    falling back to an older step."""
+    return os.path.lexists(sdir / MANIFEST_NAME)
 
 
 def all_step_dirs(root: PathLike) -> list[int]:
@@ -150,7 +154,8 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
     except FileNotFoundError:
         raise NoCheckpointError(f"step {step} is not committed under {r}") from None
     except OSError as e:
-        raise ManifestError(f"cannot open {path}: {e.strerror or e}") from e
+        what = "is a symlink" if e.errno == errno.ELOOP else f"cannot be opened: {e.strerror or e}"
+        raise ManifestError(f"{path} {what}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -211,6 +216,16 @@ def _claim_save_lock(sdir: Path, step: int, save_id: str | None) -> str:
     raise ConcurrentSaveError(f"step {step}: could not claim the writer lock of {sdir}")
 
 
+def _release_save_lock(sdir: Path, save_id: str) -> None:
+    """Remove the writer lock if it is still ``save_id`` 's."""
+    path = sdir / SAVE_LOCK_NAME
+    try:
+        if json.loads(path.read_bytes()).get("save_id") == save_id:
+            unlink_quietly(path)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def _ensure_step_dir(r: Path, step: int) -> Path:
     sdir = r / step_dir_name(step)
     if not _is_real_dir(r):
@@ -258,7 +273,10 @@ def write_shard(
     float32/64, complex64, float8 e4m3fn/e5m2/e8m0fnu; any shape incl. 0-d and zero-size; non-contiguous
     is copied per tensor), :class:`~tiered_ckpt.state.GlobalSlice`, or JSON-able values.
     ``param_shard``: the rank's ZeRO flat partition ``(offset, numel)`` in elements; inferred from 1-D
-    ``GlobalSlice`` s when omitted. ``save_id``: shared by every rank of one save (``None``: adopt the
+    ``GlobalSlice`` s when omitted. :class:`~tiered_ckpt.state.Replicated` values are stored in rank 0's
+    shard only (the other ranks' files hold a reference), so every rank must pass the same value; a load
+    hands it to every rank. The record carries the shard's sha256, CRC32C, header sha256 and per-tensor
+    chunk CRC32C (manifest schema v2), all computed in the same streaming pass as the write. ``save_id``: shared by every rank of one save (``None``: adopt the
     one this process is already writing for ``step``, or start a new one).
 
     Raises :class:`CheckpointExistsError` if ``step`` is committed and ``replace`` is false (with
@@ -269,17 +287,22 @@ def write_shard(
     """
     r, _ = resolve_root(root)
     entries: list[fmt.TensorEntry]
-    tree, entries = fmt.flatten_state(state)
     shard_file_name(rank)  # validates rank
+    tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
     step_dir_name(step)  # validates step
     try:
         sdir = _ensure_step_dir(r, step)
+        sid = _claim_save_lock(sdir, step, save_id)
+        # Checked after the lock is ours: a save that committed meanwhile linked its manifest before it
+        # released the lock, so it is seen here and its shards are never renamed over (I2, I4).
         if _is_committed(sdir):
             if not replace:
+                _release_save_lock(sdir, sid)
                 raise CheckpointExistsError(
                     f"step {step} is already committed under {r}; pass replace=True to overwrite it")
             _uncommit(sdir, step)
-        sid = _claim_save_lock(sdir, step, save_id)
+    except CheckpointError:
+        raise
     except OSError as e:
         raise _write_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
     records = fmt.layout(entries)
@@ -289,11 +312,13 @@ def write_shard(
     final = sdir / shard_file_name(rank)
     tmp = sdir / temp_name_for(final.name)
     sha = fmt.new_sha256()
+    crc = Crc32c()
+    chunk_crcs = TensorChunkCrcs(len(header), records, DEFAULT_CHUNK_BYTES)
     log.debug("rank %d step %d: writing %s", rank, step, final)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            size = fmt.write_stream(fd, fmt.iter_chunks(header, entries), [sha])
+            size = fmt.write_stream(fd, fmt.iter_chunks(header, entries), [sha, crc, chunk_crcs])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -305,9 +330,12 @@ def write_shard(
     except BaseException:
         unlink_quietly(tmp)
         raise
+    crcs = chunk_crcs.result()
     return ShardRecord(rank=rank, path=final.name, sha256=sha.hexdigest(), size_bytes=size,
                        param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),
-                       save_id=sid, tensors=tuple(records))
+                       save_id=sid, tensors=tuple(dataclasses.replace(t, crc32c=crcs[t.name]) for t in records),
+                       crc32c=crc.hexdigest(), header_sha256=hashlib.sha256(header).hexdigest(),
+                       crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES)
 
 
 def _write_error(e: OSError, what: str) -> CheckpointWriteError:
@@ -382,7 +410,7 @@ def commit_step(
         raise CheckpointExistsError(f"step {step} was committed by another writer meanwhile") from None
     except OSError as e:
         raise _write_error(e, f"step {step}: writing {MANIFEST_NAME} failed") from e
-    unlink_quietly(sdir / SAVE_LOCK_NAME)
+    _release_save_lock(sdir, save_id)
     log.info("step %d: committed %d shard(s), %d bytes, save %s", step, world_size, manifest.total_bytes,
              save_id)
     return manifest
@@ -469,9 +497,12 @@ class VerifiedShard:
     header: fmt.ParsedHeader
 
 
-def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int) -> VerifiedShard:
-    """Open rank ``rank`` 's shard without following symlinks, check size, sha256, header against the
-    manifest's record. Raises MissingShardError, ShardCorruptedError, ManifestError."""
+def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256") -> VerifiedShard:
+    """Open rank ``rank`` 's shard without following symlinks, check size, hash, header against the
+    manifest's record. ``verify``: ``"sha256"`` (default) or ``"crc32c"`` (the fast path; sha256 when the
+    manifest has no CRC32C, as for a step saved by schema version 1).
+    Raises MissingShardError, ShardCorruptedError, ManifestError; ``ValueError`` for another ``verify``."""
+    sr.check_verify_mode(verify)
     rec = manifest.shards[rank]
     where = f"step {manifest.step} rank {rank} ({rec.path})"
     path = sdir / rec.path  # rec.path is the canonical file name: validated by the manifest layer
@@ -490,16 +521,18 @@ def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int) -> Verif
         if st.st_size != rec.size_bytes:
             raise ShardCorruptedError(f"{where}: {st.st_size} bytes on disk, manifest says {rec.size_bytes} "
                                       "(partial or corrupt write)")
-        sha = fmt.new_sha256()
+        algo = "crc32c" if verify == "crc32c" and rec.crc32c is not None else "sha256"
+        sha: Any = Crc32c() if algo == "crc32c" else fmt.new_sha256()
+        expected = rec.crc32c if algo == "crc32c" else rec.sha256
         try:
             buf = fmt.read_verified(fd, rec.size_bytes, [sha], where)
         except OSError as e:
             raise ShardCorruptedError(f"{where}: read failed: {e.strerror or e}") from e
     finally:
         os.close(fd)
-    if sha.hexdigest() != rec.sha256:
-        raise ShardCorruptedError(f"{where}: sha256 {sha.hexdigest()[:16]}... differs from the manifest's "
-                                  f"{rec.sha256[:16]}... (corrupt or partial write)")
+    if sha.hexdigest() != expected:
+        raise ShardCorruptedError(f"{where}: {algo} {sha.hexdigest()[:16]}... differs from the manifest's "
+                                  f"{str(expected)[:16]}... (corrupt or partial write)")
     n = fmt.parse_header_length(bytes(buf[:8]), len(buf), where)
     hdr = fmt.parse_header(bytes(buf[8 : 8 + n]), len(buf), where)
     _match_header(hdr, rec, manifest, where)
@@ -517,10 +550,44 @@ def _match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, whe
         raise ShardCorruptedError(f"{where}: header tensors disagree with the manifest")
 
 
-def _load_rank(sdir: Path, manifest: ShardManifest, rank: int) -> dict[str, Any]:
-    shard = read_shard_verified(sdir, manifest, rank)
+def _load_rank(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256",
+               resolve_ref: Callable[[tuple[str, ...]], Any] | None = None) -> dict[str, Any]:
+    """Rank ``rank`` 's state. Replicated values stored in rank 0's shard come from ``resolve_ref``
+    (default: read from rank 0's file, only the parts needed, verified by the per-tensor checksums)."""
+    shard = read_shard_verified(sdir, manifest, rank, verify)
     where = f"step {manifest.step} rank {rank}"
-    return fmt.decode_state(shard.buffer, shard.header, where)
+    if resolve_ref is None and rank != 0:
+        reader: list[sr.ShardReader] = []
+
+        def resolve_ref(path: tuple[str, ...]) -> Any:
+            if not reader:
+                reader.append(sr.ShardReader(sdir, manifest, 0))
+            return sr.read_replicated(reader[0], path)
+
+        try:
+            return fmt.decode_state(shard.buffer, shard.header, where, resolve_ref)
+        finally:
+            for rd in reader:
+                rd.close()
+    return fmt.decode_state(shard.buffer, shard.header, where, resolve_ref)
+
+
+def _copy_value(v: Any) -> Any:
+    """An independent copy of a loaded value (nested dicts, arrays, JSON)."""
+    if isinstance(v, dict):
+        return {k: _copy_value(x) for k, x in v.items()}
+    if isinstance(v, np.ndarray):
+        return v.copy()
+    return json.loads(json.dumps(v, allow_nan=True)) if isinstance(v, list) else v
+
+
+def _get_path(state: Mapping[str, Any], path: tuple[str, ...], where: str) -> Any:
+    v: Any = state
+    for k in path:
+        if not isinstance(v, Mapping) or k not in v:
+            raise ShardCorruptedError(f"{where}: rank 0 holds no replicated value at {'/'.join(path)[:80]!r}")
+        v = v[k]
+    return v
 
 
 def _check_world(manifest: ShardManifest, expected_world_size: int) -> None:
@@ -551,32 +618,73 @@ class _MaybeReadLock:
 
 
 def load_shard(
-    root: PathLike, rank: int, expected_world_size: int, step: int | None = None
+    root: PathLike,
+    rank: int,
+    expected_world_size: int,
+    step: int | None = None,
+    *,
+    verify: str = "sha256",
+    reshard: bool = False,
+    rules: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load and verify rank ``rank`` 's state of ``step`` (newest committed when ``None``).
 
-    Returns the nested state as saved; arrays are byte-identical (little-endian, writable).
+    Returns the nested state as saved; arrays are byte-identical (little-endian, writable);
+    :class:`~tiered_ckpt.state.Replicated` values come back plain. ``verify``: ``"sha256"`` (default,
+    whole file) or ``"crc32c"`` (fast path; sha256 for steps without CRC32C). ``reshard=True`` with an
+    ``expected_world_size`` other than the saved one returns this rank's share of a re-split checkpoint,
+    reading only the byte ranges it needs (see :func:`tiered_ckpt.reshard.reshard_states` for the split
+    rule, ``rules`` and what ``verify`` means there).
     Raises :class:`NoCheckpointError`, :class:`WorldSizeMismatchError`, :class:`MissingShardError`,
-    :class:`ShardCorruptedError`, :class:`ManifestError`; ``ValueError`` for a rank outside the world.
+    :class:`ShardCorruptedError`, :class:`ManifestError`, :class:`ReshardError`; ``ValueError`` for a rank
+    outside the world.
     """
+    sr.check_verify_mode(verify)
     r, step = _pick_step(root, step)
     m = read_manifest(r, step)
+    if reshard and m.world_size != expected_world_size:
+        from .reshard import reshard_states
+
+        if not 0 <= rank < expected_world_size:
+            raise ValueError(f"rank {rank} is outside world_size {expected_world_size}")
+        return reshard_states(r, step, expected_world_size, ranks=[rank], rules=rules, manifest=m)[0]
     _check_world(m, expected_world_size)
     if not 0 <= rank < m.world_size:
         raise ValueError(f"rank {rank} is outside world_size {m.world_size}")
     sdir = r / step_dir_name(step)
     with _MaybeReadLock(sdir):
-        return _load_rank(sdir, m, rank)
+        return _load_rank(sdir, m, rank, verify)
 
 
-def load_sharded(root: PathLike, expected_world_size: int, step: int | None = None) -> list[dict[str, Any]]:
+def load_sharded(
+    root: PathLike,
+    expected_world_size: int,
+    step: int | None = None,
+    *,
+    verify: str = "sha256",
+    reshard: bool = False,
+    rules: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """Load and verify every rank's state of ``step``; element ``i`` is rank ``i`` 's state.
 
-    Errors as :func:`load_shard`; every shard is verified before anything is returned.
+    ``verify``, ``reshard`` and ``rules`` as in :func:`load_shard` (with ``reshard=True`` the list has
+    ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
+    anything is returned.
     """
+    sr.check_verify_mode(verify)
     r, step = _pick_step(root, step)
     m = read_manifest(r, step)
+    if reshard and m.world_size != expected_world_size:
+        from .reshard import reshard_states
+
+        return reshard_states(r, step, expected_world_size, rules=rules, manifest=m)
     _check_world(m, expected_world_size)
     sdir = r / step_dir_name(step)
     with _MaybeReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:
-        return list(pool.map(lambda k: _load_rank(sdir, m, k), range(m.world_size)))
+        first = _load_rank(sdir, m, 0, verify)
+
+        def resolve(path: tuple[str, ...]) -> Any:
+            return _copy_value(_get_path(first, path, f"step {m.step} rank 0"))
+
+        rest = list(pool.map(lambda k: _load_rank(sdir, m, k, verify, resolve), range(1, m.world_size)))
+        return [first] + rest

@@ -1,11 +1,23 @@
-"""The step manifest (schema version 1): who owns what in a committed step.
+"""The step manifest (schema version 2): who owns what in a committed step.
 
 Pure module: frozen dataclasses, JSON (de)serialisation, strict validation. No I/O, threads or S3.
 Field names of the seed lesson are kept (``schema_version``, ``world_size``, ``step``,
 ``wall_clock_seconds``, ``shards[].rank/path/sha256/param_shard_offset/param_shard_numel``); SPEC §2 adds
 per-shard ``size_bytes`` and per-tensor dtype/shape (and, for slices of a global tensor, the global shape
-and the slice's offset). The JSON Schema in ``schemas/manifest.v1.schema.json`` documents the format; the
-checks here are stricter (cross-field rules the schema cannot express).
+and the slice's offset). The JSON Schema in ``schemas/manifest.v2.schema.json`` documents the format
+(``manifest.v1.schema.json`` the previous one); the checks here are stricter (cross-field rules the schema
+cannot express).
+
+Version 2 adds checksums for fast and partial verification (issue 6), all nullable (``null``: unknown,
+as in a manifest migrated from version 1, whose verification falls back to the whole-file sha256):
+
+- per shard: ``crc32c`` (8 hex digits, CRC32C of the whole file, the ``verify="crc32c"`` fast path),
+  ``header_sha256`` (sha256 of the file's first ``8 + header length`` bytes: the safetensors length
+  prefix and JSON header, state tree included) and ``crc32c_chunk_bytes`` (power of two);
+- per tensor: ``crc32c``, the CRC32C of each ``crc32c_chunk_bytes`` chunk of the tensor's bytes (see
+  :mod:`tiered_ckpt._crc`), so that a partial read (resharding) verifies exactly the chunks it read.
+
+Version 1 manifests are upgraded on read by :func:`migrate_v1_to_v2` (registered in :data:`MIGRATIONS`).
 
 Every validation failure raises :class:`~tiered_ckpt.errors.ManifestError`, except a missing or duplicate
 rank, which raises :class:`~tiered_ckpt.errors.MissingShardError` (SPEC §2 failure table).
@@ -22,7 +34,7 @@ from typing import Any, Callable, Mapping
 from .errors import ManifestError, MissingShardError
 from .layout import MAX_STEP, MAX_WORLD_SIZE, shard_file_name
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Largest shard we accept in a manifest (bytes): 2**48 = 256 TiB. Guards integer arithmetic.
 MAX_SHARD_BYTES = 2**48
 #: Largest number of elements of one tensor (or global tensor).
@@ -40,6 +52,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+#: Bounds of ``crc32c_chunk_bytes`` (a power of two).
+MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES = 4096, 2**30
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _HOST = re.compile(r"^[0-9A-Za-z_.-]{0,255}$")
 
@@ -59,7 +74,7 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
 def _str(v: Any, what: str, pattern: re.Pattern[str] | None = None) -> str:
     if not isinstance(v, str):
         raise _fail(f"{what} must be a string, got {type(v).__name__}")
-    if pattern is not None and not pattern.match(v):
+    if pattern is not None and not pattern.fullmatch(v):
         raise _fail(f"{what} = {v[:80]!r} is malformed")
     return v
 
@@ -99,6 +114,9 @@ class TensorRecord:
     ``data_offsets``: ``(begin, end)`` in bytes, relative to the start of the data section (after the
     8-byte length and the JSON header), as in the safetensors header. ``global_shape``/``global_offset``:
     set together for a slice of a larger global tensor (see :class:`~tiered_ckpt.state.GlobalSlice`).
+    ``crc32c`` (v2, optional): CRC32C (8 hex digits) of each chunk of the tensor's bytes, chunk size set
+    by the shard's ``crc32c_chunk_bytes``; ``None`` (key absent) when unknown: a partial read of such a
+    tensor verifies the whole shard's sha256 instead.
     """
 
     name: str
@@ -107,6 +125,7 @@ class TensorRecord:
     data_offsets: tuple[int, int]
     global_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
+    crc32c: tuple[str, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +138,8 @@ class TensorRecord:
             "shape": list(self.shape),
             "data_offsets": list(self.data_offsets),
         }
+        if self.crc32c is not None:
+            d["crc32c"] = list(self.crc32c)
         if self.global_shape is not None:
             d["global_shape"] = list(self.global_shape)
             d["global_offset"] = list(self.global_offset or ())
@@ -126,7 +147,7 @@ class TensorRecord:
 
     @classmethod
     def from_dict(cls, obj: Any, what: str = "tensor") -> TensorRecord:
-        _keys(obj, what, {"name", "dtype", "shape", "data_offsets"}, {"global_shape", "global_offset"})
+        _keys(obj, what, {"name", "dtype", "shape", "data_offsets"}, {"global_shape", "global_offset", "crc32c"})
         name = _str(obj["name"], f"{what}.name")
         if not name or len(name) > MAX_NAME_LEN:
             raise _fail(f"{what}.name has bad length {len(name)}")
@@ -156,7 +177,12 @@ class TensorRecord:
             for d, (o, s, g) in enumerate(zip(go, shape, gs)):
                 if o + s > g:
                     raise _fail(f"{what}: dim {d} slice [{o}, {o + s}) exceeds global size {g}")
-        return cls(name, dtype, shape, (offs[0], offs[1]), gs, go)
+        crcs = obj.get("crc32c")
+        if crcs is not None:
+            if not isinstance(crcs, list) or len(crcs) > MAX_SHARD_BYTES // MIN_CRC_CHUNK_BYTES + 1:
+                raise _fail(f"{what}.crc32c must be a list of chunk checksums or null")
+            crcs = tuple(_str(c, f"{what}.crc32c[{i}]", _HEX8) for i, c in enumerate(crcs))
+        return cls(name, dtype, shape, (offs[0], offs[1]), gs, go, crcs)
 
 
 @dataclass(frozen=True)
@@ -164,7 +190,9 @@ class ShardRecord:
     """One rank's shard of a step: file ``path`` (relative to the step directory), its ``sha256`` (hex)
     and ``size_bytes``, the rank's ZeRO flat partition ``[param_shard_offset, +param_shard_numel)``
     (elements of the flat parameter vector; ``0, 0`` when the rank holds none), the ``host`` that wrote
-    it, the ``save_id`` of the save, and its tensors."""
+    it, the ``save_id`` of the save, and its tensors. Schema v2 adds ``crc32c`` (whole file, 8 hex digits),
+    ``header_sha256`` (hex sha256 of the length prefix plus JSON header) and ``crc32c_chunk_bytes`` (chunk
+    size of the tensors' ``crc32c`` lists): all three set, or all ``None`` (unknown, migrated from v1)."""
 
     rank: int
     path: str
@@ -175,6 +203,9 @@ class ShardRecord:
     host: str = ""
     save_id: str = ""
     tensors: tuple[TensorRecord, ...] = ()
+    crc32c: str | None = None
+    header_sha256: str | None = None
+    crc32c_chunk_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -187,6 +218,9 @@ class ShardRecord:
             "host": self.host,
             "save_id": self.save_id,
             "tensors": [t.to_dict() for t in self.tensors],
+            "crc32c": self.crc32c,
+            "header_sha256": self.header_sha256,
+            "crc32c_chunk_bytes": self.crc32c_chunk_bytes,
         }
 
     def to_json(self) -> str:
@@ -195,7 +229,8 @@ class ShardRecord:
     @classmethod
     def from_dict(cls, obj: Any, what: str = "shard") -> ShardRecord:
         _keys(obj, what, {"rank", "path", "sha256", "size_bytes", "param_shard_offset",
-                          "param_shard_numel", "tensors"}, {"host", "save_id"})
+                          "param_shard_numel", "tensors", "crc32c", "header_sha256", "crc32c_chunk_bytes"},
+              {"host", "save_id"})
         rank = _int(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
         path = _str(obj["path"], f"{what}.path")
         if path != shard_file_name(rank):
@@ -216,7 +251,23 @@ class ShardRecord:
             raise _fail(f"{what}.tensors has too many entries")
         tensors = tuple(TensorRecord.from_dict(t, f"{what}.tensors[{i}]") for i, t in enumerate(raw_tensors))
         _check_tensor_layout(tensors, size, what)
-        return cls(rank, path, sha, size, off, num, host, save_id, tensors)
+        crc, hsha, chunk = obj["crc32c"], obj["header_sha256"], obj["crc32c_chunk_bytes"]
+        if (crc is None) != (hsha is None) or (crc is None) != (chunk is None):
+            raise _fail(f"{what}: crc32c, header_sha256 and crc32c_chunk_bytes are all set or all null")
+        if crc is not None:
+            crc = _str(crc, f"{what}.crc32c", _HEX8)
+            hsha = _str(hsha, f"{what}.header_sha256", _HEX64)
+            chunk = _int(chunk, f"{what}.crc32c_chunk_bytes", MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES)
+            if chunk & (chunk - 1):
+                raise _fail(f"{what}.crc32c_chunk_bytes = {chunk} is not a power of two")
+        for i, t in enumerate(tensors):
+            if chunk is None:
+                if t.crc32c is not None:
+                    raise _fail(f"{what}.tensors[{i}].crc32c is set but crc32c_chunk_bytes is null")
+            elif t.crc32c is not None and len(t.crc32c) != -(-t.nbytes // chunk):
+                raise _fail(f"{what}.tensors[{i}].crc32c must list {-(-t.nbytes // chunk)} chunk checksum(s) "
+                            f"for {t.nbytes} bytes in chunks of {chunk}")
+        return cls(rank, path, sha, size, off, num, host, save_id, tensors, crc, hsha, chunk)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ShardRecord:
@@ -392,8 +443,42 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
+def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Upgrade a version-1 manifest dict to version 2 (pure; the input is not modified).
+
+    Version 1 has no checksums beyond the whole-file sha256: every shard gets ``crc32c``,
+    ``header_sha256`` and ``crc32c_chunk_bytes`` set to ``null`` (unknown; tensors have no ``crc32c``),
+    so that fast and partial verification of such a step fall back to sha256 of whole files.
+    A version-1 dict that already carries one of these keys is refused (they were unknown keys in v1).
+    Malformed parts are left for validation to report.
+    """
+    out = dict(obj)
+    out["schema_version"] = 2
+    shards = out.get("shards")
+    if not isinstance(shards, list):
+        return out
+    new_shards: list[Any] = []
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict):
+            new_shards.append(s)
+            continue
+        s = dict(s)
+        clash = sorted({"crc32c", "header_sha256", "crc32c_chunk_bytes"} & s.keys())
+        if clash:
+            raise _fail(f"shards[{i}] has unknown keys {clash} (schema_version 1)")
+        s.update(crc32c=None, header_sha256=None, crc32c_chunk_bytes=None)
+        tensors = s.get("tensors")
+        if isinstance(tensors, list):
+            for j, t in enumerate(tensors):
+                if isinstance(t, dict) and "crc32c" in t:
+                    raise _fail(f"shards[{i}].tensors[{j}] has unknown keys ['crc32c'] (schema_version 1)")
+        new_shards.append(s)
+    out["shards"] = new_shards
+    return out
+
+
 #: Named migrations: ``MIGRATIONS[v]`` upgrades a manifest dict of version ``v`` to ``v + 1``.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2}
 
 
 def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
@@ -411,4 +496,4 @@ def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
 
 
 __all__ = ["SCHEMA_VERSION", "DTYPE_SIZES", "TensorRecord", "ShardRecord", "ShardManifest", "migrate",
-           "MIGRATIONS", "numel"]
+           "MIGRATIONS", "migrate_v1_to_v2", "numel"]

@@ -16,7 +16,8 @@ from ._fs import owner_alive, temp_owner
 from ._locks import stale_lock_files
 from .errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from .layout import MANIFEST_NAME, SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
-from .local import TRASH_PREFIX, all_step_dirs, read_manifest, read_shard_verified, resolve_root
+from ._shard_reader import verify_shard_stream
+from .local import TRASH_PREFIX, all_step_dirs, read_manifest, resolve_root
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ class StepStatus:
 
 
 def _dir_bytes(sdir: Path) -> int:
+    """Bytes of the shard files in ``sdir``; 0 for a symlinked step directory (never followed)."""
     total = 0
+    if sdir.is_symlink():
+        return 0
     try:
         with os.scandir(sdir) as it:
             for e in it:
@@ -56,9 +60,12 @@ def _dir_bytes(sdir: Path) -> int:
     return total
 
 
-def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True) -> StepStatus:
-    """State of one step. With ``verify`` every shard is read and hashed (as a load would); without it
-    only presence and sizes are checked. Never raises for a bad checkpoint: the fault is the reason."""
+def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False) -> StepStatus:
+    """State of one step. With ``verify`` every shard is read and hashed (as a load would, streaming
+    through a small buffer) and its header and state tree checked, so that a step verifies iff it loads:
+    sha256, or CRC32C with ``fast`` (sha256 for shards whose manifest has no CRC32C, i.e. schema v1);
+    without it only presence and sizes are checked. Never raises for a bad checkpoint: the fault is the
+    reason."""
     r, _ = resolve_root(root)
     sdir = r / step_dir_name(step)
     size = _dir_bytes(sdir)
@@ -74,7 +81,7 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     try:
         for rec in m.shards:
             if verify:
-                read_shard_verified(sdir, m, rec.rank)
+                verify_shard_stream(sdir, m, rec.rank, "crc32c" if fast else "sha256")
             else:
                 try:
                     st = os.lstat(sdir / rec.path)
@@ -90,11 +97,12 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     return StepStatus(step, COMMITTED, "", m.world_size, size, m.save_id)
 
 
-def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None = None) -> list[StepStatus]:
+def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None = None,
+         fast: bool = False) -> list[StepStatus]:
     """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending)."""
     r, step = resolve_root(root, step)
     steps = [step] if step is not None else all_step_dirs(r)
-    return [inspect_step(r, s, verify=verify) for s in steps]
+    return [inspect_step(r, s, verify=verify, fast=fast) for s in steps]
 
 
 def _writer_alive(sdir: Path) -> bool:

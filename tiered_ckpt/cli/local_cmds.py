@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 from ..scan import COMMITTED, UNCOMMITTED, gc, scan
 from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, print_table
+
+#: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast) -> list[StepStatus]`` of this module
+#: (the uploader's side of issue 6: every remote step checked against its upload manifest). Until that
+#: module exists, ``--remote`` is a usage error.
+REMOTE_VERIFY_MODULE = "tiered_ckpt.remote_verify"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,11 +27,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_s3_args(p)
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("verify", help="fully verify steps (sizes, sha256, headers)",
-                       description="Verify one step (--step) or every step under ROOT. Prints one line per "
-                                   "step; exit 1 if any committed step is bad.")
-    p.add_argument("root", type=Path)
+    p = sub.add_parser("verify", help="fully verify steps (sizes, sha256 or CRC32C, headers)",
+                       description="Verify one step (--step) or every step under ROOT. Prints one line per step: "
+                                   "'step N: STATE[: REASON]', STATE one of committed / uncommitted / corrupt / "
+                                   "incomplete; exit 1 if any committed step is bad (or the --step asked for is "
+                                   "not committed).")
+    p.add_argument("root", type=Path, nargs="?", default=None, help="run directory (omit with --remote)")
     p.add_argument("--step", type=int, default=None)
+    p.add_argument("--fast", action="store_true",
+                   help="verify CRC32C instead of sha256 (sha256 for steps saved without CRC32C)")
+    p.add_argument("--remote", metavar="S3_URL", default=None,
+                   help="verify the steps under s3://bucket/prefix against their upload manifests")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -48,6 +60,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return cmd_ls_remote(args)
     if args.root is None:
         raise CliError("ls needs ROOT or --remote s3://bucket/prefix", EXIT_USAGE)
+    _require_root(args.root)
     rows = scan(args.root, verify=False)
     if args.json:
         print_json([s.to_dict() for s in rows])
@@ -61,15 +74,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _require_root(root: Path) -> None:
+    if not root.is_dir():
+        raise CliError(f"{root} is not a directory")
+
+
+def _scan_remote(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
+    try:
+        mod = importlib.import_module(REMOTE_VERIFY_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != REMOTE_VERIFY_MODULE:
+            raise
+        raise CliError("verify --remote is not available in this build", EXIT_USAGE) from None
+    return list(mod.scan_remote(args.remote, step=args.step, fast=args.fast))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    rows = scan(args.root, verify=True, step=args.step)
+    if (args.root is None) == (args.remote is None):
+        raise CliError("verify needs ROOT or --remote s3://bucket/prefix (not both)", EXIT_USAGE)
+    if args.remote is not None:
+        rows = _scan_remote(args)
+    else:
+        _require_root(args.root)
+        rows = scan(args.root, verify=True, step=args.step, fast=args.fast)
     if args.json:
         print_json([s.to_dict() for s in rows])
     elif not rows:
-        print(f"no steps under {args.root}")
+        print(f"no steps under {args.remote or args.root}")
     else:
+        # One line per step, columns step / state / reason ("step 3: corrupt: <reason>"): the format of
+        # issue 2 (one line per fault, pinned by the CLI and hostile-input tests).
         for s in rows:
-            print(f"step {s.step}: {s.state}" + (f": {s.reason}" if s.reason else ""))
+            print(f"step {s.step}: {s.state}" + (f": {' '.join(s.reason.split())}" if s.reason else ""))
     bad = [s for s in rows if s.state not in (COMMITTED, UNCOMMITTED)]
     if args.step is not None and rows and rows[0].state == UNCOMMITTED:
         return EXIT_FAULT

@@ -1,0 +1,7 @@
+"""``python -m tiered_ckpt.cli``: the same as the ``tiered-ckpt`` console script."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
