@@ -1,0 +1,601 @@
+"""S3Store against moto's S3 server running as a separate process, over real HTTP (unique bucket per
+test), with faults injected by tests/s3_infra.FaultProxy.
+
+What moto 5.2.1 does, as pinned here (the uploader and restore rely on these notes):
+
+* ``PutObject`` with ``If-None-Match: *`` on an existing key: 412 ``PreconditionFailed`` (honoured).
+  ``If-Match`` with a stale ETag: 412; ``If-Match`` on a missing key: 404 ``NoSuchKey``. Both surface as
+  ``PreconditionFailedError``.
+* ``ChecksumSHA256`` of a single PUT: moto stores and reports the value in the request header, even if it
+  is wrong for the body: it does not validate (``probe_checksum_validation`` -> False), and a byte
+  damaged in transit goes unnoticed by any checksum comparison -> the uploader must read back.
+* Multipart uploads: moto reports the composite ``base64(sha256(part digests))`` WITHOUT the ``-N``
+  suffix AWS adds, and computes the part digests from the bytes it received: a byte damaged in an
+  UploadPart body shows up as a different composite, which the store detects and retries.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import io
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from s3transfer.utils import ChunksizeAdjuster
+
+from s3_infra import (
+    _encode_chunked,
+    _read_chunked,
+    FaultProxy,
+    S3Location,
+    is_complete_multipart,
+    is_list_objects,
+    is_put_object,
+    is_upload_part,
+    make_test_client,
+)
+from tiered_ckpt.errors import ShardCorruptedError, UploadError
+from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
+from tiered_ckpt.store import (
+    ObjectStore,
+    PreconditionFailedError,
+    RemoteNotFoundError,
+    checksums_match,
+    composite_sha256_b64,
+    parse_s3_url,
+    plan_part_sizes,
+    sha256_b64,
+)
+from tiered_ckpt.store.s3 import (
+    PROBE_KEY_PREFIX,
+    S3Store,
+    TransferSettings,
+    WriteSettings,
+    probe_checksum_validation,
+)
+
+MiB = 1024 * 1024
+SMALL_PARTS = TransferSettings(
+    multipart_threshold_bytes=5 * MiB,
+    part_size_bytes=5 * MiB,
+    max_concurrency=4,
+    download_part_size_bytes=4 * MiB,
+    download_max_concurrency=4,
+)
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_wait_s=0.01, max_wait_s=0.05)
+
+
+def make_store(
+    loc: S3Location,
+    *,
+    endpoint_url: str | None = None,
+    transfer: TransferSettings = SMALL_PARTS,
+    retry: RetryPolicy = FAST_RETRY,
+    botocore_max_attempts: int = 2,
+    **kwargs,
+) -> S3Store:
+    client = (
+        loc.client
+        if endpoint_url is None
+        else make_test_client(endpoint_url, botocore_max_attempts=botocore_max_attempts)
+    )
+    return S3Store(client, loc.bucket, loc.prefix, transfer=transfer, retry=retry, **kwargs)
+
+
+@pytest.fixture
+def store(s3_bucket: S3Location):
+    st = make_store(s3_bucket)
+    yield st
+    st.close()
+
+
+@pytest.fixture(scope="module")
+def blob_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 12 MiB + 7 byte file: 3 parts of 5/5/2 MiB with SMALL_PARTS."""
+    path = tmp_path_factory.mktemp("blob") / "blob.bin"
+    path.write_bytes(os.urandom(12 * MiB + 7))
+    return path
+
+
+def raw_get(loc: S3Location, key: str) -> bytes:
+    return loc.client.get_object(Bucket=loc.bucket, Key=f"{loc.prefix}/{key}")["Body"].read()
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+
+
+def test_parse_s3_url() -> None:
+    assert parse_s3_url("s3://my-bucket/some/prefix") == ("my-bucket", "some/prefix")
+    assert parse_s3_url("s3://my-bucket/some/prefix/") == ("my-bucket", "some/prefix")
+    assert parse_s3_url("s3://my-bucket") == ("my-bucket", "")
+    assert parse_s3_url("s3://my-bucket/") == ("my-bucket", "")
+    for bad in ["", "my-bucket/x", "http://my-bucket/x", "s3://", "s3:///x", "s3://My_Bucket/x",
+                "s3://b/x", "s3://my-bucket//x", "s3://my-bucket/a/../b", "s3://my-bucket/x?versionId=1",
+                "s3://key:secret@my-bucket/x", "s3://my-bucket:443/x", "s3://192.168.1.1/x"]:
+        with pytest.raises(ValueError):
+            parse_s3_url(bad)
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 * MiB - 1, 5 * MiB, 5 * MiB + 1, 12 * MiB + 7, 60 * 1024 * MiB])
+@pytest.mark.parametrize(("threshold", "part"), [(5 * MiB, 5 * MiB), (64 * MiB, 64 * MiB), (8 * MiB, 6 * MiB)])
+def test_plan_part_sizes_matches_s3transfer(size: int, threshold: int, part: int) -> None:
+    plan = plan_part_sizes(size, multipart_threshold_bytes=threshold, part_size_bytes=part)
+    if size < threshold:
+        assert plan is None
+        return
+    chunk = ChunksizeAdjuster().adjust_chunksize(part, size)
+    assert plan is not None and sum(plan) == size
+    assert all(p == chunk for p in plan[:-1]) and 0 < plan[-1] <= chunk
+    assert len(plan) <= 10_000
+
+
+def test_composite_checksum_and_matching() -> None:
+    parts = [b"a" * 10, b"b" * 3]
+    digests = [hashlib.sha256(p).digest() for p in parts]
+    expected = base64.b64encode(hashlib.sha256(b"".join(digests)).digest()).decode() + "-2"
+    assert composite_sha256_b64(digests) == expected
+    base = expected[:-2]
+    assert checksums_match(expected, expected)
+    assert checksums_match(base, expected)  # moto omits "-N"
+    assert not checksums_match(base + "-3", expected)
+    assert not checksums_match(sha256_b64(b"x"), expected)
+    with pytest.raises(ValueError):
+        composite_sha256_b64([])
+    with pytest.raises(ValueError):
+        composite_sha256_b64([b"short"])
+
+
+def test_settings_validation() -> None:
+    with pytest.raises(ValueError):
+        TransferSettings(part_size_bytes=4 * MiB)
+    with pytest.raises(ValueError):
+        TransferSettings(max_concurrency=0)
+    with pytest.raises(ValueError):
+        TransferSettings(multipart_threshold_bytes=6 * 1024 * MiB)
+    with pytest.raises(ValueError):
+        TransferSettings(download_part_size_bytes=1000)
+    with pytest.raises(ValueError):
+        WriteSettings(server_side_encryption="rot13")
+    with pytest.raises(ValueError):
+        WriteSettings(sse_kms_key_id="key")  # needs aws:kms
+    with pytest.raises(ValueError):
+        WriteSettings(storage_class="standard")
+    assert WriteSettings(server_side_encryption="aws:kms", sse_kms_key_id="k").extra_args() == {
+        "ServerSideEncryption": "aws:kms",
+        "SSEKMSKeyId": "k",
+    }
+
+
+# ------------------------------------------------------------------------------------ basic round trips
+
+
+def test_store_speaks_the_interface(store: S3Store) -> None:
+    assert isinstance(store, ObjectStore)
+    assert store.url.startswith("s3://tc-") and "/t/" in store.url
+
+
+def test_put_get_head_list_delete_round_trip(store: S3Store, s3_bucket: S3Location) -> None:
+    keys = ["step_0000000001/a.json", "step_0000000001/b.json", "step_0000000002/a.json", "latest"]
+    for i, key in enumerate(keys):
+        info = store.put_bytes(key, f"payload {i}".encode())
+        assert info.key == key and info.size_bytes == len(f"payload {i}")
+        assert info.checksum_sha256 == sha256_b64(f"payload {i}".encode())
+    assert raw_get(s3_bucket, "latest") == b"payload 3"  # really under the prefix
+    assert store.get_bytes("step_0000000001/b.json") == b"payload 1"
+    assert store.get_bytes("step_0000000001/b.json", byte_range=(2, 5)) == b"ylo"
+    head = store.head("step_0000000002/a.json")
+    assert head is not None and head.size_bytes == 9 and head.last_modified is not None
+    assert head.checksum_sha256 == sha256_b64(b"payload 2")
+    assert store.head("step_0000000009/none") is None
+    assert sorted(store.list_keys()) == sorted(keys)
+    assert list(store.list_keys("step_0000000001/")) == keys[:2]
+    assert list(store.list_keys("step_", page_size=1)) == keys[:3]  # pagination
+    store.delete(["step_0000000001/a.json", "latest", "never/existed"])
+    assert sorted(store.list_keys()) == ["step_0000000001/b.json", "step_0000000002/a.json"]
+    store.delete([])
+
+
+def test_missing_objects(store: S3Store, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError) as info:
+        store.get_bytes("nope")
+    assert isinstance(info.value, FileNotFoundError) and info.value.last_exception is not None
+    dest = tmp_path / "out.bin"
+    with pytest.raises(RemoteNotFoundError):
+        store.download_file("nope", dest)
+    assert list(tmp_path.iterdir()) == []  # no temp file left behind
+
+
+def test_local_io_errors_stay_os_errors(store: S3Store, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        store.upload_file("x", tmp_path / "missing.bin")
+    assert not isinstance(info.value, UploadError)
+    store.put_bytes("x", b"x")
+    with pytest.raises(FileNotFoundError) as info:
+        store.download_file("x", tmp_path / "no_such_dir" / "x")
+    assert not isinstance(info.value, UploadError)
+
+
+def test_bad_keys_are_rejected(store: S3Store) -> None:
+    for bad in ["", "/abs", "a//b", "../x", "a/./b"]:
+        with pytest.raises(ValueError):
+            store.put_bytes(bad, b"x")
+
+
+def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_path: Path) -> None:
+    progress: list[int] = []
+    lock = threading.Lock()
+
+    def on_progress(n: int) -> None:
+        with lock:
+            progress.append(n)
+
+    digests = store.file_digests(blob_path)
+    assert digests.part_sizes_bytes == (5 * MiB, 5 * MiB, 2 * MiB + 7)
+    assert digests.sha256_hex == hashlib.sha256(blob_path.read_bytes()).hexdigest()
+    info = store.upload_file(
+        "step_0000000001/rank_00000.safetensors",
+        blob_path,
+        on_progress=on_progress,
+        expected_checksum_sha256_b64=digests.checksum_sha256_b64,
+    )
+    assert info.size_bytes == blob_path.stat().st_size
+    assert info.etag.endswith('-3"')  # a real 3-part multipart upload
+    assert sum(progress) == info.size_bytes
+    # moto reports the composite checksum, computed as AWS documents it, minus the "-3" suffix.
+    assert digests.checksum_sha256_b64.endswith("-3")
+    assert info.checksum_sha256 == digests.checksum_sha256_b64[:-2]
+    data = blob_path.read_bytes()
+    parts = [data[i:i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
+    assert composite_sha256_b64([hashlib.sha256(p).digest() for p in parts]) == digests.checksum_sha256_b64
+
+    dest = tmp_path / "down" / "rank_00000.safetensors"
+    dest.parent.mkdir()
+    down_progress: list[int] = []
+    assert store.download_file(info.key, dest, on_progress=down_progress.append) == info.size_bytes
+    assert dest.read_bytes() == data
+    assert sum(down_progress) == info.size_bytes
+    assert [p.name for p in dest.parent.iterdir()] == [dest.name]
+    assert list(store.list_multipart_uploads()) == []
+
+
+def test_upload_file_single_put_reports_plain_sha256(store: S3Store, tmp_path: Path) -> None:
+    path = tmp_path / "small.bin"
+    path.write_bytes(os.urandom(100_000))
+    info = store.upload_file("small.bin", path)  # computes its own expected checksum
+    assert info.checksum_sha256 == sha256_b64(path.read_bytes())
+    assert store.get_bytes("small.bin") == path.read_bytes()
+
+
+def test_upload_with_wrong_expected_checksum(store: S3Store, tmp_path: Path, blob_path: Path) -> None:
+    # Multipart: moto computes the composite from the bytes it got, so the mismatch is caught (retried,
+    # then reported) - as AWS would.
+    wrong = composite_sha256_b64([hashlib.sha256(b"other").digest()] * 3)
+    with pytest.raises(UploadError) as info:
+        store.upload_file("big.bin", blob_path, expected_checksum_sha256_b64=wrong)
+    assert isinstance(info.value.last_exception, ShardCorruptedError)
+    assert list(store.list_multipart_uploads()) == []
+    # Single PUT: the expected value is sent as the ChecksumSHA256 header. AWS/MinIO reject it
+    # (BadDigest, retried, then UploadError); moto stores the wrong value and echoes it back.
+    path = tmp_path / "small.bin"
+    path.write_bytes(b"x" * 1000)
+    info2 = store.upload_file("small.bin", path, expected_checksum_sha256_b64=sha256_b64(b"other"))
+    assert info2.checksum_sha256 == sha256_b64(b"other")
+    assert store.get_bytes("small.bin") == b"x" * 1000
+
+
+def test_write_settings_are_sent(s3_bucket: S3Location, tmp_path: Path) -> None:
+    st = make_store(s3_bucket, write=WriteSettings(server_side_encryption="AES256", storage_class="STANDARD_IA"))
+    st.put_bytes("a", b"x")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(6 * MiB))
+    st.upload_file("b", path)
+    for key in ("a", "b"):
+        head = s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{key}")
+        assert head["ServerSideEncryption"] == "AES256" and head["StorageClass"] == "STANDARD_IA"
+    st.close()
+
+
+# ------------------------------------------------------------------------------- conditional writes
+
+
+def test_if_none_match_creates_once(store: S3Store) -> None:
+    first = store.put_bytes("step_0000000001/upload_manifest.json", b"{}", if_none_match=True)
+    with pytest.raises(PreconditionFailedError) as info:
+        store.put_bytes("step_0000000001/upload_manifest.json", b"{ }", if_none_match=True)
+    assert isinstance(info.value, UploadError) and info.value.last_exception is not None
+    assert store.get_bytes("step_0000000001/upload_manifest.json") == b"{}"
+    assert store.head("step_0000000001/upload_manifest.json").etag == first.etag  # type: ignore[union-attr]
+
+
+def test_if_match_moves_the_pointer_only_from_the_version_read(store: S3Store) -> None:
+    with pytest.raises(PreconditionFailedError):  # If-Match on a missing key (moto: 404 NoSuchKey)
+        store.put_bytes("latest", b"1", if_match='"0123"')
+    v1 = store.put_bytes("latest", b"1", if_none_match=True)
+    v2 = store.put_bytes("latest", b"2", if_match=v1.etag)
+    with pytest.raises(PreconditionFailedError):  # someone else moved it since we read v1
+        store.put_bytes("latest", b"3", if_match=v1.etag)
+    assert store.get_bytes("latest") == b"2"
+    assert store.head("latest").etag == v2.etag  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        store.put_bytes("latest", b"4", if_match=v2.etag, if_none_match=True)
+
+
+# ------------------------------------------------------------------------------------ checksum probe
+
+
+def test_probe_checksum_validation_is_false_on_moto(store: S3Store) -> None:
+    assert probe_checksum_validation(store, refresh=True) is False
+    assert store.server_validates_checksums() is False  # cached
+    assert list(store.list_keys(PROBE_KEY_PREFIX)) == []  # probe deleted
+
+
+# ------------------------------------------------------------------------------------------ multipart
+
+
+def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location) -> None:
+    full = f"{s3_bucket.prefix}/step_0000000003/rank_00001.safetensors"
+    upload_id = s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key=full)["UploadId"]
+    s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key="elsewhere/x")  # outside prefix
+    uploads = list(store.list_multipart_uploads())
+    assert [(u.key, u.upload_id) for u in uploads] == [("step_0000000003/rank_00001.safetensors", upload_id)]
+    assert list(store.list_multipart_uploads("step_0000000004/")) == []
+    assert store.abort_multipart_upload(uploads[0].key, upload_id) is True
+    assert store.abort_multipart_upload(uploads[0].key, upload_id) is False  # already gone
+    assert list(store.list_multipart_uploads()) == []
+
+
+# ------------------------------------------------------------------------------------- faults: retries
+
+
+def test_slowdown_on_parts_and_complete_is_retried(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path
+) -> None:
+    # botocore makes 1 attempt per call here, so every 503 reaches the store's whole-upload retry: up to
+    # 3 + 1 failed uploads, hence the default max_attempts (6) with short waits.
+    st = make_store(
+        s3_bucket,
+        endpoint_url=fault_proxy.url,
+        botocore_max_attempts=1,
+        retry=RetryPolicy(max_attempts=6, initial_wait_s=0.01, max_wait_s=0.05),
+    )
+    parts = fault_proxy.fail_first(3, is_upload_part)
+    complete = fault_proxy.fail_first(1, is_complete_multipart)
+    info = st.upload_file("big.bin", blob_path)
+    assert parts.applied == 3 and complete.applied == 1
+    assert complete.seen >= 2
+    assert raw_get(s3_bucket, "big.bin") == blob_path.read_bytes()
+    assert info.checksum_sha256 is not None
+    assert list(st.list_multipart_uploads()) == []  # failed attempts were aborted
+    st.close()
+
+
+def test_slowdown_absorbed_by_botocore_retries(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path
+) -> None:
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=3)
+    parts = fault_proxy.fail_first(2, is_upload_part)
+    st.upload_file("big.bin", blob_path)
+    assert parts.applied == 2 and parts.seen == 3 + 2  # 3 parts, 2 of them re-sent by botocore
+    assert raw_get(s3_bucket, "big.bin") == blob_path.read_bytes()
+    st.close()
+
+
+def test_connection_resets_are_retried(s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path) -> None:
+    st = make_store(
+        s3_bucket,
+        endpoint_url=fault_proxy.url,
+        botocore_max_attempts=1,
+        retry=RetryPolicy(max_attempts=6, initial_wait_s=0.01, max_wait_s=0.05),
+    )
+    resets = [
+        fault_proxy.reset_first(2, is_upload_part),
+        fault_proxy.reset_first(1, is_complete_multipart, after_forward=True),  # response lost
+        fault_proxy.reset_first(1, is_put_object),
+    ]
+    st.upload_file("big.bin", blob_path)
+    st.put_bytes("small.json", b"{}")
+    assert [r.applied for r in resets] == [2, 1, 1]
+    assert raw_get(s3_bucket, "big.bin") == blob_path.read_bytes()
+    assert raw_get(s3_bucket, "small.json") == b"{}"
+    assert st.get_bytes("small.json") == b"{}"
+    assert list(st.list_multipart_uploads()) == []
+    st.close()
+
+
+def test_reset_on_download_is_retried(s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path) -> None:
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
+    data = os.urandom(9 * MiB)
+    s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/d.bin", Body=data)
+    rule = fault_proxy.reset_first(2, lambda r: r.method == "GET" and r.key.endswith("d.bin"))
+    dest = tmp_path / "d.bin"
+    assert st.download_file("d.bin", dest) == len(data)
+    assert rule.applied == 2 and dest.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["d.bin"]
+    st.close()
+
+
+def test_dead_bucket_raises_upload_error_in_bounded_time(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path, tmp_path: Path
+) -> None:
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
+    dead = fault_proxy.fail_all(status=500, code="InternalError")
+    t0 = time.monotonic()
+    with pytest.raises(UploadError) as info:
+        st.upload_file("big.bin", blob_path)
+    assert time.monotonic() - t0 < 10
+    assert info.value.last_exception is not None
+    assert "InternalError" in str(info.value)
+    with pytest.raises(UploadError):
+        st.put_bytes("x", b"x")
+    with pytest.raises(UploadError):
+        list(st.list_keys())
+    with pytest.raises(UploadError):
+        st.download_file("x", tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+    fault_proxy.remove_rule(dead)
+    assert st.head("big.bin") is None and st.head("x") is None  # nothing half-written
+    st.close()
+
+
+def test_access_denied_is_not_retried(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
+    denied = fault_proxy.fail_all(status=403, code="AccessDenied")
+    with pytest.raises(UploadError) as info:
+        st.put_bytes("x", b"x")
+    assert denied.applied == 1
+    assert "not retryable" in str(info.value)
+    st.close()
+
+
+def test_stop_event_interrupts_retries(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    stop = threading.Event()
+    st = make_store(
+        s3_bucket,
+        endpoint_url=fault_proxy.url,
+        botocore_max_attempts=1,
+        retry=RetryPolicy(max_attempts=50, initial_wait_s=1.0, max_wait_s=5.0),
+        stop_event=stop,
+    )
+    fault_proxy.fail_all(status=503, code="SlowDown")
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(OperationInterruptedError):
+        st.put_bytes("x", b"x")
+    assert time.monotonic() - t0 < 5
+    st.close()
+
+
+def test_stop_event_cancels_an_in_flight_upload(s3_bucket: S3Location, blob_path: Path) -> None:
+    stop = threading.Event()
+    st = make_store(
+        s3_bucket, transfer=TransferSettings(multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB,
+                                             max_concurrency=1),
+        stop_event=stop,
+    )
+    progress: list[int] = []
+
+    def on_progress(n: int) -> None:
+        progress.append(n)
+        stop.set()  # SIGTERM arrives while the first part is being sent
+
+    with pytest.raises(OperationInterruptedError):
+        st.upload_file("big.bin", blob_path, on_progress=on_progress)
+    assert sum(progress) == 0  # the cancelled attempt's bytes were taken back
+    assert st.head("big.bin") is None
+    assert list(st.list_multipart_uploads()) == []  # s3transfer aborted the multipart upload
+    st.close()
+
+
+# ----------------------------------------------------------------------- faults: damaged request bodies
+
+
+def test_flipped_byte_in_single_put_is_not_caught_by_moto(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    """moto echoes the checksum header instead of validating it: the store reports what it sent, the
+    stored bytes differ. This is why the uploader reads back when the probe says the server does not
+    validate (on AWS/MinIO the PUT is rejected with BadDigest and retried)."""
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url)
+    flip = fault_proxy.flip_byte_first(1, is_put_object)
+    data = bytes(range(256)) * 4
+    info = st.put_bytes("m.json", data)
+    assert flip.applied == 1
+    assert info.checksum_sha256 == sha256_b64(data)  # an echo of what was sent
+    stored = st.get_bytes("m.json")
+    assert stored != data and len(stored) == len(data)
+    assert sha256_b64(stored) != info.checksum_sha256
+    st.close()
+
+
+def test_flipped_byte_in_upload_part_is_detected_and_retried(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path
+) -> None:
+    """moto computes multipart part digests from the bytes it received, so its composite checksum
+    differs from ours: the store raises ShardCorruptedError internally and uploads again."""
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url)
+    flip = fault_proxy.flip_byte_first(1, is_upload_part)
+    info = st.upload_file("big.bin", blob_path)
+    assert flip.applied == 1
+    assert fault_proxy.count(lambda r: r.method == "POST" and "uploads" in r.target) == 2  # uploaded twice
+    assert raw_get(s3_bucket, "big.bin") == blob_path.read_bytes()
+    assert checksums_match(info.checksum_sha256 or "", st.file_digests(blob_path).checksum_sha256_b64)
+    assert list(st.list_multipart_uploads()) == []
+    st.close()
+
+
+# ------------------------------------------------------------------------------------- lagging LIST
+
+
+def test_hidden_from_list_but_found_by_head(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url)
+    for key in ("step_0000000001/upload_manifest.json", "step_0000000002/upload_manifest.json"):
+        st.put_bytes(key, b"{}")
+    hide = fault_proxy.hide_from_list(f"{s3_bucket.prefix}/step_0000000002/")
+    assert list(st.list_keys()) == ["step_0000000001/upload_manifest.json"]
+    assert st.head("step_0000000002/upload_manifest.json") is not None
+    assert hide.applied >= 1 and fault_proxy.count(lambda r: "list-type=2" in r.target) >= 1
+    fault_proxy.remove_rule(hide)
+    assert len(list(st.list_keys())) == 2
+    assert is_list_objects  # the default matcher of hide_from_list
+    st.close()
+
+
+def test_conditional_create_whose_response_is_lost(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    """Documented caveat of retried conditional writes: our own successful create, whose response was
+    lost, comes back as PreconditionFailedError on the retry; deterministic content lets callers check."""
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
+    fault_proxy.reset_first(1, is_put_object, after_forward=True)
+    with pytest.raises(PreconditionFailedError):
+        st.put_bytes("step_0000000001/upload_manifest.json", b"{}", if_none_match=True)
+    assert st.get_bytes("step_0000000001/upload_manifest.json") == b"{}"
+    st.close()
+
+
+def _raw_put(port: int, target: str, body: bytes, headers: dict[str, str]) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("PUT", target, skip_accept_encoding=True)
+    for k, v in headers.items():
+        conn.putheader(k, v)
+    conn.endheaders()
+    conn.send(body)
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status
+
+
+def test_proxy_forwards_chunked_request_bodies(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    port = int(fault_proxy.url.rsplit(":", 1)[1])
+    target = f"/{s3_bucket.bucket}/{s3_bucket.prefix}/chunked.txt"
+    headers = {
+        "Transfer-Encoding": "chunked",
+        # moto checks no signature, but treats requests without credentials as anonymous (403 here).
+        "Authorization": "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, "
+        "SignedHeaders=host, Signature=0",
+        "x-amz-content-sha256": "UNSIGNED-PAYLOAD",
+    }
+    assert _raw_put(port, target, body, headers) == 200
+    assert raw_get(s3_bucket, "chunked.txt") == b"hello world"
+    assert fault_proxy.requests[-1].body_bytes == len(b"hello world")
+    flip = fault_proxy.flip_byte_first(1, is_put_object, offset=6)
+    assert _raw_put(port, target, body, headers) == 200
+    assert flip.applied == 1 and raw_get(s3_bucket, "chunked.txt") == b"hello \x88orld"
+    assert fault_proxy.errors == []
+
+
+def test_proxy_keeps_aws_chunked_framing() -> None:
+    """botocore's aws-chunked bodies (over HTTPS: chunk extensions, trailing checksum) survive the proxy's
+    parse and re-encode byte for byte (moto's server itself does not accept them over plain HTTP)."""
+    raw = (
+        b"400;chunk-signature=abc\r\n" + b"a" * 1024 + b"\r\n"
+        b"3\r\nxyz\r\n"
+        b"0\r\nx-amz-checksum-sha256:" + sha256_b64(b"a" * 1024 + b"xyz").encode() + b"\r\n\r\n"
+    )
+    data, chunks, trailers = _read_chunked(io.BytesIO(raw))
+    assert data == b"a" * 1024 + b"xyz"
+    assert trailers == [b"x-amz-checksum-sha256:" + sha256_b64(data).encode()]
+    assert _encode_chunked(chunks, trailers) == raw

@@ -1,0 +1,319 @@
+"""Whole-operation retries for remote (S3) calls. The only module that imports tenacity.
+
+How the retry layers stack (read this before tuning any of them):
+
+1. **botocore** retries each single HTTP call. The client is built with
+   ``Config(retries={"mode": "standard", "total_max_attempts": B})`` (see ``store/s3.py``
+   ``make_s3_client``; note botocore's plain ``"max_attempts"`` key counts retries, i.e. ``B - 1``):
+   a throttled, 5xx or dropped ``UploadPart`` is sent up to ``B`` times in total,
+   with botocore's own jittered backoff (up to 1 s, 2 s, ... capped at 20 s) and a client-wide retry
+   quota. botocore knows nothing about the operation the call belongs to.
+2. **s3transfer** (the multipart machinery) adds nothing for uploads: when one part fails for good it
+   fails the whole transfer and aborts the multipart upload. For downloads it re-issues a ranged GET
+   whose body stream broke, up to ``num_download_attempts`` (5) times.
+3. **This module** (:func:`call_with_retries`) retries the *whole operation*: a complete multipart
+   upload (create, every part, complete, HEAD and checksum comparison), a whole download to a temp file,
+   one PUT of a small object. It is what recovers when botocore gave up on one call, when the server
+   reported a checksum that differs from what was sent (:class:`~tiered_ckpt.errors.ShardCorruptedError`),
+   or when a multipart upload disappeared under us.
+
+Worst case, one HTTP request is sent ``B x RetryPolicy.max_attempts`` times, and the wall time is
+bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of our waits`` where our
+waits are at most ``max_wait_s`` each. Keep ``max_attempts`` small (the default is 6): the fine-grained
+retrying belongs to botocore.
+
+Every retry is logged at WARNING through ``logging.getLogger(__name__)`` before the wait. A
+``threading.Event`` (the daemon's stop event) cuts a wait short: no further attempt is made once it is
+set, and :class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not
+retryable, are raised as :class:`~tiered_ckpt.errors.UploadError` with ``last_exception`` set (an
+``UploadError`` raised by the operation itself, e.g. a typed ``PreconditionFailedError``, passes through
+unchanged).
+
+Source: tenacity (``Retrying``, ``stop_after_attempt``, ``stop_when_event_set``; the wait is our own
+:meth:`RetryPolicy.wait_s`, the shape of tenacity's ``wait_exponential_jitter`` but capped after the
+jitter and stable across tenacity versions); botocore "Retries" guide; AWS S3 error responses
+(https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import tenacity
+
+from tiered_ckpt.errors import ShardCorruptedError, UploadError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: S3 error codes worth retrying: throttling, server-side trouble, time-outs, damaged bytes.
+RETRYABLE_S3_ERROR_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "ConditionalRequestConflict",  # AWS: 409 on racing conditional writes, "retry the request"
+        "BadDigest",
+        "InvalidDigest",
+        "XAmzContentSHA256Mismatch",
+        "XAmzContentChecksumMismatch",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+
+#: S3 error codes that retrying cannot fix (permissions, missing things, failed preconditions).
+NON_RETRYABLE_S3_ERROR_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "NoSuchBucket",
+        "NoSuchKey",
+        "NoSuchUpload",
+        "PreconditionFailed",
+        "InvalidBucketName",
+        "InvalidRequest",
+        "403",
+        "404",
+        "412",
+    }
+)
+
+RETRYABLE_HTTP_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+# Exception classes matched by "module.QualName" anywhere in the exception's MRO, so that this module
+# does not import botocore / urllib3 / s3transfer (store/s3.py is the only boto import, STYLE item 5).
+_RETRYABLE_EXCEPTION_CLASSES = frozenset(
+    {
+        # botocore.exceptions.ConnectionError is the base of EndpointConnectionError,
+        # ConnectionClosedError, ConnectTimeoutError and ProxyConnectionError.
+        "botocore.exceptions.ConnectionError",
+        "botocore.exceptions.EndpointConnectionError",
+        "botocore.exceptions.ConnectionClosedError",
+        "botocore.exceptions.ReadTimeoutError",
+        "botocore.exceptions.ConnectTimeoutError",
+        "botocore.exceptions.ResponseStreamingError",
+        "botocore.exceptions.IncompleteReadError",
+        "botocore.exceptions.FlexibleChecksumError",
+        "botocore.exceptions.ChecksumError",
+        "urllib3.exceptions.ProtocolError",
+        "urllib3.exceptions.ReadTimeoutError",
+        "urllib3.exceptions.IncompleteRead",
+        "s3transfer.exceptions.RetriesExceededError",
+    }
+)
+_CLIENT_ERROR_CLASS = "botocore.exceptions.ClientError"
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
+
+
+def s3_error_code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
+    """``(Error.Code, HTTPStatusCode)`` of a botocore ``ClientError``; ``(None, None)`` for anything else.
+
+    Reads the structured ``exc.response`` botocore attaches (never the message text).
+    """
+    if _CLIENT_ERROR_CLASS not in _class_names(exc):
+        return None, None
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None, None
+    error = response.get("Error") or {}
+    code = error.get("Code")
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return (str(code) if code is not None else None), (int(status) if status is not None else None)
+
+
+def is_retryable_s3_error(exc: BaseException) -> bool:
+    """True when retrying the whole operation may succeed.
+
+    Retryable: S3 throttling and server errors (``SlowDown``, ``ServiceUnavailable``, ``InternalError``,
+    ``RequestTimeout``, HTTP 429/500/502/503/504), checksum mismatches reported by the server
+    (``BadDigest``, ``InvalidDigest``, ``XAmzContentSHA256Mismatch``) or by botocore
+    (``FlexibleChecksumError``), connection / read / endpoint errors of botocore and urllib3, the
+    builtin ``ConnectionError`` and ``TimeoutError``, and our own
+    :class:`~tiered_ckpt.errors.ShardCorruptedError` (a read-back or reported checksum that differs from
+    what was sent).
+
+    Not retryable: 403 / 404 / 412 and their codes (``AccessDenied``, ``InvalidAccessKeyId``,
+    ``NoSuchBucket``, ``NoSuchKey``, ``PreconditionFailed``, ...), any other 4xx, any
+    :class:`~tiered_ckpt.errors.UploadError` (already a final verdict), and everything else (programming
+    errors are not retried).
+    """
+    if isinstance(exc, UploadError):
+        return False
+    if isinstance(exc, ShardCorruptedError):
+        return True
+    code, status = s3_error_code_and_status(exc)
+    if code is not None or status is not None:
+        if code in RETRYABLE_S3_ERROR_CODES:
+            return True
+        if code in NON_RETRYABLE_S3_ERROR_CODES:
+            return False
+        return status in RETRYABLE_HTTP_STATUSES
+    if _class_names(exc) & _RETRYABLE_EXCEPTION_CLASSES:
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a whole remote operation is retried.
+
+    ``max_attempts`` counts the first try (1 = no retry). The wait before retry ``n`` (n >= 1) is
+    ``min(max_wait_s, initial_wait_s * 2**(n-1) + U(0, initial_wait_s))`` seconds (exponential with
+    jitter). Raises ``ValueError`` on a non-positive ``max_attempts``, a negative wait, or
+    ``max_wait_s < initial_wait_s``.
+    """
+
+    max_attempts: int = 6
+    initial_wait_s: float = 0.2
+    max_wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ValueError(f"max_attempts must be an int, got {self.max_attempts!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("initial_wait_s", "max_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if value != value or value == float("inf"):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.max_wait_s < self.initial_wait_s:
+            raise ValueError(
+                f"max_wait_s ({self.max_wait_s}) must be >= initial_wait_s ({self.initial_wait_s})"
+            )
+
+    def wait_s(self, failed_attempts: int) -> float:
+        """Seconds to wait after ``failed_attempts`` (>= 1) failures: jittered exponential, capped."""
+        exponent = min(max(failed_attempts, 1) - 1, 60)  # 2**60 x anything >= 0 is past any cap
+        base = self.initial_wait_s * (2.0**exponent)
+        return min(self.max_wait_s, base + random.uniform(0.0, self.initial_wait_s))
+
+
+class OperationInterruptedError(UploadError):
+    """The stop event was set while waiting to retry; ``last_exception`` is the failure being retried."""
+
+
+class _StopRequested(Exception):
+    """Internal: raised from the sleep function when the stop event fires during a backoff."""
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no exception"
+    code, status = s3_error_code_and_status(exc)
+    if code is not None:
+        return f"{type(exc).__name__} {code} (HTTP {status})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def call_with_retries(
+    op_name: str,
+    fn: Callable[[], T],
+    *,
+    policy: RetryPolicy,
+    stop_event: threading.Event | None = None,
+    is_retryable: Callable[[BaseException], bool] = is_retryable_s3_error,
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Run ``fn()`` and retry it per ``policy`` while ``is_retryable(exc)`` holds; return its result.
+
+    ``op_name`` names the operation in logs and errors (e.g. ``"upload s3://b/p/step_.../rank_00000"``;
+    it must not contain credentials). The first attempt always runs; a set ``stop_event`` prevents
+    further attempts and cuts a running backoff short.
+
+    ``passthrough``: exception types that, when not retryable, are re-raised unchanged instead of
+    wrapped (the store passes ``OSError`` so that a full local disk stays an ``OSError``).
+
+    Raises:
+        UploadError: the last failure was not retryable, or ``policy.max_attempts`` attempts failed;
+            ``last_exception`` holds it (an ``UploadError`` raised by ``fn`` itself is re-raised as is).
+        OperationInterruptedError: ``stop_event`` was set before a retry.
+        BaseException: a ``KeyboardInterrupt``/``SystemExit`` from ``fn`` propagates untouched.
+    """
+    last: dict[str, BaseException | None] = {"exc": None}
+
+    def _before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        last["exc"] = exc
+        wait_s = state.next_action.sleep if state.next_action is not None else 0.0
+        logger.warning(
+            "%s failed (attempt %d/%d), retrying in %.2f s: %s",
+            op_name,
+            state.attempt_number,
+            policy.max_attempts,
+            wait_s,
+            _describe(exc),
+        )
+
+    def _sleep(seconds: float) -> None:
+        if stop_event is None:
+            tenacity.nap.sleep(seconds)
+        elif stop_event.wait(seconds):
+            raise _StopRequested()
+
+    stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
+    if stop_event is not None:
+        stop = stop | tenacity.stop_when_event_set(stop_event)
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_retryable),
+        stop=stop,
+        wait=lambda state: policy.wait_s(state.attempt_number),
+        sleep=_sleep,
+        before_sleep=_before_sleep,
+        reraise=True,
+    )
+    try:
+        return retrying(fn)
+    except _StopRequested:
+        raise OperationInterruptedError(
+            f"{op_name}: stopped while waiting to retry after {_describe(last['exc'])}",
+            last_exception=last["exc"],
+        ) from last["exc"]
+    except UploadError:
+        raise
+    except Exception as exc:
+        attempts = retrying.statistics.get("attempt_number", 1)
+        if is_retryable(exc):
+            if stop_event is not None and stop_event.is_set():
+                raise OperationInterruptedError(
+                    f"{op_name}: stopped after attempt {attempts}: {_describe(exc)}", last_exception=exc
+                ) from exc
+            message = f"{op_name} failed after {attempts} attempt(s): {_describe(exc)}"
+        else:
+            if passthrough and isinstance(exc, passthrough):
+                raise
+            message = f"{op_name} failed (not retryable): {_describe(exc)}"
+        raise UploadError(message, last_exception=exc) from exc
+
+
+__all__ = [
+    "RetryPolicy",
+    "OperationInterruptedError",
+    "call_with_retries",
+    "is_retryable_s3_error",
+    "s3_error_code_and_status",
+    "RETRYABLE_S3_ERROR_CODES",
+    "NON_RETRYABLE_S3_ERROR_CODES",
+]

@@ -1,0 +1,229 @@
+"""The object-store interface everything above ``store/`` speaks, its value types and errors. Pure.
+
+Keys are always relative to the store's prefix (``step_0000001234/rank_00000.safetensors``); the store
+maps them to ``<prefix>/<key>`` in its bucket. Implementations: :class:`tiered_ckpt.store.s3.S3Store`.
+
+Lifecycle of one store (who calls what):
+
+1. The driver (sidecar daemon, ``restore``, the CLI) builds ONE client and ONE store per remote URL and
+   shares it between threads; every method is thread-safe.
+2. The uploader calls :meth:`ObjectStore.server_validates_checksums` once, then per shard
+   :meth:`~ObjectStore.file_digests` (compare ``sha256_hex`` with the local manifest) and
+   :meth:`~ObjectStore.upload_file` with the digests' ``checksum_sha256_b64``; small JSON objects go
+   through :meth:`~ObjectStore.put_bytes` (``if_none_match`` / ``if_match`` for the commit mark and the
+   ``latest`` pointer).
+3. Restore reads the pointer with :meth:`~ObjectStore.get_bytes`, confirms objects with
+   :meth:`~ObjectStore.head`, fetches shards with :meth:`~ObjectStore.download_file`.
+4. Cleanup (retention, a restarted sidecar) uses :meth:`~ObjectStore.list_keys`,
+   :meth:`~ObjectStore.delete`, :meth:`~ObjectStore.list_multipart_uploads` and
+   :meth:`~ObjectStore.abort_multipart_upload`.
+5. The driver calls :meth:`~ObjectStore.close` at shutdown.
+
+Every failure that outlasts the store's retries is an :class:`~tiered_ckpt.errors.UploadError`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from tiered_ckpt.errors import UploadError
+from tiered_ckpt.store.checksums import FileDigests
+
+#: ``on_progress(delta_bytes)``: called from transfer threads (must be thread-safe); ``delta_bytes`` may
+#: be negative when a failed attempt's bytes are taken back before a retry.
+ProgressCallback = Callable[[int], None]
+
+
+class PreconditionFailedError(UploadError):
+    """A conditional write lost: ``If-None-Match: *`` found an object, or ``If-Match`` saw another ETag
+    (or no object). S3 answers 412 ``PreconditionFailed`` (404 ``NoSuchKey`` for ``If-Match`` on a
+    missing key); never retried."""
+
+
+class RemoteNotFoundError(UploadError, FileNotFoundError):
+    """The object (or bucket) does not exist: S3 404 / ``NoSuchKey`` / ``NoSuchBucket``."""
+
+    def __init__(self, message: str, *, last_exception: BaseException | None = None) -> None:
+        UploadError.__init__(self, message, last_exception=last_exception)
+
+    def __str__(self) -> str:  # FileNotFoundError.__str__ would format errno/strerror
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the server says about one object (S3 ``HeadObject`` / ``PutObject`` responses).
+
+    ``key`` is relative to the store prefix. ``etag`` is opaque (quotes kept; never assume it is an MD5).
+    ``checksum_sha256`` is the base64 ``ChecksumSHA256`` exactly as the server reports it, including the
+    ``-N`` composite form of multipart uploads, or ``None`` when the server reports none.
+    ``last_modified`` is ``None`` when the response does not carry it (``PutObject``).
+    """
+
+    key: str
+    size_bytes: int
+    etag: str
+    checksum_sha256: str | None
+    last_modified: _dt.datetime | None
+
+
+@dataclass(frozen=True)
+class MultipartUploadInfo:
+    """One in-progress multipart upload (S3 ``ListMultipartUploads``); ``key`` relative to the prefix."""
+
+    key: str
+    upload_id: str
+    initiated: _dt.datetime | None
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """A bucket prefix holding objects. All methods are thread-safe; keys are relative to the prefix."""
+
+    @property
+    def url(self) -> str:
+        """``s3://bucket/prefix`` (no credentials), for logs and messages."""
+        ...
+
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+        checksum_sha256_b64: str | None = None,
+    ) -> ObjectInfo:
+        """Write a small object in one request; raises ``PreconditionFailedError`` on a lost condition."""
+        ...
+
+    def upload_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        on_progress: ProgressCallback | None = None,
+        expected_checksum_sha256_b64: str | None = None,
+    ) -> ObjectInfo:
+        """Upload a local file (multipart above the threshold); returns the HEAD after completion."""
+        ...
+
+    def file_digests(
+        self, path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
+    ) -> FileDigests:
+        """Whole-file SHA-256 and the ``ChecksumSHA256`` this store's upload of ``path`` will produce."""
+        ...
+
+    def server_validates_checksums(self) -> bool:
+        """Whether the server rejects bytes that do not match the checksum sent (learnt once per bucket)."""
+        ...
+
+    def get_bytes(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        """The object's bytes, or ``[start, stop)`` of them; raises ``RemoteNotFoundError``."""
+        ...
+
+    def download_file(
+        self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
+    ) -> int:
+        """Download to a temp name next to ``dest_path`` then rename; returns the size in bytes."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's metadata, or ``None`` if it does not exist."""
+        ...
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        """Keys (relative to the store prefix) starting with ``prefix``, in S3's (lexical) order."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects (missing ones are fine)."""
+        ...
+
+    def list_multipart_uploads(self, prefix: str = "") -> Iterator[MultipartUploadInfo]:
+        """In-progress multipart uploads whose key starts with ``prefix``."""
+        ...
+
+    def abort_multipart_upload(self, key: str, upload_id: str) -> bool:
+        """Abort one multipart upload; ``False`` if it was already gone."""
+        ...
+
+    def close(self) -> None:
+        """Release transfer threads; the store must not be used afterwards."""
+        ...
+
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a usable relative key; raise ``ValueError`` otherwise.
+
+    Rejected: empty keys, a leading ``/``, empty, ``.`` or ``..`` segments, control characters.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty string, got {key!r}")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        raise ValueError(f"object key contains a control character: {key!r}")
+    segments = key.split("/")
+    if any(seg in ("", ".", "..") for seg in segments[:-1]) or segments[-1] in ("", ".", ".."):
+        raise ValueError(f"object key must be a relative path without empty, '.' or '..' parts: {key!r}")
+    return key
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``"s3://bucket/some/prefix"`` -> ``("bucket", "some/prefix")``; ``"s3://bucket"`` -> ``("bucket", "")``.
+
+    A trailing ``/`` is dropped. Raises ``ValueError`` for another scheme, a missing or invalid bucket
+    name (S3 rules: 3-63 characters of ``a-z0-9.-``, starting and ending with a letter or digit, not an IP
+    address), credentials, a port, a query or fragment, or empty / ``.`` / ``..`` prefix segments.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"S3 URL must be a string, got {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.scheme != "s3":
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ValueError(f"S3 URL must not have a query or fragment: {url!r}")
+    netloc = parts.netloc
+    if "@" in netloc or ":" in netloc:
+        raise ValueError(f"S3 URL must be s3://bucket/prefix (no credentials or port): {url!r}")
+    bucket = netloc
+    if not bucket:
+        raise ValueError(f"S3 URL has no bucket: {url!r}")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket):
+        raise ValueError(f"invalid S3 bucket name {bucket!r} in {url!r}")
+    prefix = parts.path
+    if prefix.startswith("/"):
+        prefix = prefix[1:]
+    if prefix.endswith("/"):
+        prefix = prefix[:-1]
+    if prefix:
+        try:
+            validate_key(prefix)
+        except ValueError as exc:
+            raise ValueError(f"invalid prefix in S3 URL {url!r}: {exc}") from None
+    return bucket, prefix
+
+
+def format_s3_url(bucket: str, prefix: str) -> str:
+    """Inverse of :func:`parse_s3_url`."""
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
+__all__ = [
+    "MultipartUploadInfo",
+    "ObjectInfo",
+    "ObjectStore",
+    "PreconditionFailedError",
+    "ProgressCallback",
+    "RemoteNotFoundError",
+    "format_s3_url",
+    "parse_s3_url",
+    "validate_key",
+]

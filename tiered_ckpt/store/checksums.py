@@ -1,0 +1,179 @@
+"""S3-style SHA-256 checksums computed locally, so what the server reports can be compared with what was sent.
+
+Pure apart from reading a local file; no boto3.
+
+What S3 reports as ``ChecksumSHA256`` (``HeadObject`` with ``ChecksumMode=ENABLED``), when the object was
+written with ``ChecksumAlgorithm=SHA256``:
+
+* single ``PutObject``: ``base64(sha256(body))`` (a FULL_OBJECT checksum);
+* multipart upload: ``base64(sha256(d_1 || d_2 || ... || d_n)) + "-n"`` where ``d_i`` is the raw 32-byte
+  SHA-256 of part ``i`` (a COMPOSITE checksum, "checksum of checksums").
+
+Observed on moto 5.2.1 (tests/test_store_s3.py pins this): the single-PUT value is whatever the client put
+in the ``x-amz-checksum-sha256`` header (moto echoes it, even when it is wrong for the body), and for
+multipart uploads moto reports the composite value *without* the ``-n`` suffix. :func:`checksums_match`
+therefore compares the base64 part and the part count only when both sides carry one.
+
+How s3transfer splits a file (``s3transfer.upload``/``utils.ChunksizeAdjuster``, reproduced by
+:func:`plan_part_sizes`): a file of ``size >= multipart_threshold`` is uploaded in parts of
+``part_size`` bytes (the last one shorter), where ``part_size`` is first doubled until there are at most
+10,000 parts and then clamped to [5 MiB, 5 GiB]; a smaller file goes in one ``PutObject``.
+
+Source: AWS S3 user guide, "Checking object integrity" (composite checksums of multipart uploads).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+#: S3 limits on multipart uploads (AWS "Amazon S3 multipart upload limits"), as s3transfer applies them.
+MIN_PART_SIZE_BYTES = 5 * MiB
+MAX_PART_SIZE_BYTES = 5 * GiB
+MAX_PARTS = 10_000
+
+_READ_CHUNK_BYTES = 4 * MiB
+
+
+def sha256_b64(data: bytes) -> str:
+    """``base64(sha256(data))``, the form S3 uses for ``ChecksumSHA256`` of a single PUT."""
+    return base64.b64encode(hashlib.sha256(data).digest()).decode("ascii")
+
+
+def composite_sha256_b64(part_digests: Sequence[bytes]) -> str:
+    """S3's composite checksum of a multipart upload: ``base64(sha256(concat(digests))) + f"-{n}"``.
+
+    ``part_digests`` are the raw 32-byte SHA-256 digests of the parts, in part-number order. Raises
+    ``ValueError`` on an empty list or a digest that is not 32 bytes.
+    """
+    if not part_digests:
+        raise ValueError("a multipart upload has at least one part")
+    for i, digest in enumerate(part_digests):
+        if len(digest) != 32:
+            raise ValueError(f"part {i + 1}: a SHA-256 digest is 32 bytes, got {len(digest)}")
+    combined = hashlib.sha256(b"".join(part_digests)).digest()
+    return f"{base64.b64encode(combined).decode('ascii')}-{len(part_digests)}"
+
+
+def split_checksum(value: str) -> tuple[str, int | None]:
+    """``("base64", n)`` for ``"base64-n"``, ``("base64", None)`` for a value without a part count."""
+    base, sep, count = value.rpartition("-")
+    if sep and count.isdigit() and base:
+        return base, int(count)
+    return value, None
+
+
+def checksums_match(reported: str, expected: str) -> bool:
+    """Whether a server-reported ``ChecksumSHA256`` agrees with the locally computed ``expected``.
+
+    The base64 digests must be equal; the ``-n`` part counts are compared only when both carry one
+    (moto omits it, AWS includes it).
+    """
+    reported_base, reported_parts = split_checksum(reported)
+    expected_base, expected_parts = split_checksum(expected)
+    if reported_base != expected_base:
+        return False
+    return reported_parts is None or expected_parts is None or reported_parts == expected_parts
+
+
+def plan_part_sizes(size_bytes: int, *, multipart_threshold_bytes: int, part_size_bytes: int) -> list[int] | None:
+    """Sizes of the parts s3transfer will send for a file of ``size_bytes``; ``None`` for a single PUT.
+
+    Mirrors s3transfer 0.17 (``size >= multipart_threshold`` means multipart; ``ChunksizeAdjuster``).
+    Raises ``ValueError`` on negative or non-positive arguments.
+    """
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
+    if part_size_bytes <= 0 or multipart_threshold_bytes < 0:
+        raise ValueError("part_size_bytes must be > 0 and multipart_threshold_bytes >= 0")
+    if size_bytes < multipart_threshold_bytes:
+        return None
+    chunk = part_size_bytes
+    while math.ceil(size_bytes / chunk) > MAX_PARTS:
+        chunk *= 2
+    chunk = min(max(chunk, MIN_PART_SIZE_BYTES), MAX_PART_SIZE_BYTES)
+    n_parts = max(1, math.ceil(size_bytes / chunk))
+    sizes = [chunk] * (n_parts - 1)
+    sizes.append(size_bytes - chunk * (n_parts - 1))
+    return sizes
+
+
+@dataclass(frozen=True)
+class FileDigests:
+    """Digests of a local file computed in one read.
+
+    ``sha256_hex``: SHA-256 of the whole file (what the local manifest records).
+    ``checksum_sha256_b64``: what S3 will report as ``ChecksumSHA256`` once the file is uploaded with the
+    same transfer settings (single-PUT or composite form). ``part_sizes_bytes``: ``None`` for a single PUT.
+    """
+
+    size_bytes: int
+    sha256_hex: str
+    checksum_sha256_b64: str
+    part_sizes_bytes: tuple[int, ...] | None
+
+
+def compute_file_digests(
+    path: str | os.PathLike[str],
+    *,
+    multipart_threshold_bytes: int,
+    part_size_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> FileDigests:
+    """Read ``path`` once and return its whole-file SHA-256 and its S3 ``ChecksumSHA256`` to be.
+
+    ``on_bytes(n)`` is called as chunks are hashed (progress). Raises ``OSError`` from reading, and
+    ``ValueError`` if the file changes size while being read.
+    """
+    size = os.stat(path).st_size
+    parts = plan_part_sizes(
+        size, multipart_threshold_bytes=multipart_threshold_bytes, part_size_bytes=part_size_bytes
+    )
+    whole = hashlib.sha256()
+    part_digests: list[bytes] = []
+    with open(path, "rb") as f:
+        for part_size in parts if parts is not None else [size]:
+            part = hashlib.sha256()
+            remaining = part_size
+            while remaining > 0:
+                chunk = f.read(min(_READ_CHUNK_BYTES, remaining))
+                if not chunk:
+                    raise ValueError(f"{os.fspath(path)}: file shrank while being hashed")
+                whole.update(chunk)
+                part.update(chunk)
+                remaining -= len(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+            part_digests.append(part.digest())
+        if f.read(1):
+            raise ValueError(f"{os.fspath(path)}: file grew while being hashed")
+    if parts is None:
+        checksum = base64.b64encode(part_digests[0]).decode("ascii")
+    else:
+        checksum = composite_sha256_b64(part_digests)
+    return FileDigests(
+        size_bytes=size,
+        sha256_hex=whole.hexdigest(),
+        checksum_sha256_b64=checksum,
+        part_sizes_bytes=tuple(parts) if parts is not None else None,
+    )
+
+
+__all__ = [
+    "MIN_PART_SIZE_BYTES",
+    "MAX_PART_SIZE_BYTES",
+    "MAX_PARTS",
+    "FileDigests",
+    "checksums_match",
+    "composite_sha256_b64",
+    "compute_file_digests",
+    "plan_part_sizes",
+    "sha256_b64",
+    "split_checksum",
+]
