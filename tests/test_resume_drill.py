@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tiered_ckpt.local import committed_steps  # noqa: E402
+from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -179,6 +179,12 @@ def test_clean_stop_and_restart_of_async_run_matches(reference, tmp_path):
     finish(launch(root, log1, "--stop-at", str(stop)))
     assert sorted(losses(log1)) == list(range(1, stop + 1))
     assert committed_steps(root)[-1] == stop
+    # The manifest describes the real ZeRO partition: contiguous slices covering the flat vector.
+    m = read_manifest(root, stop)
+    spans = sorted((sh.param_shard_offset, sh.param_shard_numel) for sh in m.shards)
+    total = next(t.global_shape[0] for t in m.shards[0].tensors if t.name.endswith("master"))
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] == total and m.world_size == 4
     finish(launch(root, log2))
     diff = compare(losses(log2), reference, stop + 1)
     print(f"\n[drill] clean stop/restart: steps {stop + 1}..{STEPS}, max abs loss difference = {diff!r}")
