@@ -132,8 +132,8 @@ def sweep_trash(root: str | os.PathLike[str]) -> int:
             continue
         parts = name[len(TRASH_PREFIX):].split(".")
         # step_XXXXXXXXXX, host, pid, start, rand
-        if len(parts) == 5 and owner_alive(".".join(parts[1:4])):
-            continue
+        if len(parts) != 5 or owner_alive(".".join(parts[1:4])):
+            continue  # another tool's naming (gc's), or a live deleter: not ours to touch
         shutil.rmtree(r / name, ignore_errors=True)
         n += 1
     if n:
