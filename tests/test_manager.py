@@ -359,3 +359,17 @@ def test_two_ranks_agree_on_time_policy_and_preemption(tmp_path):
     assert res[0]["due"] == res[1]["due"] and 3 in res[0]["due"], res
     assert res[0]["stopped"] == res[1]["stopped"] == 4, res  # SIGTERM hit rank 1 only
     assert res[0]["latest"] == res[1]["latest"] == 4
+
+
+def test_sweep_trash_removes_only_dead_deleters_leftovers(tmp_path):
+    from tiered_ckpt._fs import hostname, owner_token
+    from tiered_ckpt.rotation import sweep_trash
+
+    dead = tmp_path / f".trash.step_0000000001.{hostname()}.999999999.1.abcd1234"
+    live = tmp_path / f".trash.step_0000000002.{owner_token()}.abcd1234"
+    foreign = tmp_path / ".trash.something-else"
+    for d in (dead, live, foreign):
+        d.mkdir()
+        (d / "f").write_text("x")
+    assert sweep_trash(tmp_path) == 1
+    assert not dead.exists() and live.exists() and foreign.exists()
