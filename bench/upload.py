@@ -1,0 +1,147 @@
+"""Benchmark: the uploader vs ``aws s3 cp --recursive`` on one 2 GiB step (4 ranks), same moto server.
+
+    python bench/upload.py [--gib 2] [--reps 3] [--out bench/out/upload.json]
+
+Per repetition, interleaved, each into an emptied prefix (moto keeps objects in memory):
+
+* ``aws``: ``aws s3 cp --recursive`` of the step directory (installs the ``awscli`` PyPI package if the
+  ``aws`` command is missing);
+* ``ours-no-readback``: ``Uploader.upload_step`` with every confirmation that needs no read-back: hashing
+  while sending, SHA-256 part checksums, HEAD + composite checksum comparison, confirmation records,
+  upload manifest, latest pointer. (moto does not validate checksums, so the bench tells the uploader to
+  treat it as a validating server, which is what S3 and MinIO are; moto's reported composite matches.)
+* ``ours-readback``: the same with the read-back that a non-validating server (moto) needs.
+
+Reports medians and ratios (aws time / ours time: >= 1 means we are faster). Floor: >= 0.9 for
+``ours-no-readback``. The read-back's extra time is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import numpy as np  # noqa: E402
+
+import s3_infra  # noqa: E402
+from tiered_ckpt.local import save_sharded  # noqa: E402
+from tiered_ckpt.layout import step_dir_name  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def ensure_aws() -> str:
+    aws = shutil.which("aws")
+    if aws is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "awscli"], check=True)
+        aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
+    return aws
+
+
+def empty_prefix(loc: s3_infra.S3Location, prefix: str) -> None:
+    c = loc.client
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
+        objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objs:
+            c.delete_objects(Bucket=loc.bucket, Delete={"Objects": objs, "Quiet": True})
+
+
+def run_aws(aws: str, loc: s3_infra.S3Location, src: Path, prefix: str) -> float:
+    t = time.monotonic()
+    subprocess.run([aws, "--endpoint-url", loc.endpoint_url, "s3", "cp", "--recursive", "--only-show-errors",
+                    str(src), f"s3://{loc.bucket}/{prefix}/"], check=True)
+    return time.monotonic() - t
+
+
+def run_ours(loc: s3_infra.S3Location, root: Path, prefix: str, step: int, readback: bool,
+             part_mib: int, concurrency: int) -> tuple[float, float]:
+    from tiered_ckpt.layout import UPLOADED_MARKER_NAME
+    from tiered_ckpt.upload import Uploader
+
+    (root / step_dir_name(step) / UPLOADED_MARKER_NAME).unlink(missing_ok=True)
+    client = s3_infra.make_test_client(loc.endpoint_url, read_timeout_s=300)
+    with Uploader(root, f"s3://{loc.bucket}/{prefix}", s3_client=client, part_size_bytes=part_mib * MiB,
+                  multipart_threshold_bytes=max(part_mib, 8) * MiB, max_concurrency=concurrency) as up:
+        up.server_validates_checksums()  # probe outside the timing
+        if not readback:
+            up._server_validates = True
+        t = time.monotonic()
+        um = up.upload_step(step)
+        total = time.monotonic() - t
+        assert {s.confirmed_by for s in um.shards} == {"read-back" if readback else "server-checksum"}
+        return total, up.last_timing.read_back_s if up.last_timing else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--part-mib", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "upload.json")
+    args = ap.parse_args()
+    os.environ.update(s3_infra.TEST_AWS_ENV)
+    for k in s3_infra.TEST_AWS_ENV_REMOVE:
+        os.environ.pop(k, None)
+    aws = ensure_aws()
+    work = Path(tempfile.mkdtemp(prefix="tc-bench-upload-"))
+    try:
+        step = 1
+        per_rank = int(args.gib * 1024 * MiB) // args.ranks
+        rng = np.random.default_rng(0)
+        states = [{"w": rng.integers(0, 256, size=per_rank, dtype=np.uint8)} for _ in range(args.ranks)]
+        m = save_sharded(states, work, step)
+        del states
+        total_bytes = m.total_bytes
+        src = work / step_dir_name(step)
+        print(f"step of {total_bytes / 2**30:.2f} GiB in {args.ranks} shards; {args.reps} interleaved reps",
+              flush=True)
+        res: dict[str, list[float]] = {"aws": [], "ours-no-readback": [], "ours-readback": [], "readback-s": []}
+        with s3_infra.run_moto_server() as url:
+            loc = s3_infra.new_bucket(url, prefix="bench")
+            for rep in range(args.reps):
+                for name in ("aws", "ours-no-readback", "ours-readback"):
+                    prefix = f"bench/{name}/{rep}"
+                    if name == "aws":
+                        dt = run_aws(aws, loc, src, prefix)
+                    else:
+                        dt, rb = run_ours(loc, work, prefix, step, name == "ours-readback", args.part_mib,
+                                          args.concurrency)
+                        if name == "ours-readback":
+                            res["readback-s"].append(rb)
+                    res[name].append(dt)
+                    print(f"rep {rep} {name:17s} {dt:7.2f} s  {total_bytes / dt / MiB:7.1f} MiB/s", flush=True)
+                    empty_prefix(loc, prefix)
+        med = {k: statistics.median(v) for k, v in res.items() if v}
+        report = {
+            "bytes": total_bytes, "ranks": args.ranks, "reps": args.reps, "part_mib": args.part_mib,
+            "concurrency": args.concurrency, "runs_s": res, "median_s": med,
+            "ratio_no_readback": med["aws"] / med["ours-no-readback"],
+            "ratio_readback": med["aws"] / med["ours-readback"],
+            "readback_extra_s": med["ours-readback"] - med["ours-no-readback"],
+        }
+        print(json.dumps({k: report[k] for k in ("median_s", "ratio_no_readback", "ratio_readback",
+                                                   "readback_extra_s")}, indent=1))
+        floor_ok = report["ratio_no_readback"] >= 0.9
+        print(f"floor (aws / ours-no-readback >= 0.9): {'PASS' if floor_ok else 'FAIL'}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        return 0 if floor_ok else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
