@@ -13,6 +13,7 @@ from .local import (commit_step, committed_steps, latest_step, load_shard, load_
 from .manager import CheckpointManager, SavePolicy
 from .manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
 from .restore import list_remote_steps, restore
+from .reshard import ReshardResult, even_split, reshard
 from .state import GlobalSlice, Replicated
 from .upload import Uploader, UploadPolicy
 from .upload_manifest import UploadManifest
@@ -27,6 +28,7 @@ __all__ = [
     "read_manifest", "save_sharded", "write_shard",
     "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",
     "GlobalSlice", "Replicated",
+    "reshard", "ReshardResult", "even_split",
     "Uploader", "UploadPolicy", "UploadManifest",
     "restore", "list_remote_steps",
     "CheckpointManager", "SavePolicy",

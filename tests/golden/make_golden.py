@@ -128,6 +128,19 @@ def expected_of(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ranks
 
 
+def v1_manifest_json(m: ShardManifest) -> str:
+    """``m`` in the frozen schema-v1 form: ShardManifest.to_json() of the v1 code. Since schema v2 (issue 6)
+    the writer adds checksum fields; v1 had none of them."""
+    d = m.to_dict()
+    d["schema_version"] = 1
+    for s in d["shards"]:
+        for k in ("crc32c", "header_sha256", "crc32c_chunk_bytes"):
+            s.pop(k, None)
+        for t in s["tensors"]:
+            t.pop("crc32c", None)
+    return json.dumps(d, indent=1, sort_keys=True, allow_nan=True) + "\n"
+
+
 def write_checkpoint(out: Path, name: str) -> None:
     step, make, extra, wall = CHECKPOINTS[name]
     root = out / name
@@ -142,7 +155,7 @@ def write_checkpoint(out: Path, name: str) -> None:
     for p in sdir.iterdir():  # the writer lock and any leftovers
         if p.name.startswith("."):
             p.unlink()
-    (sdir / "manifest.json").write_text(m.to_json())
+    (sdir / "manifest.json").write_text(v1_manifest_json(m))
     exp = {"name": name, "step": step, "world_size": len(states), "save_id": save_id,
            "wall_clock_seconds": wall, "created_at": CREATED_AT, "extra": extra,
            "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(sdir.iterdir())},
