@@ -95,8 +95,9 @@ def even_split(n: int, world_size: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class ReshardResult:
     """What :func:`reshard` did: the new ``manifest``; ``bytes_read`` of the old shard files (headers
-    and chunk alignment included); ``bytes_needed``: tensor bytes the new ranks hold;
-    ``source_world_size``; ``source_bytes``: total size of the old shard files."""
+    and chunk alignment included); ``bytes_needed``: bytes of the re-split global tensors the new ranks
+    hold (Replicated values and rule outputs not counted); ``source_world_size``; ``source_bytes``: total
+    size of the old shard files."""
 
     manifest: ShardManifest
     source_world_size: int
