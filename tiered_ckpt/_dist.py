@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ._fs import hostname
 from .errors import CheckpointError, DistributedSaveError
-from .local import commit_step, new_save_id, write_shard
+from .local import commit_step, new_save_id, utc_now, write_shard
 from .manifest import ShardManifest, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,9 @@ class SaveCoordinator:
             head = None
             if self.rank == 0:
                 head = json.dumps({"save_id": new_save_id(), "extra": dict(extra) if extra else None,
-                                   "wall_clock_seconds": wall_clock_seconds}).encode()
+                                   "wall_clock_seconds": wall_clock_seconds,
+                                   # one timestamp for every node's copy: the copies are byte-identical
+                                   "created_at": utc_now()}).encode()
             info = json.loads(self._broadcast_bytes(head, self.save_group))
         except RuntimeError as exc:
             raise _collective_error(f"rank {self.rank} step {step}: save id broadcast", exc) from exc
@@ -186,6 +188,7 @@ class SaveCoordinator:
             try:
                 manifest = commit_step(root, step, self.world_size, records, info["extra"], save_id=sid,
                                        replace=replace, wall_clock_seconds=info["wall_clock_seconds"],
+                                       created_at=info["created_at"],
                                        local_ranks=serve)
             except Exception as exc:  # reported to every rank below, then re-raised here
                 failure = exc

@@ -144,6 +144,7 @@ def flatten_state(
         except (TypeError, ValueError) as e:
             raise UnsupportedStateError(f"{name}: {type(obj).__name__} is neither an array nor JSON-able "
                                         f"({e})") from None
+        _check_json_keys(obj, name)
         return {"v": obj}
 
     tree = walk(state, [])
@@ -151,6 +152,22 @@ def flatten_state(
 
 
 _LITTLE = np.little_endian
+
+
+def _check_json_keys(obj: Any, name: str) -> None:
+    """json.dumps silently turns int/float/bool/None keys into strings; refuse them instead, so that a
+    value never comes back different from what was saved."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            bad = [k for k in o if not isinstance(k, str)]
+            if bad:
+                raise UnsupportedStateError(f"{name}: JSON value has a non-string key {bad[0]!r}; convert "
+                                            "keys to strings yourself")
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
 
 
 def layout(entries: list[TensorEntry]) -> list[TensorRecord]:

@@ -207,7 +207,7 @@ def _claim_save_lock(sdir: Path, step: int, save_id: str | None) -> str:
                     f"step; refusing to mix shards of two saves (I4)")
             unlink_quietly(path)  # stale, or our own earlier attempt
         sid = save_id or new_save_id()
-        body = json.dumps({"save_id": sid, "owner": me, "created_at": _utc_now()}).encode()
+        body = json.dumps({"save_id": sid, "owner": me, "created_at": utc_now()}).encode()
         try:
             atomic_write_bytes(path, body, exclusive=True)
             return sid
@@ -345,7 +345,8 @@ def _write_error(e: OSError, what: str) -> CheckpointWriteError:
     return CheckpointWriteError(f"{what}: {reason}", errno_=e.errno)
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
+    """Now in UTC, ISO-8601 with microseconds and a ``Z`` (the manifest's ``created_at``)."""
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
@@ -360,6 +361,7 @@ def commit_step(
     replace: bool = False,
     wall_clock_seconds: float | None = None,
     local_ranks: Iterable[int] | None = None,
+    created_at: str | None = None,
 ) -> ShardManifest:
     """Commit ``step``: write ``manifest.json`` last, after checking the shards (call on the coordinator;
     with node-local disks, on each node's local rank 0 with that node's ``local_ranks``).
@@ -367,6 +369,8 @@ def commit_step(
     ``records``: one :class:`ShardRecord` per rank (as returned by :func:`write_shard`, gathered).
     ``extra``: step-level JSON metadata. ``wall_clock_seconds``: elapsed training time (seconds).
     ``local_ranks``: the ranks whose shard files must be present in this ``root`` (default: all).
+    ``created_at``: the commit time to record (default now); every node committing one save passes the
+    same value so that all copies of the global manifest are byte-identical.
 
     Raises :class:`MissingShardError` (a rank missing, duplicated, or its file absent),
     :class:`ShardCorruptedError` (a file's size or header disagrees with its record),
@@ -387,7 +391,8 @@ def commit_step(
     if not _is_real_dir(sdir):
         raise MissingShardError(f"step {step}: {sdir} does not exist")
     manifest = ShardManifest(world_size=world_size, step=step, shards=tuple(records), save_id=save_id,
-                             wall_clock_seconds=float(wall_clock_seconds or 0.0), created_at=_utc_now(),
+                             wall_clock_seconds=float(wall_clock_seconds or 0.0),
+                             created_at=created_at or utc_now(),
                              extra=dict(extra) if extra is not None else None)
     try:
         cur = json.loads((sdir / SAVE_LOCK_NAME).read_bytes()).get("save_id")
