@@ -134,15 +134,8 @@ def _free_port() -> int:
 
 
 def _trainer_argv() -> list[str]:
-    """How to run the example: the packaged module (after ``pip install``), else a source checkout's."""
-    import importlib.util
-
-    if importlib.util.find_spec("tiered_ckpt.examples") is not None:
-        return ["-m", "tiered_ckpt.examples.train_zero"]
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_zero.py"
-    if not script.is_file():
-        raise DemoError("setup: the training example (tiered_ckpt.examples.train_zero) is not installed")
-    return [str(script)]
+    """How to run the example: the packaged module (present after ``pip install``)."""
+    return ["-m", "tiered_ckpt.examples.train_zero"]
 
 
 class _Job:
