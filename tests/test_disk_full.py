@@ -169,10 +169,6 @@ def test_disk_full_at_the_commit_point(small_fs: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "save_sharded (tiered_ckpt/local.py) does not release the step's .save.lock when a rank fails: the "
-    "lock names the still-running caller, so until that process exits every other process saving the "
-    "step gets ConcurrentSaveError and gc keeps the failed attempt's files (its writer looks alive)"))
 def test_a_failed_save_does_not_block_other_processes(small_fs: Path) -> None:
     """After a save failed with ENOSPC in this (still running) process and space was freed, another
     process can save the same step."""

@@ -485,9 +485,16 @@ def save_sharded(
             except CheckpointError as e:
                 errors.append(e)
     if errors:
+        # This call owns the whole save: let go of the step so that another process may save it (and
+        # gc may sweep the attempt) without waiting for this process to exit.
+        _release_save_lock(r / step_dir_name(step), sid)
         raise errors[0]
-    return commit_step(r, step, world_size, records, extra, save_id=sid,
-                       wall_clock_seconds=wall_clock_seconds)
+    try:
+        return commit_step(r, step, world_size, records, extra, save_id=sid,
+                           wall_clock_seconds=wall_clock_seconds)
+    except CheckpointError:
+        _release_save_lock(r / step_dir_name(step), sid)
+        raise
 
 
 # ------------------------------------------------------------------------------------------ reading
