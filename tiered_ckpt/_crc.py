@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import google_crc32c
 import numpy as np

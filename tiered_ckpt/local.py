@@ -517,22 +517,8 @@ def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: 
     sr.check_verify_mode(verify)
     rec = manifest.shards[rank]
     where = f"step {manifest.step} rank {rank} ({rec.path})"
-    path = sdir / rec.path  # rec.path is the canonical file name: validated by the manifest layer
+    fd = sr.open_shard(sdir, rec, where)  # no symlinks, a regular file of the recorded size
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise MissingShardError(f"{where}: shard file is missing") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ManifestError(f"{where}: shard file is a symlink; refusing to follow it") from None
-        raise ShardCorruptedError(f"{where}: cannot open: {e.strerror or e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"{where}: not a regular file")
-        if st.st_size != rec.size_bytes:
-            raise ShardCorruptedError(f"{where}: {st.st_size} bytes on disk, manifest says {rec.size_bytes} "
-                                      "(partial or corrupt write)")
         algo = "crc32c" if verify == "crc32c" and rec.crc32c is not None else "sha256"
         sha: Any = Crc32c() if algo == "crc32c" else fmt.new_sha256()
         expected = rec.crc32c if algo == "crc32c" else rec.sha256
