@@ -239,15 +239,20 @@ class OverlappedHasher:
         self.drain()
 
 
-def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Any]) -> int:
-    """Write every chunk to ``fd`` while a second thread feeds the same chunks to ``hashers``. Returns
-    bytes written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
+def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Any],
+                 inline_hashers: list[Any] = ()) -> int:  # type: ignore[assignment]
+    """Write every chunk to ``fd`` while a second thread feeds the same chunks to ``hashers`` (the
+    expensive ones: sha256); ``inline_hashers`` (cheap ones: CRC32C, several GB/s) are fed on the writing
+    thread itself, so that the two threads carry about the same CPU load on two cores. Returns bytes
+    written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
     from ._fs import write_all
 
     total = 0
     with OverlappedHasher(hashers) as hasher:
         for chunk in chunks:
             hasher.feed(chunk)
+            for h in inline_hashers:
+                h.update(chunk)
             write_all(fd, chunk)
             total += chunk.nbytes
     return total
@@ -341,11 +346,12 @@ def _pairs_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
-def read_verified(fd: int, size: int, hashers: list[Any], where: str) -> bytearray:
-    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer, feeding ``hashers`` chunk by
-    chunk on a second thread (see :class:`OverlappedHasher`). Raises ShardCorruptedError if the file is
-    shorter; ``OSError`` from ``read(2)`` propagates."""
-    buf = bytearray(size)
+def read_verified(fd: int, size: int, hashers: list[Any], where: str) -> np.ndarray:
+    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer (a writable uint8 array,
+    not zero-filled first), feeding ``hashers`` chunk by chunk on a second thread (see
+    :class:`OverlappedHasher`). Raises ShardCorruptedError if the file is shorter; ``OSError`` from
+    ``read(2)`` propagates."""
+    buf = np.empty(size, dtype=np.uint8)
     view = memoryview(buf)
     pos = 0
     with OverlappedHasher(hashers) as hasher:
@@ -359,7 +365,7 @@ def read_verified(fd: int, size: int, hashers: list[Any], where: str) -> bytearr
 
 
 def decode_state(
-    buf: bytearray | memoryview | None,
+    buf: np.ndarray | bytearray | memoryview | None,
     hdr: ParsedHeader,
     where: str,
     resolve_ref: Callable[[tuple[str, ...]], Any] | None = None,

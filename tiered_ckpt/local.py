@@ -318,7 +318,8 @@ def write_shard(
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            size = fmt.write_stream(fd, fmt.iter_chunks(header, entries), [sha, crc, chunk_crcs])
+            size = fmt.write_stream(fd, fmt.iter_chunks(header, entries), [sha],
+                                    inline_hashers=[crc, chunk_crcs])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -505,7 +506,7 @@ class VerifiedShard:
     """A shard read whole and verified: ``buffer`` holds the file, ``header`` its parsed header."""
 
     record: ShardRecord
-    buffer: bytearray
+    buffer: np.ndarray  # uint8, the whole file
     header: fmt.ParsedHeader
 
 
