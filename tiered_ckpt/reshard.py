@@ -48,7 +48,7 @@ import numpy as np
 from . import _format as fmt
 from ._shard_reader import ReadStats, ShardReader
 from .errors import CheckpointExistsError, ReshardError, ShardCorruptedError
-from .layout import step_dir_name
+from .layout import MAX_WORLD_SIZE, step_dir_name
 from .local import (_is_committed, _MaybeReadLock, _copy_value, _pick_step, commit_step, new_save_id,
                     read_manifest, resolve_root, write_shard)
 from .manifest import ShardManifest, TensorRecord, numel
@@ -413,12 +413,13 @@ def reshard(
     ``rules``.
 
     Raises :class:`ReshardError` before anything is written when the checkpoint cannot be resharded,
-    ``ValueError`` if ``out_root`` is ``root``; otherwise the errors of the loaders and of
+    ``ValueError`` if ``new_world_size`` is not in ``[1, MAX_WORLD_SIZE]`` (before anything is read) or
+    ``out_root`` is ``root``; otherwise the errors of the loaders and of
     :func:`~tiered_ckpt.local.write_shard` / :func:`~tiered_ckpt.local.commit_step` (e.g.
     :class:`CheckpointExistsError` if the step is committed in ``out_root`` and not ``replace``).
     """
-    if new_world_size < 1:
-        raise ValueError(f"new_world_size must be >= 1, got {new_world_size}")
+    if not 1 <= new_world_size <= MAX_WORLD_SIZE:  # before anything is read or written
+        raise ValueError(f"new_world_size must be in [1, {MAX_WORLD_SIZE}], got {new_world_size}")
     r, step = _pick_step(root, step)
     out_r, _ = resolve_root(out_root)
     if os.path.realpath(out_r) == os.path.realpath(r):

@@ -11,6 +11,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable
 
 from ._fs import owner_alive, temp_owner
 from ._locks import stale_lock_files
@@ -60,12 +61,19 @@ def _dir_bytes(sdir: Path) -> int:
     return total
 
 
-def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False) -> StepStatus:
+def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False,
+                 ranks: Iterable[int] | None = None) -> StepStatus:
     """State of one step. With ``verify`` every shard is read and hashed (as a load would, streaming
     through a small buffer) and its header and state tree checked, so that a step verifies iff it loads:
     sha256, or CRC32C with ``fast`` (sha256 for shards whose manifest has no CRC32C, i.e. schema v1);
     without it only presence and sizes are checked. Never raises for a bad checkpoint: the fault is the
-    reason."""
+    reason.
+
+    ``ranks`` (default: all) checks only those ranks' shards, for a node-local root that holds some ranks
+    of a step (e.g. after ``restore(ranks=...)``): the global manifest is still read and validated, the
+    other ranks' shards are expected elsewhere. A rank outside the step's world size makes the step
+    ``incomplete`` (its shard cannot be here)."""
+    wanted = None if ranks is None else frozenset(int(x) for x in ranks)
     r, _ = resolve_root(root)
     sdir = r / step_dir_name(step)
     size = _dir_bytes(sdir)
@@ -78,8 +86,15 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
         return StepStatus(step, INCOMPLETE, str(e), size_bytes=size)
     except ManifestError as e:
         return StepStatus(step, CORRUPT, str(e), size_bytes=size)
+    if wanted is not None:
+        outside = sorted(x for x in wanted if not 0 <= x < m.world_size)
+        if outside:
+            return StepStatus(step, INCOMPLETE, f"step {step} has world size {m.world_size}; no rank(s) "
+                              f"{','.join(map(str, outside))}", m.world_size, size, m.save_id)
     try:
         for rec in m.shards:
+            if wanted is not None and rec.rank not in wanted:
+                continue
             if verify:
                 verify_shard_stream(sdir, m, rec.rank, "crc32c" if fast else "sha256")
             else:
@@ -98,11 +113,13 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
 
 
 def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None = None,
-         fast: bool = False) -> list[StepStatus]:
-    """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending)."""
+         fast: bool = False, ranks: Iterable[int] | None = None) -> list[StepStatus]:
+    """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending);
+    ``ranks`` as for :func:`inspect_step`."""
     r, step = resolve_root(root, step)
     steps = [step] if step is not None else all_step_dirs(r)
-    return [inspect_step(r, s, verify=verify, fast=fast) for s in steps]
+    wanted = None if ranks is None else list(ranks)
+    return [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted) for s in steps]
 
 
 def _writer_alive(sdir: Path) -> bool:

@@ -11,21 +11,31 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from ..errors import CheckpointError
-from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError
+from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
 _MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (``tiered-ckpt: error: ...``, exit 2) like
+    every other failure, instead of the usage block followed by the error."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        msg = " ".join(str(message).split())
+        self.exit(EXIT_USAGE, f"tiered-ckpt: error: {msg} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tiered-ckpt",
         description="Tiered checkpoints: local per-rank shards, S3 upload sidecar, restore.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    p.add_argument("--log-level", default="WARNING", help="log level (default WARNING)")
+    p.add_argument("--log-level", default="WARNING", type=log_level,
+                   help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default WARNING)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for mod in _MODULES:
@@ -45,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
-    level = logging.DEBUG if args.debug else getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or EXIT_OK)
@@ -67,8 +77,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAULT
 
 
+#: An error line longer than this keeps its start and end (e.g. a rank list of ``--ranks 0-99999``).
+MAX_ERROR_CHARS = 400
+
+
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
+    text = " ".join(str(e).split())
+    if len(text) > MAX_ERROR_CHARS:
+        half = MAX_ERROR_CHARS // 2
+        text = f"{text[:half]} ... {text[-half:]}"
+    return text
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+import math
 import sys
 from typing import Any, Sequence
 
@@ -57,3 +60,111 @@ def parse_ranks(text: str) -> list[int]:
     if any(r < 0 for r in out):
         raise CliError(f"bad rank list {text!r}", EXIT_USAGE)
     return sorted(out)
+
+
+# ------------------------------------------------------------------ argparse ``type=`` validators
+# Shared by every subcommand so that the same flag is validated the same way everywhere. They raise
+# ``argparse.ArgumentTypeError``, which argparse turns into one ``usage: ...`` / ``error: ...`` pair on
+# stderr and exit code 2. (argparse also applies them to string defaults, e.g. the ``TIERED_CKPT_*``
+# environment defaults of ``upload``.)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0."""
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def step_number(text: str) -> int:
+    """A step number: an integer in [0, MAX_STEP]."""
+    from ..layout import MAX_STEP
+
+    v = _int(text)
+    if not 0 <= v <= MAX_STEP:
+        raise argparse.ArgumentTypeError(f"must be a step number in [0, {MAX_STEP}], got {v}")
+    return v
+
+
+def world_size(text: str) -> int:
+    """A world size: an integer in [1, MAX_WORLD_SIZE]."""
+    from ..layout import MAX_WORLD_SIZE
+
+    v = _int(text)
+    if not 1 <= v <= MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_WORLD_SIZE}], got {v}")
+    return v
+
+
+def port(text: str) -> int:
+    """A TCP port: an integer in [0, 65535] (0: any free port)."""
+    v = _int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {v}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0."""
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def s3_url(text: str) -> str:
+    """An ``s3://bucket/prefix`` URL, checked by :func:`tiered_ckpt.store.base.parse_s3_url`."""
+    from ..store.base import parse_s3_url
+
+    try:
+        parse_s3_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """A logging level name (any case): DEBUG, INFO, WARNING, ERROR, CRITICAL."""
+    v = str(text).upper()
+    if v == "WARN":
+        v = "WARNING"
+    if v not in LOG_LEVELS or not isinstance(getattr(logging, v, None), int):
+        raise argparse.ArgumentTypeError(f"invalid log level {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return v

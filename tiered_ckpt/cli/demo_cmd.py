@@ -6,7 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, print_json
+from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, nonneg_float, positive_int, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -19,12 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "AWS_ENDPOINT_URL) names one. Exit 1 if any stage fails or the curves differ.")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where checkpoints, logs and the plot go (default: a new temp directory, kept)")
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--ckpt-every", type=int, default=5, help="checkpoint every N steps (default 5)")
+    p.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
+    p.add_argument("--ckpt-every", type=positive_int, default=5, help="checkpoint every N steps (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--endpoint-url", default=None, help="a real S3 / MinIO instead of the embedded server")
     p.add_argument("--bucket", default="tiered-ckpt-demo", help="bucket (created if missing)")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="largest acceptable |loss difference|")
+    p.add_argument("--tolerance", type=nonneg_float, default=1e-4, help="largest acceptable |loss difference|")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_demo)

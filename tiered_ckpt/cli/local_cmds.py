@@ -7,9 +7,10 @@ import importlib
 from pathlib import Path
 
 from ..scan import COMMITTED, UNCOMMITTED, gc, scan
-from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, print_table
+from ._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, parse_ranks,
+                      print_json, print_table, s3_url, step_number)
 
-#: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast) -> list[StepStatus]`` of this module
+#: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast, s3_client) -> list[StepStatus]`` of this module
 #: (the uploader's side of issue 6: every remote step checked against its upload manifest). Until that
 #: module exists, ``--remote`` is a usage error.
 REMOTE_VERIFY_MODULE = "tiered_ckpt.remote_verify"
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "With --remote s3://bucket/prefix: the remote steps and their state.")
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory holding step_XXXXXXXXXX/")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--remote", default=None, metavar="S3_URL", help="list s3://bucket/prefix instead")
+    p.add_argument("--remote", default=None, metavar="S3_URL", type=s3_url, help="list s3://bucket/prefix instead")
     from .restore_cmd import add_s3_args  # remote listing lives with restore
 
     add_s3_args(p)
@@ -31,13 +32,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description="Verify one step (--step) or every step under ROOT. Prints one line per step: "
                                    "'step N: STATE[: REASON]', STATE one of committed / uncommitted / corrupt / "
                                    "incomplete; exit 1 if any committed step is bad (or the --step asked for is "
-                                   "not committed).")
+                                   "not committed). With --ranks (a node-local root holding only some ranks' "
+                                   "shards, e.g. after 'restore --ranks'): only those ranks' shards are checked.")
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory (omit with --remote)")
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--step", type=step_number, default=None)
+    p.add_argument("--ranks", default=None,
+                   help="verify only these ranks' shards, e.g. 0-1 or 2,3 (a node-local root; the other "
+                        "ranks' shards are expected on other nodes); local roots only")
     p.add_argument("--fast", action="store_true",
                    help="verify CRC32C instead of sha256 (sha256 for steps saved without CRC32C)")
-    p.add_argument("--remote", metavar="S3_URL", default=None,
+    p.add_argument("--remote", metavar="S3_URL", default=None, type=s3_url,
                    help="verify the steps under s3://bucket/prefix against their upload manifests")
+    add_s3_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -47,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("root", type=Path)
     p.add_argument("--force", action="store_true",
                    help="also remove leftovers of writers that cannot be checked (other hosts)")
-    p.add_argument("--min-age-s", type=float, default=60.0,
+    p.add_argument("--min-age-s", type=nonneg_float, default=60.0,
                    help="leave uncommitted directories younger than this alone (default 60)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
@@ -74,9 +80,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _require_root(root: Path) -> None:
+def _require_root(root: Path, what: str = "") -> None:
+    """A typo in a path must not pass as "nothing there": exit 1 naming the missing directory."""
+    if not root.exists():
+        raise CliError(f"{what}{root}: directory does not exist")
     if not root.is_dir():
-        raise CliError(f"{root} is not a directory")
+        raise CliError(f"{what}{root} is not a directory")
 
 
 def _scan_remote(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
@@ -86,17 +95,24 @@ def _scan_remote(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
         if e.name != REMOTE_VERIFY_MODULE:
             raise
         raise CliError("verify --remote is not available in this build", EXIT_USAGE) from None
-    return list(mod.scan_remote(args.remote, step=args.step, fast=args.fast))
+    from .restore_cmd import make_client
+
+    return list(mod.scan_remote(args.remote, step=args.step, fast=args.fast, s3_client=make_client(args)))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     if (args.root is None) == (args.remote is None):
         raise CliError("verify needs ROOT or --remote s3://bucket/prefix (not both)", EXIT_USAGE)
+    ranks = parse_ranks(args.ranks) if args.ranks is not None else None
+    if ranks is not None and not ranks:
+        raise CliError(f"bad rank list {args.ranks!r} (expected e.g. 0-1,4)", EXIT_USAGE)
     if args.remote is not None:
+        if ranks is not None:
+            raise CliError("--ranks is for a node-local ROOT, not --remote", EXIT_USAGE)
         rows = _scan_remote(args)
     else:
         _require_root(args.root)
-        rows = scan(args.root, verify=True, step=args.step, fast=args.fast)
+        rows = scan(args.root, verify=True, step=args.step, fast=args.fast, ranks=ranks)
     if args.json:
         print_json([s.to_dict() for s in rows])
     elif not rows:
@@ -113,6 +129,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    _require_root(args.root)
     removed = gc(args.root, force=args.force, min_age_s=args.min_age_s)
     if args.json:
         print_json([str(p) for p in removed])

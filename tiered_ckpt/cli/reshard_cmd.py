@@ -6,20 +6,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..layout import MAX_WORLD_SIZE
 from ..reshard import NAMED_RULES, reshard
-from ._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json
+from ._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, step_number, world_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "reshard", help="rewrite a step for another world size",
         description="Re-split a committed step of ROOT for --world-size ranks and commit it under OUT (slices "
-                    "of global tensors, ZeRO partitions included, split evenly along dim 0, the first n %% M "
+                    "of global tensors, ZeRO partitions included, split evenly along dim 0, the first n % M "
                     "ranks one row more; Replicated values given to every rank). Per-rank values need a "
                     f"--rule KEY={'|'.join(NAMED_RULES)}, otherwise the command fails naming them.")
     p.add_argument("root", type=Path, help="source run directory")
-    p.add_argument("--step", type=int, default=None, help="step to reshard (default: newest committed)")
-    p.add_argument("--world-size", type=int, required=True, help="new number of ranks")
+    p.add_argument("--step", type=step_number, default=None, help="step to reshard (default: newest committed)")
+    p.add_argument("--world-size", type=world_size, required=True,
+                   help=f"new number of ranks (1 to {MAX_WORLD_SIZE})")
     p.add_argument("--out", type=Path, required=True, help="destination run directory (not ROOT)")
     p.add_argument("--rule", action="append", default=[], metavar="KEY=RULE",
                    help=f"rule for per-rank state at KEY (repeatable); RULE one of {', '.join(NAMED_RULES)}")
@@ -39,8 +41,6 @@ def _rules(items: list[str]) -> dict[str, str]:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise CliError("--world-size must be >= 1", EXIT_USAGE)
     res = reshard(args.root, args.step, args.world_size, args.out, rules=_rules(args.rule),
                   replace=args.replace)
     m = res.manifest

@@ -14,13 +14,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, print_json, print_table
+from ._common import (EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, positive_int, print_json,
+                      print_table, s3_url, step_number)
 
 MiB = 1024 * 1024
 
 
 def add_s3_args(p: argparse.ArgumentParser) -> None:
-    """The S3 connection flags shared by ``restore`` and ``ls --remote``."""
+    """The S3 connection flags shared by ``restore``, ``ls --remote`` and ``verify --remote``."""
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL / AWS)")
     p.add_argument("--region", default=None, help="region (default: AWS_REGION / profile)")
     p.add_argument("--profile", default=None, help="AWS profile (default: AWS_PROFILE)")
@@ -35,9 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "s3://bucket/prefix into ROOT: every shard verified against the manifest's sha256, "
                     "committed locally with manifest.json last and marked as uploaded. A step that is "
                     "broken in the bucket fails with nothing committed locally, unless --fallback.")
-    p.add_argument("--remote", required=True, help="s3://bucket/prefix the sidecar uploaded to")
+    p.add_argument("--remote", required=True, type=s3_url, help="s3://bucket/prefix the sidecar uploaded to")
     p.add_argument("--local", required=True, type=Path, help="local run directory to restore into")
-    p.add_argument("--step", type=int, default=None, help="restore this step (default: the newest)")
+    p.add_argument("--step", type=step_number, default=None, help="restore this step (default: the newest)")
     p.add_argument("--ranks", default=None, help="restore only these ranks' shards, e.g. 0-1 or 2,3 "
                                                  "(a replaced node); default: all")
     p.add_argument("--fallback", action="store_true",
@@ -45,10 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--replace", action="store_true",
                    help="overwrite a different save of the same step committed locally")
     p.add_argument("--dry-run", action="store_true", help="say what would be fetched; download nothing")
-    p.add_argument("--part-size-mib", type=int, default=None,
+    p.add_argument("--part-size-mib", type=positive_int, default=None,
                    help="ranged-GET size in MiB (default 64; use >= the shard size on moto)")
-    p.add_argument("--concurrency", type=int, default=None, help="ranged GETs in flight (default 8)")
-    p.add_argument("--parallel-shards", type=int, default=8, help="shards downloaded at once (default 8)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="ranged GETs in flight (default 8)")
+    p.add_argument("--parallel-shards", type=positive_int, default=8, help="shards downloaded at once (default 8)")
     add_s3_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -128,7 +129,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         res = restore_detailed(
             args.remote, args.local, step=args.step, ranks=ranks, s3_client=client, fallback=args.fallback,
             replace=args.replace,
-            download_part_size_bytes=args.part_size_mib * MiB if args.part_size_mib else None,
+            download_part_size_bytes=args.part_size_mib * MiB if args.part_size_mib is not None else None,
             download_max_concurrency=args.concurrency, max_parallel_shards=args.parallel_shards,
             on_progress=progress, on_plan=progress.on_plan)
     finally:

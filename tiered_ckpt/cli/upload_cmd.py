@@ -18,7 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json
+from ._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, port, positive_float,
+                      positive_int, print_json, s3_url, step_number)
 
 MiB = 1024 * 1024
 
@@ -26,16 +27,6 @@ MiB = 1024 * 1024
 def _env(name: str, default: Any = None) -> Any:
     v = os.environ.get(name)
     return default if v in (None, "") else v
-
-
-def _env_int(name: str) -> int | None:
-    v = _env(name)
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise CliError(f"{name}={v!r} is not an integer", EXIT_USAGE) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -48,13 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "docs/sidecar.md.")
     p.add_argument("--local", type=Path, default=_env("TIERED_CKPT_LOCAL"),
                    help="local run directory (env TIERED_CKPT_LOCAL)")
-    p.add_argument("--remote", default=_env("TIERED_CKPT_REMOTE"),
+    p.add_argument("--remote", default=_env("TIERED_CKPT_REMOTE"), type=s3_url,
                    help="s3://bucket/prefix (env TIERED_CKPT_REMOTE)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--watch", action="store_true", help="run as the sidecar until SIGTERM/SIGINT")
     mode.add_argument("--once", action="store_true", help="upload every pending step, then exit (default)")
-    mode.add_argument("--step", type=int, default=None, help="upload this step only")
-    p.add_argument("--metrics-port", type=int, default=None,
+    mode.add_argument("--step", type=step_number, default=None, help="upload this step only")
+    # argparse applies ``type`` to a string default too: a bad TIERED_CKPT_* value is a usage error as well
+    p.add_argument("--metrics-port", type=port, default=_env("TIERED_CKPT_METRICS_PORT"),
                    help="serve Prometheus /metrics on this port (env TIERED_CKPT_METRICS_PORT)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL / AWS)")
     p.add_argument("--region", default=None, help="region (default: AWS_REGION / profile)")
@@ -65,17 +57,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="server-side encryption (env TIERED_CKPT_SSE)")
     p.add_argument("--sse-kms-key-id", default=None, help="KMS key for --sse aws:kms (env TIERED_CKPT_SSE_KMS_KEY_ID)")
     p.add_argument("--storage-class", default=None, help="e.g. STANDARD, INTELLIGENT_TIERING")
-    p.add_argument("--keep-remote", type=int, default=None,
+    p.add_argument("--keep-remote", type=positive_int, default=_env("TIERED_CKPT_KEEP_REMOTE"),
                    help="keep the last M remotely committed steps (env TIERED_CKPT_KEEP_REMOTE)")
-    p.add_argument("--keep-remote-every", type=int, default=None, help="also keep every Nth step remotely")
+    p.add_argument("--keep-remote-every", type=positive_int, default=None,
+                   help="also keep every Nth step remotely")
     p.add_argument("--skip-intermediate", action="store_true", help="upload only the newest pending step")
     p.add_argument("--verify", choices=["auto", "read-back"], default="auto",
                    help="auto: server checksums where the bucket validates them, else read-back")
-    p.add_argument("--poll-interval-s", type=float, default=None, help="--watch poll interval (default 2)")
-    p.add_argument("--part-size-mib", type=int, default=32, help="multipart part size (MiB, default 32)")
-    p.add_argument("--multipart-threshold-mib", type=int, default=64, help="default 64")
-    p.add_argument("--max-concurrency", type=int, default=8, help="parts in flight (default 8)")
-    p.add_argument("--shutdown-timeout-s", type=float, default=30.0)
+    p.add_argument("--poll-interval-s", type=positive_float, default=_env("TIERED_CKPT_POLL_INTERVAL_S"),
+                   help="--watch poll interval (default 2; env TIERED_CKPT_POLL_INTERVAL_S)")
+    p.add_argument("--part-size-mib", type=positive_int, default=32, help="multipart part size (MiB, default 32)")
+    p.add_argument("--multipart-threshold-mib", type=positive_int, default=64, help="default 64")
+    p.add_argument("--max-concurrency", type=positive_int, default=8, help="parts in flight (default 8)")
+    p.add_argument("--shutdown-timeout-s", type=nonneg_float, default=30.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_upload)
@@ -90,11 +84,14 @@ def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | No
         raise CliError("--local is required (or TIERED_CKPT_LOCAL)", EXIT_USAGE)
     if not args.remote:
         raise CliError("--remote s3://bucket/prefix is required (or TIERED_CKPT_REMOTE)", EXIT_USAGE)
+    from .local_cmds import _require_root
+
+    _require_root(Path(args.local), "--local ")  # a typo must not read as "nothing to upload"
     try:
         parse_s3_url(args.remote)
         path_style = args.path_style if args.path_style is not None else \
             str(_env("TIERED_CKPT_PATH_STYLE", "")).lower() in ("1", "true", "yes")
-        keep = args.keep_remote if args.keep_remote is not None else _env_int("TIERED_CKPT_KEEP_REMOTE")
+        keep = args.keep_remote
         write = WriteSettings(server_side_encryption=args.sse or _env("TIERED_CKPT_SSE"),
                               sse_kms_key_id=args.sse_kms_key_id or _env("TIERED_CKPT_SSE_KMS_KEY_ID"),
                               storage_class=args.storage_class or _env("TIERED_CKPT_STORAGE_CLASS"))
@@ -116,12 +113,11 @@ def cmd_upload(args: argparse.Namespace) -> int:
     from ..metrics import UploadMetrics
     from ..upload import StepIncompleteError
 
-    port = args.metrics_port if args.metrics_port is not None else _env_int("TIERED_CKPT_METRICS_PORT")
+    port = args.metrics_port
     metrics = UploadMetrics()
     if args.watch:
         up = build_uploader(args, metrics=metrics)
-        poll = args.poll_interval_s if args.poll_interval_s is not None else \
-            float(_env("TIERED_CKPT_POLL_INTERVAL_S", 2.0))
+        poll = args.poll_interval_s if args.poll_interval_s is not None else 2.0
         return run_sidecar(up, poll_interval_s=poll, metrics_port=port, shutdown_timeout_s=args.shutdown_timeout_s)
 
     bar = None
