@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt import (CheckpointError, ManifestError, MissingShardError, NoCheckpointError,
                          ShardCorruptedError)
 
@@ -760,7 +761,10 @@ def test_cli_verify_all_steps(world: World) -> None:
     for c in CASES:
         step = STEP_OF[c.id]
         if c.id == "step-dir-symlink-outside":
-            assert step not in by_step  # symlinked step directories are not steps of this run
+            # not a step of this run (loads ignore it), but reported so that it is not silently lost
+            assert by_step[step] == [f"step {step}: corrupt: {step_dir_name(step)} is a symlink; step "
+                                     "directories must be real directories of the run (it is ignored by "
+                                     "loads)"], by_step[step]
             continue
         state = by_step[step][0].split(":")[1].strip()
         assert state in ("corrupt", "incomplete"), by_step[step]

@@ -33,6 +33,8 @@ from .state import GlobalSlice, Replicated
 
 #: safetensors caps the JSON header at 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
+#: Deepest nesting of dicts in a state (the reader refuses deeper trees too).
+MAX_STATE_DEPTH = 200
 METADATA_KEY = "tiered_ckpt"
 FORMAT_VERSION = 1
 #: Writes and hash updates are issued in chunks of this many bytes.
@@ -99,6 +101,8 @@ def flatten_state(
     entries: list[TensorEntry] = []
 
     def array_entry(name: str, arr: Any, gs: Any = None, go: Any = None) -> dict[str, Any]:
+        if name == "__metadata__":
+            raise UnsupportedStateError("a tensor cannot be named '__metadata__' (safetensors reserves it)")
         a = np.asarray(arr)
         code = dtype_code(a.dtype)
         if a.ndim > MAX_NDIM:
@@ -112,6 +116,8 @@ def flatten_state(
 
     def walk(obj: Any, path: list[str], in_rep: bool = False) -> dict[str, Any]:
         name = "/".join(_escape(p) for p in path)
+        if len(path) > MAX_STATE_DEPTH:
+            raise UnsupportedStateError(f"state nested deeper than {MAX_STATE_DEPTH} levels at {name[:80]!r}")
         if isinstance(obj, Mapping):
             out = {}
             for k, v in obj.items():
@@ -119,6 +125,8 @@ def flatten_state(
                     raise UnsupportedStateError(
                         f"state key {k!r} under {name or '<root>'!r} is a {type(k).__name__}; keys must "
                         "be strings (convert integer keys yourself)")
+                if not k:
+                    raise UnsupportedStateError(f"empty state key under {name or '<root>'!r}")
                 out[k] = walk(v, path + [k], in_rep)
             return {"d": out}
         if not path:
@@ -141,7 +149,7 @@ def flatten_state(
             return array_entry(name, obj)
         try:
             json.dumps(obj, allow_nan=True)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"{name}: {type(obj).__name__} is neither an array nor JSON-able "
                                         f"({e})") from None
         _check_json_keys(obj, name)
@@ -192,6 +200,9 @@ def encode_header(records: list[TensorRecord], metadata: Mapping[str, Any]) -> b
         hdr[r.name] = {"dtype": r.dtype, "shape": list(r.shape), "data_offsets": list(r.data_offsets)}
     body = json.dumps(hdr, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
+    if len(body) > MAX_HEADER_BYTES:
+        raise UnsupportedStateError(f"the shard header would be {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte "
+                                    "safetensors cap: store large values as arrays, not JSON")
     return struct.pack("<Q", len(body)) + body
 
 

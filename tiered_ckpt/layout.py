@@ -35,8 +35,10 @@ SAVE_LOCK_NAME = ".save.lock"
 LOCK_PREFIX = ".lock."
 TMP_SUFFIX = ".tmp"
 
-_STEP_RE = re.compile(r"^step_(\d{%d})$" % STEP_DIGITS)
-_SHARD_RE = re.compile(r"^rank_(\d{%d})\.safetensors$" % RANK_DIGITS)
+# ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$" would
+# also accept a trailing newline): one step number has exactly one directory name.
+_STEP_RE = re.compile(r"step_([0-9]{%d})" % STEP_DIGITS)
+_SHARD_RE = re.compile(r"rank_([0-9]{%d})\.safetensors" % RANK_DIGITS)
 
 
 def step_dir_name(step: int) -> str:
@@ -48,7 +50,7 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir_name(name: str) -> int | None:
     """Inverse of :func:`step_dir_name`; ``None`` for any other name."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -61,7 +63,7 @@ def shard_file_name(rank: int) -> str:
 
 def parse_shard_file_name(name: str) -> int | None:
     """Inverse of :func:`shard_file_name`; ``None`` for any other name."""
-    m = _SHARD_RE.match(name)
+    m = _SHARD_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

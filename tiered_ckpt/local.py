@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -110,6 +111,16 @@ def all_step_dirs(root: PathLike) -> list[int]:
     return sorted(steps)
 
 
+def symlinked_step_entries(root: PathLike) -> list[int]:
+    """Step numbers whose ``step_XXXXXXXXXX`` entry under ``root`` is a symlink (ignored by loads)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(s for name in names
+                  if (s := parse_step_dir_name(name)) is not None and os.path.islink(os.path.join(root, name)))
+
+
 def committed_steps(root: PathLike) -> list[int]:
     """Committed steps (their ``manifest.json`` is present) under the run directory ``root``, ascending
     by step number. Uncommitted leftovers are ignored (I3)."""
@@ -174,6 +185,45 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
 
 
 # ------------------------------------------------------------------------------------------ writing
+
+
+class _InFlight:
+    """Registers a call writing or committing a step directory within this process.
+
+    The on-disk save lock names its owner process, so it cannot tell two threads of one process apart:
+    this registry does. A second thread working on the same step for another save (or with
+    ``save_id=None``, which would adopt the first thread's save) gets :class:`ConcurrentSaveError`
+    (I4); threads of one save (same ``save_id``, e.g. :func:`save_sharded` 's rank threads) share it.
+    With ``claim`` the on-disk lock is claimed (across processes) under the same registry lock.
+    """
+
+    _guard = threading.Lock()
+    _active: dict[str, list[Any]] = {}  # str(step dir) -> [save_id, calls in flight]
+
+    def __init__(self, sdir: Path, step: int, save_id: str | None, *, claim: bool) -> None:
+        self.key, self.sdir, self.step, self.save_id, self.claim = str(sdir), sdir, step, save_id, claim
+
+    def enter(self) -> str:
+        with self._guard:
+            cur = self._active.get(self.key)
+            if cur is not None and (self.save_id is None or cur[0] != self.save_id):
+                raise ConcurrentSaveError(
+                    f"step {self.step}: another thread of this process is saving this step (save {cur[0]}); "
+                    "threads writing the ranks of one save must pass the same save_id")
+            sid = _claim_save_lock(self.sdir, self.step, self.save_id) if self.claim else self.save_id
+            assert sid is not None
+            if cur is None:
+                self._active[self.key] = [sid, 1]
+            else:
+                cur[1] += 1
+            return sid
+
+    def exit(self) -> None:
+        with self._guard:
+            ent = self._active[self.key]
+            ent[1] -= 1
+            if ent[1] == 0:
+                del self._active[self.key]
 
 
 def _claim_save_lock(sdir: Path, step: int, save_id: str | None) -> str:
@@ -290,9 +340,29 @@ def write_shard(
     shard_file_name(rank)  # validates rank
     tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
     step_dir_name(step)  # validates step
+    # Refuse an unstorable state before anything touches the disk (the real header differs only in the
+    # save id, at most 64 characters).
+    fmt.encode_header(fmt.layout(entries), {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step,
+                                            "save_id": "x" * 64, "tree": tree})
     try:
         sdir = _ensure_step_dir(r, step)
-        sid = _claim_save_lock(sdir, step, save_id)
+        inflight = _InFlight(sdir, step, save_id, claim=True)
+        sid = inflight.enter()
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise _write_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
+    try:
+        return _write_claimed_shard(r, sdir, step, rank, sid, tree, entries, replace, param_shard)
+    finally:
+        inflight.exit()
+
+
+def _write_claimed_shard(r: Path, sdir: Path, step: int, rank: int, sid: str, tree: dict[str, Any],
+                         entries: list[fmt.TensorEntry], replace: bool,
+                         param_shard: tuple[int, int] | None) -> ShardRecord:
+    """The part of :func:`write_shard` that runs with the step claimed for ``sid``."""
+    try:
         # Checked after the lock is ours: a save that committed meanwhile linked its manifest before it
         # released the lock, so it is seen here and its shards are never renamed over (I2, I4).
         if _is_committed(sdir):
@@ -301,7 +371,7 @@ def write_shard(
                 raise CheckpointExistsError(
                     f"step {step} is already committed under {r}; pass replace=True to overwrite it")
             _uncommit(sdir, step)
-    except CheckpointError:
+    except CheckpointError:  # CheckpointExistsError is an OSError too: keep its type
         raise
     except OSError as e:
         raise _write_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
@@ -395,6 +465,18 @@ def commit_step(
                              wall_clock_seconds=float(wall_clock_seconds or 0.0),
                              created_at=created_at or utc_now(),
                              extra=dict(extra) if extra is not None else None)
+    inflight = _InFlight(sdir, step, save_id, claim=False)
+    inflight.enter()
+    try:
+        return _commit_registered(r, sdir, step, world_size, manifest, save_id, replace, local_ranks)
+    finally:
+        inflight.exit()
+
+
+def _commit_registered(r: Path, sdir: Path, step: int, world_size: int, manifest: ShardManifest,
+                       save_id: str, replace: bool, local_ranks: Iterable[int] | None) -> ShardManifest:
+    """The part of :func:`commit_step` that runs registered as ``save_id`` 's (no other thread of this
+    process can rename a shard of another save between the checks and the manifest link)."""
     try:
         cur = json.loads((sdir / SAVE_LOCK_NAME).read_bytes()).get("save_id")
     except (OSError, ValueError, AttributeError):
@@ -465,37 +547,46 @@ def save_sharded(
     world_size = len(state_dict_per_rank)
     if world_size < 1:
         raise ValueError("state_dict_per_rank is empty")
-    sid = new_save_id()
     r, _ = resolve_root(root)
-    if replace:
-        # Un-commit once, up front, so that no rank sees a committed step mid-way (I2).
-        try:
-            sdir = _ensure_step_dir(r, step)
-            if _is_committed(sdir):
-                _uncommit(sdir, step)
-        except OSError as e:
-            raise _write_error(e, f"step {step}: cannot prepare {r}") from e
-    with ThreadPoolExecutor(max_workers=min(world_size, 8), thread_name_prefix="tiered-ckpt-save") as pool:
-        futs = [pool.submit(write_shard, r, step, rank, st, save_id=sid)
-                for rank, st in enumerate(state_dict_per_rank)]
-        errors = []
-        records = []
-        for f in futs:
-            try:
-                records.append(f.result())
-            except CheckpointError as e:
-                errors.append(e)
-    if errors:
-        # This call owns the whole save: let go of the step so that another process may save it (and
-        # gc may sweep the attempt) without waiting for this process to exit.
-        _release_save_lock(r / step_dir_name(step), sid)
-        raise errors[0]
+    step_dir_name(step)  # validates step
     try:
+        sdir = _ensure_step_dir(r, step)
+        # This call owns the whole save: claim the step once for every rank thread (they join it).
+        inflight = _InFlight(sdir, step, new_save_id(), claim=True)
+        sid = inflight.enter()
+    except OSError as e:
+        raise _write_error(e, f"step {step}: cannot prepare {r}") from e
+    records: list[ShardRecord] = []
+    try:
+        if replace and _is_committed(sdir):
+            # Un-commit once, up front, so that no rank sees a committed step mid-way (I2).
+            try:
+                _uncommit(sdir, step)
+            except OSError as e:
+                raise _write_error(e, f"step {step}: cannot un-commit the step to replace it") from e
+        with ThreadPoolExecutor(max_workers=min(world_size, 8), thread_name_prefix="tiered-ckpt-save") as pool:
+            futs = [pool.submit(write_shard, r, step, rank, st, save_id=sid)
+                    for rank, st in enumerate(state_dict_per_rank)]
+            errors = []
+            for f in futs:
+                try:
+                    records.append(f.result())
+                except CheckpointError as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
         return commit_step(r, step, world_size, records, extra, save_id=sid,
                            wall_clock_seconds=wall_clock_seconds)
     except CheckpointError:
-        _release_save_lock(r / step_dir_name(step), sid)
+        # Failed: take this attempt's shards away again (a failed save on a full disk must not keep the
+        # disk full) and let go of the step, so that another process may save it at once.
+        if not _is_committed(sdir):
+            for rec in records:
+                unlink_quietly(sdir / rec.path)
+        _release_save_lock(sdir, sid)
         raise
+    finally:
+        inflight.exit()
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -412,19 +412,49 @@ def _check_partitions(shards: list[ShardRecord], step: int) -> None:
                 raise _fail(f"step {step}: slices of {name[:80]!r} disagree on global shape/dtype "
                             f"(rank {rank}: {t.dtype} {list(t.global_shape or ())})")
         nonempty = [(r, t) for r, t in items if numel(t.shape) > 0]
-        if len(nonempty) > 64:
-            # Many slices: 1-D interval sweep keeps it O(n log n); higher ranks fall back to pairs.
-            if len(g0 or ()) == 1:
-                iv = sorted((t.global_offset[0], t.global_offset[0] + t.shape[0], r) for r, t in nonempty)
-                for (b0, e0, r0), (b1, _e1, r1) in zip(iv, iv[1:]):
-                    if b1 < e0:
-                        raise _fail(f"step {step}: slices of {name[:80]!r} on ranks {r0} and {r1} overlap")
-                continue
-        for i, (ra, ta) in enumerate(nonempty):
-            for rb, tb in nonempty[i + 1 :]:
-                if all(a_o < b_o + b_s and b_o < a_o + a_s for a_o, a_s, b_o, b_s in
-                       zip(ta.global_offset, ta.shape, tb.global_offset, tb.shape)):
-                    raise _fail(f"step {step}: slices of {name[:80]!r} on ranks {ra} and {rb} overlap")
+        pair = _first_overlap([(t.global_offset or (), t.shape) for _, t in nonempty])
+        if pair is not None:
+            ra, rb = nonempty[pair[0]][0], nonempty[pair[1]][0]
+            raise _fail(f"step {step}: slices of {name[:80]!r} on ranks {ra} and {rb} overlap")
+
+
+def _first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, int] | None:
+    """Indices of two overlapping boxes ``(offset, shape)`` (all non-empty, same rank), or ``None``.
+
+    A sweep along one dimension: boxes sorted by their start there, each compared only with those
+    still open at its start. The dimension is the one whose sweep keeps the fewest boxes open, so a
+    split along any one dimension (ZeRO, tensor parallel) and 2-D block grids stay near-linear; a hostile
+    manifest cannot make validation quadratic in its size without also overlapping (found at once).
+    """
+    import heapq
+
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+
+    def open_peak(d: int) -> int:
+        ends: list[int] = []
+        peak = 0
+        for off, shp in sorted(boxes, key=lambda b: b[0][d]):
+            while ends and ends[0] <= off[d]:
+                heapq.heappop(ends)
+            heapq.heappush(ends, off[d] + shp[d])
+            peak = max(peak, len(ends))
+        return peak
+
+    d = min(range(ndim), key=open_peak) if ndim > 1 else 0
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][d])
+    active: list[tuple[int, int]] = []  # heap of (end along d, index)
+    for i in order:
+        off, shp = boxes[i]
+        while active and active[0][0] <= off[d]:
+            heapq.heappop(active)
+        for _, j in active:
+            o2, s2 = boxes[j]
+            if all(a < b + sb and b < a + sa for a, sa, b, sb in zip(off, shp, o2, s2)):
+                return (j, i)
+        heapq.heappush(active, (off[d] + shp[d], i))
+    return None
 
 
 def _loads(text: str | bytes, what: str) -> Any:

@@ -16,9 +16,10 @@ from typing import Iterable
 from ._fs import owner_alive, temp_owner
 from ._locks import stale_lock_files
 from .errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
-from .layout import MANIFEST_NAME, SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
+from .layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
 from ._shard_reader import verify_shard_stream
-from .local import TRASH_PREFIX, all_step_dirs, read_manifest, resolve_root
+from .local import (TRASH_PREFIX, _is_committed, all_step_dirs, read_manifest, resolve_root,
+                    symlinked_step_entries)
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,16 @@ def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None 
     """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending);
     ``ranks`` as for :func:`inspect_step`."""
     r, step = resolve_root(root, step)
-    steps = [step] if step is not None else all_step_dirs(r)
     wanted = None if ranks is None else list(ranks)
-    return [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted) for s in steps]
+    if step is not None:
+        return [inspect_step(r, step, verify=verify, fast=fast, ranks=wanted)]
+    out = [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted) for s in all_step_dirs(r)]
+    # Symlinked step directories are not part of the run (loads ignore them, nothing is read through
+    # them); report them so that an operator who moved a step elsewhere does not silently lose it.
+    out += [StepStatus(s, CORRUPT, f"{step_dir_name(s)} is a symlink; step directories must be real "
+                                   "directories of the run (it is ignored by loads)")
+            for s in symlinked_step_entries(r)]
+    return sorted(out, key=lambda st: st.step)
 
 
 def _writer_alive(sdir: Path) -> bool:
@@ -165,7 +173,7 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
             removed.append(p)
     for step in all_step_dirs(r):
         sdir = r / step_dir_name(step)
-        if not (sdir / MANIFEST_NAME).exists():
+        if not _is_committed(sdir):  # lexists: a dangling or odd manifest.json still counts (never swept)
             try:
                 age = now - os.lstat(sdir).st_mtime
             except OSError:
