@@ -1,7 +1,8 @@
 """tiered_ckpt: checkpointing for distributed training that never resumes from a corrupt checkpoint.
 
 Local tier (per-rank safetensors shards + a manifest committed last), an uploader sidecar that pushes
-committed steps to S3, and restore after cluster loss. See README.md and SPEC.md.
+committed steps to S3, and restore after cluster loss. See README.md and docs/SPEC.md (the "SPEC §N"
+references in docstrings).
 """
 
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
