@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -182,7 +183,9 @@ class _StoreHandle:
 
             if s3_client is None:
                 s3_client = make_s3_client(endpoint_url=endpoint_url)
-            store = S3Store.from_url(remote_url, client=s3_client, transfer=transfer)
+            # A stop event lets an interrupted restore (Ctrl-C) cancel its transfers in flight.
+            store = S3Store.from_url(remote_url, client=s3_client, transfer=transfer,
+                                     stop_event=threading.Event())
         self.store = store
 
     def __enter__(self) -> Any:
@@ -535,10 +538,18 @@ def _commit(store: Any, plan: RestorePlan, root: Path, *, replace: bool, max_par
                                 thread_name_prefix="tiered-ckpt-restore") as pool:
             futs = {o.rank: pool.submit(_fetch_one, store, plan, o, tmps[o.rank], on_progress)
                     for o in plan.objects}
-            for rank, fut in futs.items():
-                exc = fut.exception()
-                if exc is not None:
-                    errors[rank] = exc
+            try:
+                for rank, fut in futs.items():
+                    exc = fut.exception()
+                    if exc is not None:
+                        errors[rank] = exc
+            except BaseException:  # KeyboardInterrupt: stop the transfers in flight, don't wait them out
+                for fut in futs.values():
+                    fut.cancel()
+                stop = getattr(store, "_stop_event", None)
+                if stop is not None:
+                    stop.set()
+                raise
         if errors:
             first = errors[min(errors)]
             if isinstance(first, OSError) and not isinstance(first, CheckpointError):

@@ -1,0 +1,49 @@
+"""Ctrl-C during `tiered-ckpt restore` stops the transfers in flight instead of waiting them out, and
+commits nothing (moto server over HTTP; the CLI as a real subprocess)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from restore_util import files_under, publish
+from s3_infra import S3Location
+from tiered_ckpt import committed_steps, save_sharded
+
+
+def test_sigint_mid_restore_stops_promptly_and_commits_nothing(tmp_path: Path, s3_bucket: S3Location) -> None:
+    src = tmp_path / "src"
+    rng = np.random.default_rng(0)
+    save_sharded([{"w": rng.standard_normal(12 * 2**20).astype(np.float32)} for _ in range(2)], src, 5)
+    publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, src, 5)
+    dest = tmp_path / "dest"
+    env = dict(os.environ, AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
+    cmd = [sys.executable, "-m", "tiered_ckpt.cli", "restore", "--remote", s3_bucket.url, "--local", str(dest),
+           "--concurrency", "1", "--part-size-mib", "1", "--parallel-shards", "1", "--no-progress"]
+    t0 = time.monotonic()
+    full = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    uninterrupted = time.monotonic() - t0
+    assert full.returncode == 0, full.stderr
+    assert committed_steps(dest) == [5]
+
+    dest2 = tmp_path / "dest2"
+    cmd[cmd.index(str(dest))] = str(dest2)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(min(1.5, uninterrupted / 4))
+    t1 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    stopped_after = time.monotonic() - t1
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in out + err
+    assert committed_steps(dest2) == []
+    assert not [f for f in files_under(dest2) if f.endswith(".tmp") or f.endswith(".safetensors")]
+    # It stops well before the remaining download would have finished.
+    print(f"uninterrupted {uninterrupted:.1f} s, stopped {stopped_after:.1f} s after SIGINT")
+    assert stopped_after < max(1.0, uninterrupted / 4), (stopped_after, uninterrupted)
