@@ -1,19 +1,32 @@
 """Benchmark: the uploader vs ``aws s3 cp --recursive`` on one 2 GiB step (4 ranks), same moto server.
 
-    python bench/upload.py [--gib 2] [--reps 3] [--out bench/out/upload.json]
+    python bench/upload.py [--gib 2] [--reps 5] [--part-mib 16] [--concurrency 10] [--out bench/out/upload.json]
 
-Per repetition, interleaved, each into an emptied prefix (moto keeps objects in memory):
+Per repetition, interleaved (the order rotates and reverses between repetitions, so no case always runs
+first or after the same neighbour), each into an emptied prefix (moto keeps objects in memory):
 
 * ``aws``: ``aws s3 cp --recursive`` of the step directory (installs the ``awscli`` PyPI package if the
   ``aws`` command is missing);
 * ``ours-no-readback``: ``Uploader.upload_step`` with every confirmation that needs no read-back: hashing
-  while sending, SHA-256 part checksums, HEAD + composite checksum comparison, confirmation records,
-  upload manifest, latest pointer. (moto does not validate checksums, so the bench tells the uploader to
-  treat it as a validating server, which is what S3 and MinIO are; moto's reported composite matches.)
+  while sending (whole-file SHA-256), CRC32C part checksums, HEAD + composite checksum comparison,
+  confirmation records, upload manifest, latest pointer. (moto does not validate checksums, so the bench
+  tells the uploader to treat it as a validating server, which is what S3 and MinIO are; moto's reported
+  composite matches.)
 * ``ours-readback``: the same with the read-back that a non-validating server (moto) needs.
 
 Reports medians and ratios (aws time / ours time: >= 1 means we are faster). Floor: >= 0.9 for
 ``ours-no-readback``. The read-back's extra time is reported separately.
+
+Besides wall time, every run records the CPU seconds of the client (the ``aws`` child process, or this
+process for ours) and of the moto server process, and the 1-minute load average: on a shared, loaded
+machine wall times swing by 2x between runs while CPU seconds stay put, so they tell whether a slow run
+did more work or merely waited for a core.
+
+What ``aws s3 cp`` (awscli 1.x, botocore >= 1.36, ``request_checksum_calculation=when_supported``)
+sends: ``CreateMultipartUpload(ChecksumAlgorithm=CRC32)``, 8 MiB parts, 10 in flight, each part with an
+``x-amz-checksum-crc32`` header and, over plain HTTP, a SHA-256 of the body for SigV4. The uploader
+sends 16 MiB parts with ``ChecksumCRC32C``, unsigned payload, plus the whole-file SHA-256 it compares
+with the manifest (see ``tiered_ckpt/_shard_transfer.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -57,6 +71,32 @@ def empty_prefix(loc: s3_infra.S3Location, prefix: str) -> None:
             c.delete_objects(Bucket=loc.bucket, Delete={"Objects": objs, "Quiet": True})
 
 
+def _server_pid(url: str) -> int | None:
+    """The moto server process listening on ``url``'s port (a child started by s3_infra)."""
+    port = url.rsplit(":", 1)[1]
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"moto.server" in argv and port.encode() in argv:
+                return int(d)
+    return None
+
+
+def _proc_cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return float("nan")
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def run_aws(aws: str, loc: s3_infra.S3Location, src: Path, prefix: str) -> float:
     t = time.monotonic()
     subprocess.run([aws, "--endpoint-url", loc.endpoint_url, "s3", "cp", "--recursive", "--only-show-errors",
@@ -72,7 +112,7 @@ def run_ours(loc: s3_infra.S3Location, root: Path, prefix: str, step: int, readb
     (root / step_dir_name(step) / UPLOADED_MARKER_NAME).unlink(missing_ok=True)
     client = s3_infra.make_test_client(loc.endpoint_url, read_timeout_s=300)
     with Uploader(root, f"s3://{loc.bucket}/{prefix}", s3_client=client, part_size_bytes=part_mib * MiB,
-                  multipart_threshold_bytes=max(part_mib, 8) * MiB, max_concurrency=concurrency) as up:
+                  max_concurrency=concurrency) as up:
         up.server_validates_checksums()  # probe outside the timing
         if not readback:
             up._server_validates = True
@@ -87,9 +127,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--part-mib", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--part-mib", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=10)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "upload.json")
     args = ap.parse_args()
     os.environ.update(s3_infra.TEST_AWS_ENV)
@@ -108,12 +148,20 @@ def main() -> int:
         src = work / step_dir_name(step)
         print(f"step of {total_bytes / 2**30:.2f} GiB in {args.ranks} shards; {args.reps} interleaved reps",
               flush=True)
-        res: dict[str, list[float]] = {"aws": [], "ours-no-readback": [], "ours-readback": [], "readback-s": []}
+        cases = ("aws", "ours-no-readback", "ours-readback")
+        res: dict[str, list[float]] = {c: [] for c in cases}
+        res["readback-s"] = []
+        cpu: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
         with s3_infra.run_moto_server() as url:
+            server = _server_pid(url)
             loc = s3_infra.new_bucket(url, prefix="bench")
             for rep in range(args.reps):
-                for name in ("aws", "ours-no-readback", "ours-readback"):
+                order = list(cases[rep % 3:] + cases[:rep % 3])
+                if rep % 2:
+                    order.reverse()
+                for name in order:
                     prefix = f"bench/{name}/{rep}"
+                    c0 = (_cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN), _proc_cpu_s(server))
                     if name == "aws":
                         dt = run_aws(aws, loc, src, prefix)
                     else:
@@ -121,19 +169,28 @@ def main() -> int:
                                           args.concurrency)
                         if name == "ours-readback":
                             res["readback-s"].append(rb)
+                    c1 = (_cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN), _proc_cpu_s(server))
+                    load1 = os.getloadavg()[0]
                     res[name].append(dt)
-                    print(f"rep {rep} {name:17s} {dt:7.2f} s  {total_bytes / dt / MiB:7.1f} MiB/s", flush=True)
+                    cpu[name].append({"client_cpu_s": round(c1[0] - c0[0], 2),
+                                      "server_cpu_s": round(c1[1] - c0[1], 2), "load1": round(load1, 2)})
+                    print(f"rep {rep} {name:17s} {dt:7.2f} s  {total_bytes / dt / MiB:7.1f} MiB/s  cpu client "
+                          f"{c1[0] - c0[0]:5.2f} s server {c1[1] - c0[1]:5.2f} s  load1 {load1:5.2f}", flush=True)
                     empty_prefix(loc, prefix)
         med = {k: statistics.median(v) for k, v in res.items() if v}
+        med_cpu = {k: {f: statistics.median(r[f] for r in v) for f in ("client_cpu_s", "server_cpu_s", "load1")}
+                   for k, v in cpu.items()}
+        pair_ratios = [a / o for a, o in zip(res["aws"], res["ours-no-readback"])]
         report = {
             "bytes": total_bytes, "ranks": args.ranks, "reps": args.reps, "part_mib": args.part_mib,
-            "concurrency": args.concurrency, "runs_s": res, "median_s": med,
+            "concurrency": args.concurrency, "runs_s": res, "median_s": med, "cpu": cpu,
+            "median_cpu": med_cpu, "per_rep_ratio_no_readback": pair_ratios,
             "ratio_no_readback": med["aws"] / med["ours-no-readback"],
             "ratio_readback": med["aws"] / med["ours-readback"],
             "readback_extra_s": med["ours-readback"] - med["ours-no-readback"],
         }
-        print(json.dumps({k: report[k] for k in ("median_s", "ratio_no_readback", "ratio_readback",
-                                                   "readback_extra_s")}, indent=1))
+        print(json.dumps({k: report[k] for k in ("median_s", "median_cpu", "ratio_no_readback", "ratio_readback",
+                                                   "readback_extra_s", "per_rep_ratio_no_readback")}, indent=1))
         floor_ok = report["ratio_no_readback"] >= 0.9
         print(f"floor (aws / ours-no-readback >= 0.9): {'PASS' if floor_ok else 'FAIL'}")
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -81,12 +81,18 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
         kills += 1
         _check_no_unconfirmed(s3_bucket, verify_bytes=False)
     assert kills >= 20
+    log_path = Path(f"{root}.log")
+    started_before = log_path.read_text().count("sidecar: ")
     proc = _start(root, s3_bucket)
     try:
         t_end = time.monotonic() + 60
         while _uploaded(root) != set(committed_steps(root)) and time.monotonic() < t_end:
             time.sleep(0.2)
         assert _uploaded(root) == set(committed_steps(root))
+        # The killed sidecars may have finished every step already: then SIGTERM could land before this
+        # one has installed its handler (its "sidecar: ..." line is logged right after) and kill it.
+        while log_path.read_text().count("sidecar: ") == started_before and time.monotonic() < t_end:
+            time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0

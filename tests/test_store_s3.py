@@ -150,6 +150,45 @@ def test_composite_checksum_and_matching() -> None:
         composite_sha256_b64([b"short"])
 
 
+def test_composite_crc32c() -> None:
+    import google_crc32c
+
+    from tiered_ckpt.store.checksums import composite_crc32c_b64, crc32c_b64
+
+    assert crc32c_b64(b"123456789") == base64.b64encode(bytes.fromhex("e3069283")).decode()  # check value
+    parts = [b"a" * 10, b"b" * 3]
+    crcs = [google_crc32c.value(p).to_bytes(4, "big") for p in parts]
+    expected = base64.b64encode(google_crc32c.value(b"".join(crcs)).to_bytes(4, "big")).decode() + "-2"
+    assert composite_crc32c_b64(crcs) == expected
+    assert checksums_match(expected[:-2], expected)
+    with pytest.raises(ValueError):
+        composite_crc32c_b64([])
+    with pytest.raises(ValueError):
+        composite_crc32c_b64([b"x" * 32])
+
+
+def test_server_composite_crc32c_matches_local(s3_bucket: S3Location) -> None:
+    """A multipart upload with CRC32C part checksums (what the uploader sends): the composite the server
+    reports (HEAD, ChecksumMode=ENABLED) is the one computed locally from the part CRCs."""
+    import google_crc32c
+
+    from tiered_ckpt.store.checksums import composite_crc32c_b64
+
+    c, key = s3_bucket.client, f"{s3_bucket.prefix}/crc32c.bin"
+    parts = [os.urandom(5 * MiB), os.urandom(1234)]
+    crcs = [google_crc32c.value(p).to_bytes(4, "big") for p in parts]
+    up = c.create_multipart_upload(Bucket=s3_bucket.bucket, Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
+    done = []
+    for n, (p, crc) in enumerate(zip(parts, crcs), start=1):
+        b64 = base64.b64encode(crc).decode()
+        r = c.upload_part(Bucket=s3_bucket.bucket, Key=key, UploadId=up, PartNumber=n, Body=p,
+                          ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64)
+        done.append({"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64})
+    c.complete_multipart_upload(Bucket=s3_bucket.bucket, Key=key, UploadId=up, MultipartUpload={"Parts": done})
+    head = c.head_object(Bucket=s3_bucket.bucket, Key=key, ChecksumMode="ENABLED")
+    assert checksums_match(head["ChecksumCRC32C"], composite_crc32c_b64(crcs))
+
+
 def test_settings_validation() -> None:
     with pytest.raises(ValueError):
         TransferSettings(part_size_bytes=4 * MiB)

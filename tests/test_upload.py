@@ -17,6 +17,7 @@ from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.upload import StepIncompleteError, UploadPolicy
 from tiered_ckpt.upload_manifest import LatestPointer
 
+MiB = 1024 * 1024
 FAST_RETRY = RetryPolicy(max_attempts=6, initial_wait_s=0.05, max_wait_s=0.3)
 
 
@@ -61,6 +62,43 @@ def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S
     latest = LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest"))
     assert latest.step == 30  # never moved backwards by the older steps uploaded after it
     assert not list(s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads", []))
+
+
+def test_server_checksum_confirmation_compares_composite_crc32c(
+        tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+    """Where the server validates checksums the shard is confirmed by the composite CRC32C it reports
+    (moto computes it from the bytes it stored). moto does not validate, so the test tells the uploader it
+    does, as bench/upload.py does: a byte flipped in an UploadPart body then shows up as a composite that
+    differs from the one computed locally, and the shard is sent again."""
+    import google_crc32c
+
+    from tiered_ckpt.store.checksums import composite_crc32c_b64
+
+    root = tmp_path / "node"
+    make_step(root, 1)
+    make_step(root, 2)
+    client = s3_infra.make_test_client(fault_proxy.url)
+    with _uploader(root, s3_bucket, client) as up:
+        up._server_validates = True  # as a validating server (S3, MinIO) would be probed
+        um = up.upload_step(1)
+        assert {s.confirmed_by for s in um.shards} == {"server-checksum"}
+        sp = f"{s3_bucket.prefix}/{step_dir_name(1)}"
+        for rec in read_manifest(root, 1).shards:
+            data = (root / step_dir_name(1) / rec.path).read_bytes()
+            assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == data
+            c = json.loads(remote_bytes(s3_bucket, f"{sp}/.confirm/rank_{rec.rank:05d}.json"))
+            crcs = [google_crc32c.value(data[i:i + 5 * MiB]).to_bytes(4, "big") for i in range(0, len(data), 5 * MiB)]
+            assert c["checksum_algorithm"] == "CRC32C" and c["checksum"] == composite_crc32c_b64(crcs)
+            assert c["confirmed_by"] == "server-checksum" and c["sha256"] == rec.sha256
+        flip = fault_proxy.flip_byte_first(1, s3_infra.is_upload_part)
+        before = fault_proxy.count(lambda r: r.method == "POST" and r.target.endswith("?uploads"))
+        um2 = up.upload_step(2)
+    assert flip.applied == 1
+    assert fault_proxy.count(lambda r: r.method == "POST" and r.target.endswith("?uploads")) - before == 5
+    assert {s.confirmed_by for s in um2.shards} == {"server-checksum"}
+    sp = f"{s3_bucket.prefix}/{step_dir_name(2)}"
+    for rec in read_manifest(root, 2).shards:
+        assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == (root / step_dir_name(2) / rec.path).read_bytes()
 
 
 def test_restart_does_not_resend_confirmed_shards(tmp_path: Path, s3_bucket: s3_infra.S3Location,

@@ -8,19 +8,24 @@ byte is hashed as it is read for sending, on one thread, in file order:
 2. A file below the multipart threshold is read whole (bounded by the threshold), hashed, compared with
    the manifest's sha256 *before* anything is sent, then written with one ``PutObject`` carrying its
    ``ChecksumSHA256`` (``S3Store.put_bytes``).
-3. Otherwise a multipart upload: ``CreateMultipartUpload(ChecksumAlgorithm=SHA256)``; the reader thread
+3. Otherwise a multipart upload: ``CreateMultipartUpload(ChecksumAlgorithm=CRC32C)``; the reader thread
    ``pread`` s part after part (part sizes from :func:`~tiered_ckpt.store.plan_part_sizes`, as s3transfer
-   would), feeds the whole-file SHA-256, and hands each part to a worker that hashes it (the part's
-   SHA-256, sent as ``ChecksumSHA256`` so a validating server rejects bytes damaged in transit; hashlib
-   releases the GIL, so parts hash in parallel) and sends ``UploadPart``. A semaphore shared by every
-   shard bounds the parts in memory: at most ``part_slots + readers`` parts of ``part_size_bytes``.
+   would), feeds the whole-file SHA-256, and hands each part to a worker that computes the part's CRC32C
+   (sent as ``ChecksumCRC32C``, so a validating server rejects bytes damaged in transit; hardware CRC32C
+   through ctypes releases the GIL) and sends ``UploadPart``. A semaphore shared by every shard bounds
+   the parts in memory: at most ``part_slots + readers`` parts of ``part_size_bytes``.
+   Why CRC32C and not SHA-256 per part: the whole-file SHA-256 above already proves that the bytes read
+   equal the manifest's; the part checksum only has to catch damage in transit, which a CRC does (S3 and
+   MinIO validate CRC32C like SHA-256). A per-part SHA-256 was a second SHA-256 pass over every byte on
+   the client, and another one on servers that compute the composite themselves (moto), for nothing.
    After the last part the whole-file digest is compared with the manifest; a mismatch (local rot)
    aborts the upload before ``CompleteMultipartUpload``, so damaged bytes never become an object.
-4. ``CompleteMultipartUpload`` with every part's checksum. A retried Complete whose first attempt
+4. ``CompleteMultipartUpload`` with every part's CRC32C. A retried Complete whose first attempt
    succeeded answers ``NoSuchUpload``: then HEAD decides (size, and the confirmation below).
 5. Confirmation (:func:`confirm_shard`): HEAD with ``ChecksumMode=ENABLED``; the size must match. Where
-   the server validates checksums (probed once per bucket), its ``ChecksumSHA256`` must equal the
-   locally computed one (composite ``base64(sha256(d1..dn))-n`` for multipart) -> ``server-checksum``.
+   the server validates checksums (probed once per bucket), the checksum it reports for the algorithm
+   sent (``ChecksumSHA256`` of a single PUT, ``ChecksumCRC32C`` of a multipart upload) must equal the
+   locally computed one (composite ``base64(crc32c(c1..cn))-n`` for multipart) -> ``server-checksum``.
    Elsewhere (moto) or when the server reports none, the object is streamed back and hashed ->
    ``read-back``. A mismatch is a :class:`TransitCorruptionError`: the caller uploads again.
 
@@ -44,7 +49,9 @@ from typing import Any, Callable
 
 from .errors import ShardCorruptedError, UploadError
 from .retry import OperationInterruptedError, s3_error_code_and_status
-from .store import composite_sha256_b64, plan_part_sizes
+from ._crc import crc32c_extend
+from .store import plan_part_sizes
+from .store.checksums import composite_crc32c_b64
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +70,14 @@ class TransitCorruptionError(ShardCorruptedError):
 
 @dataclass(frozen=True)
 class SentShard:
-    """What was sent: ``size_bytes``, ``sha256_hex`` of the bytes read for sending, and
-    ``checksum_sha256_b64`` as S3 reports it (single PUT or composite ``-n`` form)."""
+    """What was sent: ``size_bytes``, ``sha256_hex`` of the bytes read for sending, and the S3 additional
+    checksum as S3 reports it: ``checksum_algorithm`` ``"SHA256"`` (single PUT: ``checksum_b64`` is
+    ``base64(sha256(body))``) or ``"CRC32C"`` (multipart: composite ``base64(crc32c(c1..cn))-n``)."""
 
     size_bytes: int
     sha256_hex: str
-    checksum_sha256_b64: str
+    checksum_algorithm: str
+    checksum_b64: str
     parts: int
 
 
@@ -143,7 +152,7 @@ def _send_single(store: Any, key: str, fd: int, size: int, expected_sha256: str,
     store.put_bytes(key, data, checksum_sha256_b64=b64)
     if on_progress is not None:
         on_progress(size)
-    return SentShard(size, digest.hex(), b64, 1)
+    return SentShard(size, digest.hex(), "SHA256", b64, 1)
 
 
 def _send_multipart(store: Any, key: str, fd: int, plan: list[int], expected_sha256: str, what: str,
@@ -151,7 +160,7 @@ def _send_multipart(store: Any, key: str, fd: int, plan: list[int], expected_sha
                     extra_args: dict[str, str], stop_event: threading.Event | None,
                     on_progress: Callable[[int], None] | None) -> SentShard:
     client, bucket, fkey = store.client, store.bucket, full_key(store, key)
-    resp = client.create_multipart_upload(Bucket=bucket, Key=fkey, ChecksumAlgorithm="SHA256", **extra_args)
+    resp = client.create_multipart_upload(Bucket=bucket, Key=fkey, ChecksumAlgorithm="CRC32C", **extra_args)
     upload_id = resp["UploadId"]
     log.debug("%s: multipart upload %s started (%d parts)", what, upload_id, len(plan))
     futures: list[Future[dict[str, Any]]] = []
@@ -161,15 +170,15 @@ def _send_multipart(store: Any, key: str, fd: int, plan: list[int], expected_sha
 
     def send_part(number: int, data: bytes) -> dict[str, Any]:
         try:
-            digest = hashlib.sha256(data).digest()
+            digest = crc32c_extend(0, data).to_bytes(4, "big")
             b64 = base64.b64encode(digest).decode("ascii")
             r = client.upload_part(Bucket=bucket, Key=fkey, UploadId=upload_id, PartNumber=number, Body=data,
-                                   ChecksumAlgorithm="SHA256", ChecksumSHA256=b64)
+                                   ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64)
             if on_progress is not None:
                 on_progress(len(data))
             with sent_lock:
                 sent[0] += len(data)
-            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumSHA256": b64, "_digest": digest}
+            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC32C": b64, "_digest": digest}
         finally:
             part_slots.release()
 
@@ -198,7 +207,7 @@ def _send_multipart(store: Any, key: str, fd: int, plan: list[int], expected_sha
                                   f"says {expected_sha256} (local rot?); upload aborted")
         if stop_event is not None and stop_event.is_set():
             raise OperationInterruptedError(f"{what}: stopped before completing the upload")
-        composite = composite_sha256_b64([p.pop("_digest") for p in parts])
+        composite = composite_crc32c_b64([p.pop("_digest") for p in parts])
         try:
             client.complete_multipart_upload(Bucket=bucket, Key=fkey, UploadId=upload_id,
                                              MultipartUpload={"Parts": parts})
@@ -212,7 +221,7 @@ def _send_multipart(store: Any, key: str, fd: int, plan: list[int], expected_sha
             if info is None or info.size_bytes != offset:
                 raise TransitCorruptionError(f"{what}: multipart upload vanished before completion") from e
         completed = True
-        return SentShard(offset, sha_hex, composite, len(plan))
+        return SentShard(offset, sha_hex, "CRC32C", composite, len(plan))
     finally:
         if not completed:
             for f in futures:
@@ -268,15 +277,17 @@ def confirm_shard(store: Any, key: str, sent: SentShard, *, server_validates: bo
     from .store import checksums_match
 
     what = f"{store.url}/{key}"
-    info = store.head(key)
-    if info is None:
+    resp = store.head_response(key)
+    if resp is None:
         raise TransitCorruptionError(f"{what}: missing right after its upload")
-    if info.size_bytes != sent.size_bytes:
-        raise TransitCorruptionError(f"{what}: server has {info.size_bytes} bytes, sent {sent.size_bytes}")
-    if server_validates and not force_read_back and info.checksum_sha256 is not None:
-        if not checksums_match(info.checksum_sha256, sent.checksum_sha256_b64):
-            raise TransitCorruptionError(f"{what}: server reports ChecksumSHA256 {info.checksum_sha256}, "
-                                         f"sent {sent.checksum_sha256_b64}")
+    size = int(resp["ContentLength"])
+    if size != sent.size_bytes:
+        raise TransitCorruptionError(f"{what}: server has {size} bytes, sent {sent.size_bytes}")
+    field = f"Checksum{sent.checksum_algorithm}"
+    reported = resp.get(field)
+    if server_validates and not force_read_back and reported is not None:
+        if not checksums_match(str(reported), sent.checksum_b64):
+            raise TransitCorruptionError(f"{what}: server reports {field} {reported}, sent {sent.checksum_b64}")
         return "server-checksum"
     size, sha = read_back_sha256(store, key, stop_event)
     if size != sent.size_bytes or sha != expected_sha256:

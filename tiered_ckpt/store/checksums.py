@@ -1,4 +1,5 @@
-"""S3-style SHA-256 checksums computed locally, so what the server reports can be compared with what was sent.
+"""S3-style SHA-256 and CRC32C checksums computed locally, so what the server reports can be compared with
+what was sent.
 
 Pure apart from reading a local file; no boto3.
 
@@ -8,6 +9,10 @@ written with ``ChecksumAlgorithm=SHA256``:
 * single ``PutObject``: ``base64(sha256(body))`` (a FULL_OBJECT checksum);
 * multipart upload: ``base64(sha256(d_1 || d_2 || ... || d_n)) + "-n"`` where ``d_i`` is the raw 32-byte
   SHA-256 of part ``i`` (a COMPOSITE checksum, "checksum of checksums").
+
+The same composite rule holds for the other algorithms; the uploader's multipart uploads use CRC32C
+(``ChecksumAlgorithm=CRC32C``): ``base64(crc32c(c_1 || ... || c_n)) + "-n"`` where ``c_i`` is the
+4-byte big-endian CRC32C of part ``i`` (:func:`composite_crc32c_b64`).
 
 Observed on moto 5.2.1 (tests/test_store_s3.py pins this): the single-PUT value is whatever the client put
 in the ``x-amz-checksum-sha256`` header (moto echoes it, even when it is wrong for the body), and for
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+
+import google_crc32c
 import math
 import os
 from dataclasses import dataclass
@@ -61,6 +68,25 @@ def composite_sha256_b64(part_digests: Sequence[bytes]) -> str:
     return f"{base64.b64encode(combined).decode('ascii')}-{len(part_digests)}"
 
 
+def crc32c_b64(data: bytes) -> str:
+    """``base64(crc32c(data))`` (4 bytes, big-endian), the form S3 uses for ``ChecksumCRC32C``."""
+    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode("ascii")
+
+
+def composite_crc32c_b64(part_crcs: Sequence[bytes]) -> str:
+    """S3's composite CRC32C of a multipart upload: ``base64(crc32c(concat(crcs))) + f"-{n}"``.
+
+    ``part_crcs`` are the 4-byte big-endian CRC32Cs of the parts, in part-number order. Raises
+    ``ValueError`` on an empty list or a value that is not 4 bytes.
+    """
+    if not part_crcs:
+        raise ValueError("a multipart upload has at least one part")
+    for i, crc in enumerate(part_crcs):
+        if len(crc) != 4:
+            raise ValueError(f"part {i + 1}: a CRC32C is 4 bytes, got {len(crc)}")
+    return f"{crc32c_b64(b''.join(part_crcs))}-{len(part_crcs)}"
+
+
 def split_checksum(value: str) -> tuple[str, int | None]:
     """``("base64", n)`` for ``"base64-n"``, ``("base64", None)`` for a value without a part count."""
     base, sep, count = value.rpartition("-")
@@ -70,7 +96,8 @@ def split_checksum(value: str) -> tuple[str, int | None]:
 
 
 def checksums_match(reported: str, expected: str) -> bool:
-    """Whether a server-reported ``ChecksumSHA256`` agrees with the locally computed ``expected``.
+    """Whether a server-reported checksum (``ChecksumSHA256``, ``ChecksumCRC32C``, ...) agrees with the
+    locally computed ``expected``.
 
     The base64 digests must be equal; the ``-n`` part counts are compared only when both carry one
     (moto omits it, AWS includes it).
@@ -171,8 +198,10 @@ __all__ = [
     "MAX_PARTS",
     "FileDigests",
     "checksums_match",
+    "composite_crc32c_b64",
     "composite_sha256_b64",
     "compute_file_digests",
+    "crc32c_b64",
     "plan_part_sizes",
     "sha256_b64",
     "split_checksum",

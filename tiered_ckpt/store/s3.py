@@ -181,6 +181,7 @@ def make_s3_client(
     read_timeout_s: float = 60.0,
     request_checksum_calculation: str = "when_required",
     response_checksum_validation: str = "when_required",
+    sign_payload: bool | None = False,
 ) -> botocore.client.BaseClient:
     """Create ONE S3 client; share it (botocore clients are thread-safe).
 
@@ -197,6 +198,16 @@ def make_s3_client(
     reject); the store asks for SHA-256 explicitly. ``response_checksum_validation="when_required"``
     because callers verify SHA-256 themselves and moto reports multipart composite checksums without the
     ``-N`` suffix, which botocore would then misvalidate as a full-object checksum.
+
+    ``sign_payload=False`` (S3's ``payload_signing_enabled``): requests are signed with
+    ``X-Amz-Content-SHA256: UNSIGNED-PAYLOAD`` instead of a SHA-256 of the body. Over HTTPS botocore already
+    does that for bodies that carry a checksum; over plain HTTP (MinIO in compose, moto) it would otherwise
+    SHA-256 every part once more on the client, a third pass over every byte after the whole-file SHA-256
+    and the part checksum. Integrity does not depend on it: every body the store and the uploader send
+    carries an additional checksum (``ChecksumSHA256``/``ChecksumCRC32C``; DeleteObjects its required
+    checksum), which a validating server checks, and a CompleteMultipartUpload list damaged in transit
+    either names parts the server rejects or yields an object whose composite checksum differs from the
+    one computed locally. ``None`` keeps botocore's default (sign over HTTP), ``True`` always signs.
     Raises ``ValueError`` on invalid settings (botocore's own validation).
     """
     if max_pool_connections < 1 or botocore_max_attempts < 1:
@@ -205,7 +216,8 @@ def make_s3_client(
     config = Config(
         # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries only.
         retries={"mode": "standard", "total_max_attempts": botocore_max_attempts},
-        s3={"addressing_style": "path" if path_style else "auto"},
+        s3={"addressing_style": "path" if path_style else "auto",
+            **({} if sign_payload is None else {"payload_signing_enabled": sign_payload})},
         max_pool_connections=max_pool_connections,
         connect_timeout=connect_timeout_s,
         read_timeout=read_timeout_s,
@@ -469,6 +481,21 @@ class S3Store:
     def head(self, key: str) -> ObjectInfo | None:
         """HeadObject (``ChecksumMode=ENABLED``); ``None`` on 404. Raises ``UploadError``."""
         return self._call(f"head {self._describe(key)}", lambda: self._head_once(key))
+
+    def head_response(self, key: str) -> dict[str, Any] | None:
+        """The raw HeadObject response (``ChecksumMode=ENABLED``), for checksums :class:`ObjectInfo` does
+        not carry (``ChecksumCRC32C``, ...); ``None`` on 404. Same retries as :meth:`head`."""
+
+        def op() -> dict[str, Any] | None:
+            try:
+                return dict(self._client.head_object(Bucket=self._bucket, Key=self._full_key(key),
+                                                     ChecksumMode="ENABLED"))
+            except ClientError as exc:
+                if _is_not_found(exc):
+                    return None
+                raise
+
+        return self._call(f"head {self._describe(key)}", op)
 
     def put_bytes(
         self,
