@@ -212,12 +212,20 @@ class Uploader:
     # ------------------------------------------------------------------------------------ public
 
     def pending_steps(self) -> list[int]:
-        """Committed local steps without the ``uploaded.json`` marker, newest first."""
-        out = []
-        for s in reversed(committed_steps(self.local_root)):
-            if not (step_path(self.local_root, s) / UPLOADED_MARKER_NAME).is_file():
-                out.append(s)
-        return out
+        """Committed local steps not yet uploaded to *this* remote, newest first: no ``uploaded.json``
+        marker, or one naming another bucket/prefix (a sidecar re-pointed elsewhere, or a step restored
+        from another bucket, must still upload it here)."""
+        return [s for s in reversed(committed_steps(self.local_root))
+                if not self._marked_for_this_remote(step_path(self.local_root, s))]
+
+    def _marked_for_this_remote(self, sdir: Path) -> bool:
+        """``sdir`` carries an ``uploaded.json`` marker written for this uploader's remote URL."""
+        try:
+            marker = json.loads((sdir / UPLOADED_MARKER_NAME).read_bytes())
+        except (OSError, ValueError):
+            return False  # absent or unreadable: upload (a committed remote step is only re-checked)
+        remote = marker.get("remote") if isinstance(marker, dict) else None
+        return isinstance(remote, str) and remote.rstrip("/") == self.store.url.rstrip("/")
 
     def server_validates_checksums(self) -> bool:
         """Whether the bucket's server validates SHA-256 checksums (probed once, cached)."""
@@ -383,7 +391,7 @@ class Uploader:
         """At start: the newest local step carrying the marker feeds the time-at-risk gauge."""
         for s in reversed(committed_steps(self.local_root)):
             sdir = step_path(self.local_root, s)
-            if (sdir / UPLOADED_MARKER_NAME).is_file():
+            if self._marked_for_this_remote(sdir):
                 try:
                     _, m = self._read_local_manifest(s, sdir)
                 except (CheckpointError, OSError):
@@ -465,7 +473,10 @@ class Uploader:
                 errors.append(e)
         if errors:
             for e in errors[1:]:
-                log.error("step %d: another shard failed too: %s: %s", step, type(e).__name__, e)
+                if isinstance(e, OperationInterruptedError):  # a requested stop, not a failure
+                    log.debug("step %d: another shard transfer stopped: %s", step, e)
+                else:
+                    log.error("step %d: another shard failed too: %s: %s", step, type(e).__name__, e)
             raise errors[0]
 
         shards = []

@@ -66,9 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="auto: server checksums where the bucket validates them, else read-back")
     p.add_argument("--poll-interval-s", type=positive_float, default=_env("TIERED_CKPT_POLL_INTERVAL_S"),
                    help="--watch poll interval (default 2; env TIERED_CKPT_POLL_INTERVAL_S)")
-    p.add_argument("--part-size-mib", type=positive_int, default=32, help="multipart part size (MiB, default 32)")
+    p.add_argument("--part-size-mib", type=positive_int, default=16, help="multipart part size (MiB, default 16)")
     p.add_argument("--multipart-threshold-mib", type=positive_int, default=64, help="default 64")
-    p.add_argument("--max-concurrency", type=positive_int, default=8, help="parts in flight (default 8)")
+    p.add_argument("--max-concurrency", type=positive_int, default=10, help="parts in flight (default 10)")
     p.add_argument("--shutdown-timeout-s", type=nonneg_float, default=30.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
