@@ -256,7 +256,7 @@ def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Any],
     expensive ones: sha256); ``inline_hashers`` (cheap ones: CRC32C, several GB/s) are fed on the writing
     thread itself, so that the two threads carry about the same CPU load on two cores. Returns bytes
     written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
-    from ._fs import write_all
+    from ._fs import start_writeback, write_all
 
     total = 0
     with OverlappedHasher(hashers) as hasher:
@@ -265,6 +265,7 @@ def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Any],
             for h in inline_hashers:
                 h.update(chunk)
             write_all(fd, chunk)
+            start_writeback(fd, total, chunk.nbytes)  # the final fsync then has little left to flush
             total += chunk.nbytes
     return total
 

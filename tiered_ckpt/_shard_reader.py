@@ -107,7 +107,9 @@ def pread_exact(fd: int, buf: memoryview, offset: int, where: str, stats: ReadSt
         pos += n
 
 
-def _match(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> None:
+def match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> None:
+    """The shard's header belongs to ``rec`` of manifest ``m`` (rank, step, save id) and lists exactly
+    the record's tensors (names, dtypes, shapes, byte ranges). Raises ShardCorruptedError."""
     meta = hdr.metadata
     if meta.get("rank") != rec.rank or meta.get("step") != m.step or meta.get("save_id") != m.save_id:
         raise ShardCorruptedError(f"{where}: header belongs to rank {meta.get('rank')} step "
@@ -174,7 +176,7 @@ class ShardReader:
                 raise ShardCorruptedError(f"{self.where}: header sha256 differs from the manifest's "
                                           "(corrupt header)")
         hdr = fmt.parse_header(bytes(raw), self.record.size_bytes, self.where)
-        _match(hdr, self.record, self.manifest, self.where)
+        match_header(hdr, self.record, self.manifest, self.where)
         self._header = hdr
         return hdr
 
@@ -292,7 +294,7 @@ def verify_shard_stream(sdir: Path, manifest: ShardManifest, rank: int, verify: 
         hdr = fmt.parse_header(os.pread(fd, n, 8), rec.size_bytes, where)
     finally:
         os.close(fd)
-    _match(hdr, rec, manifest, where)
+    match_header(hdr, rec, manifest, where)
     fmt.decode_state(None, hdr, where, lambda path: None)  # tree only; rank 0 holds replicated values
     return algo
 

@@ -625,19 +625,8 @@ def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: 
                                   f"{str(expected)[:16]}... (corrupt or partial write)")
     n = fmt.parse_header_length(bytes(buf[:8]), len(buf), where)
     hdr = fmt.parse_header(bytes(buf[8 : 8 + n]), len(buf), where)
-    _match_header(hdr, rec, manifest, where)
+    sr.match_header(hdr, rec, manifest, where)
     return VerifiedShard(rec, buf, hdr)
-
-
-def _match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> None:
-    meta = hdr.metadata
-    if meta.get("rank") != rec.rank or meta.get("step") != m.step or meta.get("save_id") != m.save_id:
-        raise ShardCorruptedError(f"{where}: header belongs to rank {meta.get('rank')} step "
-                                  f"{meta.get('step')} save {meta.get('save_id')}, not this manifest's")
-    mine = {t.name: (t.dtype, t.shape, t.data_offsets) for t in rec.tensors}
-    theirs = {t.name: (t.dtype, t.shape, t.data_offsets) for t in hdr.tensors}
-    if mine != theirs:
-        raise ShardCorruptedError(f"{where}: header tensors disagree with the manifest")
 
 
 def _load_rank(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256",

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from . import _format as fmt
 from . import local as _local
+from ._shard_reader import match_header
 from ._fs import atomic_write_bytes, atomic_write_json, fsync_dir, temp_name_for, unlink_durable, unlink_quietly
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
                      ManifestError, MissingShardError, NoCheckpointError, ShardCorruptedError, UploadError)
@@ -457,7 +458,7 @@ def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
     with open(path, "rb") as f:
         n = fmt.parse_header_length(f.read(8), rec.size_bytes, where)
         hdr = fmt.parse_header(f.read(n), rec.size_bytes, where)
-    _local._match_header(hdr, rec, plan.manifest, where)
+    match_header(hdr, rec, plan.manifest, where)
 
 
 def _fetch_one(store: Any, plan: RestorePlan, obj: RemoteObject, tmp: Path,
