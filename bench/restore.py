@@ -24,6 +24,7 @@ Floor: >= 1.0 for the best setting on this server, stated per setting.
 from __future__ import annotations
 
 import argparse
+import os
 import hashlib
 import json
 import shutil
@@ -107,6 +108,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "out" / "restore.json")
     args = ap.parse_args()
     settings = [s for s in args.settings.split(",") if s]
+    # The embedded moto server takes any credentials; never use (or need) real ones here.
+    os.environ.update(s3_infra.TEST_AWS_ENV)
+    for k in s3_infra.TEST_AWS_ENV_REMOVE:
+        os.environ.pop(k, None)
     aws = ensure_aws()
     step = 100
     work = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/var/tmp"))
