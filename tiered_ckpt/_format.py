@@ -37,8 +37,10 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_STATE_DEPTH = 200
 METADATA_KEY = "tiered_ckpt"
 FORMAT_VERSION = 1
-#: Writes and hash updates are issued in chunks of this many bytes.
-CHUNK_BYTES = 16 * 1024 * 1024
+#: Writes and hash updates are issued in chunks of this many bytes. Small enough that the hashing thread
+#: reads each chunk while it is still in the CPU cache after the writing thread copied it (measured on
+#: 2 GiB: 1 MiB chunks 1.7-2.0 s, 16 MiB chunks 2.9-3.1 s for the same save).
+CHUNK_BYTES = 1024 * 1024
 
 _NP_TO_CODE: dict[np.dtype, str] = {
     np.dtype(np.bool_): "BOOL",
