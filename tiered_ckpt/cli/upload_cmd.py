@@ -86,7 +86,10 @@ def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | No
         raise CliError("--remote s3://bucket/prefix is required (or TIERED_CKPT_REMOTE)", EXIT_USAGE)
     from .local_cmds import _require_root
 
-    _require_root(Path(args.local), "--local ")  # a typo must not read as "nothing to upload"
+    if not args.watch:
+        # A one-shot upload of a missing directory is a typo, not "nothing to upload". A watching
+        # sidecar usually starts before the training job has made its directory: it waits for it.
+        _require_root(Path(args.local), "--local ")
     try:
         parse_s3_url(args.remote)
         path_style = args.path_style if args.path_style is not None else \
