@@ -109,6 +109,23 @@ class SaveCoordinator:
         dist.broadcast(buf, src=self.src, group=group)
         return bytes(buf.numpy().tobytes())
 
+    def _exchange(self, mine: dict[str, Any], step: int, sid: str, what: str,
+                  failure: BaseException | None) -> list[dict[str, Any]]:
+        """All-gather this rank's ``mine`` (``{"rank", ..., "error"?}``) so that every rank learns every
+        outcome of one phase (``what``: "shard write", "commit"); raises DistributedSaveError (rank ->
+        message, this rank's own exception as cause) if any rank reported an error."""
+        try:
+            gathered = self.all_gather_json(mine)
+        except RuntimeError as exc:
+            raise _collective_error(f"rank {self.rank} step {step}: gathering {what} outcomes", exc) from exc
+        failures = {g["rank"]: g["error"] for g in gathered if "error" in g}
+        if failures:
+            log.error("rank %d step %d: %s of save %s failed on rank(s) %s", self.rank, step, what, sid,
+                      sorted(failures))
+            raise DistributedSaveError(f"step {step}: {what} failed on rank(s) {sorted(failures)}",
+                                       failures) from failure
+        return gathered
+
     def all_gather_json(self, obj: Any, *, policy: bool = False) -> list[Any]:
         """All-gather a JSON value from every rank (element ``i`` from rank ``i``)."""
         group = self.policy_group if policy else self.save_group
@@ -163,15 +180,7 @@ class SaveCoordinator:
         except Exception as exc:  # reported to every rank below, then re-raised here
             failure = exc
             mine["error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            gathered = self.all_gather_json(mine)
-        except RuntimeError as exc:
-            raise _collective_error(f"rank {self.rank} step {step}: gathering shard records", exc) from exc
-        failures = {g["rank"]: g["error"] for g in gathered if "error" in g}
-        if failures:
-            log.error("rank %d step %d: save %s failed on rank(s) %s", self.rank, step, sid, sorted(failures))
-            raise DistributedSaveError(f"step {step}: shard write failed on rank(s) {sorted(failures)}",
-                                       failures) from failure
+        gathered = self._exchange(mine, step, sid, "shard write", failure)
         records = [ShardRecord.from_dict(g["record"]) for g in gathered]
         # Who commits where (step 3).
         if self.shared_filesystem:
@@ -193,14 +202,5 @@ class SaveCoordinator:
             except Exception as exc:  # reported to every rank below, then re-raised here
                 failure = exc
                 outcome["error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            outcomes = self.all_gather_json(outcome)
-        except RuntimeError as exc:
-            raise _collective_error(f"rank {self.rank} step {step}: gathering commit outcomes", exc) from exc
-        failures = {o["rank"]: o["error"] for o in outcomes if "error" in o}
-        if failures:
-            log.error("rank %d step %d: commit of save %s failed on rank(s) %s", self.rank, step, sid,
-                      sorted(failures))
-            raise DistributedSaveError(f"step {step}: commit failed on rank(s) {sorted(failures)}",
-                                       failures) from failure
+        self._exchange(outcome, step, sid, "commit", failure)
         return SaveOutcome(step=step, save_id=sid, committed_here=committer, manifest=manifest)
