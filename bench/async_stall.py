@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiered_ckpt.manager import CheckpointManager  # noqa: E402
+from tiered_ckpt.training.manager import CheckpointManager  # noqa: E402
 
 
 def make_state(size_mib: int, n_tensors: int) -> dict:

@@ -255,7 +255,7 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
     """Coordinator: 4 fresh rank processes build their states and wait; the clock starts when they are
     told the save id and stops when commit_step has returned."""
     import tiered_ckpt
-    from tiered_ckpt.manifest import ShardRecord
+    from tiered_ckpt.format.manifest import ShardRecord
 
     ranks = CASES[task["case"]][1]
     procs = []

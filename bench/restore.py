@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import s3_infra  # noqa: E402
 from _common import interleaved, machine_note, median, table  # noqa: E402
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
-from tiered_ckpt.local import save_sharded  # noqa: E402
+from tiered_ckpt.local.steps import save_sharded  # noqa: E402
 
 MiB = 1024 * 1024
 SETTINGS = {"s3": (16 * MiB, 16), "default": (64 * MiB, 8), "moto": (2048 * MiB, 4)}
@@ -88,7 +88,7 @@ def run_aws(aws: str, endpoint: str, url: str, dest: Path, verify: bool) -> tupl
 
 
 def run_restore(endpoint: str, url: str, dest: Path, setting: str) -> float:
-    from tiered_ckpt.restore import restore_detailed
+    from tiered_ckpt.remote.restore import restore_detailed
 
     part, conc = SETTINGS[setting]
     client = s3_infra.make_test_client(endpoint, read_timeout_s=600)
@@ -124,7 +124,7 @@ def main() -> int:
             make_step(src, args.gib, step)
             size = sum(p.stat().st_size for p in (src / step_dir_name(step)).glob("*.safetensors"))
             print(f"saved step {step}: 4 shards, {size / MiB:.0f} MiB in {time.monotonic() - t:.1f} s", flush=True)
-            from tiered_ckpt.upload import Uploader
+            from tiered_ckpt.remote.upload import Uploader
 
             t = time.monotonic()
             client = s3_infra.make_test_client(endpoint, read_timeout_s=600)

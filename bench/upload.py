@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import numpy as np  # noqa: E402
 
 import s3_infra  # noqa: E402
-from tiered_ckpt.local import save_sharded  # noqa: E402
+from tiered_ckpt.local.steps import save_sharded  # noqa: E402
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
 
 MiB = 1024 * 1024
@@ -107,7 +107,7 @@ def run_aws(aws: str, loc: s3_infra.S3Location, src: Path, prefix: str) -> float
 def run_ours(loc: s3_infra.S3Location, root: Path, prefix: str, step: int, readback: bool,
              part_mib: int, concurrency: int) -> tuple[float, float]:
     from tiered_ckpt.layout import UPLOADED_MARKER_NAME
-    from tiered_ckpt.upload import Uploader
+    from tiered_ckpt.remote.upload import Uploader
 
     (root / step_dir_name(step) / UPLOADED_MARKER_NAME).unlink(missing_ok=True)
     client = s3_infra.make_test_client(loc.endpoint_url, read_timeout_s=300)

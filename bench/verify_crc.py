@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 import tiered_ckpt as tc
-from tiered_ckpt.reshard import even_split
-from tiered_ckpt.scan import inspect_step
+from tiered_ckpt.local.reshard import even_split
+from tiered_ckpt.local.scan import inspect_step
 
 
 def make_step(root: Path, size_bytes: int, ranks: int) -> int:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_ckpt import CheckpointError, GlobalSlice  # noqa: E402
-from tiered_ckpt.manager import CheckpointManager  # noqa: E402
+from tiered_ckpt.training.manager import CheckpointManager  # noqa: E402
 
 
 def _model() -> torch.nn.Module:
@@ -48,7 +48,7 @@ def mode_zero(rank: int, world: int, out: Path) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from tiered_ckpt import load_shard, write_shard, commit_step
-    from tiered_ckpt.torch import capture_training_state, restore_training_state
+    from tiered_ckpt.training.torch_state import capture_training_state, restore_training_state
 
     m1 = _model()
     z1 = ZeroRedundancyOptimizer(m1.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 CHILD = HERE / "crash_child.py"
 #: The real interpreter: ``python3`` may be a pyenv shell shim (a bash script), which strace would trace
 #: instead of Python.
-REAL_PY = os.path.realpath(sys.executable)
+REAL_PY = sys.executable
 STRACE = shutil.which("strace") or ("/usr/bin/strace" if os.path.exists("/usr/bin/strace") else None)
 
 #: What each protocol syscall is called on x86-64 and elsewhere (checked with ``strace -f -c``: CPython's
@@ -400,7 +400,7 @@ def tmp_files(root: Path) -> list[str]:
 def read_final_shard(path: Path) -> tuple[dict, dict]:
     """Parse and decode a final-named shard file on its own (no manifest): ``(metadata, state)``.
     Raises if the file is partial or malformed."""
-    from tiered_ckpt import _format as fmt
+    from tiered_ckpt.format import shard_file as fmt
 
     data = bytearray(path.read_bytes())
     n = fmt.parse_header_length(bytes(data[:8]), len(data), str(path))

@@ -13,7 +13,7 @@ import numpy as np
 from tiered_ckpt import GlobalSlice, read_manifest, save_sharded
 from tiered_ckpt.layout import (MANIFEST_NAME, UPLOAD_MANIFEST_NAME, remote_key, remote_latest_key,
                                 step_dir_name)
-from tiered_ckpt.upload_manifest import LatestPointer, RemoteShard, UploadManifest
+from tiered_ckpt.format.upload_manifest import LatestPointer, RemoteShard, UploadManifest
 
 
 def make_states(step: int, world_size: int = 4, numel: int = 64 * 1024) -> list[dict]:

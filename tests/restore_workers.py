@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiered_ckpt.manager import CheckpointManager  # noqa: E402
+from tiered_ckpt.training.manager import CheckpointManager  # noqa: E402
 from tiered_ckpt.store import make_s3_client  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     for step in (2, 4):
         mgr.save(step, state(rank, step))
     dist.barrier()
-    from tiered_ckpt.upload import StepIncompleteError, Uploader
+    from tiered_ckpt.remote.upload import StepIncompleteError, Uploader
 
     for turn in (0, 1):  # each node's sidecar, one after the other (the second one commits the steps)
         if rank == 2 * turn:

@@ -5,19 +5,19 @@ committed steps to S3, and restore after cluster loss. See README.md and docs/SP
 references in docstrings).
 """
 
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
+from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
                      DistributedSaveError, ManifestError, MissingShardError, NoCheckpointError,
                      ReshardError, ShardCorruptedError, UnsupportedStateError, UploadError,
                      WorldSizeMismatchError)
-from .local import (commit_step, committed_steps, latest_step, load_shard, load_sharded, new_save_id,
+from tiered_ckpt.local.steps import (commit_step, committed_steps, latest_step, load_shard, load_sharded, new_save_id,
                     read_manifest, save_sharded, write_shard)
-from .manager import CheckpointManager, SavePolicy
-from .manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
-from .restore import list_remote_steps, restore
-from .reshard import ReshardResult, even_split, reshard
-from .state import GlobalSlice, Replicated
-from .upload import Uploader, UploadPolicy
-from .upload_manifest import UploadManifest
+from tiered_ckpt.training.manager import CheckpointManager, SavePolicy
+from tiered_ckpt.format.manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
+from tiered_ckpt.remote.restore import list_remote_steps, restore
+from tiered_ckpt.local.reshard import ReshardResult, even_split, reshard
+from tiered_ckpt.state import GlobalSlice, Replicated
+from tiered_ckpt.remote.upload import Uploader, UploadPolicy
+from tiered_ckpt.format.upload_manifest import UploadManifest
 
 __version__ = "0.1.0"
 

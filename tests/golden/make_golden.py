@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 import tiered_ckpt as tc
-from tiered_ckpt.manifest import ShardManifest
+from tiered_ckpt.format.manifest import ShardManifest
 
 CREATED_AT = "2024-01-01T00:00:00.000000Z"
 HOST = "golden-host"

@@ -13,8 +13,8 @@ import logging
 import sys
 from typing import NoReturn, Sequence
 
-from ..errors import CheckpointError
-from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level
+from tiered_ckpt.errors import CheckpointError
+from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
 _MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from tiered_ckpt.cli import main
 
 sys.exit(main())

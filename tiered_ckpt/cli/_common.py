@@ -94,7 +94,7 @@ def positive_int(text: str) -> int:
 
 def step_number(text: str) -> int:
     """A step number: an integer in [0, MAX_STEP]."""
-    from ..layout import MAX_STEP
+    from tiered_ckpt.layout import MAX_STEP
 
     v = _int(text)
     if not 0 <= v <= MAX_STEP:
@@ -104,7 +104,7 @@ def step_number(text: str) -> int:
 
 def world_size(text: str) -> int:
     """A world size: an integer in [1, MAX_WORLD_SIZE]."""
-    from ..layout import MAX_WORLD_SIZE
+    from tiered_ckpt.layout import MAX_WORLD_SIZE
 
     v = _int(text)
     if not 1 <= v <= MAX_WORLD_SIZE:
@@ -148,7 +148,7 @@ def positive_float(text: str) -> float:
 
 def s3_url(text: str) -> str:
     """An ``s3://bucket/prefix`` URL, checked by :func:`tiered_ckpt.store.base.parse_s3_url`."""
-    from ..store.base import parse_s3_url
+    from tiered_ckpt.store.base import parse_s3_url
 
     try:
         parse_s3_url(text)

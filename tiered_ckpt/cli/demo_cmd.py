@@ -6,7 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, nonneg_float, positive_int, print_json
+from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, nonneg_float, positive_int, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import DemoConfig, DemoError, format_report, run_demo
+    from tiered_ckpt.cli.demo import DemoConfig, DemoError, format_report, run_demo
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-ckpt-demo-"))
     try:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
-from ..scan import COMMITTED, UNCOMMITTED, gc, scan
-from ._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, parse_ranks,
+from tiered_ckpt.local.scan import COMMITTED, UNCOMMITTED, gc, scan
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, parse_ranks,
                       print_json, print_table, s3_url, step_number)
 
 #: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast, s3_client) -> list[StepStatus]`` of this module
 #: (the uploader's side of issue 6: every remote step checked against its upload manifest). Until that
 #: module exists, ``--remote`` is a usage error.
-REMOTE_VERIFY_MODULE = "tiered_ckpt.remote_verify"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -23,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory holding step_XXXXXXXXXX/")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--remote", default=None, metavar="S3_URL", type=s3_url, help="list s3://bucket/prefix instead")
-    from .restore_cmd import add_s3_args  # remote listing lives with restore
+    from tiered_ckpt.cli.restore_cmd import add_s3_args  # remote listing lives with restore
 
     add_s3_args(p)
     p.set_defaults(func=cmd_ls)
@@ -61,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.remote is not None:
-        from .restore_cmd import cmd_ls_remote
+        from tiered_ckpt.cli.restore_cmd import cmd_ls_remote
 
         return cmd_ls_remote(args)
     if args.root is None:
@@ -89,15 +87,10 @@ def _require_root(root: Path, what: str = "") -> None:
 
 
 def _scan_remote(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
-    try:
-        mod = importlib.import_module(REMOTE_VERIFY_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name != REMOTE_VERIFY_MODULE:
-            raise
-        raise CliError("verify --remote is not available in this build", EXIT_USAGE) from None
-    from .restore_cmd import make_client
+    from tiered_ckpt.cli.restore_cmd import make_client
+    from tiered_ckpt.remote.verify import scan_remote
 
-    return list(mod.scan_remote(args.remote, step=args.step, fast=args.fast, s3_client=make_client(args)))
+    return list(scan_remote(args.remote, step=args.step, fast=args.fast, s3_client=make_client(args)))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

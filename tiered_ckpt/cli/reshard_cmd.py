@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..layout import MAX_WORLD_SIZE
-from ..reshard import NAMED_RULES, reshard
-from ._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, step_number, world_size
+from tiered_ckpt.layout import MAX_WORLD_SIZE
+from tiered_ckpt.local.reshard import NAMED_RULES, reshard
+from tiered_ckpt.cli._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, step_number, world_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

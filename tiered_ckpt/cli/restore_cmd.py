@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ._common import (EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, positive_int, print_json,
+from tiered_ckpt.cli._common import (EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, positive_int, print_json,
                       print_table, s3_url, step_number)
 
 MiB = 1024 * 1024
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def make_client(args: argparse.Namespace) -> Any:
-    from ..store import make_s3_client
+    from tiered_ckpt.store import make_s3_client
 
     path_style = args.path_style if args.path_style is not None else \
         os.environ.get("TIERED_CKPT_PATH_STYLE", "").lower() in ("1", "true", "yes")
@@ -69,7 +69,7 @@ def make_client(args: argparse.Namespace) -> Any:
 
 
 def _check_url(url: str) -> None:
-    from ..store import parse_s3_url
+    from tiered_ckpt.store import parse_s3_url
 
     try:
         parse_s3_url(url)
@@ -106,7 +106,7 @@ class _Progress:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from ..restore import plan_restore, restore_detailed
+    from tiered_ckpt.remote.restore import plan_restore, restore_detailed
 
     _check_url(args.remote)
     ranks = parse_ranks(args.ranks) if args.ranks else None
@@ -154,7 +154,7 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 def cmd_ls_remote(args: argparse.Namespace) -> int:
     """``tiered-ckpt ls --remote s3://bucket/prefix``: remote steps and their state."""
-    from ..restore import list_remote_steps
+    from tiered_ckpt.remote.restore import list_remote_steps
 
     _check_url(args.remote)
     rows = list_remote_steps(args.remote, s3_client=make_client(args))

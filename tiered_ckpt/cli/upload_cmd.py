@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, port, positive_float,
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, port, positive_float,
                       positive_int, print_json, s3_url, step_number)
 
 MiB = 1024 * 1024
@@ -77,14 +77,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | None = None,
                    on_progress: Any = None, metrics: Any = None) -> Any:
-    from ..store import WriteSettings, make_s3_client, parse_s3_url
-    from ..upload import Uploader, UploadPolicy
+    from tiered_ckpt.store import WriteSettings, make_s3_client, parse_s3_url
+    from tiered_ckpt.remote.upload import Uploader, UploadPolicy
 
     if not args.local:
         raise CliError("--local is required (or TIERED_CKPT_LOCAL)", EXIT_USAGE)
     if not args.remote:
         raise CliError("--remote s3://bucket/prefix is required (or TIERED_CKPT_REMOTE)", EXIT_USAGE)
-    from .local_cmds import _require_root
+    from tiered_ckpt.cli.local_cmds import _require_root
 
     if not args.watch:
         # A one-shot upload of a missing directory is a typo, not "nothing to upload". A watching
@@ -112,9 +112,9 @@ def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | No
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
-    from ..daemon import run_sidecar
-    from ..metrics import UploadMetrics
-    from ..upload import StepIncompleteError
+    from tiered_ckpt.remote.daemon import run_sidecar
+    from tiered_ckpt.remote.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload import StepIncompleteError
 
     port = args.metrics_port
     metrics = UploadMetrics()
@@ -137,7 +137,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         if up.policy.skip_intermediate and args.step is None:
             steps = up._select_pending()
         if bar is not None:
-            from ..local import read_manifest
+            from tiered_ckpt.local.steps import read_manifest
             total = 0
             for s in steps:
                 try:

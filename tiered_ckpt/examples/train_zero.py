@@ -45,9 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiered_ckpt import GlobalSlice, NoCheckpointError
-from tiered_ckpt.data import DataPosition, ShuffledBatchSampler
-from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.torch import capture_rng_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
+from tiered_ckpt.training.data import DataPosition, ShuffledBatchSampler
+from tiered_ckpt.training.manager import CheckpointManager
+from tiered_ckpt.training.torch_state import capture_rng_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
 
 log = logging.getLogger("train_zero")
 

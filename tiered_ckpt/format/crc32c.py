@@ -1,0 +1,148 @@
+"""CRC32C (Castagnoli) checksums over any buffer, without copies, and the per-tensor chunk checksums of
+manifest schema v2.
+
+The CRC comes from ``google_crc32c`` (Google's hardware-accelerated C library). Its Python entry points
+accept only ``bytes`` (``PyArg_ParseTuple("y#")``), so feeding them views of numpy arrays or of a read
+buffer would copy every chunk; we call the same library's ``crc32c_extend(crc, ptr, len)`` through ctypes
+instead (zero-copy, and ctypes releases the GIL so that hashing overlaps I/O on another core). If the
+library cannot be reached that way, the pure ``google_crc32c.extend`` path with a ``bytes`` copy is used.
+
+Per-tensor chunk checksums (schema v2, :class:`TensorChunkCrcs`): the bytes of every tensor are cut into
+chunks of ``chunk_bytes`` (the last one shorter; none for a zero-size tensor), chunk ``k`` covering tensor
+bytes ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, and the CRC32C of each is recorded as 8
+lower-case hex digits. A partial read of ``[a, b)`` of a tensor then reads the chunk-aligned range around
+it and verifies exactly those chunks (resharding; see :mod:`tiered_ckpt._shard_reader`).
+
+Pure apart from loading the shared library; no file I/O.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any, Iterable
+
+import google_crc32c
+import numpy as np
+
+from tiered_ckpt.format.manifest import TensorRecord
+
+log = logging.getLogger(__name__)
+
+#: Default chunk size of per-tensor checksums (bytes). A partial read reads at most two extra chunks per
+#: contiguous range; 1 MiB keeps that small and the manifest at ~11 bytes per MiB of tensor data.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def _load_extend() -> Any:
+    try:
+        from google_crc32c import _crc32c  # the C extension; libcrc32c is its dependency
+
+        lib = ctypes.CDLL(_crc32c.__file__)
+        fn = lib.crc32c_extend
+        fn.restype = ctypes.c_uint32
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        if fn(0, b"123456789", 9) != 0xE3069283:  # the standard CRC32C check value
+            raise OSError("crc32c_extend returned a wrong check value")
+        return fn
+    except (ImportError, OSError, AttributeError) as e:  # pragma: no cover - depends on the wheel
+        log.warning("zero-copy CRC32C unavailable (%s); falling back to google_crc32c.extend", e)
+        return None
+
+
+_EXTEND = _load_extend()
+
+
+def crc32c_extend(crc: int, data: Any) -> int:
+    """CRC32C of ``data`` (any C-contiguous buffer: bytes, bytearray, memoryview, numpy array) continuing
+    from ``crc`` (0 to start). Returns an int in ``[0, 2**32)``."""
+    mv = memoryview(data)
+    if mv.nbytes == 0:
+        return crc
+    if _EXTEND is None:  # pragma: no cover
+        return int(google_crc32c.extend(crc, mv.tobytes()))
+    if not mv.c_contiguous:
+        raise ValueError("crc32c_extend needs a C-contiguous buffer")
+    if mv.readonly and isinstance(data, bytes):
+        return int(_EXTEND(crc, data, mv.nbytes))
+    arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+    return int(_EXTEND(crc, arr.ctypes.data, arr.nbytes))
+
+
+def crc_hex(crc: int) -> str:
+    """8 lower-case hex digits."""
+    return f"{crc:08x}"
+
+
+class Crc32c:
+    """hashlib-like CRC32C: ``update(buffer)``, ``hexdigest() -> "1a2b3c4d"``."""
+
+    name = "crc32c"
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: Any) -> None:
+        self._crc = crc32c_extend(self._crc, data)
+
+    def hexdigest(self) -> str:
+        return crc_hex(self._crc)
+
+
+def chunk_count(nbytes: int, chunk_bytes: int) -> int:
+    """Number of checksum chunks of a tensor of ``nbytes`` bytes."""
+    return -(-nbytes // chunk_bytes)
+
+
+class TensorChunkCrcs:
+    """A hasher fed the whole shard file in order (``update`` with consecutive pieces of any size) that
+    computes, for every tensor, the CRC32C of each ``chunk_bytes`` chunk of its bytes.
+
+    ``data_start``: file offset of the data section (8 + header length). ``records``: the tensors of the
+    file (their ``data_offsets`` are relative to ``data_start`` and tile the data section).
+    :meth:`result` -> ``{name: ("1a2b3c4d", ...)}``.
+    """
+
+    name = "crc32c-chunks"
+
+    def __init__(self, data_start: int, records: Iterable[TensorRecord], chunk_bytes: int) -> None:
+        self._data_start = data_start
+        self._chunk = chunk_bytes
+        self._tensors = sorted((t for t in records if t.nbytes > 0), key=lambda t: t.data_offsets[0])
+        self._out: dict[str, list[str]] = {t.name: [] for t in records}
+        self._pos = 0  # file offset of the next byte fed
+        self._ti = 0  # index of the current tensor
+        self._crc = 0  # running CRC of the current chunk
+        self._in_chunk = 0  # bytes of the current chunk seen so far
+
+    def update(self, data: Any) -> None:
+        mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        i = 0
+        n = mv.nbytes
+        if self._pos < self._data_start:  # header bytes: skip
+            skip = min(n, self._data_start - self._pos)
+            i += skip
+            self._pos += skip
+        while i < n and self._ti < len(self._tensors):
+            t = self._tensors[self._ti]
+            t_end = self._data_start + t.data_offsets[1]
+            # bytes left in this chunk, and in this tensor
+            take = min(n - i, self._chunk - self._in_chunk, t_end - self._pos)
+            self._crc = crc32c_extend(self._crc, mv[i : i + take])
+            i += take
+            self._pos += take
+            self._in_chunk += take
+            if self._in_chunk == self._chunk or self._pos == t_end:
+                self._out[t.name].append(crc_hex(self._crc))
+                self._crc, self._in_chunk = 0, 0
+                if self._pos == t_end:
+                    self._ti += 1
+        self._pos += n - i
+
+    def result(self) -> dict[str, tuple[str, ...]]:
+        if self._ti != len(self._tensors):
+            raise RuntimeError("TensorChunkCrcs.result() before every tensor byte was fed")
+        return {k: tuple(v) for k, v in self._out.items()}
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "Crc32c", "TensorChunkCrcs", "crc32c_extend", "crc_hex", "chunk_count"]

@@ -1,0 +1,529 @@
+"""The step manifest (schema version 2): who owns what in a committed step.
+
+Pure module: frozen dataclasses, JSON (de)serialisation, strict validation. No I/O, threads or S3.
+Field names of the seed lesson are kept (``schema_version``, ``world_size``, ``step``,
+``wall_clock_seconds``, ``shards[].rank/path/sha256/param_shard_offset/param_shard_numel``); SPEC §2 adds
+per-shard ``size_bytes`` and per-tensor dtype/shape (and, for slices of a global tensor, the global shape
+and the slice's offset). The JSON Schema in ``schemas/manifest.v2.schema.json`` documents the format
+(``manifest.v1.schema.json`` the previous one); the checks here are stricter (cross-field rules the schema
+cannot express).
+
+Version 2 adds checksums for fast and partial verification (issue 6), all nullable (``null``: unknown,
+as in a manifest migrated from version 1, whose verification falls back to the whole-file sha256):
+
+- per shard: ``crc32c`` (8 hex digits, CRC32C of the whole file, the ``verify="crc32c"`` fast path),
+  ``header_sha256`` (sha256 of the file's first ``8 + header length`` bytes: the safetensors length
+  prefix and JSON header, state tree included) and ``crc32c_chunk_bytes`` (power of two);
+- per tensor: ``crc32c``, the CRC32C of each ``crc32c_chunk_bytes`` chunk of the tensor's bytes (see
+  :mod:`tiered_ckpt._crc`), so that a partial read (resharding) verifies exactly the chunks it read.
+
+Version 1 manifests are upgraded on read by :func:`migrate_v1_to_v2` (registered in :data:`MIGRATIONS`).
+
+Every validation failure raises :class:`~tiered_ckpt.errors.ManifestError`, except a missing or duplicate
+rank, which raises :class:`~tiered_ckpt.errors.MissingShardError` (SPEC §2 failure table).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from tiered_ckpt.errors import ManifestError, MissingShardError
+from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE, shard_file_name
+
+SCHEMA_VERSION = 2
+#: Largest shard we accept in a manifest (bytes): 2**48 = 256 TiB. Guards integer arithmetic.
+MAX_SHARD_BYTES = 2**48
+#: Largest number of elements of one tensor (or global tensor).
+MAX_NUMEL = 2**48
+MAX_NDIM = 64
+MAX_TENSORS_PER_SHARD = 10_000_000
+MAX_NAME_LEN = 4096
+
+#: safetensors dtype code -> bytes per element (the codes safetensors defines that numpy can hold).
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+#: Bounds of ``crc32c_chunk_bytes`` (a power of two).
+MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES = 4096, 2**30
+_SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+_HOST = re.compile(r"^[0-9A-Za-z_.-]{0,255}$")
+
+
+def _fail(msg: str) -> ManifestError:
+    return ManifestError(msg)
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(f"{what} must be an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise _fail(f"{what} = {v} out of range [{lo}, {hi}]")
+    return v
+
+
+def _str(v: Any, what: str, pattern: re.Pattern[str] | None = None) -> str:
+    if not isinstance(v, str):
+        raise _fail(f"{what} must be a string, got {type(v).__name__}")
+    if pattern is not None and not pattern.fullmatch(v):
+        raise _fail(f"{what} = {v[:80]!r} is malformed")
+    return v
+
+
+def _int_list(v: Any, what: str, hi: int = MAX_NUMEL) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise _fail(f"{what} must be a list, got {type(v).__name__}")
+    if len(v) > MAX_NDIM:
+        raise _fail(f"{what} has {len(v)} dims (max {MAX_NDIM})")
+    return tuple(_int(x, f"{what}[{i}]", 0, hi) for i, x in enumerate(v))
+
+
+def _keys(obj: Any, what: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise _fail(f"{what} must be a JSON object, got {type(obj).__name__}")
+    missing = required - obj.keys()
+    if missing:
+        raise _fail(f"{what} lacks {sorted(missing)}")
+    unknown = obj.keys() - required - optional
+    if unknown:
+        raise _fail(f"{what} has unknown keys {sorted(unknown)[:5]}")
+    return obj
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a shard file.
+
+    ``dtype``: a safetensors code (``"F16"``, ``"BF16"``, ``"F8_E4M3"``...). ``shape``: the local shape.
+    ``data_offsets``: ``(begin, end)`` in bytes, relative to the start of the data section (after the
+    8-byte length and the JSON header), as in the safetensors header. ``global_shape``/``global_offset``:
+    set together for a slice of a larger global tensor (see :class:`~tiered_ckpt.state.GlobalSlice`).
+    ``crc32c`` (v2, optional): CRC32C (8 hex digits) of each chunk of the tensor's bytes, chunk size set
+    by the shard's ``crc32c_chunk_bytes``; ``None`` (key absent) when unknown: a partial read of such a
+    tensor verifies the whole shard's sha256 instead.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+    crc32c: tuple[str, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "data_offsets": list(self.data_offsets),
+        }
+        if self.crc32c is not None:
+            d["crc32c"] = list(self.crc32c)
+        if self.global_shape is not None:
+            d["global_shape"] = list(self.global_shape)
+            d["global_offset"] = list(self.global_offset or ())
+        return d
+
+    @classmethod
+    def from_dict(cls, obj: Any, what: str = "tensor") -> TensorRecord:
+        _keys(obj, what, {"name", "dtype", "shape", "data_offsets"}, {"global_shape", "global_offset", "crc32c"})
+        name = _str(obj["name"], f"{what}.name")
+        if not name or len(name) > MAX_NAME_LEN:
+            raise _fail(f"{what}.name has bad length {len(name)}")
+        dtype = _str(obj["dtype"], f"{what}.dtype")
+        if dtype not in DTYPE_SIZES:
+            raise _fail(f"{what}.dtype {dtype[:20]!r} is not supported")
+        shape = _int_list(obj["shape"], f"{what}.shape")
+        offs = _int_list(obj["data_offsets"], f"{what}.data_offsets", MAX_SHARD_BYTES)
+        if len(offs) != 2 or offs[0] > offs[1]:
+            raise _fail(f"{what}.data_offsets must be [begin, end] with begin <= end")
+        n = numel(shape)
+        if n > MAX_NUMEL:
+            raise _fail(f"{what}.shape {shape} has too many elements")
+        if offs[1] - offs[0] != n * DTYPE_SIZES[dtype]:
+            raise _fail(f"{what}: data_offsets span {offs[1] - offs[0]} bytes, shape x dtype needs "
+                        f"{n * DTYPE_SIZES[dtype]}")
+        gs = go = None
+        if ("global_shape" in obj) != ("global_offset" in obj):
+            raise _fail(f"{what}: global_shape and global_offset go together")
+        if "global_shape" in obj:
+            gs = _int_list(obj["global_shape"], f"{what}.global_shape")
+            go = _int_list(obj["global_offset"], f"{what}.global_offset")
+            if not len(gs) == len(go) == len(shape):
+                raise _fail(f"{what}: global_shape/global_offset/shape ranks differ")
+            if numel(gs) > MAX_NUMEL:
+                raise _fail(f"{what}.global_shape {gs} has too many elements")
+            for d, (o, s, g) in enumerate(zip(go, shape, gs)):
+                if o + s > g:
+                    raise _fail(f"{what}: dim {d} slice [{o}, {o + s}) exceeds global size {g}")
+        crcs = obj.get("crc32c")
+        if crcs is not None:
+            if not isinstance(crcs, list) or len(crcs) > MAX_SHARD_BYTES // MIN_CRC_CHUNK_BYTES + 1:
+                raise _fail(f"{what}.crc32c must be a list of chunk checksums or null")
+            crcs = tuple(_str(c, f"{what}.crc32c[{i}]", _HEX8) for i, c in enumerate(crcs))
+        return cls(name, dtype, shape, (offs[0], offs[1]), gs, go, crcs)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's shard of a step: file ``path`` (relative to the step directory), its ``sha256`` (hex)
+    and ``size_bytes``, the rank's ZeRO flat partition ``[param_shard_offset, +param_shard_numel)``
+    (elements of the flat parameter vector; ``0, 0`` when the rank holds none), the ``host`` that wrote
+    it, the ``save_id`` of the save, and its tensors. Schema v2 adds ``crc32c`` (whole file, 8 hex digits),
+    ``header_sha256`` (hex sha256 of the length prefix plus JSON header) and ``crc32c_chunk_bytes`` (chunk
+    size of the tensors' ``crc32c`` lists): all three set, or all ``None`` (unknown, migrated from v1)."""
+
+    rank: int
+    path: str
+    sha256: str
+    size_bytes: int
+    param_shard_offset: int = 0
+    param_shard_numel: int = 0
+    host: str = ""
+    save_id: str = ""
+    tensors: tuple[TensorRecord, ...] = ()
+    crc32c: str | None = None
+    header_sha256: str | None = None
+    crc32c_chunk_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "path": self.path,
+            "sha256": self.sha256,
+            "size_bytes": self.size_bytes,
+            "param_shard_offset": self.param_shard_offset,
+            "param_shard_numel": self.param_shard_numel,
+            "host": self.host,
+            "save_id": self.save_id,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "crc32c": self.crc32c,
+            "header_sha256": self.header_sha256,
+            "crc32c_chunk_bytes": self.crc32c_chunk_bytes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, obj: Any, what: str = "shard") -> ShardRecord:
+        _keys(obj, what, {"rank", "path", "sha256", "size_bytes", "param_shard_offset",
+                          "param_shard_numel", "tensors", "crc32c", "header_sha256", "crc32c_chunk_bytes"},
+              {"host", "save_id"})
+        rank = _int(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
+        path = _str(obj["path"], f"{what}.path")
+        if path != shard_file_name(rank):
+            # Only the canonical name is accepted: this rules out "../x", absolute paths, other
+            # directories and files shared between ranks, before any file is opened.
+            raise _fail(f"{what}.path {path[:100]!r} is not the shard file of rank {rank} "
+                        f"({shard_file_name(rank)!r}); paths outside the step directory are refused")
+        sha = _str(obj["sha256"], f"{what}.sha256", _HEX64)
+        size = _int(obj["size_bytes"], f"{what}.size_bytes", 8, MAX_SHARD_BYTES)
+        off = _int(obj["param_shard_offset"], f"{what}.param_shard_offset", 0, MAX_NUMEL)
+        num = _int(obj["param_shard_numel"], f"{what}.param_shard_numel", 0, MAX_NUMEL)
+        host = _str(obj.get("host", ""), f"{what}.host", _HOST)
+        save_id = _str(obj.get("save_id", ""), f"{what}.save_id", re.compile(r"^[0-9A-Za-z_-]{0,64}$"))
+        raw_tensors = obj["tensors"]
+        if not isinstance(raw_tensors, list):
+            raise _fail(f"{what}.tensors must be a list")
+        if len(raw_tensors) > MAX_TENSORS_PER_SHARD:
+            raise _fail(f"{what}.tensors has too many entries")
+        tensors = tuple(TensorRecord.from_dict(t, f"{what}.tensors[{i}]") for i, t in enumerate(raw_tensors))
+        _check_tensor_layout(tensors, size, what)
+        crc, hsha, chunk = obj["crc32c"], obj["header_sha256"], obj["crc32c_chunk_bytes"]
+        if (crc is None) != (hsha is None) or (crc is None) != (chunk is None):
+            raise _fail(f"{what}: crc32c, header_sha256 and crc32c_chunk_bytes are all set or all null")
+        if crc is not None:
+            crc = _str(crc, f"{what}.crc32c", _HEX8)
+            hsha = _str(hsha, f"{what}.header_sha256", _HEX64)
+            chunk = _int(chunk, f"{what}.crc32c_chunk_bytes", MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES)
+            if chunk & (chunk - 1):
+                raise _fail(f"{what}.crc32c_chunk_bytes = {chunk} is not a power of two")
+        for i, t in enumerate(tensors):
+            if chunk is None:
+                if t.crc32c is not None:
+                    raise _fail(f"{what}.tensors[{i}].crc32c is set but crc32c_chunk_bytes is null")
+            elif t.crc32c is not None and len(t.crc32c) != -(-t.nbytes // chunk):
+                raise _fail(f"{what}.tensors[{i}].crc32c must list {-(-t.nbytes // chunk)} chunk checksum(s) "
+                            f"for {t.nbytes} bytes in chunks of {chunk}")
+        return cls(rank, path, sha, size, off, num, host, save_id, tensors, crc, hsha, chunk)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ShardRecord:
+        return cls.from_dict(_loads(text, "shard record"))
+
+
+def _check_tensor_layout(tensors: tuple[TensorRecord, ...], size_bytes: int, what: str) -> None:
+    """Names unique; byte ranges cover ``[0, data_len)`` without gaps or overlap (as safetensors'
+    validator requires) and fit in the file."""
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise _fail(f"{what}: tensor {t.name[:80]!r} listed twice")
+        seen.add(t.name)
+    pos = 0
+    for t in sorted(tensors, key=lambda t: (t.data_offsets[0], t.data_offsets[1])):
+        if t.data_offsets[0] != pos:
+            raise _fail(f"{what}: tensor {t.name[:80]!r} data_offsets {list(t.data_offsets)} "
+                        f"{'overlap' if t.data_offsets[0] < pos else 'leave a gap after'} byte {pos}")
+        pos = t.data_offsets[1]
+    if pos + 8 > size_bytes:
+        raise _fail(f"{what}: tensor data ({pos} bytes) does not fit in size_bytes={size_bytes}")
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    """The commit point of a step (``manifest.json``): one :class:`ShardRecord` per rank, in rank order.
+
+    ``wall_clock_seconds``: the run's elapsed training time as the caller reports it (seconds).
+    ``created_at``: UTC ISO-8601 time of the commit. ``extra``: caller JSON (step-level metadata).
+    """
+
+    world_size: int
+    step: int
+    shards: tuple[ShardRecord, ...]
+    save_id: str
+    wall_clock_seconds: float = 0.0
+    created_at: str = ""
+    extra: dict[str, Any] | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        # Validate objects built in code exactly as those read from disk.
+        ShardManifest.from_dict(self.to_dict())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "world_size": self.world_size,
+            "step": self.step,
+            "save_id": self.save_id,
+            "wall_clock_seconds": self.wall_clock_seconds,
+            "created_at": self.created_at,
+            "extra": self.extra,
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, NaN/Infinity allowed in ``extra`` as Python's json writes them)."""
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ShardManifest:
+        """Parse and validate. Raises :class:`ManifestError` / :class:`MissingShardError`."""
+        return cls.from_dict(_loads(text, "manifest"))
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> ShardManifest:
+        if not isinstance(obj, dict):
+            raise _fail(f"manifest must be a JSON object, got {type(obj).__name__}")
+        version = obj.get("schema_version")
+        version = _int(version, "schema_version", 0, 2**31)
+        if version > SCHEMA_VERSION:
+            raise _fail(f"manifest schema_version {version} is newer than this tiered_ckpt "
+                        f"understands ({SCHEMA_VERSION}); upgrade tiered_ckpt to read it")
+        obj = migrate(obj, version)
+        _keys(obj, "manifest", {"schema_version", "world_size", "step", "save_id", "wall_clock_seconds",
+                                "created_at", "shards"}, {"extra"})
+        ws = _int(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        step = _int(obj["step"], "step", 0, MAX_STEP)
+        save_id = _str(obj["save_id"], "save_id", _SAVE_ID)
+        wcs = obj["wall_clock_seconds"]
+        if isinstance(wcs, bool) or not isinstance(wcs, (int, float)) or not math.isfinite(wcs) or wcs < 0:
+            raise _fail("wall_clock_seconds must be a finite number >= 0")
+        created = _str(obj["created_at"], "created_at")
+        if len(created) > 64:
+            raise _fail("created_at is too long")
+        extra = obj.get("extra")
+        if extra is not None and not isinstance(extra, dict):
+            raise _fail("extra must be a JSON object or null")
+        raw = obj["shards"]
+        if not isinstance(raw, list):
+            raise _fail("shards must be a list")
+        if len(raw) > MAX_WORLD_SIZE:
+            raise _fail("shards has too many entries")
+        shards = [ShardRecord.from_dict(s, f"shards[{i}]") for i, s in enumerate(raw)]
+        ranks = [s.rank for s in shards]
+        dup = sorted({r for r in ranks if ranks.count(r) > 1}) if len(set(ranks)) != len(ranks) else []
+        if dup:
+            raise MissingShardError(f"step {step}: rank(s) {dup[:8]} listed more than once in shards")
+        missing = sorted(set(range(ws)) - set(ranks))
+        if missing:
+            raise MissingShardError(f"step {step}: world_size is {ws} but shards lacks rank(s) {missing[:8]}")
+        if len(shards) != ws:
+            extra_ranks = sorted(set(ranks) - set(range(ws)))
+            raise _fail(f"step {step}: shards lists rank(s) {extra_ranks[:8]} beyond world_size {ws}")
+        shards.sort(key=lambda s: s.rank)
+        for s in shards:
+            if s.save_id and s.save_id != save_id:
+                raise _fail(f"step {step}: shard of rank {s.rank} belongs to save {s.save_id!r}, "
+                            f"the manifest to {save_id!r} (mixed checkpoint)")
+        _check_partitions(shards, step)
+        m = object.__new__(cls)
+        for k, v in dict(world_size=ws, step=step, shards=tuple(shards), save_id=save_id,
+                         wall_clock_seconds=float(wcs), created_at=created, extra=extra,
+                         schema_version=SCHEMA_VERSION).items():
+            object.__setattr__(m, k, v)
+        return m
+
+
+def _check_partitions(shards: list[ShardRecord], step: int) -> None:
+    """ZeRO flat partitions must not overlap; slices of one global tensor must agree on its global
+    shape and dtype and must not overlap."""
+    spans = sorted((s.param_shard_offset, s.param_shard_offset + s.param_shard_numel, s.rank)
+                   for s in shards if s.param_shard_numel > 0)
+    for (b0, e0, r0), (b1, e1, r1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise _fail(f"step {step}: param shards of ranks {r0} [{b0}, {e0}) and {r1} [{b1}, {e1}) overlap")
+    boxes: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for s in shards:
+        for t in s.tensors:
+            if t.global_shape is not None:
+                boxes.setdefault(t.name, []).append((s.rank, t))
+    for name, items in boxes.items():
+        g0, d0 = items[0][1].global_shape, items[0][1].dtype
+        for rank, t in items:
+            if t.global_shape != g0 or t.dtype != d0:
+                raise _fail(f"step {step}: slices of {name[:80]!r} disagree on global shape/dtype "
+                            f"(rank {rank}: {t.dtype} {list(t.global_shape or ())})")
+        nonempty = [(r, t) for r, t in items if numel(t.shape) > 0]
+        pair = _first_overlap([(t.global_offset or (), t.shape) for _, t in nonempty])
+        if pair is not None:
+            ra, rb = nonempty[pair[0]][0], nonempty[pair[1]][0]
+            raise _fail(f"step {step}: slices of {name[:80]!r} on ranks {ra} and {rb} overlap")
+
+
+def _first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, int] | None:
+    """Indices of two overlapping boxes ``(offset, shape)`` (all non-empty, same rank), or ``None``.
+
+    A sweep along one dimension: boxes sorted by their start there, each compared only with those
+    still open at its start. The dimension is the one whose sweep keeps the fewest boxes open, so a
+    split along any one dimension (ZeRO, tensor parallel) and 2-D block grids stay near-linear; a hostile
+    manifest cannot make validation quadratic in its size without also overlapping (found at once).
+    """
+    import heapq
+
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+
+    def open_peak(d: int) -> int:
+        ends: list[int] = []
+        peak = 0
+        for off, shp in sorted(boxes, key=lambda b: b[0][d]):
+            while ends and ends[0] <= off[d]:
+                heapq.heappop(ends)
+            heapq.heappush(ends, off[d] + shp[d])
+            peak = max(peak, len(ends))
+        return peak
+
+    d = min(range(ndim), key=open_peak) if ndim > 1 else 0
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][d])
+    active: list[tuple[int, int]] = []  # heap of (end along d, index)
+    for i in order:
+        off, shp = boxes[i]
+        while active and active[0][0] <= off[d]:
+            heapq.heappop(active)
+        for _, j in active:
+            o2, s2 = boxes[j]
+            if all(a < b + sb and b < a + sa for a, sa, b, sb in zip(off, shp, o2, s2)):
+                return (j, i)
+        heapq.heappush(active, (off[d] + shp[d], i))
+    return None
+
+
+def _loads(text: str | bytes, what: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except ManifestError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{what} is not valid JSON: {e}") from None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ManifestError("duplicate key in JSON object")
+    return d
+
+
+def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Upgrade a version-1 manifest dict to version 2 (pure; the input is not modified).
+
+    Version 1 has no checksums beyond the whole-file sha256: every shard gets ``crc32c``,
+    ``header_sha256`` and ``crc32c_chunk_bytes`` set to ``null`` (unknown; tensors have no ``crc32c``),
+    so that fast and partial verification of such a step fall back to sha256 of whole files.
+    A version-1 dict that already carries one of these keys is refused (they were unknown keys in v1).
+    Malformed parts are left for validation to report.
+    """
+    out = dict(obj)
+    out["schema_version"] = 2
+    shards = out.get("shards")
+    if not isinstance(shards, list):
+        return out
+    new_shards: list[Any] = []
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict):
+            new_shards.append(s)
+            continue
+        s = dict(s)
+        clash = sorted({"crc32c", "header_sha256", "crc32c_chunk_bytes"} & s.keys())
+        if clash:
+            raise _fail(f"shards[{i}] has unknown keys {clash} (schema_version 1)")
+        s.update(crc32c=None, header_sha256=None, crc32c_chunk_bytes=None)
+        tensors = s.get("tensors")
+        if isinstance(tensors, list):
+            for j, t in enumerate(tensors):
+                if isinstance(t, dict) and "crc32c" in t:
+                    raise _fail(f"shards[{i}].tensors[{j}] has unknown keys ['crc32c'] (schema_version 1)")
+        new_shards.append(s)
+    out["shards"] = new_shards
+    return out
+
+
+#: Named migrations: ``MIGRATIONS[v]`` upgrades a manifest dict of version ``v`` to ``v + 1``.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2}
+
+
+def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
+    """Upgrade a manifest dict of ``version`` to :data:`SCHEMA_VERSION` with the named migrations."""
+    if version < 1:
+        raise _fail(f"manifest schema_version {version} is not a known version")
+    out = dict(obj)
+    while version < SCHEMA_VERSION:
+        fn = MIGRATIONS.get(version)
+        if fn is None:  # pragma: no cover - every version has a migration
+            raise _fail(f"no migration from schema_version {version}")
+        out = fn(out)
+        version += 1
+    return out
+
+
+__all__ = ["SCHEMA_VERSION", "DTYPE_SIZES", "TensorRecord", "ShardRecord", "ShardManifest", "migrate",
+           "MIGRATIONS", "migrate_v1_to_v2", "numel"]

@@ -1,0 +1,303 @@
+"""Verified reads of parts of a committed shard file, and streaming whole-file verification.
+
+:class:`ShardReader` reads only what it is asked for (``pread`` of byte ranges, never the whole file) and
+verifies exactly the bytes it read (manifest schema v2):
+
+- the length prefix and JSON header (the state tree included) against the shard's ``header_sha256``;
+- a byte range ``[a, b)`` of a tensor by reading the enclosing chunk-aligned range ``[a - a % C,
+  min(ceil(b / C) * C, nbytes))`` (``C`` = the shard's ``crc32c_chunk_bytes``) and checking the CRC32C
+  of every chunk in it against the tensor's ``crc32c`` list. So a read costs at most ``2 * C`` bytes
+  more than asked for per contiguous range.
+
+A shard without those checksums (a step written by schema version 1) is first verified whole, streaming,
+against its sha256 (reading the whole file once); ranges are then read exactly.
+
+:func:`verify_shard_stream` checks a whole shard (size, sha256 or CRC32C, header) with a small reusable
+buffer: used by ``tiered-ckpt verify`` and :func:`tiered_ckpt.scan.inspect_step`, it needs no memory in
+proportion to the shard.
+
+Every failure raises :class:`MissingShardError`, :class:`ShardCorruptedError` or :class:`ManifestError`
+(a symlink or non-regular file), as the loaders do.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiered_ckpt.format import shard_file as fmt
+from tiered_ckpt.format.crc32c import Crc32c, crc32c_extend, crc_hex
+from tiered_ckpt.errors import ManifestError, MissingShardError, ShardCorruptedError
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
+
+#: Buffer size of streaming verification (bytes): fits in L2/L3 so that the hash reads what pread
+#: has just written there.
+STREAM_BUFFER_BYTES = 1 << 20
+
+VERIFY_MODES = ("sha256", "crc32c")
+
+
+@dataclass
+class ReadStats:
+    """Bytes and ``pread`` calls issued on shard files (thread-safe counters)."""
+
+    bytes_read: int = 0
+    calls: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+            self.calls += 1
+
+
+def check_verify_mode(verify: str) -> str:
+    """``verify`` must be ``"sha256"`` or ``"crc32c"``; raises ``ValueError`` otherwise."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    return verify
+
+
+def open_shard(sdir: Path, rec: ShardRecord, where: str) -> int:
+    """Open a shard read-only without following symlinks; check it is a regular file of the recorded
+    size. Returns the fd (caller closes)."""
+    try:
+        fd = os.open(sdir / rec.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise MissingShardError(f"{where}: shard file is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ManifestError(f"{where}: shard file is a symlink; refusing to follow it") from None
+        raise ShardCorruptedError(f"{where}: cannot open: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{where}: not a regular file")
+        if st.st_size != rec.size_bytes:
+            raise ShardCorruptedError(f"{where}: {st.st_size} bytes on disk, manifest says {rec.size_bytes} "
+                                      "(partial or corrupt write)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pread_exact(fd: int, buf: memoryview, offset: int, where: str, stats: ReadStats | None = None) -> None:
+    """Fill ``buf`` with the file's bytes from ``offset``. Raises ShardCorruptedError on a short file or
+    a read error."""
+    pos = 0
+    n_all = buf.nbytes
+    while pos < n_all:
+        try:
+            n = os.preadv(fd, [buf[pos:]], offset + pos)
+        except OSError as e:
+            raise ShardCorruptedError(f"{where}: read failed: {e.strerror or e}") from e
+        if stats is not None:
+            stats.add(n)
+        if n == 0:
+            raise ShardCorruptedError(f"{where}: file ended at byte {offset + pos}")
+        pos += n
+
+
+def match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> None:
+    """The shard's header belongs to ``rec`` of manifest ``m`` (rank, step, save id) and lists exactly
+    the record's tensors (names, dtypes, shapes, byte ranges). Raises ShardCorruptedError."""
+    meta = hdr.metadata
+    if meta.get("rank") != rec.rank or meta.get("step") != m.step or meta.get("save_id") != m.save_id:
+        raise ShardCorruptedError(f"{where}: header belongs to rank {meta.get('rank')} step "
+                                  f"{meta.get('step')} save {meta.get('save_id')}, not this manifest's")
+    mine = {t.name: (t.dtype, t.shape, t.data_offsets) for t in rec.tensors}
+    theirs = {t.name: (t.dtype, t.shape, t.data_offsets) for t in hdr.tensors}
+    if mine != theirs:
+        raise ShardCorruptedError(f"{where}: header tensors disagree with the manifest")
+
+
+class ShardReader:
+    """Verified partial reads of rank ``rank`` 's shard of a committed step (see the module docstring).
+
+    Not thread-safe; one per thread. Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, sdir: Path, manifest: ShardManifest, rank: int, stats: ReadStats | None = None) -> None:
+        self.manifest = manifest
+        self.record = manifest.shards[rank]
+        self.where = f"step {manifest.step} rank {rank} ({self.record.path})"
+        self.stats = stats
+        self._fd = open_shard(sdir, self.record, self.where)
+        self._header: fmt.ParsedHeader | None = None
+        self._trusted = False  # the whole file was verified against its sha256
+        self._tensors = {t.name: t for t in self.record.tensors}
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    @property
+    def has_checksums(self) -> bool:
+        return self.record.header_sha256 is not None
+
+    def _read(self, offset: int, n: int) -> bytearray:
+        buf = bytearray(n)
+        pread_exact(self._fd, memoryview(buf), offset, self.where, self.stats)
+        return buf
+
+    def _verify_whole(self) -> None:
+        verify_fd_stream(self._fd, self.record, "sha256", self.where, self.stats)
+        self._trusted = True
+
+    def header(self) -> fmt.ParsedHeader:
+        """The parsed, verified header (read once)."""
+        if self._header is not None:
+            return self._header
+        if not self.has_checksums and not self._trusted:
+            self._verify_whole()
+        prefix = self._read(0, 8)
+        n = fmt.parse_header_length(bytes(prefix), self.record.size_bytes, self.where)
+        raw = self._read(8, n)
+        if not self._trusted:
+            h = hashlib.sha256(prefix)
+            h.update(raw)
+            if h.hexdigest() != self.record.header_sha256:
+                raise ShardCorruptedError(f"{self.where}: header sha256 differs from the manifest's "
+                                          "(corrupt header)")
+        hdr = fmt.parse_header(bytes(raw), self.record.size_bytes, self.where)
+        match_header(hdr, self.record, self.manifest, self.where)
+        self._header = hdr
+        return hdr
+
+    def tensor_record(self, name: str) -> TensorRecord:
+        t = self._tensors.get(name)
+        if t is None:
+            raise ShardCorruptedError(f"{self.where}: no tensor {name[:80]!r}")
+        return t
+
+    def read_range(self, name: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of tensor ``name`` (offsets within the tensor), verified."""
+        t = self.tensor_record(name)
+        if not 0 <= start <= end <= t.nbytes:
+            raise ValueError(f"range [{start}, {end}) outside tensor {name!r} of {t.nbytes} bytes")
+        if start == end:
+            return memoryview(b"")
+        hdr = self.header()
+        base = hdr.data_start + t.data_offsets[0]
+        if self._trusted:
+            return memoryview(self._read(base + start, end - start))
+        cs = self.record.crc32c_chunk_bytes
+        if cs is None or t.crc32c is None:  # no chunk checksums for this tensor: verify the whole file
+            self._verify_whole()
+            return memoryview(self._read(base + start, end - start))
+        k0, k1 = start // cs, -(-end // cs)
+        a, b = k0 * cs, min(k1 * cs, t.nbytes)
+        buf = self._read(base + a, b - a)
+        mv = memoryview(buf)
+        for k in range(k0, k1):
+            lo, hi = k * cs - a, min((k + 1) * cs, t.nbytes) - a
+            if crc_hex(crc32c_extend(0, mv[lo:hi])) != t.crc32c[k]:
+                raise ShardCorruptedError(f"{self.where}: tensor {name[:80]!r} chunk {k} (bytes "
+                                          f"[{k * cs}, {k * cs + hi - lo})) fails its CRC32C (corrupt data)")
+        return mv[start - a : end - a]
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """Tensor ``name`` whole, verified, as a writable array of its dtype and shape."""
+        t = self.tensor_record(name)
+        dt = fmt.numpy_dtype(t.dtype)
+        if t.nbytes == 0:
+            return np.empty(t.shape, dtype=dt)
+        mv = self.read_range(name, 0, t.nbytes)
+        arr = np.frombuffer(mv, dtype=dt, count=numel(t.shape))
+        if not arr.flags.writeable:  # pragma: no cover - views of a bytearray are writable
+            arr = arr.copy()
+        return arr.reshape(t.shape)
+
+    def materialize(self, node: Any, where: str) -> Any:
+        """Rebuild the value of a state-tree node (``d``/``t``/``v``) of this file, reading its tensors
+        whole."""
+        if not isinstance(node, dict) or len(node) != 1:
+            raise ShardCorruptedError(f"{self.where}: state tree node at {where!r} is malformed")
+        (kind, val), = node.items()
+        if kind == "d" and isinstance(val, dict):
+            return {k: self.materialize(v, f"{where}/{k}") for k, v in val.items()}
+        if kind == "v":
+            return val
+        if kind == "t" and isinstance(val, str):
+            return self.read_tensor(val)
+        raise ShardCorruptedError(f"{self.where}: state tree node at {where!r} is malformed")
+
+
+def find_node(tree: Any, path: tuple[str, ...]) -> Any:
+    """The node at key ``path`` of a state tree (``None`` when absent)."""
+    n = tree
+    for k in path:
+        if not isinstance(n, dict) or not isinstance(n.get("d"), dict) or k not in n["d"]:
+            return None
+        n = n["d"][k]
+    return n
+
+
+def read_replicated(reader: ShardReader, path: tuple[str, ...]) -> Any:
+    """The value of the :class:`~tiered_ckpt.state.Replicated` stored at key ``path`` in ``reader``
+    's file (rank 0's). Raises ShardCorruptedError if it holds no such value."""
+    node = find_node(reader.header().metadata["tree"], path)
+    if not isinstance(node, dict) or set(node) != {"r"} or node["r"] is None:
+        raise ShardCorruptedError(f"{reader.where}: holds no replicated value at {'/'.join(path)[:80]!r} "
+                                  "that another rank refers to")
+    return reader.materialize(node["r"], "/".join(path))
+
+
+def verify_fd_stream(fd: int, rec: ShardRecord, verify: str, where: str, stats: ReadStats | None = None) -> str:
+    """Hash the whole open file with a reusable buffer and compare with ``rec``. ``verify="crc32c"``
+    uses the shard's CRC32C (falls back to sha256 when the manifest has none). Returns the algorithm used.
+    """
+    algo = "crc32c" if verify == "crc32c" and rec.crc32c is not None else "sha256"
+    h: Any = Crc32c() if algo == "crc32c" else hashlib.sha256()
+    buf = bytearray(min(STREAM_BUFFER_BYTES, max(rec.size_bytes, 1)))
+    mv = memoryview(buf)
+    pos, size = 0, rec.size_bytes
+    while pos < size:
+        n = min(len(buf), size - pos)
+        pread_exact(fd, mv[:n], pos, where, stats)
+        h.update(mv[:n])
+        pos += n
+    expected = rec.crc32c if algo == "crc32c" else rec.sha256
+    if h.hexdigest() != expected:
+        raise ShardCorruptedError(f"{where}: {algo} {h.hexdigest()[:16]} differs from the manifest's "
+                                  f"{str(expected)[:16]} (corrupt or partial write)")
+    return algo
+
+
+def verify_shard_stream(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256") -> str:
+    """Fully verify rank ``rank`` 's shard (size, whole-file hash, header against the manifest, state
+    tree against the header) without holding it in memory: the step verifies iff it loads. Returns the
+    algorithm used (``"sha256"`` or ``"crc32c"``)."""
+    check_verify_mode(verify)
+    rec = manifest.shards[rank]
+    where = f"step {manifest.step} rank {rank} ({rec.path})"
+    fd = open_shard(sdir, rec, where)
+    try:
+        algo = verify_fd_stream(fd, rec, verify, where)
+        n = fmt.parse_header_length(os.pread(fd, 8, 0), rec.size_bytes, where)
+        hdr = fmt.parse_header(os.pread(fd, n, 8), rec.size_bytes, where)
+    finally:
+        os.close(fd)
+    match_header(hdr, rec, manifest, where)
+    fmt.decode_state(None, hdr, where, lambda path: None)  # tree only; rank 0 holds replicated values
+    return algo
+
+
+__all__ = ["ShardReader", "ReadStats", "verify_shard_stream", "verify_fd_stream", "read_replicated",
+           "find_node", "open_shard", "pread_exact", "check_verify_mode", "VERIFY_MODES"]

@@ -1,0 +1,454 @@
+"""Load an N-rank checkpoint with M ranks, or rewrite it as an M-rank checkpoint (SPEC §6, issue 6).
+
+What is resharded, and how
+--------------------------
+A step's per-rank states (the trees in each shard's header) are merged key path by key path:
+
+- **Slices of a global tensor** (saved as :class:`~tiered_ckpt.state.GlobalSlice`; a ZeRO flat partition
+  is the 1-D case): the old slices must tile the global tensor exactly (else :class:`ReshardError`). The
+  global tensor is re-split along **dim 0** with :func:`even_split`: of ``n`` rows and ``M`` ranks,
+  ``q, r = divmod(n, M)`` and rank ``i`` gets rows ``[i*q + min(i, r), +q + (1 if i < r else 0))`` -- the
+  first ``r`` ranks get one row more. This is ``numpy.array_split`` / ``torch.tensor_split(x, M)``
+  (not ``torch.chunk``, which may return fewer than ``M`` pieces). Ranks beyond ``n`` get zero-size
+  slices; every new rank holds every global tensor (possibly empty). Other dimensions are kept whole.
+  A new shard's ``param_shard_offset/numel`` are the same split of the flat parameter vector (the old
+  ZeRO partitions must tile ``[0, P)``). A custom ``partition(n, M) -> [(offset, count), ...]`` may be
+  passed instead (it must tile ``[0, n)`` in rank order).
+- **Replicated values** (:class:`~tiered_ckpt.state.Replicated`, stored once in rank 0's shard): given to
+  every new rank (and stored once again, in new rank 0's shard).
+- **Anything else** (a JSON value or a plain array that differs per rank: a data-loader cursor, a per-rank
+  RNG) is per-rank state: :class:`ReshardError` names every such key, unless ``rules`` maps its key path
+  (or a key path above it) to a rule. A rule is a callable ``rule(old_values, new_world_size) ->
+  new_values`` (``old_values[k]`` is old rank ``k`` 's value, :data:`ABSENT` where that rank has none;
+  it returns one value per new rank, :data:`ABSENT` to omit the key there) or a name: ``"take_rank0"``
+  (every new rank gets a copy of old rank 0's value) or ``"drop"`` (the key is left out: dropped because
+  the caller said so). Values are never guessed from equal bytes. Key paths are the keys joined by
+  ``/`` (a ``/`` or ``%`` inside a key written ``%2F`` / ``%25``), the shard files' tensor names.
+
+Reads
+-----
+Only the byte ranges each new rank needs are read: the headers of the old shards (``8 + header``
+bytes each), and for a slice the rows of each old slice that overlap the new rank's rows (contiguous in
+C order, one ``pread`` each), widened to the per-tensor CRC32C chunk grid (at most ``2 *
+crc32c_chunk_bytes`` extra per range; 1 MiB chunks by default) so that exactly the bytes read are
+verified. A step saved with manifest schema v1 (no chunk checksums) is verified whole against its
+sha256 first. :attr:`ReshardResult.bytes_read` counts every byte read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+from tiered_ckpt.format import shard_file as fmt
+from tiered_ckpt.local.reader import ReadStats, ShardReader
+from tiered_ckpt.errors import CheckpointExistsError, ReshardError, ShardCorruptedError
+from tiered_ckpt.layout import MAX_WORLD_SIZE, step_dir_name
+from tiered_ckpt.local.steps import (_is_committed, _MaybeReadLock, _copy_value, _pick_step, commit_step, new_save_id,
+                    read_manifest, resolve_root, write_shard)
+from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, numel
+from tiered_ckpt.state import GlobalSlice, Replicated
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class _Absent:
+    _inst: _Absent | None = None
+
+    def __new__(cls) -> _Absent:
+        if cls._inst is None:
+            cls._inst = super().__new__(cls)
+        return cls._inst
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+#: Marks "no value at this key" in a rule's input (an old rank without the key) or output (omit it).
+ABSENT: Any = _Absent()
+
+Rule = Union[str, Callable[[list[Any], int], Sequence[Any]]]
+Partition = Callable[[int, int], Sequence[tuple[int, int]]]
+NAMED_RULES = ("take_rank0", "drop")
+
+
+def even_split(n: int, world_size: int) -> list[tuple[int, int]]:
+    """``(offset, count)`` of each of ``world_size`` ranks over ``n`` elements (or rows): ``q, r =
+    divmod(n, world_size)``, rank ``i`` starts at ``i*q + min(i, r)`` and holds ``q + (i < r)``
+    (``numpy.array_split`` / ``torch.tensor_split``). Zero-size parts when ``n < world_size``."""
+    if world_size < 1 or n < 0:
+        raise ValueError(f"cannot split {n} over {world_size} ranks")
+    q, r = divmod(n, world_size)
+    return [(i * q + min(i, r), q + (1 if i < r else 0)) for i in range(world_size)]
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    """What :func:`reshard` did: the new ``manifest``; ``bytes_read`` of the old shard files (headers
+    and chunk alignment included); ``bytes_needed``: bytes of the re-split global tensors the new ranks
+    hold (Replicated values and rule outputs not counted); ``source_world_size``; ``source_bytes``: total
+    size of the old shard files."""
+
+    manifest: ShardManifest
+    source_world_size: int
+    bytes_read: int
+    bytes_needed: int
+    source_bytes: int
+
+
+# --------------------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class _Slice:
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    sources: tuple[tuple[int, TensorRecord], ...]  # (old rank, record)
+
+
+@dataclass(frozen=True)
+class _Rep:
+    key: str
+    path: tuple[str, ...]
+    node: Any  # rank 0's node of the value
+
+
+@dataclass(frozen=True)
+class _Ruled:
+    key: str
+    rule: Rule
+    nodes: tuple[Any, ...]  # per old rank: its node, or None
+
+
+@dataclass(frozen=True)
+class _Dict:
+    children: tuple[tuple[str, Any], ...]
+
+
+def _escape(key: str) -> str:
+    return key.replace("%", "%25").replace("/", "%2F")
+
+
+def _kind(node: Any, where: str) -> str:
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ShardCorruptedError(f"{where}: state tree node is malformed")
+    return next(iter(node))
+
+
+class _Planner:
+    def __init__(self, manifest: ShardManifest, trees: list[Any], rules: Mapping[str, Rule]) -> None:
+        self.m = manifest
+        self.trees = trees
+        self.rules = dict(rules)
+        self.used_rules: set[str] = set()
+        self.per_rank: list[str] = []
+        self.problems: list[str] = []
+        self.recs = [{t.name: t for t in s.tensors} for s in manifest.shards]
+
+    def plan(self) -> _Dict:
+        for key, rule in self.rules.items():
+            if not callable(rule) and rule not in NAMED_RULES:
+                raise ValueError(f"rule for {key!r} must be a callable or one of {NAMED_RULES}, got {rule!r}")
+        root = self._walk((), list(self.trees))
+        unused = sorted(set(self.rules) - self.used_rules)
+        if unused:
+            raise ReshardError(f"rules name key(s) not in step {self.m.step}: {unused[:10]}")
+        if self.per_rank:
+            keys = sorted(self.per_rank)
+            raise ReshardError(
+                f"cannot reshard step {self.m.step} from {self.m.world_size} ranks: per-rank state without a "
+                f"rule at key(s) {', '.join(keys[:20])}{' ...' if len(keys) > 20 else ''} (pass rules="
+                "{key: callable(old_values, new_world_size) | 'take_rank0' | 'drop'}, or save the value as "
+                "Replicated or GlobalSlice)")
+        if self.problems:
+            raise ReshardError(f"cannot reshard step {self.m.step}: " + "; ".join(self.problems[:5]))
+        assert isinstance(root, _Dict)
+        return root
+
+    def _walk(self, path: tuple[str, ...], nodes: list[Any]) -> Any:
+        key = "/".join(_escape(p) for p in path)
+        if path and key in self.rules:
+            self.used_rules.add(key)
+            return _Ruled(key, self.rules[key], tuple(nodes))
+        present = [(r, n) for r, n in enumerate(nodes) if n is not None]
+        kinds = {_kind(n, f"step {self.m.step} rank {r} key {key!r}") for r, n in present}
+        if kinds == {"d"}:
+            order: dict[str, None] = {}
+            for _, n in present:
+                if not isinstance(n["d"], dict):
+                    raise ShardCorruptedError(f"step {self.m.step}: state tree dict node {key!r} is malformed")
+                order.update(dict.fromkeys(n["d"]))
+            return _Dict(tuple((k, self._walk(path + (k,), [n["d"].get(k) if n is not None else None
+                                                          for n in nodes])) for k in order))
+        if kinds == {"r"}:
+            owner = nodes[0]["r"] if nodes[0] is not None else None
+            if owner is None:
+                raise ShardCorruptedError(f"step {self.m.step}: replicated value {key!r} is missing from rank "
+                                          "0's shard")
+            return _Rep(key, path, owner)
+        if kinds == {"t"}:
+            recs = []
+            for r, n in present:
+                t = self.recs[r].get(n["t"]) if isinstance(n["t"], str) else None
+                if t is None:
+                    raise ShardCorruptedError(f"step {self.m.step} rank {r}: state tree names unknown tensor "
+                                              f"{str(n['t'])[:80]!r}")
+                recs.append((r, t))
+            if all(t.global_shape is not None for _, t in recs):
+                return self._slice(key, recs)
+        self.per_rank.append(key)
+        return None
+
+    def _slice(self, key: str, recs: list[tuple[int, TensorRecord]]) -> _Slice | None:
+        gs = recs[0][1].global_shape
+        assert gs is not None
+        if len(gs) == 0:
+            self.problems.append(f"{key!r} is a 0-d GlobalSlice (save it as Replicated)")
+            return None
+        have = sum(numel(t.shape) for _, t in recs)
+        if have != numel(gs):
+            self.problems.append(f"the slices of {key!r} hold {have} of its {numel(gs)} elements "
+                                 f"(global shape {list(gs)}): they do not tile the global tensor")
+            return None
+        return _Slice(key, recs[0][1].dtype, gs, tuple(recs))
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+class _Builder:
+    """Builds new ranks' states from a plan, reading through one :class:`ShardReader` per old rank."""
+
+    def __init__(self, sdir: Path, m: ShardManifest, new_world_size: int, partition: Partition,
+                 stats: ReadStats, for_write: bool) -> None:
+        self.sdir, self.m, self.M = sdir, m, new_world_size
+        self.partition = partition
+        self.stats = stats
+        self.for_write = for_write
+        self.readers: dict[int, ShardReader] = {}
+        self.splits: dict[int, list[tuple[int, int]]] = {}
+        self.rep_cache: dict[str, Any] = {}
+        self.rule_cache: dict[str, list[Any]] = {}
+        self.bytes_needed = 0
+
+    def reader(self, rank: int) -> ShardReader:
+        rd = self.readers.get(rank)
+        if rd is None:
+            rd = self.readers[rank] = ShardReader(self.sdir, self.m, rank, self.stats)
+        return rd
+
+    def close(self) -> None:
+        for rd in self.readers.values():
+            rd.close()
+
+    def split(self, n: int) -> list[tuple[int, int]]:
+        s = self.splits.get(n)
+        if s is None:
+            s = [(int(o), int(c)) for o, c in self.partition(n, self.M)]
+            pos = 0
+            for o, c in s:
+                if o != pos or c < 0:
+                    raise ReshardError(f"partition({n}, {self.M}) = {s[:8]} does not tile [0, {n}) in rank order")
+                pos += c
+            if len(s) != self.M or pos != n:
+                raise ReshardError(f"partition({n}, {self.M}) does not give {self.M} parts tiling [0, {n})")
+            self.splits[n] = s
+        return s
+
+    def build(self, node: Any, j: int) -> Any:
+        if isinstance(node, _Dict):
+            out = {}
+            for k, child in node.children:
+                v = self.build(child, j)
+                if v is not ABSENT:
+                    out[k] = v
+            return out
+        if isinstance(node, _Slice):
+            return self.slice(node, j)
+        if isinstance(node, _Rep):
+            if node.key not in self.rep_cache:
+                self.rep_cache[node.key] = self.reader(0).materialize(node.node, node.key)
+            v = self.rep_cache[node.key]
+            return Replicated(v) if self.for_write else _copy_value(v)
+        if isinstance(node, _Ruled):
+            return self.ruled(node, j)
+        raise AssertionError(node)  # pragma: no cover
+
+    def slice(self, sl: _Slice, j: int) -> Any:
+        gs = sl.global_shape
+        a, cnt = self.split(gs[0])[j]
+        b = a + cnt
+        dt = fmt.numpy_dtype(sl.dtype)
+        out = np.empty((cnt,) + gs[1:], dtype=dt)
+        self.bytes_needed += out.nbytes
+        for rank, t in sl.sources:
+            assert t.global_offset is not None
+            o0, s0 = t.global_offset[0], t.shape[0]
+            lo, hi = max(a, o0), min(b, o0 + s0)
+            if lo >= hi or numel(t.shape) == 0:
+                continue
+            row = numel(t.shape[1:]) * dt.itemsize
+            mv = self.reader(rank).read_range(t.name, (lo - o0) * row, (hi - o0) * row)
+            block = np.frombuffer(mv, dtype=dt).reshape((hi - lo,) + t.shape[1:])
+            idx = (slice(lo - a, hi - a),) + tuple(slice(o, o + s) for o, s in zip(t.global_offset[1:], t.shape[1:]))
+            out[idx] = block
+        if self.for_write:
+            return GlobalSlice(out, gs, (a,) + (0,) * (len(gs) - 1))
+        return out
+
+    def ruled(self, node: _Ruled, j: int) -> Any:
+        new = self.rule_cache.get(node.key)
+        if new is None:
+            old = [self.reader(r).materialize(n, node.key) if n is not None else ABSENT
+                   for r, n in enumerate(node.nodes)]
+            if node.rule == "take_rank0":
+                if old[0] is ABSENT:
+                    raise ReshardError(f"rule 'take_rank0' for {node.key!r}: old rank 0 has no value there")
+                new = [_copy_value(old[0]) for _ in range(self.M)]
+            elif node.rule == "drop":
+                new = [ABSENT] * self.M
+                log.info("reshard step %d: dropping %r as the caller's rule asks", self.m.step, node.key)
+            else:
+                assert callable(node.rule)
+                try:
+                    new = list(node.rule(old, self.M))
+                except ReshardError:
+                    raise
+                except Exception as e:
+                    raise ReshardError(f"rule for {node.key!r} failed: {type(e).__name__}: {e}") from e
+                if len(new) != self.M:
+                    raise ReshardError(f"rule for {node.key!r} returned {len(new)} values for {self.M} ranks")
+            self.rule_cache[node.key] = new
+        return new[j]
+
+
+def _read_trees(sdir: Path, m: ShardManifest, builder: _Builder) -> list[Any]:
+    trees = []
+    for r in range(m.world_size):
+        hdr = builder.reader(r).header()
+        trees.append(hdr.metadata["tree"])
+    return trees
+
+
+def reshard_states(
+    root: PathLike,
+    step: int | None,
+    new_world_size: int,
+    *,
+    ranks: Sequence[int] | None = None,
+    rules: Mapping[str, Rule] | None = None,
+    partition: Partition = even_split,
+    manifest: ShardManifest | None = None,
+    stats: ReadStats | None = None,
+) -> list[dict[str, Any]]:
+    """The states of new ranks ``ranks`` (default: all ``new_world_size``) of ``step`` re-split for
+    ``new_world_size`` ranks, as a load returns them (plain arrays; Replicated values plain, a copy per
+    rank). This is what ``load_shard``/``load_sharded(..., reshard=True)`` call.
+
+    Raises :class:`ReshardError` (per-rank state without a rule, slices that do not tile, a bad rule or
+    partition), and the loaders' errors (:class:`ShardCorruptedError` when a byte read fails its checksum,
+    :class:`MissingShardError`, :class:`ManifestError`, :class:`NoCheckpointError`).
+    """
+    if new_world_size < 1:
+        raise ValueError(f"new_world_size must be >= 1, got {new_world_size}")
+    r, step = _pick_step(root, step)
+    m = manifest if manifest is not None else read_manifest(r, step)
+    want = list(range(new_world_size)) if ranks is None else list(ranks)
+    for j in want:
+        if not 0 <= j < new_world_size:
+            raise ValueError(f"rank {j} is outside world_size {new_world_size}")
+    sdir = r / step_dir_name(step)
+    stats = stats if stats is not None else ReadStats()
+    b = _Builder(sdir, m, new_world_size, partition, stats, for_write=False)
+    with _MaybeReadLock(sdir):
+        try:
+            plan = _Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
+            out = [b.build(plan, j) for j in want]
+        finally:
+            b.close()
+    log.info("step %d: resharded %d -> %d ranks for load (ranks %s): %d bytes read, %d needed", step,
+             m.world_size, new_world_size, want[:8], stats.bytes_read, b.bytes_needed)
+    return out
+
+
+def _new_param_shards(m: ShardManifest, split: Callable[[int], list[tuple[int, int]]], M: int) -> list[tuple[int, int]]:
+    spans = sorted((s.param_shard_offset, s.param_shard_numel) for s in m.shards if s.param_shard_numel > 0)
+    if not spans:
+        return [(0, 0)] * M
+    pos = 0
+    for off, n in spans:
+        if off != pos:
+            raise ReshardError(f"step {m.step}: the ZeRO partitions (param_shard_offset/numel) do not tile "
+                               f"[0, P): a gap or overlap at element {pos}")
+        pos += n
+    return split(pos)
+
+
+def reshard(
+    root: PathLike,
+    step: int | None,
+    new_world_size: int,
+    out_root: PathLike,
+    *,
+    rules: Mapping[str, Rule] | None = None,
+    partition: Partition = even_split,
+    replace: bool = False,
+) -> ReshardResult:
+    """Write ``step`` of ``root`` (newest committed when ``None``) as a committed ``new_world_size``-rank
+    checkpoint of the same step number under ``out_root`` (another run directory), through
+    :func:`~tiered_ckpt.local.write_shard` and :func:`~tiered_ckpt.local.commit_step` (same durability and
+    commit protocol). ``extra`` and ``wall_clock_seconds`` are copied. New ranks are built and written
+    one at a time (memory: about one new shard). See the module docstring for the split rule and
+    ``rules``.
+
+    Raises :class:`ReshardError` before anything is written when the checkpoint cannot be resharded,
+    ``ValueError`` if ``new_world_size`` is not in ``[1, MAX_WORLD_SIZE]`` (before anything is read) or
+    ``out_root`` is ``root``; otherwise the errors of the loaders and of
+    :func:`~tiered_ckpt.local.write_shard` / :func:`~tiered_ckpt.local.commit_step` (e.g.
+    :class:`CheckpointExistsError` if the step is committed in ``out_root`` and not ``replace``).
+    """
+    if not 1 <= new_world_size <= MAX_WORLD_SIZE:  # before anything is read or written
+        raise ValueError(f"new_world_size must be in [1, {MAX_WORLD_SIZE}], got {new_world_size}")
+    r, step = _pick_step(root, step)
+    out_r, _ = resolve_root(out_root)
+    if os.path.realpath(out_r) == os.path.realpath(r):
+        raise ValueError(f"out_root {out_r} is the source run directory; reshard into another directory")
+    if not replace and _is_committed(out_r / step_dir_name(step)):
+        raise CheckpointExistsError(f"step {step} is already committed under {out_r}; pass replace=True")
+    m = read_manifest(r, step)
+    sdir = r / step_dir_name(step)
+    stats = ReadStats()
+    b = _Builder(sdir, m, new_world_size, partition, stats, for_write=True)
+    sid = new_save_id()
+    with _MaybeReadLock(sdir):
+        try:
+            plan = _Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
+            pshards = _new_param_shards(m, b.split, new_world_size)
+            records = []
+            for j in range(new_world_size):
+                state = b.build(plan, j)
+                records.append(write_shard(out_r, step, j, state, save_id=sid, replace=replace,
+                                           param_shard=pshards[j]))
+                del state
+        finally:
+            b.close()
+    new_m = commit_step(out_r, step, new_world_size, records, m.extra, save_id=sid, replace=replace,
+                        wall_clock_seconds=m.wall_clock_seconds)
+    log.info("step %d: resharded %d -> %d ranks into %s: %d bytes read of %d, %d bytes of tensors", step,
+             m.world_size, new_world_size, out_r, stats.bytes_read, m.total_bytes, b.bytes_needed)
+    return ReshardResult(new_m, m.world_size, stats.bytes_read, b.bytes_needed, m.total_bytes)
+
+
+__all__ = ["reshard", "reshard_states", "even_split", "ReshardResult", "ABSENT", "NAMED_RULES", "Rule",
+           "Partition"]

@@ -1,0 +1,206 @@
+"""torch.distributed coordination of a multi-rank save (imported only when a job has several ranks).
+
+Two dedicated gloo groups, made once by :class:`SaveCoordinator` (a collective call: every rank of the
+*default* group must construct it, in the same order as its other ``new_group`` calls):
+
+- the **save group**, used only by the manager's background thread (save id broadcast, record gather,
+  outcome gather), so a background save never issues a collective on the training loop's group (it
+  would deadlock against the loop's own all-reduce; torch DCP's ``async_save`` does the same);
+- the **policy group**, used only from the caller's thread (``should_save`` agreement with a time
+  policy or preemption, the choice of the step to ``load``).
+
+Both have a timeout (``timeout_s``): a rank that dies mid-save makes the others fail with
+:class:`~tiered_ckpt.errors.DistributedSaveError` (gloo reports a closed connection at once; a hung
+peer is caught by the timeout) instead of hanging. Payloads are JSON bytes in ``uint8`` tensors: no
+pickle (``*_object`` collectives pickle).
+
+Lifecycle of one save of step ``S`` (:meth:`SaveCoordinator.save`, run on every rank, in the background
+thread when saving asynchronously):
+
+1. rank 0 chooses the ``save_id``, broadcasts it with its ``extra`` and wall clock;
+2. every rank writes its shard (``local.write_shard``) and all ranks all-gather their records or errors;
+   any error -> every rank raises ``DistributedSaveError`` and nothing is committed;
+3. committers (rank 0 alone with ``shared_filesystem=True``; otherwise the lowest rank of every
+   ``(host, root)`` pair, i.e. each node's local rank 0) commit the same global manifest into their own
+   root, checking the shards of the ranks they serve (``local_ranks``);
+4. all ranks all-gather the commit outcomes: a failed commit anywhere -> every rank raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from tiered_ckpt.fs import hostname
+from tiered_ckpt.errors import CheckpointError, DistributedSaveError
+from tiered_ckpt.local.steps import commit_step, new_save_id, utc_now, write_shard
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """Result of one committed multi-rank save on this rank."""
+
+    step: int
+    save_id: str
+    committed_here: bool
+    manifest: ShardManifest | None
+
+
+def _collective_error(what: str, exc: BaseException) -> DistributedSaveError:
+    return DistributedSaveError(f"{what}: a collective failed (a rank died or timed out?): {exc}")
+
+
+class SaveCoordinator:
+    """Dedicated process groups and the collective protocol of a save (see the module docstring).
+
+    ``rank``/``world_size`` are this process's rank and size within ``process_group`` (default: the
+    whole job). Raises ``CheckpointError`` if torch.distributed is not initialized or they disagree.
+    """
+
+    def __init__(self, rank: int, world_size: int, process_group: Any = None, *, timeout_s: float = 600.0,
+                 shared_filesystem: bool = False) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise CheckpointError("world_size > 1 needs torch.distributed initialized (init_process_group)")
+        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                 else list(range(dist.get_world_size())))
+        if len(ranks) != world_size:
+            raise CheckpointError(f"world_size={world_size} but the process group has {len(ranks)} ranks")
+        timeout = timedelta(seconds=timeout_s)
+        self.save_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self.policy_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if dist.get_rank(self.save_group) != rank:
+            raise CheckpointError(f"rank={rank} but this process is rank {dist.get_rank(self.save_group)} of the group")
+        self.rank = rank
+        self.world_size = world_size
+        self.src = ranks[0]  # global rank of group rank 0
+        self.shared_filesystem = shared_filesystem
+
+    # -------------------------------------------------------------------------------- primitives
+
+    @staticmethod
+    def _all_gather_bytes(data: bytes, group: Any, world_size: int) -> list[bytes]:
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+        dist.all_gather(sizes, n, group=group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty_like(buf) for _ in range(world_size)]
+        dist.all_gather(outs, buf, group=group)
+        return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+    def _broadcast_bytes(self, data: bytes | None, group: Any) -> bytes:
+        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(n, src=self.src, group=group)
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        if data:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(buf, src=self.src, group=group)
+        return bytes(buf.numpy().tobytes())
+
+    def _exchange(self, mine: dict[str, Any], step: int, sid: str, what: str,
+                  failure: BaseException | None) -> list[dict[str, Any]]:
+        """All-gather this rank's ``mine`` (``{"rank", ..., "error"?}``) so that every rank learns every
+        outcome of one phase (``what``: "shard write", "commit"); raises DistributedSaveError (rank ->
+        message, this rank's own exception as cause) if any rank reported an error."""
+        try:
+            gathered = self.all_gather_json(mine)
+        except RuntimeError as exc:
+            raise _collective_error(f"rank {self.rank} step {step}: gathering {what} outcomes", exc) from exc
+        failures = {g["rank"]: g["error"] for g in gathered if "error" in g}
+        if failures:
+            log.error("rank %d step %d: %s of save %s failed on rank(s) %s", self.rank, step, what, sid,
+                      sorted(failures))
+            raise DistributedSaveError(f"step {step}: {what} failed on rank(s) {sorted(failures)}",
+                                       failures) from failure
+        return gathered
+
+    def all_gather_json(self, obj: Any, *, policy: bool = False) -> list[Any]:
+        """All-gather a JSON value from every rank (element ``i`` from rank ``i``)."""
+        group = self.policy_group if policy else self.save_group
+        raw = self._all_gather_bytes(json.dumps(obj).encode(), group, self.world_size)
+        return [json.loads(r) for r in raw]
+
+    def any_true(self, flags: list[bool]) -> list[bool]:
+        """Foreground agreement (policy group): each flag becomes true on every rank if it is true on
+        any rank (one all-reduce MAX)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.policy_group)
+        except RuntimeError as exc:
+            raise _collective_error("should_save agreement", exc) from exc
+        return [bool(x) for x in t.tolist()]
+
+    def common_steps(self, steps: list[int]) -> list[int]:
+        """Steps committed in every rank's root (policy group), ascending."""
+        try:
+            lists = self.all_gather_json(steps, policy=True)
+        except RuntimeError as exc:
+            raise _collective_error("choosing the step to load", exc) from exc
+        common = set(lists[0]).intersection(*map(set, lists[1:]))
+        return sorted(common)
+
+    # -------------------------------------------------------------------------------- the save
+
+    def save(self, root: Path, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
+             wall_clock_seconds: float, *, replace: bool = False) -> SaveOutcome:
+        """Run one save on this rank (steps 1-4 of the module docstring).
+
+        Raises ``DistributedSaveError`` (``failures``: rank -> message) if any rank failed to write or
+        commit, or a collective failed; the step is then committed nowhere unless a commit on another
+        node succeeded before (logged).
+        """
+        try:
+            head = None
+            if self.rank == 0:
+                head = json.dumps({"save_id": new_save_id(), "extra": dict(extra) if extra else None,
+                                   "wall_clock_seconds": wall_clock_seconds,
+                                   # one timestamp for every node's copy: the copies are byte-identical
+                                   "created_at": utc_now()}).encode()
+            info = json.loads(self._broadcast_bytes(head, self.save_group))
+        except RuntimeError as exc:
+            raise _collective_error(f"rank {self.rank} step {step}: save id broadcast", exc) from exc
+        sid = info["save_id"]
+        mine: dict[str, Any] = {"rank": self.rank, "host": hostname(), "root": str(root)}
+        failure: BaseException | None = None
+        try:
+            rec = write_shard(root, step, self.rank, state, save_id=sid, replace=replace)
+            mine["record"] = rec.to_dict()
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            failure = exc
+            mine["error"] = f"{type(exc).__name__}: {exc}"
+        gathered = self._exchange(mine, step, sid, "shard write", failure)
+        records = [ShardRecord.from_dict(g["record"]) for g in gathered]
+        # Who commits where (step 3).
+        if self.shared_filesystem:
+            groups = {("*", "*"): list(range(self.world_size))}
+        else:
+            groups = {}
+            for g in gathered:
+                groups.setdefault((g["host"], g["root"]), []).append(g["rank"])
+        serve = next(rs for rs in groups.values() if self.rank in rs or self.shared_filesystem)
+        committer = min(serve) == self.rank
+        manifest = None
+        outcome: dict[str, Any] = {"rank": self.rank}
+        if committer:
+            try:
+                manifest = commit_step(root, step, self.world_size, records, info["extra"], save_id=sid,
+                                       replace=replace, wall_clock_seconds=info["wall_clock_seconds"],
+                                       created_at=info["created_at"],
+                                       local_ranks=serve)
+            except Exception as exc:  # reported to every rank below, then re-raised here
+                failure = exc
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+        self._exchange(outcome, step, sid, "commit", failure)
+        return SaveOutcome(step=step, save_id=sid, committed_here=committer, manifest=manifest)

@@ -1,0 +1,289 @@
+"""CheckpointManager: the training side (save policy, async save, multi-rank commit, rotation, resume).
+
+Lifecycle (who calls what)::
+
+    mgr = CheckpointManager(root, rank=r, world_size=n, save_every_steps=100)   # 1. every rank
+    state = mgr.load()                      # 2. every rank, to resume (NoCheckpointError: fresh start)
+    for step in ...:
+        train_step()
+        if mgr.should_save(step):           # 3. every rank, every step (same answer on every rank)
+            mgr.save(step, state)           # 4. every rank; blocks only while the state is copied
+        if mgr.preempted:                   #    (opt-in SIGTERM handler: a final save was taken)
+            break
+    mgr.close()                             # 5. every rank: waits for the last save, raises its error
+
+Threads: ``save`` stages the state (copies arrays into reused host buffers, deep-copies JSON) in the
+caller's thread, then hands it to one background thread that writes the shard, hashes it, gathers the
+records, commits and rotates (:mod:`tiered_ckpt._dist` for several ranks). The next ``save`` waits for
+the previous one; a failed background save raises :class:`~tiered_ckpt.errors.CheckpointError` at the
+next ``save``, ``wait``, ``load`` or ``close`` (that call does nothing else), and is never counted as
+committed: :meth:`latest_step` reads the disk, so the manager's view always equals what is on disk.
+
+torch is imported only for several ranks or a given ``process_group``; a single-process numpy state
+needs no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from tiered_ckpt.training.staging import Stager, copy_json
+from tiered_ckpt.errors import CheckpointError, NoCheckpointError
+from tiered_ckpt.local.steps import commit_step, committed_steps, load_shard, new_save_id, write_shard
+from tiered_ckpt.local.rotation import RotationPolicy, rotate
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "SavePolicy"]
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When to save: every ``save_every_steps`` steps (``step % N == 0``) or once ``save_every_seconds``
+    have passed since the last successful commit (the first period counts from the manager's start).
+    Both ``None``: :meth:`CheckpointManager.should_save` is always false (call ``save`` yourself).
+
+    Raises ``ValueError`` for a non-positive value.
+    """
+
+    save_every_steps: int | None = None
+    save_every_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_every_steps is not None and self.save_every_steps < 1:
+            raise ValueError(f"save_every_steps must be >= 1, got {self.save_every_steps}")
+        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
+            raise ValueError(f"save_every_seconds must be > 0, got {self.save_every_seconds}")
+
+
+class CheckpointManager:
+    """Periodic, asynchronous, multi-rank checkpointing into ``root`` (see the module docstring).
+
+    ``root``: this node's checkpoint directory (relative paths are resolved once, here).
+    ``rank``/``world_size``: within ``process_group`` (default: the whole job). For ``world_size > 1``
+    torch.distributed must be initialized, and constructing the manager is a collective call (it makes two
+    gloo groups with ``collective_timeout_s``).
+    ``shared_filesystem``: ``root`` is the same directory for every node (rank 0 alone commits); by default
+    each node's lowest rank commits the global manifest into its own root.
+    ``keep_last``, ``upload_gated``, ``max_pending_uploads``: rotation (:mod:`tiered_ckpt.rotation`).
+    ``async_save=False`` writes and commits inside ``save``.
+    ``handle_sigterm=True`` installs the preemption handler (:meth:`install_sigterm_handler`).
+    ``remote_url`` (``s3://bucket/prefix``, the sidecar's): :meth:`load` restores this rank's shard from
+    the bucket when it is missing locally (a replaced node, a whole lost step); see
+    :func:`tiered_ckpt.restore.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore client
+    for it (default: boto3's chain).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        process_group: Any = None,
+        save_every_steps: int | None = None,
+        save_every_seconds: float | None = None,
+        keep_last: int = 3,
+        async_save: bool = True,
+        upload_gated: bool = False,
+        max_pending_uploads: int = 8,
+        shared_filesystem: bool = False,
+        collective_timeout_s: float = 600.0,
+        handle_sigterm: bool = False,
+        remote_url: str | None = None,
+        remote_s3_client: Any = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank ({rank}) < world_size ({world_size})")
+        self.root = Path(root).absolute()
+        self.rank = rank
+        self.world_size = world_size
+        self.policy = SavePolicy(save_every_steps, save_every_seconds)
+        self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads)
+        self.async_save = async_save
+        self.remote_url = remote_url
+        self._remote_s3_client = remote_s3_client
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._coord = None
+        if world_size > 1 or process_group is not None:
+            from tiered_ckpt.training.dist import SaveCoordinator  # imports torch
+
+            self._coord = SaveCoordinator(rank, world_size, process_group, timeout_s=collective_timeout_s,
+                                          shared_filesystem=shared_filesystem)
+        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiered-ckpt-save-r{rank}")
+                          if async_save else None)
+        self._future: Future[None] | None = None
+        self._pending_step: int | None = None
+        self._stager = Stager()
+        self._started = time.monotonic()
+        self._last_commit = self._started
+        self._preempt_requested = threading.Event()
+        self._preempt_agreed = False
+        self._preempt_handler_installed = False
+        self.preempted = False
+        self._closed = False
+        if handle_sigterm:
+            self.install_sigterm_handler()
+
+    # -------------------------------------------------------------------------------- policy
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: ``step % save_every_steps == 0``, or ``save_every_seconds``
+        passed since the last successful commit (rank 0's clock), or a SIGTERM arrived (preemption).
+
+        With several ranks and a time policy or the preemption handler, this is a collective (a
+        one-integer all-reduce on the manager's own group): call it on every rank at every step.
+        """
+        due = self.policy.save_every_steps is not None and step % self.policy.save_every_steps == 0
+        timed = self.policy.save_every_seconds is not None
+        if timed and (self._coord is None or self.rank == 0):
+            due = due or time.monotonic() - self._last_commit >= self.policy.save_every_seconds
+        preempt = self._preempt_requested.is_set()
+        if self._coord is not None and (timed or self._preempt_handler_installed):
+            due, preempt = self._coord.any_true([due, preempt])
+        if preempt:
+            self._preempt_agreed = True
+        return due or preempt
+
+    def install_sigterm_handler(self) -> None:
+        """Opt-in preemption: on SIGTERM, the next :meth:`should_save` returns true on every rank; that
+        :meth:`save` waits for the in-flight save, saves synchronously, and sets :attr:`preempted` so the
+        loop can stop. Must be called from the main thread; chains to no other handler.
+        """
+        def handler(signum: int, frame: Any) -> None:
+            self._preempt_requested.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        self._preempt_handler_installed = True
+
+    # -------------------------------------------------------------------------------- save
+
+    def save(self, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> None:
+        """Save this rank's ``state`` as step ``step`` (call on every rank with the same ``step``).
+
+        ``state``: nested ``dict`` of ``str`` -> numpy array / ``GlobalSlice`` / JSON value (or torch
+        tensors, converted bit-exactly). ``extra``: step-level JSON for the manifest (rank 0's is used).
+        Async: returns once the state is copied into the staging buffers; the caller may then change
+        every tensor. First waits for the previous save and raises its failure (``CheckpointError``)
+        instead of starting this one. Raises ``UnsupportedStateError`` for unstorable values (nothing
+        is started then) and, when not async, any save error directly.
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointManager is closed")
+        self.wait()
+        wall = time.monotonic() - self._started
+        if self._executor is None or self._preempt_agreed:
+            self._persist(step, state, extra, wall)
+            if self._preempt_agreed:
+                self.preempted = True
+                log.warning("rank %d step %d: final checkpoint after SIGTERM committed", self.rank, step)
+            return
+        t0 = time.perf_counter()
+        staged = self._stager.stage(state)
+        extra_copy = copy_json(dict(extra), "extra") if extra is not None else None
+        log.debug("rank %d step %d: staged %d bytes in %.3f s", self.rank, step, self._stager.nbytes,
+                  time.perf_counter() - t0)
+        self._pending_step = step
+        self._future = self._executor.submit(self._persist, step, staged, extra_copy, wall)
+
+    def _persist(self, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
+                 wall: float) -> None:
+        """Write, commit and rotate (background thread when async). Raises ``CheckpointError``."""
+        if self._executor is not None and threading.current_thread() is not threading.main_thread():
+            # Hand the GIL straight back to the caller of save(): otherwise this thread may hold it for
+            # a whole switch interval (5 ms) of Python bookkeeping before save() can return.
+            time.sleep(0)
+        t0 = time.perf_counter()
+        committed_here = True
+        if self._coord is not None:
+            committed_here = self._coord.save(self.root, step, state, extra, wall).committed_here
+        else:
+            sid = new_save_id()
+            rec = write_shard(self.root, step, self.rank, state, save_id=sid)
+            commit_step(self.root, step, 1, [rec], extra, save_id=sid, wall_clock_seconds=wall)
+        self._last_commit = time.monotonic()
+        log.info("rank %d step %d: checkpoint committed in %.3f s", self.rank, step, time.perf_counter() - t0)
+        if committed_here:
+            try:
+                rotate(self.root, self.rotation, rank=self.rank)
+            except OSError as exc:  # the save itself succeeded; retention retries after the next one
+                log.error("rank %d step %d: rotation failed: %s", self.rank, step, exc)
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; raise its failure as ``CheckpointError``
+        (other exceptions are wrapped, the original kept as ``__cause__``)."""
+        fut, step = self._future, self._pending_step
+        self._future = self._pending_step = None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except CheckpointError as exc:
+            log.error("rank %d step %d: background save failed: %s", self.rank, step, exc)
+            raise
+        except Exception as exc:
+            log.error("rank %d step %d: background save failed: %s", self.rank, step, exc)
+            raise CheckpointError(f"rank {self.rank} step {step}: background save failed: {exc}") from exc
+
+    # -------------------------------------------------------------------------------- read
+
+    def latest_step(self) -> int | None:
+        """The newest step committed in this rank's root (read from disk; an in-flight save is not
+        counted until its commit). No collective."""
+        steps = committed_steps(self.root)
+        return steps[-1] if steps else None
+
+    def load(self, step: int | None = None) -> dict[str, Any]:
+        """Load and verify this rank's state of ``step`` (``None``: the newest step committed in every
+        rank's root; a collective with several ranks). Waits for an in-flight save first.
+
+        Raises ``NoCheckpointError`` when nothing is committed (on every rank alike), and the loading
+        errors of :func:`tiered_ckpt.local.load_shard`.
+        """
+        self.wait()
+        if self.remote_url is not None:  # restore-from-bucket hook (tiered_ckpt.restore)
+            from tiered_ckpt.remote.restore import prepare_load_from_remote
+
+            step = prepare_load_from_remote(
+                self.root, self.remote_url, self.rank, step, s3_client=self._remote_s3_client,
+                common_steps=self._coord.common_steps if self._coord is not None else None)
+        if step is None and self._coord is not None:
+            common = self._coord.common_steps(committed_steps(self.root))
+            if common:
+                step = common[-1]
+            else:
+                raise NoCheckpointError(f"no step is committed in every rank's root (rank {self.rank}: {self.root})")
+        return load_shard(self.root, self.rank, self.world_size, step)
+
+    # -------------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Wait for the last save (raising its failure) and stop the background thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as close_exc:  # do not mask the exception already propagating
+            log.error("rank %d: closing after an error, the last save failed too: %s", self.rank, close_exc)
