@@ -29,17 +29,16 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from tiered_ckpt.errors import ManifestError, MissingShardError
+from tiered_ckpt.errors import MissingShardError
+from tiered_ckpt.format.migration import MIGRATIONS, SCHEMA_VERSION, migrate, migrate_v1_to_v2
+from tiered_ckpt.format.validate import (MAX_NUMEL, check_keys, fail, first_overlap, int_field, int_list,
+                                        loads_json, str_field)
 from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE, shard_file_name
 
-SCHEMA_VERSION = 2
 #: Largest shard we accept in a manifest (bytes): 2**48 = 256 TiB. Guards integer arithmetic.
 MAX_SHARD_BYTES = 2**48
-#: Largest number of elements of one tensor (or global tensor).
-MAX_NUMEL = 2**48
-MAX_NDIM = 64
 MAX_TENSORS_PER_SHARD = 10_000_000
 MAX_NAME_LEN = 4096
 
@@ -57,46 +56,6 @@ _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES = 4096, 2**30
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _HOST = re.compile(r"^[0-9A-Za-z_.-]{0,255}$")
-
-
-def _fail(msg: str) -> ManifestError:
-    return ManifestError(msg)
-
-
-def _int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _fail(f"{what} must be an integer, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise _fail(f"{what} = {v} out of range [{lo}, {hi}]")
-    return v
-
-
-def _str(v: Any, what: str, pattern: re.Pattern[str] | None = None) -> str:
-    if not isinstance(v, str):
-        raise _fail(f"{what} must be a string, got {type(v).__name__}")
-    if pattern is not None and not pattern.fullmatch(v):
-        raise _fail(f"{what} = {v[:80]!r} is malformed")
-    return v
-
-
-def _int_list(v: Any, what: str, hi: int = MAX_NUMEL) -> tuple[int, ...]:
-    if not isinstance(v, list):
-        raise _fail(f"{what} must be a list, got {type(v).__name__}")
-    if len(v) > MAX_NDIM:
-        raise _fail(f"{what} has {len(v)} dims (max {MAX_NDIM})")
-    return tuple(_int(x, f"{what}[{i}]", 0, hi) for i, x in enumerate(v))
-
-
-def _keys(obj: Any, what: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise _fail(f"{what} must be a JSON object, got {type(obj).__name__}")
-    missing = required - obj.keys()
-    if missing:
-        raise _fail(f"{what} lacks {sorted(missing)}")
-    unknown = obj.keys() - required - optional
-    if unknown:
-        raise _fail(f"{what} has unknown keys {sorted(unknown)[:5]}")
-    return obj
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -147,41 +106,41 @@ class TensorRecord:
 
     @classmethod
     def from_dict(cls, obj: Any, what: str = "tensor") -> TensorRecord:
-        _keys(obj, what, {"name", "dtype", "shape", "data_offsets"}, {"global_shape", "global_offset", "crc32c"})
-        name = _str(obj["name"], f"{what}.name")
+        check_keys(obj, what, {"name", "dtype", "shape", "data_offsets"}, {"global_shape", "global_offset", "crc32c"})
+        name = str_field(obj["name"], f"{what}.name")
         if not name or len(name) > MAX_NAME_LEN:
-            raise _fail(f"{what}.name has bad length {len(name)}")
-        dtype = _str(obj["dtype"], f"{what}.dtype")
+            raise fail(f"{what}.name has bad length {len(name)}")
+        dtype = str_field(obj["dtype"], f"{what}.dtype")
         if dtype not in DTYPE_SIZES:
-            raise _fail(f"{what}.dtype {dtype[:20]!r} is not supported")
-        shape = _int_list(obj["shape"], f"{what}.shape")
-        offs = _int_list(obj["data_offsets"], f"{what}.data_offsets", MAX_SHARD_BYTES)
+            raise fail(f"{what}.dtype {dtype[:20]!r} is not supported")
+        shape = int_list(obj["shape"], f"{what}.shape")
+        offs = int_list(obj["data_offsets"], f"{what}.data_offsets", MAX_SHARD_BYTES)
         if len(offs) != 2 or offs[0] > offs[1]:
-            raise _fail(f"{what}.data_offsets must be [begin, end] with begin <= end")
+            raise fail(f"{what}.data_offsets must be [begin, end] with begin <= end")
         n = numel(shape)
         if n > MAX_NUMEL:
-            raise _fail(f"{what}.shape {shape} has too many elements")
+            raise fail(f"{what}.shape {shape} has too many elements")
         if offs[1] - offs[0] != n * DTYPE_SIZES[dtype]:
-            raise _fail(f"{what}: data_offsets span {offs[1] - offs[0]} bytes, shape x dtype needs "
+            raise fail(f"{what}: data_offsets span {offs[1] - offs[0]} bytes, shape x dtype needs "
                         f"{n * DTYPE_SIZES[dtype]}")
         gs = go = None
         if ("global_shape" in obj) != ("global_offset" in obj):
-            raise _fail(f"{what}: global_shape and global_offset go together")
+            raise fail(f"{what}: global_shape and global_offset go together")
         if "global_shape" in obj:
-            gs = _int_list(obj["global_shape"], f"{what}.global_shape")
-            go = _int_list(obj["global_offset"], f"{what}.global_offset")
+            gs = int_list(obj["global_shape"], f"{what}.global_shape")
+            go = int_list(obj["global_offset"], f"{what}.global_offset")
             if not len(gs) == len(go) == len(shape):
-                raise _fail(f"{what}: global_shape/global_offset/shape ranks differ")
+                raise fail(f"{what}: global_shape/global_offset/shape ranks differ")
             if numel(gs) > MAX_NUMEL:
-                raise _fail(f"{what}.global_shape {gs} has too many elements")
+                raise fail(f"{what}.global_shape {gs} has too many elements")
             for d, (o, s, g) in enumerate(zip(go, shape, gs)):
                 if o + s > g:
-                    raise _fail(f"{what}: dim {d} slice [{o}, {o + s}) exceeds global size {g}")
+                    raise fail(f"{what}: dim {d} slice [{o}, {o + s}) exceeds global size {g}")
         crcs = obj.get("crc32c")
         if crcs is not None:
             if not isinstance(crcs, list) or len(crcs) > MAX_SHARD_BYTES // MIN_CRC_CHUNK_BYTES + 1:
-                raise _fail(f"{what}.crc32c must be a list of chunk checksums or null")
-            crcs = tuple(_str(c, f"{what}.crc32c[{i}]", _HEX8) for i, c in enumerate(crcs))
+                raise fail(f"{what}.crc32c must be a list of chunk checksums or null")
+            crcs = tuple(str_field(c, f"{what}.crc32c[{i}]", _HEX8) for i, c in enumerate(crcs))
         return cls(name, dtype, shape, (offs[0], offs[1]), gs, go, crcs)
 
 
@@ -228,50 +187,50 @@ class ShardRecord:
 
     @classmethod
     def from_dict(cls, obj: Any, what: str = "shard") -> ShardRecord:
-        _keys(obj, what, {"rank", "path", "sha256", "size_bytes", "param_shard_offset",
+        check_keys(obj, what, {"rank", "path", "sha256", "size_bytes", "param_shard_offset",
                           "param_shard_numel", "tensors", "crc32c", "header_sha256", "crc32c_chunk_bytes"},
               {"host", "save_id"})
-        rank = _int(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
-        path = _str(obj["path"], f"{what}.path")
+        rank = int_field(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
+        path = str_field(obj["path"], f"{what}.path")
         if path != shard_file_name(rank):
             # Only the canonical name is accepted: this rules out "../x", absolute paths, other
             # directories and files shared between ranks, before any file is opened.
-            raise _fail(f"{what}.path {path[:100]!r} is not the shard file of rank {rank} "
+            raise fail(f"{what}.path {path[:100]!r} is not the shard file of rank {rank} "
                         f"({shard_file_name(rank)!r}); paths outside the step directory are refused")
-        sha = _str(obj["sha256"], f"{what}.sha256", _HEX64)
-        size = _int(obj["size_bytes"], f"{what}.size_bytes", 8, MAX_SHARD_BYTES)
-        off = _int(obj["param_shard_offset"], f"{what}.param_shard_offset", 0, MAX_NUMEL)
-        num = _int(obj["param_shard_numel"], f"{what}.param_shard_numel", 0, MAX_NUMEL)
-        host = _str(obj.get("host", ""), f"{what}.host", _HOST)
-        save_id = _str(obj.get("save_id", ""), f"{what}.save_id", re.compile(r"^[0-9A-Za-z_-]{0,64}$"))
+        sha = str_field(obj["sha256"], f"{what}.sha256", _HEX64)
+        size = int_field(obj["size_bytes"], f"{what}.size_bytes", 8, MAX_SHARD_BYTES)
+        off = int_field(obj["param_shard_offset"], f"{what}.param_shard_offset", 0, MAX_NUMEL)
+        num = int_field(obj["param_shard_numel"], f"{what}.param_shard_numel", 0, MAX_NUMEL)
+        host = str_field(obj.get("host", ""), f"{what}.host", _HOST)
+        save_id = str_field(obj.get("save_id", ""), f"{what}.save_id", re.compile(r"^[0-9A-Za-z_-]{0,64}$"))
         raw_tensors = obj["tensors"]
         if not isinstance(raw_tensors, list):
-            raise _fail(f"{what}.tensors must be a list")
+            raise fail(f"{what}.tensors must be a list")
         if len(raw_tensors) > MAX_TENSORS_PER_SHARD:
-            raise _fail(f"{what}.tensors has too many entries")
+            raise fail(f"{what}.tensors has too many entries")
         tensors = tuple(TensorRecord.from_dict(t, f"{what}.tensors[{i}]") for i, t in enumerate(raw_tensors))
         _check_tensor_layout(tensors, size, what)
         crc, hsha, chunk = obj["crc32c"], obj["header_sha256"], obj["crc32c_chunk_bytes"]
         if (crc is None) != (hsha is None) or (crc is None) != (chunk is None):
-            raise _fail(f"{what}: crc32c, header_sha256 and crc32c_chunk_bytes are all set or all null")
+            raise fail(f"{what}: crc32c, header_sha256 and crc32c_chunk_bytes are all set or all null")
         if crc is not None:
-            crc = _str(crc, f"{what}.crc32c", _HEX8)
-            hsha = _str(hsha, f"{what}.header_sha256", _HEX64)
-            chunk = _int(chunk, f"{what}.crc32c_chunk_bytes", MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES)
+            crc = str_field(crc, f"{what}.crc32c", _HEX8)
+            hsha = str_field(hsha, f"{what}.header_sha256", _HEX64)
+            chunk = int_field(chunk, f"{what}.crc32c_chunk_bytes", MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES)
             if chunk & (chunk - 1):
-                raise _fail(f"{what}.crc32c_chunk_bytes = {chunk} is not a power of two")
+                raise fail(f"{what}.crc32c_chunk_bytes = {chunk} is not a power of two")
         for i, t in enumerate(tensors):
             if chunk is None:
                 if t.crc32c is not None:
-                    raise _fail(f"{what}.tensors[{i}].crc32c is set but crc32c_chunk_bytes is null")
+                    raise fail(f"{what}.tensors[{i}].crc32c is set but crc32c_chunk_bytes is null")
             elif t.crc32c is not None and len(t.crc32c) != -(-t.nbytes // chunk):
-                raise _fail(f"{what}.tensors[{i}].crc32c must list {-(-t.nbytes // chunk)} chunk checksum(s) "
+                raise fail(f"{what}.tensors[{i}].crc32c must list {-(-t.nbytes // chunk)} chunk checksum(s) "
                             f"for {t.nbytes} bytes in chunks of {chunk}")
         return cls(rank, path, sha, size, off, num, host, save_id, tensors, crc, hsha, chunk)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ShardRecord:
-        return cls.from_dict(_loads(text, "shard record"))
+        return cls.from_dict(loads_json(text, "shard record"))
 
 
 def _check_tensor_layout(tensors: tuple[TensorRecord, ...], size_bytes: int, what: str) -> None:
@@ -280,16 +239,16 @@ def _check_tensor_layout(tensors: tuple[TensorRecord, ...], size_bytes: int, wha
     seen: set[str] = set()
     for t in tensors:
         if t.name in seen:
-            raise _fail(f"{what}: tensor {t.name[:80]!r} listed twice")
+            raise fail(f"{what}: tensor {t.name[:80]!r} listed twice")
         seen.add(t.name)
     pos = 0
     for t in sorted(tensors, key=lambda t: (t.data_offsets[0], t.data_offsets[1])):
         if t.data_offsets[0] != pos:
-            raise _fail(f"{what}: tensor {t.name[:80]!r} data_offsets {list(t.data_offsets)} "
+            raise fail(f"{what}: tensor {t.name[:80]!r} data_offsets {list(t.data_offsets)} "
                         f"{'overlap' if t.data_offsets[0] < pos else 'leave a gap after'} byte {pos}")
         pos = t.data_offsets[1]
     if pos + 8 > size_bytes:
-        raise _fail(f"{what}: tensor data ({pos} bytes) does not fit in size_bytes={size_bytes}")
+        raise fail(f"{what}: tensor data ({pos} bytes) does not fit in size_bytes={size_bytes}")
 
 
 @dataclass(frozen=True)
@@ -336,37 +295,37 @@ class ShardManifest:
     @classmethod
     def from_json(cls, text: str | bytes) -> ShardManifest:
         """Parse and validate. Raises :class:`ManifestError` / :class:`MissingShardError`."""
-        return cls.from_dict(_loads(text, "manifest"))
+        return cls.from_dict(loads_json(text, "manifest"))
 
     @classmethod
     def from_dict(cls, obj: Any) -> ShardManifest:
         if not isinstance(obj, dict):
-            raise _fail(f"manifest must be a JSON object, got {type(obj).__name__}")
+            raise fail(f"manifest must be a JSON object, got {type(obj).__name__}")
         version = obj.get("schema_version")
-        version = _int(version, "schema_version", 0, 2**31)
+        version = int_field(version, "schema_version", 0, 2**31)
         if version > SCHEMA_VERSION:
-            raise _fail(f"manifest schema_version {version} is newer than this tiered_ckpt "
+            raise fail(f"manifest schema_version {version} is newer than this tiered_ckpt "
                         f"understands ({SCHEMA_VERSION}); upgrade tiered_ckpt to read it")
         obj = migrate(obj, version)
-        _keys(obj, "manifest", {"schema_version", "world_size", "step", "save_id", "wall_clock_seconds",
+        check_keys(obj, "manifest", {"schema_version", "world_size", "step", "save_id", "wall_clock_seconds",
                                 "created_at", "shards"}, {"extra"})
-        ws = _int(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
-        step = _int(obj["step"], "step", 0, MAX_STEP)
-        save_id = _str(obj["save_id"], "save_id", _SAVE_ID)
+        ws = int_field(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        step = int_field(obj["step"], "step", 0, MAX_STEP)
+        save_id = str_field(obj["save_id"], "save_id", _SAVE_ID)
         wcs = obj["wall_clock_seconds"]
         if isinstance(wcs, bool) or not isinstance(wcs, (int, float)) or not math.isfinite(wcs) or wcs < 0:
-            raise _fail("wall_clock_seconds must be a finite number >= 0")
-        created = _str(obj["created_at"], "created_at")
+            raise fail("wall_clock_seconds must be a finite number >= 0")
+        created = str_field(obj["created_at"], "created_at")
         if len(created) > 64:
-            raise _fail("created_at is too long")
+            raise fail("created_at is too long")
         extra = obj.get("extra")
         if extra is not None and not isinstance(extra, dict):
-            raise _fail("extra must be a JSON object or null")
+            raise fail("extra must be a JSON object or null")
         raw = obj["shards"]
         if not isinstance(raw, list):
-            raise _fail("shards must be a list")
+            raise fail("shards must be a list")
         if len(raw) > MAX_WORLD_SIZE:
-            raise _fail("shards has too many entries")
+            raise fail("shards has too many entries")
         shards = [ShardRecord.from_dict(s, f"shards[{i}]") for i, s in enumerate(raw)]
         ranks = [s.rank for s in shards]
         dup = sorted({r for r in ranks if ranks.count(r) > 1}) if len(set(ranks)) != len(ranks) else []
@@ -377,11 +336,11 @@ class ShardManifest:
             raise MissingShardError(f"step {step}: world_size is {ws} but shards lacks rank(s) {missing[:8]}")
         if len(shards) != ws:
             extra_ranks = sorted(set(ranks) - set(range(ws)))
-            raise _fail(f"step {step}: shards lists rank(s) {extra_ranks[:8]} beyond world_size {ws}")
+            raise fail(f"step {step}: shards lists rank(s) {extra_ranks[:8]} beyond world_size {ws}")
         shards.sort(key=lambda s: s.rank)
         for s in shards:
             if s.save_id and s.save_id != save_id:
-                raise _fail(f"step {step}: shard of rank {s.rank} belongs to save {s.save_id!r}, "
+                raise fail(f"step {step}: shard of rank {s.rank} belongs to save {s.save_id!r}, "
                             f"the manifest to {save_id!r} (mixed checkpoint)")
         _check_partitions(shards, step)
         m = object.__new__(cls)
@@ -399,7 +358,7 @@ def _check_partitions(shards: list[ShardRecord], step: int) -> None:
                    for s in shards if s.param_shard_numel > 0)
     for (b0, e0, r0), (b1, e1, r1) in zip(spans, spans[1:]):
         if b1 < e0:
-            raise _fail(f"step {step}: param shards of ranks {r0} [{b0}, {e0}) and {r1} [{b1}, {e1}) overlap")
+            raise fail(f"step {step}: param shards of ranks {r0} [{b0}, {e0}) and {r1} [{b1}, {e1}) overlap")
     boxes: dict[str, list[tuple[int, TensorRecord]]] = {}
     for s in shards:
         for t in s.tensors:
@@ -409,120 +368,13 @@ def _check_partitions(shards: list[ShardRecord], step: int) -> None:
         g0, d0 = items[0][1].global_shape, items[0][1].dtype
         for rank, t in items:
             if t.global_shape != g0 or t.dtype != d0:
-                raise _fail(f"step {step}: slices of {name[:80]!r} disagree on global shape/dtype "
+                raise fail(f"step {step}: slices of {name[:80]!r} disagree on global shape/dtype "
                             f"(rank {rank}: {t.dtype} {list(t.global_shape or ())})")
         nonempty = [(r, t) for r, t in items if numel(t.shape) > 0]
-        pair = _first_overlap([(t.global_offset or (), t.shape) for _, t in nonempty])
+        pair = first_overlap([(t.global_offset or (), t.shape) for _, t in nonempty])
         if pair is not None:
             ra, rb = nonempty[pair[0]][0], nonempty[pair[1]][0]
-            raise _fail(f"step {step}: slices of {name[:80]!r} on ranks {ra} and {rb} overlap")
-
-
-def _first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, int] | None:
-    """Indices of two overlapping boxes ``(offset, shape)`` (all non-empty, same rank), or ``None``.
-
-    A sweep along one dimension: boxes sorted by their start there, each compared only with those
-    still open at its start. The dimension is the one whose sweep keeps the fewest boxes open, so a
-    split along any one dimension (ZeRO, tensor parallel) and 2-D block grids stay near-linear; a hostile
-    manifest cannot make validation quadratic in its size without also overlapping (found at once).
-    """
-    import heapq
-
-    if len(boxes) < 2:
-        return None
-    ndim = len(boxes[0][0])
-
-    def open_peak(d: int) -> int:
-        ends: list[int] = []
-        peak = 0
-        for off, shp in sorted(boxes, key=lambda b: b[0][d]):
-            while ends and ends[0] <= off[d]:
-                heapq.heappop(ends)
-            heapq.heappush(ends, off[d] + shp[d])
-            peak = max(peak, len(ends))
-        return peak
-
-    d = min(range(ndim), key=open_peak) if ndim > 1 else 0
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][d])
-    active: list[tuple[int, int]] = []  # heap of (end along d, index)
-    for i in order:
-        off, shp = boxes[i]
-        while active and active[0][0] <= off[d]:
-            heapq.heappop(active)
-        for _, j in active:
-            o2, s2 = boxes[j]
-            if all(a < b + sb and b < a + sa for a, sa, b, sb in zip(off, shp, o2, s2)):
-                return (j, i)
-        heapq.heappush(active, (off[d] + shp[d], i))
-    return None
-
-
-def _loads(text: str | bytes, what: str) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except ManifestError:
-        raise
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{what} is not valid JSON: {e}") from None
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        raise ManifestError("duplicate key in JSON object")
-    return d
-
-
-def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Upgrade a version-1 manifest dict to version 2 (pure; the input is not modified).
-
-    Version 1 has no checksums beyond the whole-file sha256: every shard gets ``crc32c``,
-    ``header_sha256`` and ``crc32c_chunk_bytes`` set to ``null`` (unknown; tensors have no ``crc32c``),
-    so that fast and partial verification of such a step fall back to sha256 of whole files.
-    A version-1 dict that already carries one of these keys is refused (they were unknown keys in v1).
-    Malformed parts are left for validation to report.
-    """
-    out = dict(obj)
-    out["schema_version"] = 2
-    shards = out.get("shards")
-    if not isinstance(shards, list):
-        return out
-    new_shards: list[Any] = []
-    for i, s in enumerate(shards):
-        if not isinstance(s, dict):
-            new_shards.append(s)
-            continue
-        s = dict(s)
-        clash = sorted({"crc32c", "header_sha256", "crc32c_chunk_bytes"} & s.keys())
-        if clash:
-            raise _fail(f"shards[{i}] has unknown keys {clash} (schema_version 1)")
-        s.update(crc32c=None, header_sha256=None, crc32c_chunk_bytes=None)
-        tensors = s.get("tensors")
-        if isinstance(tensors, list):
-            for j, t in enumerate(tensors):
-                if isinstance(t, dict) and "crc32c" in t:
-                    raise _fail(f"shards[{i}].tensors[{j}] has unknown keys ['crc32c'] (schema_version 1)")
-        new_shards.append(s)
-    out["shards"] = new_shards
-    return out
-
-
-#: Named migrations: ``MIGRATIONS[v]`` upgrades a manifest dict of version ``v`` to ``v + 1``.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2}
-
-
-def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
-    """Upgrade a manifest dict of ``version`` to :data:`SCHEMA_VERSION` with the named migrations."""
-    if version < 1:
-        raise _fail(f"manifest schema_version {version} is not a known version")
-    out = dict(obj)
-    while version < SCHEMA_VERSION:
-        fn = MIGRATIONS.get(version)
-        if fn is None:  # pragma: no cover - every version has a migration
-            raise _fail(f"no migration from schema_version {version}")
-        out = fn(out)
-        version += 1
-    return out
+            raise fail(f"step {step}: slices of {name[:80]!r} on ranks {ra} and {rb} overlap")
 
 
 __all__ = ["SCHEMA_VERSION", "DTYPE_SIZES", "TensorRecord", "ShardRecord", "ShardManifest", "migrate",

@@ -1,7 +1,8 @@
 """Shard file format: safetensors (8-byte little-endian header length, JSON header, raw little-endian
 tensor bytes), written and read by us so that bfloat16 and float8 work with numpy (safetensors 0.8's
 numpy loader refuses them) and so that writing streams from the caller's arrays without a whole-state
-copy. Pure encoding/decoding plus one streaming writer; no knowledge of steps, manifests on disk or S3.
+copy. Pure encoding/decoding: no I/O, no threads, no knowledge of steps, manifests on disk or S3 (the
+streaming writer and verified reader are :mod:`tiered_ckpt.local.shard_io`).
 
 The nested state is kept in the header's ``__metadata__["tiered_ckpt"]`` as JSON: a tree whose nodes
 are ``{"d": {key: node}}`` (a dict), ``{"t": name}`` (a tensor in this file), ``{"v": value}`` (a
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -28,7 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from tiered_ckpt.errors import ShardCorruptedError, UnsupportedStateError
-from tiered_ckpt.format.manifest import DTYPE_SIZES, MAX_NAME_LEN, MAX_NDIM, TensorRecord, numel
+from tiered_ckpt.format.manifest import DTYPE_SIZES, MAX_NAME_LEN, TensorRecord, numel
+from tiered_ckpt.format.validate import MAX_NDIM
 from tiered_ckpt.state import GlobalSlice, Replicated
 
 #: safetensors caps the JSON header at 100 MB; so do we.
@@ -219,64 +219,6 @@ def iter_chunks(header: bytes, entries: list[TensorEntry]) -> Iterator[memoryvie
             yield flat[i : i + CHUNK_BYTES]
 
 
-class OverlappedHasher:
-    """Feeds chunks to ``hashers`` on a second thread, in order, at most ``depth`` chunks behind.
-
-    hashlib and google_crc32c release the GIL on large buffers, so hashing overlaps the caller's I/O on
-    a second core. Chunks must stay unmodified until :meth:`drain` returns (they are views, not copies).
-    """
-
-    def __init__(self, hashers: list[Any], depth: int = 4) -> None:
-        self._hashers = hashers
-        self._depth = depth
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-ckpt-hash")
-        self._pending: list[Any] = []
-
-    def feed(self, chunk: memoryview) -> None:
-        self._pending.append(self._pool.submit(_update_all, self._hashers, chunk))
-        if len(self._pending) > self._depth:
-            self._pending.pop(0).result()
-
-    def drain(self) -> None:
-        try:
-            for p in self._pending:
-                p.result()
-        finally:
-            self._pending.clear()
-            self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> OverlappedHasher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.drain()
-
-
-def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Any],
-                 inline_hashers: list[Any] = ()) -> int:  # type: ignore[assignment]
-    """Write every chunk to ``fd`` while a second thread feeds the same chunks to ``hashers`` (the
-    expensive ones: sha256); ``inline_hashers`` (cheap ones: CRC32C, several GB/s) are fed on the writing
-    thread itself, so that the two threads carry about the same CPU load on two cores. Returns bytes
-    written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
-    from tiered_ckpt.fs import start_writeback, write_all
-
-    total = 0
-    with OverlappedHasher(hashers) as hasher:
-        for chunk in chunks:
-            hasher.feed(chunk)
-            for h in inline_hashers:
-                h.update(chunk)
-            write_all(fd, chunk)
-            start_writeback(fd, total, chunk.nbytes)  # the final fsync then has little left to flush
-            total += chunk.nbytes
-    return total
-
-
-def _update_all(hashers: list[Any], chunk: memoryview) -> None:
-    for h in hashers:
-        h.update(chunk)
-
-
 # ----------------------------------------------------------------------------------------------- read
 
 
@@ -291,18 +233,18 @@ class ParsedHeader:
         return 8 + self.header_len
 
 
-def _corrupt(where: str, msg: str) -> ShardCorruptedError:
+def corrupt(where: str, msg: str) -> ShardCorruptedError:
     return ShardCorruptedError(f"{where}: {msg}")
 
 
 def parse_header_length(prefix: bytes, file_size: int, where: str) -> int:
     if len(prefix) < 8 or file_size < 8:
-        raise _corrupt(where, f"file of {file_size} bytes is too short for a safetensors header")
+        raise corrupt(where, f"file of {file_size} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > MAX_HEADER_BYTES:
-        raise _corrupt(where, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
+        raise corrupt(where, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
     if 8 + n > file_size:
-        raise _corrupt(where, f"header length {n} runs past the end of the {file_size}-byte file")
+        raise corrupt(where, f"header length {n} runs past the end of the {file_size}-byte file")
     return n
 
 
@@ -313,43 +255,43 @@ def parse_header(raw: bytes, file_size: int, where: str) -> ParsedHeader:
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs_unique)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise _corrupt(where, f"header is not valid JSON ({str(e)[:100]})") from None
+        raise corrupt(where, f"header is not valid JSON ({str(e)[:100]})") from None
     if not isinstance(obj, dict):
-        raise _corrupt(where, "header is not a JSON object")
+        raise corrupt(where, "header is not a JSON object")
     meta_raw = obj.pop("__metadata__", None)
     if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
-        raise _corrupt(where, "header __metadata__ is missing or not a string map")
+        raise corrupt(where, "header __metadata__ is missing or not a string map")
     try:
         meta = json.loads(meta_raw[METADATA_KEY])
     except (KeyError, ValueError, RecursionError):
-        raise _corrupt(where, f"header lacks valid {METADATA_KEY!r} metadata") from None
+        raise corrupt(where, f"header lacks valid {METADATA_KEY!r} metadata") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("tree"), dict):
-        raise _corrupt(where, "tiered_ckpt metadata block is malformed")
+        raise corrupt(where, "tiered_ckpt metadata block is malformed")
     data_len = file_size - 8 - len(raw)
     tensors = []
     for name, info in obj.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise _corrupt(where, f"tensor {name[:80]!r} entry is malformed")
+            raise corrupt(where, f"tensor {name[:80]!r} entry is malformed")
         dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in DTYPE_SIZES:
-            raise _corrupt(where, f"tensor {name[:80]!r} has unsupported dtype {str(dtype)[:20]!r}")
+            raise corrupt(where, f"tensor {name[:80]!r} has unsupported dtype {str(dtype)[:20]!r}")
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(type(d) is int and d >= 0 for d in shape)):
-            raise _corrupt(where, f"tensor {name[:80]!r} has a malformed shape")
+            raise corrupt(where, f"tensor {name[:80]!r} has a malformed shape")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data_len):
-            raise _corrupt(where, f"tensor {name[:80]!r} data_offsets {str(offs)[:60]} lie outside the "
+            raise corrupt(where, f"tensor {name[:80]!r} data_offsets {str(offs)[:60]} lie outside the "
                                   f"{data_len}-byte data section")
         if offs[1] - offs[0] != numel(tuple(shape)) * DTYPE_SIZES[dtype]:
-            raise _corrupt(where, f"tensor {name[:80]!r} data_offsets do not match its shape and dtype")
+            raise corrupt(where, f"tensor {name[:80]!r} data_offsets do not match its shape and dtype")
         tensors.append(TensorRecord(name, dtype, tuple(shape), (offs[0], offs[1])))
     pos = 0
     for t in sorted(tensors, key=lambda t: t.data_offsets):
         if t.data_offsets[0] != pos:
-            raise _corrupt(where, f"tensor data has a gap or overlap at byte {pos}")
+            raise corrupt(where, f"tensor data has a gap or overlap at byte {pos}")
         pos = t.data_offsets[1]
     if pos != data_len:
-        raise _corrupt(where, f"tensors cover {pos} bytes but the data section holds {data_len}")
+        raise corrupt(where, f"tensors cover {pos} bytes but the data section holds {data_len}")
     return ParsedHeader(len(raw), tuple(tensors), meta)
 
 
@@ -358,24 +300,6 @@ def _pairs_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(d) != len(pairs):
         raise ValueError("duplicate key")
     return d
-
-
-def read_verified(fd: int, size: int, hashers: list[Any], where: str) -> np.ndarray:
-    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer (a writable uint8 array,
-    not zero-filled first), feeding ``hashers`` chunk by chunk on a second thread (see
-    :class:`OverlappedHasher`). Raises ShardCorruptedError if the file is shorter; ``OSError`` from
-    ``read(2)`` propagates."""
-    buf = np.empty(size, dtype=np.uint8)
-    view = memoryview(buf)
-    pos = 0
-    with OverlappedHasher(hashers) as hasher:
-        while pos < size:
-            n = os.preadv(fd, [view[pos : pos + CHUNK_BYTES]], pos)
-            if n == 0:
-                raise _corrupt(where, f"file ended after {pos} of {size} bytes")
-            hasher.feed(view[pos : pos + n])
-            pos += n
-    return buf
 
 
 def decode_state(
@@ -396,17 +320,17 @@ def decode_state(
 
     def node(n: Any, depth: int, path: tuple[str, ...] = (), in_rep: bool = False) -> Any:
         if depth > 256 or not isinstance(n, dict) or len(n) != 1:
-            raise _corrupt(where, "state tree node is malformed")
+            raise corrupt(where, "state tree node is malformed")
         (kind, val), = n.items()
         if kind == "d":
             if not isinstance(val, dict):
-                raise _corrupt(where, "state tree dict node is malformed")
+                raise corrupt(where, "state tree dict node is malformed")
             return {k: node(v, depth + 1, path + (k,), in_rep) for k, v in val.items()}
         if kind == "r" and not in_rep:
             if val is not None:
                 return node(val, depth + 1, path, True)
             if resolve_ref is None:
-                raise _corrupt(where, f"replicated value {'/'.join(path)[:80]!r} is stored in rank 0's "
+                raise corrupt(where, f"replicated value {'/'.join(path)[:80]!r} is stored in rank 0's "
                                       "shard, which this read has no access to")
             return resolve_ref(path)
         if kind == "v":
@@ -414,7 +338,7 @@ def decode_state(
         if kind == "t":
             t = by_name.get(val) if isinstance(val, str) else None
             if t is None or val in used:
-                raise _corrupt(where, f"state tree names unknown or repeated tensor {str(val)[:80]!r}")
+                raise corrupt(where, f"state tree names unknown or repeated tensor {str(val)[:80]!r}")
             used.add(val)
             dt = numpy_dtype(t.dtype)
             count = numel(t.shape)
@@ -423,11 +347,11 @@ def decode_state(
             if count == 0:
                 return np.empty(t.shape, dtype=dt)
             return np.frombuffer(buf, dtype=dt, count=count, offset=base + t.data_offsets[0]).reshape(t.shape)
-        raise _corrupt(where, f"state tree node kind {str(kind)[:10]!r} is unknown")
+        raise corrupt(where, f"state tree node kind {str(kind)[:10]!r} is unknown")
 
     state = node(hdr.metadata["tree"], 0)
     if set(by_name) - used:
-        raise _corrupt(where, f"{len(set(by_name) - used)} tensor(s) are not referenced by the state tree")
+        raise corrupt(where, f"{len(set(by_name) - used)} tensor(s) are not referenced by the state tree")
     return state
 
 
@@ -435,7 +359,7 @@ def new_sha256() -> Any:
     return hashlib.sha256()
 
 
-__all__ = ["flatten_state", "layout", "encode_header", "iter_chunks", "write_stream", "parse_header",
-           "parse_header_length", "read_verified", "decode_state", "dtype_code", "numpy_dtype",
+__all__ = ["flatten_state", "layout", "encode_header", "iter_chunks", "parse_header",
+           "parse_header_length", "decode_state", "corrupt", "new_sha256", "dtype_code", "numpy_dtype",
            "TensorEntry", "ParsedHeader", "CHUNK_BYTES", "MAX_HEADER_BYTES", "METADATA_KEY",
            "FORMAT_VERSION"]

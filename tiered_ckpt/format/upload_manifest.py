@@ -20,7 +20,8 @@ from typing import Any
 
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.layout import MANIFEST_NAME, MAX_STEP, MAX_WORLD_SIZE, remote_key, shard_file_name
-from tiered_ckpt.format.manifest import MAX_SHARD_BYTES, _int, _keys, _loads, _str
+from tiered_ckpt.format.manifest import MAX_SHARD_BYTES
+from tiered_ckpt.format.validate import check_keys, int_field, loads_json, str_field
 
 UPLOAD_SCHEMA_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -49,12 +50,12 @@ class RemoteShard:
 
     @classmethod
     def from_dict(cls, obj: Any, what: str = "shard") -> RemoteShard:
-        _keys(obj, what, {"rank", "key", "size_bytes", "sha256", "confirmed_by"})
-        rank = _int(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
-        key = _str(obj["key"], f"{what}.key")
-        size = _int(obj["size_bytes"], f"{what}.size_bytes", 8, MAX_SHARD_BYTES)
-        sha = _str(obj["sha256"], f"{what}.sha256", _HEX64)
-        how = _str(obj["confirmed_by"], f"{what}.confirmed_by")
+        check_keys(obj, what, {"rank", "key", "size_bytes", "sha256", "confirmed_by"})
+        rank = int_field(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
+        key = str_field(obj["key"], f"{what}.key")
+        size = int_field(obj["size_bytes"], f"{what}.size_bytes", 8, MAX_SHARD_BYTES)
+        sha = str_field(obj["sha256"], f"{what}.sha256", _HEX64)
+        how = str_field(obj["confirmed_by"], f"{what}.confirmed_by")
         if how not in CONFIRM_METHODS:
             raise ManifestError(f"{what}.confirmed_by {how[:30]!r} is not one of {CONFIRM_METHODS}")
         return cls(rank, key, size, sha, how)
@@ -102,25 +103,25 @@ class UploadManifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> UploadManifest:
-        return cls.from_dict(_loads(text, "upload manifest"))
+        return cls.from_dict(loads_json(text, "upload manifest"))
 
     @classmethod
     def from_dict(cls, obj: Any) -> UploadManifest:
-        _keys(obj, "upload manifest", {"schema_version", "step", "world_size", "save_id", "prefix",
+        check_keys(obj, "upload manifest", {"schema_version", "step", "world_size", "save_id", "prefix",
                                        "manifest_key", "manifest_sha256", "shards"})
-        version = _int(obj["schema_version"], "schema_version", 0, 2**31)
+        version = int_field(obj["schema_version"], "schema_version", 0, 2**31)
         if version != UPLOAD_SCHEMA_VERSION:
             raise ManifestError(f"upload manifest schema_version {version} is not supported "
                                 f"(this tiered_ckpt reads {UPLOAD_SCHEMA_VERSION})")
-        step = _int(obj["step"], "step", 0, MAX_STEP)
-        ws = _int(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
-        save_id = _str(obj["save_id"], "save_id", re.compile(r"^[0-9A-Za-z_-]{1,64}$"))
-        prefix = _str(obj["prefix"], "prefix")
-        mkey = _str(obj["manifest_key"], "manifest_key")
+        step = int_field(obj["step"], "step", 0, MAX_STEP)
+        ws = int_field(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        save_id = str_field(obj["save_id"], "save_id", re.compile(r"^[0-9A-Za-z_-]{1,64}$"))
+        prefix = str_field(obj["prefix"], "prefix")
+        mkey = str_field(obj["manifest_key"], "manifest_key")
         if mkey != remote_key(prefix, step, MANIFEST_NAME):
             raise ManifestError(f"manifest_key {mkey[:100]!r} is not the manifest of step {step} under "
                                 f"{prefix!r}")
-        msha = _str(obj["manifest_sha256"], "manifest_sha256", _HEX64)
+        msha = str_field(obj["manifest_sha256"], "manifest_sha256", _HEX64)
         raw = obj["shards"]
         if not isinstance(raw, list) or len(raw) != ws:
             raise ManifestError(f"upload manifest must list exactly {ws} shards")
@@ -152,9 +153,9 @@ class LatestPointer:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LatestPointer:
-        obj = _keys(_loads(text, "latest pointer"), "latest pointer", {"step", "upload_manifest_sha256"})
-        return cls(_int(obj["step"], "step", 0, MAX_STEP),
-                   _str(obj["upload_manifest_sha256"], "upload_manifest_sha256", _HEX64))
+        obj = check_keys(loads_json(text, "latest pointer"), "latest pointer", {"step", "upload_manifest_sha256"})
+        return cls(int_field(obj["step"], "step", 0, MAX_STEP),
+                   str_field(obj["upload_manifest_sha256"], "upload_manifest_sha256", _HEX64))
 
 
 __all__ = ["UPLOAD_SCHEMA_VERSION", "CONFIRM_METHODS", "RemoteShard", "UploadManifest", "LatestPointer"]

@@ -1,9 +1,24 @@
-"""Local tier (SPEC §2): step catalogue, the local commit protocol, shard writer and reader, load,
-reshard, rotation, scan and gc. Other layers import from this face, not from its modules."""
+"""Local tier (SPEC §2): the step catalogue, the local commit protocol, shard writer and reader, load,
+reshard, rotation, scan and gc. Other layers import from this face, not from its modules.
 
-from tiered_ckpt.local.steps import (commit_step, committed_steps, latest_step, load_shard, load_sharded,
-                                     new_save_id, read_manifest, resolve_root, save_sharded, step_path,
-                                     write_shard)
+Modules: ``catalogue`` (which steps exist, manifests), ``commit`` (the one local commit protocol:
+temp name, fsync, rename, directory fsync, manifest last), ``writer`` (one rank's shard), ``save``
+(the coordinator's commit, single-process saves), ``load``, ``reader`` (verified partial reads),
+``shard_io`` (streaming write/read with a hashing thread), ``reshard_plan`` + ``reshard``, ``rotation``,
+``trash``, ``scan`` (ls / verify / gc), ``markers`` (the uploader's ``uploaded.json``).
+"""
 
-__all__ = ["commit_step", "committed_steps", "latest_step", "load_shard", "load_sharded", "new_save_id",
-           "read_manifest", "resolve_root", "save_sharded", "step_path", "write_shard"]
+from tiered_ckpt.local.catalogue import (MAX_MANIFEST_BYTES, all_step_dirs, committed_steps, latest_step,
+                                         pick_step, read_manifest, resolve_root, step_path, symlinked_step_entries)
+from tiered_ckpt.local.commit import (LocalStepCommit, as_write_error, durable_write_bytes, fsync_dir,
+                                      is_committed, new_save_id, unlink_durable, utc_now)
+from tiered_ckpt.local.load import VerifiedShard, load_shard, load_sharded, read_shard_verified
+from tiered_ckpt.local.reshard import ReshardResult, even_split, reshard, reshard_states
+from tiered_ckpt.local.save import commit_step, save_sharded
+from tiered_ckpt.local.writer import write_shard
+
+__all__ = ["MAX_MANIFEST_BYTES", "LocalStepCommit", "ReshardResult", "VerifiedShard", "all_step_dirs",
+           "as_write_error", "commit_step", "committed_steps", "durable_write_bytes", "even_split", "fsync_dir",
+           "is_committed", "latest_step", "load_shard", "load_sharded", "new_save_id", "pick_step",
+           "read_manifest", "read_shard_verified", "reshard", "reshard_states", "resolve_root", "save_sharded",
+           "step_path", "symlinked_step_entries", "unlink_durable", "utc_now", "write_shard"]

@@ -1,11 +1,415 @@
-"""The local commit protocol (SPEC §2, I1-I5): the one place that makes local files durable.
+"""The local commit protocol (SPEC §2, invariants I1-I5): the one place that makes local files durable.
 
-(Phase 2 in progress: the free functions are final; :class:`LocalStepCommit` lands next.)
+Every durable local write goes through here: a save's shards and manifest, a restore's downloads and
+manifest, the uploader's ``uploaded.json`` marker, writer locks. The recipe (POSIX): write to a unique
+temp name in the *same directory*, ``fsync`` the file, ``rename(2)`` it over the final name (atomic on one
+filesystem), then ``fsync`` the directory so that the rename itself survives a power loss (torch DCP and
+orbax skip the directory fsync; we don't).
+
+Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; who calls each):
+
+1. every writer (each rank's :func:`~tiered_ckpt.local.write_shard`, the coordinator's
+   :func:`~tiered_ckpt.local.commit_step`, a restore): :meth:`LocalStepCommit.open` makes the step
+   directory durably, registers the call in this process (threads of one save share a ``save_id``) and,
+   with ``claim=True``, claims or joins the on-disk writer lock ``.save.lock`` (a live writer of another
+   save -> :class:`ConcurrentSaveError`, I4).
+2. the writer: :meth:`~LocalStepCommit.is_committed` / :meth:`~LocalStepCommit.uncommit` (with
+   ``replace``: ``manifest.json`` removed and the directory fsynced *before* any file of the step
+   changes, I2).
+3. the writer: :meth:`~LocalStepCommit.write_file` (a shard: temp, write, fsync, rename, directory fsync)
+   or :meth:`~LocalStepCommit.stage` + :meth:`~LocalStepCommit.publish` (downloads: fetched into temp
+   names, then fsynced and renamed together, one directory fsync).
+4. the coordinator (or the restoring process): :meth:`~LocalStepCommit.commit_manifest`, ``manifest.json``
+   linked exclusively (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the
+   step is committed from that link on (I1). Then :meth:`~LocalStepCommit.release_lock`.
+5. everyone: leave the ``with`` block (:meth:`~LocalStepCommit.close`): the in-process registration ends;
+   staged temps not published are removed. A failed writer calls :meth:`~LocalStepCommit.abandon` first
+   (lock released, an empty step directory it created removed).
 """
 
 from __future__ import annotations
 
-from tiered_ckpt.fs import atomic_write_bytes as durable_write_bytes
-from tiered_ckpt.fs import fsync_dir, unlink_durable
+import errno
+import json
+import logging
+import os
+import stat
+import threading
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Mapping
 
-__all__ = ["durable_write_bytes", "fsync_dir", "unlink_durable"]
+from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
+from tiered_ckpt.fs import owner_alive, owner_token, temp_name_for, unlink_quietly, write_all
+from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, step_dir_name
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ durable files
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that entries created, renamed or removed in it are durable (POSIX)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file that was written without (a download); raises ``OSError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write(path: str | os.PathLike[str], writer: Callable[[int], None], *, exclusive: bool = False,
+                  dir_fsync: bool = True) -> None:
+    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes.
+
+    Temp file in the same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, then
+    ``rename`` over ``path`` (or, with ``exclusive=True``, ``link`` + ``unlink`` so that an existing
+    ``path`` makes it fail with ``FileExistsError``), then fsync the directory. On any error the temp
+    file is removed and the ``OSError`` propagates; with ``exclusive=True`` an error of the directory
+    fsync also removes ``path`` again, so that an error always means "not created".
+    """
+    path = Path(path)
+    tmp = path.with_name(temp_name_for(path.name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            writer(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if exclusive:
+            os.link(tmp, path)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    if exclusive:
+        unlink_quietly(tmp)  # a leftover hard link is harmless: gc removes it once we are gone
+    if dir_fsync:
+        try:
+            fsync_dir(path.parent)
+        except BaseException:
+            if exclusive:
+                # The new entry may not be durable: take it away again so that the caller's error is
+                # the whole truth (for a manifest: the step is not committed, the previous stays newest).
+                unlink_quietly(path)
+            raise
+
+
+def durable_write_bytes(path: str | os.PathLike[str], data: bytes, *, exclusive: bool = False,
+                        dir_fsync: bool = True) -> None:
+    """:func:`durable_write` of a bytes object."""
+    durable_write(path, lambda fd: write_all(fd, data), exclusive=exclusive, dir_fsync=dir_fsync)
+
+
+def unlink_durable(path: str | os.PathLike[str]) -> bool:
+    """Remove ``path`` and fsync its directory. Returns whether it existed."""
+    path = Path(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(path.parent)
+    return True
+
+
+def as_write_error(e: OSError, what: str) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` naming the cause in words (disk full, I/O error, ...); raise it
+    ``from e`` so that the ``OSError`` stays the cause."""
+    reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "quota exceeded", errno.EIO: "I/O error",
+              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+              errno.EROFS: "read-only filesystem"}.get(e.errno or -1, e.strerror or str(e))
+    return CheckpointWriteError(f"{what}: {reason}", errno_=e.errno)
+
+
+# ------------------------------------------------------------------------------------------ step directory
+
+
+def new_save_id() -> str:
+    """A fresh random save id (32 hex chars)."""
+    return uuid.uuid4().hex
+
+
+def utc_now() -> str:
+    """Now in UTC, ISO-8601 with microseconds and a ``Z`` (the manifest's ``created_at``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def is_real_dir(p: Path) -> bool:
+    """``p`` is a directory and not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(p).st_mode)
+    except OSError:
+        return False
+
+
+def is_committed(step_dir: Path) -> bool:
+    """A step is committed iff an entry named ``manifest.json`` is present (I1). One that is not a
+    regular file still counts, so that loading it fails loudly (ManifestError) instead of silently
+    falling back to an older step."""
+    return os.path.lexists(step_dir / MANIFEST_NAME)
+
+
+def ensure_step_dir(root: Path, step: int) -> Path:
+    """Make ``<root>/step_XXXXXXXXXX`` (and ``root``) if missing, durably; returns it. Raises
+    :class:`CheckpointWriteError` if the entry exists and is not a real directory, ``OSError`` otherwise."""
+    sdir = root / step_dir_name(step)
+    if not is_real_dir(root):
+        os.makedirs(root, exist_ok=True)
+    try:
+        os.mkdir(sdir, 0o755)
+        fsync_dir(root)
+    except FileExistsError:
+        if not is_real_dir(sdir):
+            raise CheckpointWriteError(f"{sdir} exists and is not a directory") from None
+    return sdir
+
+
+def lock_holder(step_dir: Path) -> str | None:
+    """The ``save_id`` named by the step's writer lock, or ``None`` (no lock, or unreadable)."""
+    try:
+        sid = json.loads((step_dir / SAVE_LOCK_NAME).read_bytes()).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sid if isinstance(sid, str) else None
+
+
+def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> str:
+    """Claim (or join) the writer lock of ``step_dir`` for ``save_id``; returns the save id in force.
+
+    - no lock, or a lock of a dead writer: ours (created with ``O_EXCL``, so one of two racing writers
+      loses and retries against the winner);
+    - a lock with the same ``save_id``: joined (the other ranks of the same save);
+    - a lock of this very process (sequential retry, or ``save_id=None`` after an earlier write of the
+      same save): taken over / adopted;
+    - otherwise :class:`ConcurrentSaveError` (I4).
+    """
+    path = step_dir / SAVE_LOCK_NAME
+    me = owner_token()
+    for _ in range(8):
+        try:
+            cur = json.loads(path.read_bytes())
+            cur_id, cur_owner = str(cur["save_id"]), str(cur["owner"])
+        except FileNotFoundError:
+            cur = None
+        except (OSError, ValueError, KeyError, TypeError):
+            cur, cur_id, cur_owner = {}, "", ""  # unreadable lock: treat as stale
+        if cur is not None:
+            if save_id is None and cur_owner == me:
+                return cur_id
+            if cur_id == save_id:
+                return save_id
+            if cur_owner and cur_owner != me and owner_alive(cur_owner):
+                raise ConcurrentSaveError(
+                    f"step {step}: another writer (save_id {cur_id}, process {cur_owner}) is saving this "
+                    f"step; refusing to mix shards of two saves (I4)")
+            unlink_quietly(path)  # stale, or our own earlier attempt
+        sid = save_id or new_save_id()
+        body = json.dumps({"save_id": sid, "owner": me, "created_at": utc_now()}).encode()
+        try:
+            durable_write_bytes(path, body, exclusive=True)
+            return sid
+        except FileExistsError:
+            continue  # lost a race: look again
+    raise ConcurrentSaveError(f"step {step}: could not claim the writer lock of {step_dir}")
+
+
+def release_save_lock(step_dir: Path, save_id: str) -> None:
+    """Remove the writer lock if it is still ``save_id`` 's."""
+    if lock_holder(step_dir) == save_id:
+        unlink_quietly(step_dir / SAVE_LOCK_NAME)
+
+
+class _Registry:
+    """Calls writing or committing a step directory within this process.
+
+    The on-disk save lock names its owner process, so it cannot tell two threads of one process apart:
+    this registry does. A second thread working on the same step for another save (or with
+    ``save_id=None``, which would adopt the first thread's save) gets :class:`ConcurrentSaveError`
+    (I4); threads of one save (same ``save_id``, e.g. ``save_sharded`` 's rank threads) share it. The
+    on-disk lock is claimed under the registry's lock, so the two checks are one.
+    """
+
+    guard = threading.Lock()
+    active: dict[str, list[str | int]] = {}  # str(step dir) -> [save_id, calls in flight]
+
+    @classmethod
+    def enter(cls, sdir: Path, step: int, save_id: str | None, claim: bool) -> str:
+        key = str(sdir)
+        with cls.guard:
+            cur = cls.active.get(key)
+            if cur is not None and (save_id is None or cur[0] != save_id):
+                raise ConcurrentSaveError(
+                    f"step {step}: another thread of this process is saving this step (save {cur[0]}); "
+                    "threads writing the ranks of one save must pass the same save_id")
+            sid = claim_save_lock(sdir, step, save_id) if claim else save_id
+            assert sid is not None
+            if cur is None:
+                cls.active[key] = [sid, 1]
+            else:
+                cur[1] = int(cur[1]) + 1
+            return sid
+
+    @classmethod
+    def exit(cls, sdir: Path) -> None:
+        with cls.guard:
+            ent = cls.active[str(sdir)]
+            ent[1] = int(ent[1]) - 1
+            if ent[1] == 0:
+                del cls.active[str(sdir)]
+
+
+# ------------------------------------------------------------------------------------------ the protocol
+
+
+class LocalStepCommit:
+    """One writer's hold on one step directory: the local commit protocol object (see the module
+    docstring for the numbered lifecycle). Use as a context manager, from :meth:`open`.
+
+    Attributes: ``root`` (the run directory), ``step``, ``step_dir``, ``save_id`` (the save in force),
+    ``created_dir`` (whether this open made the step directory), ``committed`` (set by
+    :meth:`commit_manifest`).
+    """
+
+    def __init__(self, root: Path, step: int, step_dir: Path, save_id: str, *, created_dir: bool,
+                 claimed: bool) -> None:
+        self.root, self.step, self.step_dir, self.save_id = root, step, step_dir, save_id
+        self.created_dir, self.claimed = created_dir, claimed
+        self.committed = False
+        self._staged: dict[str, Path] = {}
+        self._open = True
+
+    @classmethod
+    def open(cls, root: Path, step: int, save_id: str | None, *, claim: bool = True,
+             create: bool = True) -> LocalStepCommit:
+        """Step 1. ``claim``: claim or join the on-disk writer lock for ``save_id`` (``None``: adopt this
+        process's save of the step, or start a new one); without it only the in-process registration is
+        made (the coordinator's commit, whose ranks hold the lock). ``create``: make the step directory
+        (else it must exist: :class:`~tiered_ckpt.errors.MissingShardError` is the caller's to raise).
+
+        Raises :class:`ConcurrentSaveError` (I4), :class:`CheckpointWriteError` (the step entry is not a
+        directory), ``OSError`` (disk)."""
+        sdir = root / step_dir_name(step)
+        existed = os.path.lexists(sdir)
+        if create:
+            sdir = ensure_step_dir(root, step)
+        if not claim and save_id is None:
+            raise ValueError("a registration without a claim needs the save_id")
+        sid = _Registry.enter(sdir, step, save_id, claim)
+        return cls(root, step, sdir, sid, created_dir=not existed, claimed=claim)
+
+    # step 2
+    def is_committed(self) -> bool:
+        """Whether ``manifest.json`` is present (I1)."""
+        return is_committed(self.step_dir)
+
+    def uncommit(self) -> bool:
+        """Remove ``manifest.json`` and fsync the directory, before any file of the step changes (I2).
+        Returns whether there was one."""
+        if unlink_durable(self.step_dir / MANIFEST_NAME):
+            log.warning("step %d: un-committed the existing step in %s to replace it", self.step, self.step_dir)
+            return True
+        return False
+
+    def check_lock(self) -> None:
+        """Raise :class:`ConcurrentSaveError` if another save has taken the writer lock over (I4)."""
+        cur = lock_holder(self.step_dir)
+        if cur is not None and cur != self.save_id:
+            raise ConcurrentSaveError(f"step {self.step}: save {cur} has taken over this step; not committing "
+                                      f"save {self.save_id}")
+
+    # step 3
+    def write_file(self, name: str, writer: Callable[[int], None]) -> None:
+        """Durably create or replace ``<step dir>/<name>`` with what ``writer(fd)`` writes (temp name,
+        fsync, rename, directory fsync). The ``OSError`` propagates; the temp file is removed."""
+        durable_write(self.step_dir / name, writer)
+
+    def stage(self, name: str) -> Path:
+        """A unique temp path in the step directory for the future ``name`` (e.g. a download target);
+        removed again by :meth:`close` unless :meth:`publish` renamed it."""
+        tmp = self.step_dir / temp_name_for(name)
+        self._staged[name] = tmp
+        return tmp
+
+    def publish(self, names: list[str] | None = None) -> None:
+        """fsync each staged file (``names``: default all staged), rename it onto its name, then fsync the
+        directory once. Raises ``OSError``; what was renamed stays renamed (the step is not committed)."""
+        todo = sorted(self._staged) if names is None else names
+        for name in todo:
+            fsync_file(self._staged[name])
+        for name in todo:
+            os.rename(self._staged.pop(name), self.step_dir / name)
+        fsync_dir(self.step_dir)
+
+    def discard_staged(self) -> None:
+        """Remove every staged temp file not yet published."""
+        for tmp in self._staged.values():
+            unlink_quietly(tmp)
+        self._staged.clear()
+
+    # step 4
+    def commit_manifest(self, data: bytes) -> None:
+        """Link ``manifest.json`` exclusively and fsync the directory: the commit point (I1).
+
+        Raises :class:`CheckpointExistsError` if a manifest is present (another writer committed
+        meanwhile), :class:`CheckpointWriteError` on I/O (then nothing is committed)."""
+        try:
+            durable_write_bytes(self.step_dir / MANIFEST_NAME, data, exclusive=True)
+        except FileExistsError:
+            raise CheckpointExistsError(f"step {self.step} was committed by another writer meanwhile") from None
+        except OSError as e:
+            raise as_write_error(e, f"step {self.step}: writing {MANIFEST_NAME} failed") from e
+        self.committed = True
+
+    def release_lock(self) -> None:
+        """Remove the writer lock if it is still this save's."""
+        release_save_lock(self.step_dir, self.save_id)
+
+    # step 5
+    def abandon(self) -> None:
+        """A failed writer lets go: staged temps removed, the lock released, and a step directory this
+        open created removed again when it is empty (another rank may be writing into it)."""
+        self.discard_staged()
+        if self.committed:
+            return
+        self.release_lock()
+        if self.created_dir:
+            try:
+                os.rmdir(self.step_dir)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """End the in-process registration; staged temps not published are removed."""
+        if self._open:
+            self._open = False
+            self.discard_staged()
+            _Registry.exit(self.step_dir)
+
+    def __enter__(self) -> LocalStepCommit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_marker(path: Path, data: Mapping[str, object] | bytes) -> None:
+    """Durably write a small JSON file (sorted keys, one-space indent, trailing newline) or raw bytes."""
+    body = data if isinstance(data, bytes) else (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+    durable_write_bytes(path, body)
+
+
+__all__ = ["LocalStepCommit", "as_write_error", "claim_save_lock", "durable_write", "durable_write_bytes",
+           "ensure_step_dir", "fsync_dir", "fsync_file", "is_committed", "is_real_dir", "lock_holder",
+           "new_save_id", "release_save_lock", "unlink_durable", "utc_now", "write_marker"]

@@ -13,7 +13,7 @@ A shard without those checksums (a step written by schema version 1) is first ve
 against its sha256 (reading the whole file once); ranges are then read exactly.
 
 :func:`verify_shard_stream` checks a whole shard (size, sha256 or CRC32C, header) with a small reusable
-buffer: used by ``tiered-ckpt verify`` and :func:`tiered_ckpt.scan.inspect_step`, it needs no memory in
+buffer: used by ``tiered-ckpt verify`` and :func:`tiered_ckpt.local.scan.inspect_step`, it needs no memory in
 proportion to the shard.
 
 Every failure raises :class:`MissingShardError`, :class:`ShardCorruptedError` or :class:`ManifestError`
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import stat
 import threading
@@ -37,6 +38,7 @@ from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import Crc32c, crc32c_extend, crc_hex
 from tiered_ckpt.errors import ManifestError, MissingShardError, ShardCorruptedError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
+from tiered_ckpt.locks import hold_step_lock
 
 #: Buffer size of streaming verification (bytes): fits in L2/L3 so that the hash reads what pread
 #: has just written there.
@@ -299,5 +301,34 @@ def verify_shard_stream(sdir: Path, manifest: ShardManifest, rank: int, verify: 
     return algo
 
 
-__all__ = ["ShardReader", "ReadStats", "verify_shard_stream", "verify_fd_stream", "read_replicated",
+def copy_value(v: Any) -> Any:
+    """An independent copy of a loaded value (nested dicts, arrays, JSON lists)."""
+    if isinstance(v, dict):
+        return {k: copy_value(x) for k, x in v.items()}
+    if isinstance(v, np.ndarray):
+        return v.copy()
+    return json.loads(json.dumps(v, allow_nan=True)) if isinstance(v, list) else v
+
+
+class ReadLock:
+    """A ``read`` lock (:mod:`tiered_ckpt.locks`) so that rotation skips the step while it is read; a
+    read-only checkpoint directory (where no lock file can be made) is read without one."""
+
+    def __init__(self, sdir: Path) -> None:
+        self._cm = hold_step_lock(sdir, "read")
+        self._held = False
+
+    def __enter__(self) -> None:
+        try:
+            self._cm.__enter__()
+            self._held = True
+        except OSError:
+            self._held = False
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held:
+            self._cm.__exit__(None, None, None)
+
+
+__all__ = ["ShardReader", "ReadStats", "ReadLock", "copy_value", "verify_shard_stream", "verify_fd_stream", "read_replicated",
            "find_node", "open_shard", "pread_exact", "check_verify_mode", "VERIFY_MODES"]

@@ -45,51 +45,23 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
+from tiered_ckpt.errors import CheckpointExistsError, ReshardError
 from tiered_ckpt.format import shard_file as fmt
-from tiered_ckpt.local.reader import ReadStats, ShardReader
-from tiered_ckpt.errors import CheckpointExistsError, ReshardError, ShardCorruptedError
+from tiered_ckpt.format.manifest import ShardManifest, numel
 from tiered_ckpt.layout import MAX_WORLD_SIZE, step_dir_name
-from tiered_ckpt.local.steps import (_is_committed, _MaybeReadLock, _copy_value, _pick_step, commit_step, new_save_id,
-                    read_manifest, resolve_root, write_shard)
-from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, numel
+from tiered_ckpt.local.catalogue import pick_step, read_manifest, resolve_root
+from tiered_ckpt.local.commit import is_committed, new_save_id
+from tiered_ckpt.local.reader import ReadLock, ReadStats, ShardReader, copy_value
+from tiered_ckpt.local.reshard_plan import (ABSENT, NAMED_RULES, DictNode, Partition, Planner, ReplicatedNode, Rule,
+                                           RuledNode, SliceNode, even_split)
+from tiered_ckpt.local.save import commit_step
+from tiered_ckpt.local.writer import write_shard
 from tiered_ckpt.state import GlobalSlice, Replicated
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-
-class _Absent:
-    _inst: _Absent | None = None
-
-    def __new__(cls) -> _Absent:
-        if cls._inst is None:
-            cls._inst = super().__new__(cls)
-        return cls._inst
-
-    def __repr__(self) -> str:
-        return "ABSENT"
-
-    def __bool__(self) -> bool:
-        return False
-
-
-#: Marks "no value at this key" in a rule's input (an old rank without the key) or output (omit it).
-ABSENT: Any = _Absent()
-
-Rule = Union[str, Callable[[list[Any], int], Sequence[Any]]]
-Partition = Callable[[int, int], Sequence[tuple[int, int]]]
-NAMED_RULES = ("take_rank0", "drop")
-
-
-def even_split(n: int, world_size: int) -> list[tuple[int, int]]:
-    """``(offset, count)`` of each of ``world_size`` ranks over ``n`` elements (or rows): ``q, r =
-    divmod(n, world_size)``, rank ``i`` starts at ``i*q + min(i, r)`` and holds ``q + (i < r)``
-    (``numpy.array_split`` / ``torch.tensor_split``). Zero-size parts when ``n < world_size``."""
-    if world_size < 1 or n < 0:
-        raise ValueError(f"cannot split {n} over {world_size} ranks")
-    q, r = divmod(n, world_size)
-    return [(i * q + min(i, r), q + (1 if i < r else 0)) for i in range(world_size)]
 
 
 @dataclass(frozen=True)
@@ -104,124 +76,6 @@ class ReshardResult:
     bytes_read: int
     bytes_needed: int
     source_bytes: int
-
-
-# --------------------------------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True)
-class _Slice:
-    key: str
-    dtype: str
-    global_shape: tuple[int, ...]
-    sources: tuple[tuple[int, TensorRecord], ...]  # (old rank, record)
-
-
-@dataclass(frozen=True)
-class _Rep:
-    key: str
-    path: tuple[str, ...]
-    node: Any  # rank 0's node of the value
-
-
-@dataclass(frozen=True)
-class _Ruled:
-    key: str
-    rule: Rule
-    nodes: tuple[Any, ...]  # per old rank: its node, or None
-
-
-@dataclass(frozen=True)
-class _Dict:
-    children: tuple[tuple[str, Any], ...]
-
-
-def _escape(key: str) -> str:
-    return key.replace("%", "%25").replace("/", "%2F")
-
-
-def _kind(node: Any, where: str) -> str:
-    if not isinstance(node, dict) or len(node) != 1:
-        raise ShardCorruptedError(f"{where}: state tree node is malformed")
-    return next(iter(node))
-
-
-class _Planner:
-    def __init__(self, manifest: ShardManifest, trees: list[Any], rules: Mapping[str, Rule]) -> None:
-        self.m = manifest
-        self.trees = trees
-        self.rules = dict(rules)
-        self.used_rules: set[str] = set()
-        self.per_rank: list[str] = []
-        self.problems: list[str] = []
-        self.recs = [{t.name: t for t in s.tensors} for s in manifest.shards]
-
-    def plan(self) -> _Dict:
-        for key, rule in self.rules.items():
-            if not callable(rule) and rule not in NAMED_RULES:
-                raise ValueError(f"rule for {key!r} must be a callable or one of {NAMED_RULES}, got {rule!r}")
-        root = self._walk((), list(self.trees))
-        unused = sorted(set(self.rules) - self.used_rules)
-        if unused:
-            raise ReshardError(f"rules name key(s) not in step {self.m.step}: {unused[:10]}")
-        if self.per_rank:
-            keys = sorted(self.per_rank)
-            raise ReshardError(
-                f"cannot reshard step {self.m.step} from {self.m.world_size} ranks: per-rank state without a "
-                f"rule at key(s) {', '.join(keys[:20])}{' ...' if len(keys) > 20 else ''} (pass rules="
-                "{key: callable(old_values, new_world_size) | 'take_rank0' | 'drop'}, or save the value as "
-                "Replicated or GlobalSlice)")
-        if self.problems:
-            raise ReshardError(f"cannot reshard step {self.m.step}: " + "; ".join(self.problems[:5]))
-        assert isinstance(root, _Dict)
-        return root
-
-    def _walk(self, path: tuple[str, ...], nodes: list[Any]) -> Any:
-        key = "/".join(_escape(p) for p in path)
-        if path and key in self.rules:
-            self.used_rules.add(key)
-            return _Ruled(key, self.rules[key], tuple(nodes))
-        present = [(r, n) for r, n in enumerate(nodes) if n is not None]
-        kinds = {_kind(n, f"step {self.m.step} rank {r} key {key!r}") for r, n in present}
-        if kinds == {"d"}:
-            order: dict[str, None] = {}
-            for _, n in present:
-                if not isinstance(n["d"], dict):
-                    raise ShardCorruptedError(f"step {self.m.step}: state tree dict node {key!r} is malformed")
-                order.update(dict.fromkeys(n["d"]))
-            return _Dict(tuple((k, self._walk(path + (k,), [n["d"].get(k) if n is not None else None
-                                                          for n in nodes])) for k in order))
-        if kinds == {"r"}:
-            owner = nodes[0]["r"] if nodes[0] is not None else None
-            if owner is None:
-                raise ShardCorruptedError(f"step {self.m.step}: replicated value {key!r} is missing from rank "
-                                          "0's shard")
-            return _Rep(key, path, owner)
-        if kinds == {"t"}:
-            recs = []
-            for r, n in present:
-                t = self.recs[r].get(n["t"]) if isinstance(n["t"], str) else None
-                if t is None:
-                    raise ShardCorruptedError(f"step {self.m.step} rank {r}: state tree names unknown tensor "
-                                              f"{str(n['t'])[:80]!r}")
-                recs.append((r, t))
-            if all(t.global_shape is not None for _, t in recs):
-                return self._slice(key, recs)
-        self.per_rank.append(key)
-        return None
-
-    def _slice(self, key: str, recs: list[tuple[int, TensorRecord]]) -> _Slice | None:
-        gs = recs[0][1].global_shape
-        assert gs is not None
-        if len(gs) == 0:
-            self.problems.append(f"{key!r} is a 0-d GlobalSlice (save it as Replicated)")
-            return None
-        have = sum(numel(t.shape) for _, t in recs)
-        if have != numel(gs):
-            self.problems.append(f"the slices of {key!r} hold {have} of its {numel(gs)} elements "
-                                 f"(global shape {list(gs)}): they do not tile the global tensor")
-            return None
-        return _Slice(key, recs[0][1].dtype, gs, tuple(recs))
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -267,25 +121,25 @@ class _Builder:
         return s
 
     def build(self, node: Any, j: int) -> Any:
-        if isinstance(node, _Dict):
+        if isinstance(node, DictNode):
             out = {}
             for k, child in node.children:
                 v = self.build(child, j)
                 if v is not ABSENT:
                     out[k] = v
             return out
-        if isinstance(node, _Slice):
+        if isinstance(node, SliceNode):
             return self.slice(node, j)
-        if isinstance(node, _Rep):
+        if isinstance(node, ReplicatedNode):
             if node.key not in self.rep_cache:
                 self.rep_cache[node.key] = self.reader(0).materialize(node.node, node.key)
             v = self.rep_cache[node.key]
-            return Replicated(v) if self.for_write else _copy_value(v)
-        if isinstance(node, _Ruled):
+            return Replicated(v) if self.for_write else copy_value(v)
+        if isinstance(node, RuledNode):
             return self.ruled(node, j)
         raise AssertionError(node)  # pragma: no cover
 
-    def slice(self, sl: _Slice, j: int) -> Any:
+    def slice(self, sl: SliceNode, j: int) -> Any:
         gs = sl.global_shape
         a, cnt = self.split(gs[0])[j]
         b = a + cnt
@@ -307,7 +161,7 @@ class _Builder:
             return GlobalSlice(out, gs, (a,) + (0,) * (len(gs) - 1))
         return out
 
-    def ruled(self, node: _Ruled, j: int) -> Any:
+    def ruled(self, node: RuledNode, j: int) -> Any:
         new = self.rule_cache.get(node.key)
         if new is None:
             old = [self.reader(r).materialize(n, node.key) if n is not None else ABSENT
@@ -315,7 +169,7 @@ class _Builder:
             if node.rule == "take_rank0":
                 if old[0] is ABSENT:
                     raise ReshardError(f"rule 'take_rank0' for {node.key!r}: old rank 0 has no value there")
-                new = [_copy_value(old[0]) for _ in range(self.M)]
+                new = [copy_value(old[0]) for _ in range(self.M)]
             elif node.rule == "drop":
                 new = [ABSENT] * self.M
                 log.info("reshard step %d: dropping %r as the caller's rule asks", self.m.step, node.key)
@@ -362,7 +216,7 @@ def reshard_states(
     """
     if new_world_size < 1:
         raise ValueError(f"new_world_size must be >= 1, got {new_world_size}")
-    r, step = _pick_step(root, step)
+    r, step = pick_step(root, step)
     m = manifest if manifest is not None else read_manifest(r, step)
     want = list(range(new_world_size)) if ranks is None else list(ranks)
     for j in want:
@@ -371,9 +225,9 @@ def reshard_states(
     sdir = r / step_dir_name(step)
     stats = stats if stats is not None else ReadStats()
     b = _Builder(sdir, m, new_world_size, partition, stats, for_write=False)
-    with _MaybeReadLock(sdir):
+    with ReadLock(sdir):
         try:
-            plan = _Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
+            plan = Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
             out = [b.build(plan, j) for j in want]
         finally:
             b.close()
@@ -420,20 +274,20 @@ def reshard(
     """
     if not 1 <= new_world_size <= MAX_WORLD_SIZE:  # before anything is read or written
         raise ValueError(f"new_world_size must be in [1, {MAX_WORLD_SIZE}], got {new_world_size}")
-    r, step = _pick_step(root, step)
+    r, step = pick_step(root, step)
     out_r, _ = resolve_root(out_root)
     if os.path.realpath(out_r) == os.path.realpath(r):
         raise ValueError(f"out_root {out_r} is the source run directory; reshard into another directory")
-    if not replace and _is_committed(out_r / step_dir_name(step)):
+    if not replace and is_committed(out_r / step_dir_name(step)):
         raise CheckpointExistsError(f"step {step} is already committed under {out_r}; pass replace=True")
     m = read_manifest(r, step)
     sdir = r / step_dir_name(step)
     stats = ReadStats()
     b = _Builder(sdir, m, new_world_size, partition, stats, for_write=True)
     sid = new_save_id()
-    with _MaybeReadLock(sdir):
+    with ReadLock(sdir):
         try:
-            plan = _Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
+            plan = Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
             pshards = _new_param_shards(m, b.split, new_world_size)
             records = []
             for j in range(new_world_size):

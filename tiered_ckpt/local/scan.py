@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,8 +17,9 @@ from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
-from tiered_ckpt.local.steps import (TRASH_PREFIX, _is_committed, all_step_dirs, read_manifest, resolve_root,
-                    symlinked_step_entries)
+from tiered_ckpt.local.catalogue import all_step_dirs, read_manifest, resolve_root, symlinked_step_entries
+from tiered_ckpt.local.commit import is_committed
+from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
 
 log = logging.getLogger(__name__)
 
@@ -168,24 +168,23 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
         return removed
     for name in sorted(names):
         p = r / name
-        if name.startswith(TRASH_PREFIX) and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
+        if is_trash_name(name) and p.is_dir() and not p.is_symlink():
+            remove_trash(p, durable=False)
             removed.append(p)
     for step in all_step_dirs(r):
         sdir = r / step_dir_name(step)
-        if not _is_committed(sdir):  # lexists: a dangling or odd manifest.json still counts (never swept)
+        if not is_committed(sdir):  # lexists: a dangling or odd manifest.json still counts (never swept)
             try:
                 age = now - os.lstat(sdir).st_mtime
             except OSError:
                 continue
             if not force and (age < min_age_s or _writer_alive(sdir)):
                 continue
-            trash = r / f"{TRASH_PREFIX}{name_for_trash(sdir)}"
             try:
-                os.rename(sdir, trash)
+                trash = move_to_trash(sdir, owned=False)
             except OSError:
                 continue
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_trash(trash, durable=False)
             removed.append(sdir)
             log.info("gc: removed uncommitted step directory %s", sdir)
             continue
@@ -199,12 +198,6 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
         if lock.exists() and (force or not _writer_alive(sdir)):
             _rm(lock, removed)
     return removed
-
-
-def name_for_trash(sdir: Path) -> str:
-    import uuid
-
-    return f"{sdir.name}.{uuid.uuid4().hex[:8]}"
 
 
 def _rm(p: Path, removed: list[Path]) -> None:

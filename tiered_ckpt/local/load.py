@@ -1,0 +1,174 @@
+"""Fail-loud loading of committed steps (SPEC §2 "Loading"): world size, every rank's presence, size,
+sha256 (or CRC32C) and header of every shard are checked before anything is returned. Readers see
+committed steps only (I3) and hold a ``read`` lock so that rotation leaves the step alone meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from tiered_ckpt.errors import ShardCorruptedError, WorldSizeMismatchError
+from tiered_ckpt.format import shard_file as fmt
+from tiered_ckpt.format.crc32c import Crc32c
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local import reader as sr
+from tiered_ckpt.local.catalogue import pick_step, read_manifest
+from tiered_ckpt.local.reshard import Rule, reshard_states
+from tiered_ckpt.local.shard_io import Digest, read_verified
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class VerifiedShard:
+    """A shard read whole and verified: ``buffer`` holds the file, ``header`` its parsed header."""
+
+    record: ShardRecord
+    buffer: np.ndarray  # uint8, the whole file
+    header: fmt.ParsedHeader
+
+
+def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256") -> VerifiedShard:
+    """Open rank ``rank`` 's shard without following symlinks, check size, hash, header against the
+    manifest's record. ``verify``: ``"sha256"`` (default) or ``"crc32c"`` (the fast path; sha256 when the
+    manifest has no CRC32C, as for a step saved by schema version 1).
+    Raises MissingShardError, ShardCorruptedError, ManifestError; ``ValueError`` for another ``verify``."""
+    sr.check_verify_mode(verify)
+    rec = manifest.shards[rank]
+    where = f"step {manifest.step} rank {rank} ({rec.path})"
+    fd = sr.open_shard(sdir, rec, where)  # no symlinks, a regular file of the recorded size
+    try:
+        algo = "crc32c" if verify == "crc32c" and rec.crc32c is not None else "sha256"
+        sha: Digest = Crc32c() if algo == "crc32c" else fmt.new_sha256()
+        expected = rec.crc32c if algo == "crc32c" else rec.sha256
+        try:
+            buf = read_verified(fd, rec.size_bytes, [sha], where)
+        except OSError as e:
+            raise ShardCorruptedError(f"{where}: read failed: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    digest = sha.hexdigest()
+    if digest != expected:
+        raise ShardCorruptedError(f"{where}: {algo} {digest[:16]}... differs from the manifest's "
+                                  f"{str(expected)[:16]}... (corrupt or partial write)")
+    n = fmt.parse_header_length(bytes(buf[:8]), len(buf), where)
+    hdr = fmt.parse_header(bytes(buf[8 : 8 + n]), len(buf), where)
+    sr.match_header(hdr, rec, manifest, where)
+    return VerifiedShard(rec, buf, hdr)
+
+
+def _load_rank(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256",
+               resolve_ref: Callable[[tuple[str, ...]], Any] | None = None) -> dict[str, Any]:
+    """Rank ``rank`` 's state. Replicated values stored in rank 0's shard come from ``resolve_ref``
+    (default: read from rank 0's file, only the parts needed, verified by the per-tensor checksums)."""
+    shard = read_shard_verified(sdir, manifest, rank, verify)
+    where = f"step {manifest.step} rank {rank}"
+    if resolve_ref is None and rank != 0:
+        reader: list[sr.ShardReader] = []
+
+        def resolve_ref(path: tuple[str, ...]) -> Any:
+            if not reader:
+                reader.append(sr.ShardReader(sdir, manifest, 0))
+            return sr.read_replicated(reader[0], path)
+
+        try:
+            return fmt.decode_state(shard.buffer, shard.header, where, resolve_ref)
+        finally:
+            for rd in reader:
+                rd.close()
+    return fmt.decode_state(shard.buffer, shard.header, where, resolve_ref)
+
+
+def _get_path(state: Mapping[str, Any], path: tuple[str, ...], where: str) -> Any:
+    v: Any = state
+    for k in path:
+        if not isinstance(v, Mapping) or k not in v:
+            raise ShardCorruptedError(f"{where}: rank 0 holds no replicated value at {'/'.join(path)[:80]!r}")
+        v = v[k]
+    return v
+
+
+def _check_world(manifest: ShardManifest, expected_world_size: int) -> None:
+    if manifest.world_size != expected_world_size:
+        raise WorldSizeMismatchError(
+            f"step {manifest.step} was saved by {manifest.world_size} ranks, but {expected_world_size} "
+            "are loading it (resharding was not asked for)")
+
+
+def load_shard(
+    root: PathLike,
+    rank: int,
+    expected_world_size: int,
+    step: int | None = None,
+    *,
+    verify: str = "sha256",
+    reshard: bool = False,
+    rules: Mapping[str, Rule] | None = None,
+) -> dict[str, Any]:
+    """Load and verify rank ``rank`` 's state of ``step`` (newest committed when ``None``).
+
+    Returns the nested state as saved; arrays are byte-identical (little-endian, writable);
+    :class:`~tiered_ckpt.state.Replicated` values come back plain. ``verify``: ``"sha256"`` (default,
+    whole file) or ``"crc32c"`` (fast path; sha256 for steps without CRC32C). ``reshard=True`` with an
+    ``expected_world_size`` other than the saved one returns this rank's share of a re-split checkpoint,
+    reading only the byte ranges it needs (see :func:`tiered_ckpt.local.reshard.reshard_states` for the
+    split rule, ``rules`` and what ``verify`` means there).
+    Raises :class:`NoCheckpointError`, :class:`WorldSizeMismatchError`, :class:`MissingShardError`,
+    :class:`ShardCorruptedError`, :class:`ManifestError`, :class:`ReshardError`; ``ValueError`` for a rank
+    outside the world.
+    """
+    sr.check_verify_mode(verify)
+    r, step = pick_step(root, step)
+    m = read_manifest(r, step)
+    if reshard and m.world_size != expected_world_size:
+        if not 0 <= rank < expected_world_size:
+            raise ValueError(f"rank {rank} is outside world_size {expected_world_size}")
+        return reshard_states(r, step, expected_world_size, ranks=[rank], rules=rules, manifest=m)[0]
+    _check_world(m, expected_world_size)
+    if not 0 <= rank < m.world_size:
+        raise ValueError(f"rank {rank} is outside world_size {m.world_size}")
+    sdir = r / step_dir_name(step)
+    with sr.ReadLock(sdir):
+        return _load_rank(sdir, m, rank, verify)
+
+
+def load_sharded(
+    root: PathLike,
+    expected_world_size: int,
+    step: int | None = None,
+    *,
+    verify: str = "sha256",
+    reshard: bool = False,
+    rules: Mapping[str, Rule] | None = None,
+) -> list[dict[str, Any]]:
+    """Load and verify every rank's state of ``step``; element ``i`` is rank ``i`` 's state.
+
+    ``verify``, ``reshard`` and ``rules`` as in :func:`load_shard` (with ``reshard=True`` the list has
+    ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
+    anything is returned.
+    """
+    sr.check_verify_mode(verify)
+    r, step = pick_step(root, step)
+    m = read_manifest(r, step)
+    if reshard and m.world_size != expected_world_size:
+        return reshard_states(r, step, expected_world_size, rules=rules, manifest=m)
+    _check_world(m, expected_world_size)
+    sdir = r / step_dir_name(step)
+    with sr.ReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:
+        first = _load_rank(sdir, m, 0, verify)
+
+        def resolve(path: tuple[str, ...]) -> Any:
+            return sr.copy_value(_get_path(first, path, f"step {m.step} rank 0"))
+
+        rest = list(pool.map(lambda k: _load_rank(sdir, m, k, verify, resolve), range(1, m.world_size)))
+        return [first] + rest
+
+
+__all__ = ["VerifiedShard", "load_shard", "load_sharded", "read_shard_verified"]

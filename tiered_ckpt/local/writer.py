@@ -1,0 +1,139 @@
+"""One rank's shard of a step, written durably (SPEC §2; call on every rank).
+
+The shard is a safetensors file (:mod:`tiered_ckpt.format.shard_file`) streamed from the caller's arrays
+(no whole-state copy) while a second thread computes its sha256 and the writing thread its CRC32Cs
+(:mod:`tiered_ckpt.local.shard_io`); the file becomes durable under its final name through the local
+commit protocol (:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from typing import Any, Mapping
+
+from tiered_ckpt.errors import CheckpointError, CheckpointExistsError
+from tiered_ckpt.format import shard_file as fmt
+from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, TensorChunkCrcs
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.fs import hostname
+from tiered_ckpt.layout import shard_file_name, step_dir_name
+from tiered_ckpt.local.catalogue import resolve_root
+from tiered_ckpt.local.commit import LocalStepCommit, as_write_error
+from tiered_ckpt.local.shard_io import write_stream
+
+log = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike[str]
+
+
+def infer_param_shard(entries: list[fmt.TensorEntry]) -> tuple[int, int]:
+    """The rank's ZeRO flat partition: the common ``(offset, numel)`` (elements) of its 1-D global
+    slices, or ``(0, 0)`` when it holds none or they disagree (pass ``param_shard=`` explicitly then)."""
+    spans = {(e.global_offset[0], e.array.shape[0]) for e in entries
+             if e.global_shape is not None and e.global_offset is not None and len(e.global_shape) == 1}
+    if len(spans) == 1:
+        return spans.pop()
+    if len(spans) > 1:
+        log.debug("1-D global slices disagree (%d spans); param_shard left at (0, 0)", len(spans))
+    return 0, 0
+
+
+def write_shard(
+    root: PathLike,
+    step: int,
+    rank: int,
+    state: Mapping[str, Any],
+    *,
+    save_id: str | None = None,
+    replace: bool = False,
+    param_shard: tuple[int, int] | None = None,
+) -> ShardRecord:
+    """Write one rank's shard of ``step`` durably (call on every rank).
+
+    ``state``: nested mapping of ``str`` to numpy arrays (bool, (u)int8-64, float16, bfloat16,
+    float32/64, complex64, float8 e4m3fn/e5m2/e8m0fnu; any shape incl. 0-d and zero-size; non-contiguous
+    is copied per tensor), :class:`~tiered_ckpt.state.GlobalSlice`, or JSON-able values.
+    ``param_shard``: the rank's ZeRO flat partition ``(offset, numel)`` in elements; inferred from 1-D
+    ``GlobalSlice`` s when omitted. :class:`~tiered_ckpt.state.Replicated` values are stored in rank 0's
+    shard only (the other ranks' files hold a reference), so every rank must pass the same value; a load
+    hands it to every rank. The record carries the shard's sha256, CRC32C, header sha256 and per-tensor
+    chunk CRC32C (manifest schema v2), all computed in the same streaming pass as the write.
+    ``save_id``: shared by every rank of one save (``None``: adopt the one this process is already
+    writing for ``step``, or start a new one).
+
+    Raises :class:`CheckpointExistsError` if ``step`` is committed and ``replace`` is false (with
+    ``replace=True`` the old step is un-committed first, I2), :class:`ConcurrentSaveError` if another live
+    save of ``step`` is in progress (I4), :class:`UnsupportedStateError` for unstorable values, and
+    :class:`CheckpointWriteError` (the ``OSError`` as cause) on disk full, EIO or permission errors, after
+    removing this attempt's temp file (I5).
+    """
+    r, _ = resolve_root(root)
+    shard_file_name(rank)  # validates rank
+    tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
+    step_dir_name(step)  # validates step
+    # Refuse an unstorable state before anything touches the disk (the real header differs only in the
+    # save id, at most 64 characters).
+    fmt.encode_header(fmt.layout(entries), {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step,
+                                            "save_id": "x" * 64, "tree": tree})
+    try:
+        hold = LocalStepCommit.open(r, step, save_id, claim=True)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise as_write_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
+    with hold:
+        _prepare(hold, rank, replace)
+        return _write_claimed(hold, rank, tree, entries, param_shard)
+
+
+def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
+    """Checked after the lock is ours: a save that committed meanwhile linked its manifest before it
+    released the lock, so it is seen here and its shards are never renamed over (I2, I4)."""
+    try:
+        if hold.is_committed():
+            if not replace:
+                hold.release_lock()
+                raise CheckpointExistsError(
+                    f"step {hold.step} is already committed under {hold.root}; pass replace=True to overwrite it")
+            hold.uncommit()
+    except CheckpointError:  # CheckpointExistsError is an OSError too: keep its type
+        raise
+    except OSError as e:
+        raise as_write_error(e, f"rank {rank} step {hold.step}: cannot prepare {hold.root}") from e
+
+
+def _write_claimed(hold: LocalStepCommit, rank: int, tree: dict[str, Any], entries: list[fmt.TensorEntry],
+                   param_shard: tuple[int, int] | None) -> ShardRecord:
+    """Stream the shard into its temp name and make it durable (lifecycle step 3)."""
+    step = hold.step
+    records = fmt.layout(entries)
+    offset, numel_ = param_shard if param_shard is not None else infer_param_shard(entries)
+    header = fmt.encode_header(records, {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step,
+                                         "save_id": hold.save_id, "tree": tree})
+    name = shard_file_name(rank)
+    sha = fmt.new_sha256()
+    crc = Crc32c()
+    chunk_crcs = TensorChunkCrcs(len(header), records, DEFAULT_CHUNK_BYTES)
+    written: list[int] = []
+    log.debug("rank %d step %d: writing %s", rank, step, hold.step_dir / name)
+
+    def write(fd: int) -> None:
+        written.append(write_stream(fd, fmt.iter_chunks(header, entries), [sha], inline_hashers=[crc, chunk_crcs]))
+
+    try:
+        hold.write_file(name, write)
+    except OSError as e:
+        raise as_write_error(e, f"rank {rank} step {step}: writing {name} failed") from e
+    crcs = chunk_crcs.result()
+    return ShardRecord(rank=rank, path=name, sha256=sha.hexdigest(), size_bytes=written[0],
+                       param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),
+                       save_id=hold.save_id,
+                       tensors=tuple(dataclasses.replace(t, crc32c=crcs[t.name]) for t in records),
+                       crc32c=crc.hexdigest(), header_sha256=hashlib.sha256(header).hexdigest(),
+                       crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES)
+
+
+__all__ = ["infer_param_shard", "write_shard"]
