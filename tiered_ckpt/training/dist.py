@@ -40,15 +40,18 @@ import torch.distributed as dist
 
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.errors import CheckpointError, DistributedSaveError
-from tiered_ckpt.local.steps import commit_step, new_save_id, utc_now, write_shard
+from tiered_ckpt.local import commit_step, new_save_id, write_shard
+from tiered_ckpt.local.steps import utc_now
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SaveOutcome:
-    """Result of one committed multi-rank save on this rank."""
+class CoordinatedSave:
+    """Result of one committed multi-rank save on this rank (the manager turns it into its
+    :class:`~tiered_ckpt.training.manager.SaveOutcome`). ``manifest``: the committed manifest where this
+    rank committed (``committed_here``), else ``None``."""
 
     step: int
     save_id: str
@@ -154,7 +157,7 @@ class SaveCoordinator:
     # -------------------------------------------------------------------------------- the save
 
     def save(self, root: Path, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
-             wall_clock_seconds: float, *, replace: bool = False) -> SaveOutcome:
+             wall_clock_seconds: float, *, replace: bool = False) -> CoordinatedSave:
         """Run one save on this rank (steps 1-4 of the module docstring).
 
         Raises ``DistributedSaveError`` (``failures``: rank -> message) if any rank failed to write or
@@ -203,4 +206,4 @@ class SaveCoordinator:
                 failure = exc
                 outcome["error"] = f"{type(exc).__name__}: {exc}"
         self._exchange(outcome, step, sid, "commit", failure)
-        return SaveOutcome(step=step, save_id=sid, committed_here=committer, manifest=manifest)
+        return CoordinatedSave(step=step, save_id=sid, committed_here=committer, manifest=manifest)

@@ -14,10 +14,15 @@ Lifecycle (who calls what)::
 
 Threads: ``save`` stages the state (copies arrays into reused host buffers, deep-copies JSON) in the
 caller's thread, then hands it to one background thread that writes the shard, hashes it, gathers the
-records, commits and rotates (:mod:`tiered_ckpt._dist` for several ranks). The next ``save`` waits for
+records, commits and rotates (:mod:`tiered_ckpt.training.dist` for several ranks). The next ``save`` waits for
 the previous one; a failed background save raises :class:`~tiered_ckpt.errors.CheckpointError` at the
 next ``save``, ``wait``, ``load`` or ``close`` (that call does nothing else), and is never counted as
 committed: :meth:`latest_step` reads the disk, so the manager's view always equals what is on disk.
+
+Outcomes as data: every save, committed or failed, yields one :class:`SaveOutcome` (step, seconds of the
+background write + hash + commit, the error if any). The manager keeps the most recent ones
+(:attr:`CheckpointManager.save_outcomes`) and passes each to ``on_save_outcome`` if given, so a caller
+(the demo's training job, a metrics exporter) reads timings from values, never from log text.
 
 torch is imported only for several ranks or a given ``process_group``; a single-process numpy state
 needs no torch.
@@ -25,6 +30,7 @@ needs no torch.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -33,16 +39,67 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from tiered_ckpt.training.staging import Stager, copy_json
 from tiered_ckpt.errors import CheckpointError, NoCheckpointError
-from tiered_ckpt.local.steps import commit_step, committed_steps, load_shard, new_save_id, write_shard
+from tiered_ckpt.local import commit_step, committed_steps, load_shard, new_save_id, write_shard
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
+from tiered_ckpt.training.staging import Stager, copy_json
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "SavePolicy"]
+__all__ = ["CheckpointManager", "SavePolicy", "SaveOutcome"]
+
+#: How many outcomes :attr:`CheckpointManager.save_outcomes` keeps (the oldest are dropped first).
+OUTCOME_HISTORY = 1024
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What became of one :meth:`CheckpointManager.save` on this rank.
+
+    ``step``: the step saved. ``rank``: this rank. ``seconds``: wall time (``time.perf_counter``) of the
+    persisting part: write + hash + (multi-rank gather) + commit, not rotation and not the staging copy;
+    for a failed save, the time until it failed. ``stage_seconds``: how long ``save`` blocked the caller
+    to stage the state (0.0 for a synchronous save, whose whole cost is ``seconds``). ``committed_here``:
+    this rank wrote the step's manifest into its own root. ``error``: ``None`` when the step was
+    committed, else ``"ExceptionType: message"`` of the failure (the exception itself is raised by the
+    next ``save``/``wait``/``load``/``close`` as usual).
+
+    :meth:`to_json` / :meth:`from_json`: a flat JSON object with these keys (for logs that other
+    processes read, e.g. the demo's training job).
+    """
+
+    step: int
+    rank: int
+    seconds: float
+    stage_seconds: float = 0.0
+    committed_here: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the step was committed."""
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "seconds": self.seconds,
+                "stage_seconds": self.stage_seconds, "committed_here": self.committed_here,
+                "error": self.error}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "SaveOutcome":
+        """Inverse of :meth:`to_json`. Raises ``KeyError``/``TypeError``/``ValueError`` on a bad record."""
+        error = obj.get("error")
+        if error is not None and not isinstance(error, str):
+            raise TypeError(f"SaveOutcome.error must be a string or null, got {type(error).__name__}")
+        return cls(step=int(obj["step"]), rank=int(obj["rank"]), seconds=float(obj["seconds"]),
+                   stage_seconds=float(obj.get("stage_seconds", 0.0)),
+                   committed_here=bool(obj.get("committed_here", False)), error=error)
 
 
 @dataclass(frozen=True)
@@ -78,8 +135,12 @@ class CheckpointManager:
     ``handle_sigterm=True`` installs the preemption handler (:meth:`install_sigterm_handler`).
     ``remote_url`` (``s3://bucket/prefix``, the sidecar's): :meth:`load` restores this rank's shard from
     the bucket when it is missing locally (a replaced node, a whole lost step); see
-    :func:`tiered_ckpt.restore.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore client
-    for it (default: boto3's chain).
+    :func:`tiered_ckpt.remote.restore.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore
+    client for it (default: boto3's chain).
+    ``on_save_outcome``: called with each :class:`SaveOutcome`, in the thread that ran the save (the
+    background thread when async), after the commit or failure and before the next save starts; it
+    must be quick and must not call the manager. An exception it raises is logged (with traceback) and
+    does not change the save's result.
     """
 
     def __init__(
@@ -88,7 +149,7 @@ class CheckpointManager:
         *,
         rank: int = 0,
         world_size: int = 1,
-        process_group: Any = None,
+        process_group: "ProcessGroup | None" = None,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
         keep_last: int = 3,
@@ -99,7 +160,8 @@ class CheckpointManager:
         collective_timeout_s: float = 600.0,
         handle_sigterm: bool = False,
         remote_url: str | None = None,
-        remote_s3_client: Any = None,
+        remote_s3_client: Any = None,  # a botocore S3 client (no interface type for it above store/)
+        on_save_outcome: Callable[[SaveOutcome], None] | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank ({rank}) < world_size ({world_size})")
@@ -123,6 +185,9 @@ class CheckpointManager:
         self._future: Future[None] | None = None
         self._pending_step: int | None = None
         self._stager = Stager()
+        self._on_save_outcome = on_save_outcome
+        self._outcomes: collections.deque[SaveOutcome] = collections.deque(maxlen=OUTCOME_HISTORY)
+        self._outcomes_lock = threading.Lock()
         self._started = time.monotonic()
         self._last_commit = self._started
         self._preempt_requested = threading.Event()
@@ -158,7 +223,7 @@ class CheckpointManager:
         :meth:`save` waits for the in-flight save, saves synchronously, and sets :attr:`preempted` so the
         loop can stop. Must be called from the main thread; chains to no other handler.
         """
-        def handler(signum: int, frame: Any) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
             self._preempt_requested.set()
 
         signal.signal(signal.SIGTERM, handler)
@@ -181,7 +246,7 @@ class CheckpointManager:
         self.wait()
         wall = time.monotonic() - self._started
         if self._executor is None or self._preempt_agreed:
-            self._persist(step, state, extra, wall)
+            self._persist(step, state, extra, wall, 0.0)
             if self._preempt_agreed:
                 self.preempted = True
                 log.warning("rank %d step %d: final checkpoint after SIGTERM committed", self.rank, step)
@@ -189,33 +254,63 @@ class CheckpointManager:
         t0 = time.perf_counter()
         staged = self._stager.stage(state)
         extra_copy = copy_json(dict(extra), "extra") if extra is not None else None
-        log.debug("rank %d step %d: staged %d bytes in %.3f s", self.rank, step, self._stager.nbytes,
-                  time.perf_counter() - t0)
+        stage_s = time.perf_counter() - t0
+        log.debug("rank %d step %d: staged %d bytes in %.3f s", self.rank, step, self._stager.nbytes, stage_s)
         self._pending_step = step
-        self._future = self._executor.submit(self._persist, step, staged, extra_copy, wall)
+        self._future = self._executor.submit(self._persist, step, staged, extra_copy, wall, stage_s)
 
     def _persist(self, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
-                 wall: float) -> None:
-        """Write, commit and rotate (background thread when async). Raises ``CheckpointError``."""
+                 wall: float, stage_s: float) -> None:
+        """Write, commit and rotate (background thread when async); record the :class:`SaveOutcome`.
+        Raises ``CheckpointError`` (or the write's own exception, wrapped by :meth:`wait`)."""
         if self._executor is not None and threading.current_thread() is not threading.main_thread():
             # Hand the GIL straight back to the caller of save(): otherwise this thread may hold it for
             # a whole switch interval (5 ms) of Python bookkeeping before save() can return.
             time.sleep(0)
         t0 = time.perf_counter()
-        committed_here = True
-        if self._coord is not None:
-            committed_here = self._coord.save(self.root, step, state, extra, wall).committed_here
-        else:
-            sid = new_save_id()
-            rec = write_shard(self.root, step, self.rank, state, save_id=sid)
-            commit_step(self.root, step, 1, [rec], extra, save_id=sid, wall_clock_seconds=wall)
+        try:
+            committed_here = self._write_and_commit(step, state, extra, wall)
+        except BaseException as exc:
+            self._record(SaveOutcome(step, self.rank, time.perf_counter() - t0, stage_s,
+                                     error=f"{type(exc).__name__}: {exc}"))
+            raise
+        seconds = time.perf_counter() - t0
         self._last_commit = time.monotonic()
-        log.info("rank %d step %d: checkpoint committed in %.3f s", self.rank, step, time.perf_counter() - t0)
+        log.info("rank %d step %d: checkpoint committed in %.3f s", self.rank, step, seconds)
+        self._record(SaveOutcome(step, self.rank, seconds, stage_s, committed_here=committed_here))
         if committed_here:
             try:
                 rotate(self.root, self.rotation, rank=self.rank)
             except OSError as exc:  # the save itself succeeded; retention retries after the next one
                 log.error("rank %d step %d: rotation failed: %s", self.rank, step, exc)
+
+    def _write_and_commit(self, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
+                          wall: float) -> bool:
+        """Write this rank's shard and commit the step (all ranks' protocol with several). Returns
+        whether this rank committed the manifest into its root."""
+        if self._coord is not None:
+            return self._coord.save(self.root, step, state, extra, wall).committed_here
+        sid = new_save_id()
+        rec = write_shard(self.root, step, self.rank, state, save_id=sid)
+        commit_step(self.root, step, 1, [rec], extra, save_id=sid, wall_clock_seconds=wall)
+        return True
+
+    def _record(self, outcome: SaveOutcome) -> None:
+        with self._outcomes_lock:
+            self._outcomes.append(outcome)
+        if self._on_save_outcome is None:
+            return
+        try:
+            self._on_save_outcome(outcome)
+        except Exception:  # a reporting hook must not turn a committed save into a failed one
+            log.exception("rank %d step %d: on_save_outcome callback failed", self.rank, outcome.step)
+
+    @property
+    def save_outcomes(self) -> tuple[SaveOutcome, ...]:
+        """The outcomes of this rank's saves so far, oldest first (the last :data:`OUTCOME_HISTORY`).
+        An in-flight save appears once it has committed or failed (after :meth:`wait` at the latest)."""
+        with self._outcomes_lock:
+            return tuple(self._outcomes)
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its failure as ``CheckpointError``
@@ -249,7 +344,7 @@ class CheckpointManager:
         errors of :func:`tiered_ckpt.local.load_shard`.
         """
         self.wait()
-        if self.remote_url is not None:  # restore-from-bucket hook (tiered_ckpt.restore)
+        if self.remote_url is not None:  # restore-from-bucket hook
             from tiered_ckpt.remote.restore import prepare_load_from_remote
 
             step = prepare_load_from_remote(
@@ -279,7 +374,8 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
             return
