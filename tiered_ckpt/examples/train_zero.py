@@ -45,9 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiered_ckpt import GlobalSlice, NoCheckpointError
-from tiered_ckpt.training.data import DataPosition, ShuffledBatchSampler
-from tiered_ckpt.training.manager import CheckpointManager
-from tiered_ckpt.training.torch_state import capture_rng_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
+from tiered_ckpt.data import DataPosition, ShuffledBatchSampler
+from tiered_ckpt.torch import capture_rng_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
+from tiered_ckpt.training import CheckpointManager, JobEventLog
 
 log = logging.getLogger("train_zero")
 
@@ -223,6 +223,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--root", default="ckpt_train_zero", help="checkpoint directory (this node's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, lr} JSON lines here")
+    p.add_argument("--events-log", default=None,
+                   help="rank 0 appends JSON-line events here: each save's outcome (step, seconds, error) and "
+                        "the step it resumed from (tiered_ckpt.training.events)")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: async)")
     p.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds to sleep per step (tests)")
@@ -246,6 +249,20 @@ def _init_dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _resume(mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSampler) -> tuple[int, list[float]]:
+    """Load the newest step committed in every rank's root into ``opt``, ``sampler`` and the RNGs.
+    Returns ``(step, loss_history)``; ``(0, [])`` when nothing is committed (a fresh start)."""
+    try:
+        st = mgr.load()
+    except NoCheckpointError:
+        return 0, []
+    opt.load(st["zero"])
+    prog = st["progress"]
+    sampler.seek(DataPosition.from_json(prog["data"]))
+    restore_rng_state(st["rng"])
+    return int(prog["step"]), list(prog["loss_history"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train (resuming from the newest checkpoint under ``--root`` unless ``--no-resume``). Returns 0."""
     args = parse_args(argv)
@@ -267,23 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     windows = torch.from_numpy(data[: len(data) // window * window].astype(np.int64).reshape(-1, window))
     sampler = ShuffledBatchSampler(len(windows), args.batch_per_rank * world, seed=args.seed)
 
+    events = JobEventLog(args.events_log) if (args.events_log and rank == 0) else None
     mgr = CheckpointManager(args.root, rank=rank, world_size=world, save_every_steps=args.ckpt_every,
                             keep_last=args.keep_last, async_save=not args.sync_save,
-                            collective_timeout_s=120.0, handle_sigterm=args.handle_sigterm)
-    step, history = 0, []
-    if not args.no_resume:
-        try:
-            st = mgr.load()
-        except NoCheckpointError:
-            st = None
-        if st is not None:
-            opt.load(st["zero"])
-            prog = st["progress"]
-            step, history = int(prog["step"]), list(prog["loss_history"])
-            sampler.seek(DataPosition.from_json(prog["data"]))
-            restore_rng_state(st["rng"])
-            if rank == 0:
-                print(f"resumed from step {step}", flush=True)
+                            collective_timeout_s=120.0, handle_sigterm=args.handle_sigterm,
+                            on_save_outcome=events.save if events is not None else None)
+    step, history = (0, []) if args.no_resume else _resume(mgr, opt, sampler)
+    if step and rank == 0:
+        print(f"resumed from step {step}", flush=True)
+        if events is not None:
+            events.resumed(step)
     stop_at = min(args.stop_at or args.steps, args.steps)
     log_f = open(args.loss_log, "a") if (args.loss_log and rank == 0) else None
     try:
@@ -318,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if log_f is not None:
             log_f.close()
+        if events is not None:
+            events.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,200 @@
+"""The demo's machinery: its S3 (embedded moto server or an external endpoint), the processes it starts
+(training jobs in a process group of their own, the upload sidecar) and the files it reads back from
+them (loss curves; the jobs' event logs, :mod:`tiered_ckpt.training.events`). Nothing here is part of
+the story itself (:mod:`tiered_ckpt.cli.demo`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
+
+__all__ = ["DemoError", "DemoS3", "S3Target", "Job", "free_port", "launcher_argv", "sidecar_argv",
+           "read_losses", "wait_for"]
+
+#: moto accepts any credentials: these keep the demo away from real AWS configuration.
+DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+#: Starts ``n`` ranks of ``argv`` with torch.distributed's env:// variables and waits for them. Unlike
+#: torchrun (whose workers get sessions of their own), the ranks stay in the launcher's process group, so
+#: one ``killpg`` reaches the whole job, as a node failure would.
+_LAUNCHER = (
+    "import os, subprocess, sys\n"
+    "n, port, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]\n"
+    "ps = [subprocess.Popen([sys.executable, *argv], env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r),"
+    " WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=port))"
+    " for r in range(n)]\n"
+    "rcs = [p.wait() for p in ps]\n"
+    "sys.exit(next((abs(c) for c in rcs if c), 0))\n")
+
+
+class DemoError(Exception):
+    """A stage of the demo failed; the message is one line naming it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_argv(n_ranks: int, module: str, args: list[str]) -> list[str]:
+    """The command that runs ``python -m module args`` as ``n_ranks`` ranks of one job (see ``_LAUNCHER``)."""
+    return [sys.executable, "-c", _LAUNCHER, str(n_ranks), str(free_port()), "-m", module, *args]
+
+
+def sidecar_argv(root: Path, remote_url: str, endpoint_url: str) -> list[str]:
+    """``tiered-ckpt upload --watch`` of ``root`` to ``remote_url``, as its own process."""
+    return [sys.executable, "-c", "import sys; from tiered_ckpt.cli import main; sys.exit(main())",
+            "--log-level", "INFO", "upload", "--watch", "--local", str(root), "--remote", remote_url,
+            "--endpoint-url", endpoint_url, "--path-style", "--poll-interval-s", "0.2"]
+
+
+# ------------------------------------------------------------------------------------------------ S3
+
+
+@dataclass(frozen=True)
+class S3Target:
+    """Where the story uploads: ``remote_url`` (``s3://bucket/prefix``, a fresh prefix), ``endpoint``
+    (URL), ``where`` (one line for the report) and ``client`` (a botocore S3 client for the restore)."""
+
+    remote_url: str
+    endpoint: str
+    where: str
+    client: Any  # botocore S3 client: the front end hands it to restore; no interface type above store/
+
+
+class DemoS3:
+    """The demo's S3: an embedded moto ``ThreadedMotoServer`` on 127.0.0.1 (its dummy credentials set in
+    ``env`` and this process's environment) unless ``endpoint_url`` names an external one."""
+
+    def __init__(self) -> None:
+        self.server: ThreadedMotoServer | None = None
+
+    def start(self, endpoint_url: str | None, bucket: str, env: dict[str, str]) -> S3Target:
+        """Start (or reach) the server, make sure ``bucket`` exists, set ``env["AWS_ENDPOINT_URL"]``.
+        Raises :class:`DemoError` if the bucket can be neither read nor created."""
+        from tiered_ckpt.store import make_s3_client
+
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        if endpoint is None:
+            endpoint = self._start_embedded(env)
+            where = f"embedded moto S3 server at {endpoint}"
+        else:
+            where = f"S3 endpoint {endpoint}"
+        env["AWS_ENDPOINT_URL"] = endpoint
+        client = make_s3_client(endpoint_url=endpoint, path_style=True)
+        try:
+            client.head_bucket(Bucket=bucket)
+        except Exception:  # noqa: BLE001 - absent (404) or not ours: try to create it, fail loudly below
+            try:
+                client.create_bucket(Bucket=bucket)
+            except Exception as e:  # noqa: BLE001
+                raise DemoError(f"s3: cannot use bucket {bucket!r} at {endpoint}: {e}") from e
+        prefix = f"demo/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        return S3Target(f"s3://{bucket}/{prefix}", endpoint, where, client)
+
+    def _start_embedded(self, env: dict[str, str]) -> str:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log is not the story
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        for k, v in DUMMY_AWS.items():  # moto accepts any credentials; never reach real AWS config
+            env[k] = v
+            os.environ[k] = v
+        for k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3"):
+            env.pop(k, None)
+            os.environ.pop(k, None)
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+class Job:
+    """A process group of our own (so that one SIGKILL reaches every rank), output to a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.log_path = log_path
+        self._out: IO[bytes] = open(log_path, "wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+            raise
+        finally:
+            self._out.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+            self.proc.wait()
+        self.kill()  # no rank outlives its launcher
+        self._out.close()
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    """step -> loss from the example's ``--loss-log`` (JSON lines); a line cut by SIGKILL is skipped."""
+    out: dict[int, float] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            out[int(rec["step"])] = float(rec["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by SIGKILL
+    return out
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout_s: float, *, job: Job | None = None,
+             poll_s: float = 0.05) -> None:
+    """Poll ``cond`` until true. Raises :class:`DemoError` if ``job`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if job is not None and job.poll() is not None and not cond():
+            raise DemoError(f"{what}: the job exited (code {job.poll()}) first; see {job.log_path}")
+        if time.monotonic() > deadline:
+            raise DemoError(f"{what}: not reached within {timeout_s:.0f} s")
+        time.sleep(poll_s)
