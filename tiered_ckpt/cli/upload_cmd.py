@@ -137,7 +137,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         if up.policy.skip_intermediate and args.step is None:
             steps = up._select_pending()
         if bar is not None:
-            from tiered_ckpt.local.steps import read_manifest
+            from tiered_ckpt.local import read_manifest
             total = 0
             for s in steps:
                 try:

@@ -40,8 +40,7 @@ import torch.distributed as dist
 
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.errors import CheckpointError, DistributedSaveError
-from tiered_ckpt.local import commit_step, new_save_id, write_shard
-from tiered_ckpt.local.steps import utc_now
+from tiered_ckpt.local import commit_step, new_save_id, utc_now, write_shard
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 
 log = logging.getLogger(__name__)
