@@ -9,6 +9,10 @@ set; each rank writes ``OUT_DIR/result_<rank>.json``. Modes:
 - ``policy``: the time policy (rank 0's clock) and a SIGTERM on one rank give the same answer on all.
 - ``dead_rank``: rank 1 dies (SIGKILL) right after its async ``save`` returns; rank 0 must get a
   CheckpointError from ``wait`` within the collective timeout instead of hanging.
+- ``env``: no process group; each rank reports its ``sys.prefix`` and ``tiered_ckpt.__file__``
+  (tests/local/test_spawn_env.py: the launcher starts the test's own environment).
+
+The package is imported as installed in the environment (no ``sys.path`` edits).
 """
 
 from __future__ import annotations
@@ -24,10 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tiered_ckpt import CheckpointError, GlobalSlice  # noqa: E402
-from tiered_ckpt.training.manager import CheckpointManager  # noqa: E402
+import tiered_ckpt
+from tiered_ckpt import CheckpointError, GlobalSlice
+from tiered_ckpt.training.manager import CheckpointManager
 
 
 def _model() -> torch.nn.Module:
@@ -151,6 +154,10 @@ def mode_policy(rank: int, world: int, out: Path) -> dict:
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    if mode == "env":
+        report = {"prefix": sys.prefix, "tiered_ckpt": tiered_ckpt.__file__}
+        (out / f"result_{os.environ['RANK']}.json").write_text(json.dumps(report))
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -19,6 +19,8 @@ Variants (``--variant``):
   shards          write_shard x4 with one save_id, then commit_step
   replace         save_sharded(..., replace=True) over a committed step
   replace_shards  write_shard(..., replace=True) x4 then commit_step(..., replace=True)
+  env             save nothing; report ``{"status": "ok", "prefix": sys.prefix, "tiered_ckpt": <its path>}``
+                  (tests/local/test_spawn_env.py: the child runs the parent's environment)
 
 Modes: run directly (``--sock FD --root ... --variant ...``: one case, a fresh interpreter), or as a fork
 server (``--serve``; tests/crash_harness.py ``ForkServer``): imported and warmed up once, it forks one
@@ -122,6 +124,11 @@ def run_case(sock: socket.socket, root: str, variant: str, step: int, seed: int,
     sock.sendall(f"READY {os.getpid()}\n".encode())
     if _recv_line(sock).strip() != b"GO":
         return 5  # parent went away
+    if variant == "env":
+        import tiered_ckpt
+
+        _report(sock, {"status": "ok", "prefix": sys.prefix, "tiered_ckpt": tiered_ckpt.__file__})
+        return 0
     try:
         _save(variant, root, step, states)
     except BaseException as e:  # report every outcome, typed

@@ -28,7 +28,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from spawn import child_env, python_cmd
+
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "crash_child.py"
-#: The real interpreter: ``python3`` may be a pyenv shell shim (a bash script), which strace would trace
-#: instead of Python.
-REAL_PY = sys.executable
+# Children run this test's interpreter as it is (spawn.python_cmd), which checks that it is an ELF binary:
+# strace must trace Python itself, not a launcher script such as a pyenv shim.
 STRACE = shutil.which("strace") or ("/usr/bin/strace" if os.path.exists("/usr/bin/strace") else None)
 
 #: What each protocol syscall is called on x86-64 and elsewhere (checked with ``strace -f -c``: CPython's
@@ -60,15 +60,15 @@ TRACE_SET = ",".join(SYSCALL_SETS.values())
 _ENTRY_RE = re.compile(r"^(?:(\d+)\s+)?(\w+)\((.*)$")
 _PATH_RE = re.compile(r'"([^"]*)"|<(/[^>]*)>')
 
-CHILD_ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                 PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+CHILD_ENV = child_env(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                      PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
 
 
 def strace_usable() -> str | None:
     """``None`` if strace can attach to a process here, else the reason."""
     if STRACE is None:
         return "strace is not installed"
-    p = subprocess.Popen([REAL_PY, "-c", "import time; time.sleep(5)"])
+    p = subprocess.Popen(python_cmd("-c", "import time; time.sleep(5)"))
     try:
         r = subprocess.run([STRACE, "-qq", "-e", "trace=none", "-p", str(p.pid)], capture_output=True,
                            timeout=1.0)
@@ -161,13 +161,14 @@ class ForkServer:
 
     def __init__(self, scratch: Path) -> None:
         self._ctl, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([REAL_PY, str(CHILD), "--serve", "--sock", str(theirs.fileno()),
-                                      "--root", str(scratch)], pass_fds=[theirs.fileno()], env=CHILD_ENV,
+        self.proc = subprocess.Popen(python_cmd(CHILD, "--serve", "--sock", str(theirs.fileno()), "--root", scratch),
+                                     pass_fds=[theirs.fileno()], env=CHILD_ENV,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         theirs.close()
         if _recv_line(self._ctl, 120).strip() != b"SERVING":
             self.close()
-            raise RuntimeError("fork server did not start")
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+            raise RuntimeError(f"fork server did not start; its stderr:\n{err[-3000:]}")
 
     def start(self, args: dict[str, Any], case_sock: socket.socket) -> int:
         socket.send_fds(self._ctl, [json.dumps(args).encode()], [case_sock.fileno()])
@@ -223,8 +224,8 @@ def run_child(root: Path, *, variant: str = "shards", step: int = 2, seed: int =
     child = None
     srv = None
     if fresh:
-        cmd = [REAL_PY, str(CHILD), "--sock", str(child_sock.fileno()), "--root", str(root), "--variant",
-               variant, "--step", str(step), "--seed", str(seed)] + (["--big"] if big else [])
+        cmd = python_cmd(CHILD, "--sock", str(child_sock.fileno()), "--root", root, "--variant", variant,
+                         "--step", str(step), "--seed", str(seed), *(["--big"] if big else []))
         child = subprocess.Popen(cmd, pass_fds=[child_sock.fileno()], env=CHILD_ENV,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         pid = child.pid
@@ -238,7 +239,13 @@ def run_child(root: Path, *, variant: str = "shards", step: int = 2, seed: int =
     try:
         ready = _recv_line(parent_sock, timeout)
         if not ready.startswith(b"READY"):
-            raise RuntimeError(f"child did not get ready: {ready!r}")
+            detail = ""
+            if child is not None:
+                try:
+                    detail = child.communicate(timeout=10)[1].decode(errors="replace")[-3000:]
+                except subprocess.TimeoutExpired:
+                    pass
+            raise RuntimeError(f"child did not get ready: {ready!r}; its stderr:\n{detail}")
         if injection is not None or delay is not None:
             spec = injection.args() if injection is not None else [f"inject={delay}"]
             follow = injection.follow if injection is not None else True

@@ -5,6 +5,10 @@ MASTER_PORT set. Two "nodes" with node-local roots (``OUT_DIR/node0`` for ranks 
 save steps 2 and 4, their sidecars upload them, step 6 is saved but never uploaded, then node 1 is
 replaced (its root deleted) and every rank loads through ``CheckpointManager(remote_url=...)``. Each rank
 writes ``OUT_DIR/result_<rank>.json``.
+
+``python tests/restore_workers.py env OUT_DIR``: no process group; each rank writes its ``sys.prefix`` and
+``tiered_ckpt.__file__`` (tests/local/test_spawn_env.py). The package is imported as installed (no
+``sys.path`` edits).
 """
 
 from __future__ import annotations
@@ -18,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tiered_ckpt.training.manager import CheckpointManager  # noqa: E402
-from tiered_ckpt.store import make_s3_client  # noqa: E402
+import tiered_ckpt
+from tiered_ckpt.store import make_s3_client
+from tiered_ckpt.training.manager import CheckpointManager
 
 
 def state(rank: int, step: int) -> dict:
@@ -29,6 +32,10 @@ def state(rank: int, step: int) -> dict:
 
 
 def main() -> None:
+    if sys.argv[1] == "env":
+        report = {"prefix": sys.prefix, "tiered_ckpt": tiered_ckpt.__file__}
+        (Path(sys.argv[2]) / f"result_{os.environ['RANK']}.json").write_text(json.dumps(report))
+        return
     out, url, endpoint = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -29,7 +29,6 @@ import re
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from spawn import child_env, free_port, python_cmd
 
 TEST_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -56,13 +57,6 @@ TEST_AWS_ENV_REMOVE = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL",
 
 
 # --------------------------------------------------------------------------------------------- moto
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -84,8 +78,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
 @contextmanager
 def run_moto_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
     """Run moto's S3 server as a real process on 127.0.0.1; yield its endpoint URL; terminate it."""
-    env = dict(os.environ)
-    env.update(TEST_AWS_ENV)
+    env = child_env(**TEST_AWS_ENV)
     for name in TEST_AWS_ENV_REMOVE:
         env.pop(name, None)
     last_error: Exception | None = None
@@ -93,7 +86,7 @@ def run_moto_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
         port = free_port()
         log = tempfile.NamedTemporaryFile(prefix="moto_server_", suffix=".log", delete=False)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            python_cmd("-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -7,7 +7,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 import tiered_ckpt as tc
+from spawn import python_cmd
 from tiered_ckpt import ShardCorruptedError
 
 GOLDEN = Path(__file__).resolve().parent
@@ -110,8 +110,8 @@ def test_make_golden_is_deterministic(tmp_path: Path) -> None:
     outs = []
     for name in ("a", "b"):
         out = tmp_path / name
-        proc = subprocess.run([sys.executable, str(GOLDEN / "make_golden.py"), str(out)], capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(python_cmd(GOLDEN / "make_golden.py", out), capture_output=True, text=True,
+                              timeout=60)
         assert proc.returncode == 0, proc.stderr
         outs.append(out)
     files = golden_files(outs[0])

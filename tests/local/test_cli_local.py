@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from spawn import cli_cmd, console_script, python_cmd
 from tiered_ckpt.fs import hostname
 
-EXE = shutil.which("tiered-ckpt")
-CMD = [EXE] if EXE else [sys.executable, "-c", "import sys; from tiered_ckpt.cli import main; sys.exit(main())"]
+CMD = cli_cmd()  # this environment's console script
 
 
 def run(*args: str | os.PathLike[str], cmd: list[str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -44,7 +42,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def test_console_script_is_installed() -> None:
-    assert EXE is not None, "the tiered-ckpt console script is not on PATH"
+    assert console_script() is not None, "the tiered-ckpt console script is not installed beside sys.executable"
 
 
 @pytest.mark.parametrize("sub", [[], ["ls"], ["verify"], ["gc"]])
@@ -194,6 +192,6 @@ def test_gc_keeps_leftovers_of_live_writers(run_dir: Path) -> None:
 
 
 def test_python_dash_m() -> None:
-    proc = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "--help"], capture_output=True,
+    proc = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "ls", "--help"), capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from spawn import cli_cmd, python_cmd
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt import (CheckpointError, ManifestError, MissingShardError, NoCheckpointError,
                          ShardCorruptedError)
@@ -663,9 +664,9 @@ def traced(world: World, tmp_path_factory) -> dict[str, Any]:
     (d / "spec.json").write_text(json.dumps(spec))
     (d / "driver.py").write_text(DRIVER)
     log = d / "strace.log"
-    # sys.executable is the real interpreter (a `python3` shim would be a shell script)
+    # python_cmd checks that the interpreter is a binary (strace must trace Python, not a shim script)
     cmd = [STRACE, "-f", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
-           sys.executable, str(d / "driver.py"), str(d / "spec.json"), str(d / "out.json")]
+           *python_cmd(d / "driver.py", d / "spec.json", d / "out.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0 and "ptrace" in proc.stderr:
         pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[:200]}")
@@ -745,9 +746,7 @@ def test_cli_one_line(traced: dict[str, Any], case: Case) -> None:
 
 def test_cli_verify_all_steps(world: World) -> None:
     """The real console script over the whole hostile run directory: one line per step, exit 1."""
-    exe = shutil.which("tiered-ckpt")
-    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from tiered_ckpt.cli import main; sys.exit(main())"]
-    proc = subprocess.run(cmd + ["verify", str(world.root)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cli_cmd() + ["verify", str(world.root)], capture_output=True, text=True, timeout=60)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text
     assert "Traceback (most recent call last)" not in text.replace("evil\\nTraceback (most recent call last)", "")

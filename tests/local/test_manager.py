@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -17,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spawn import python_cmd
 from tiered_ckpt import CheckpointError, GlobalSlice, read_manifest
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local.steps import committed_steps, save_sharded
 from tiered_ckpt.training.manager import CheckpointManager
 from tiered_ckpt.local.rotation import RotationPolicy, plan_rotation, rotate
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def make_state(seed: int, n: int = 3, size: int = 4096) -> dict:
@@ -95,7 +93,7 @@ def test_numpy_only_manager_does_not_import_torch(tmp_path):
             m.save(1, {{"x": np.arange(3)}})
         assert "torch" not in sys.modules, "torch was imported"
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    subprocess.run(python_cmd("-c", code), check=True)
 
 
 # --------------------------------------------------------------------------------------- async
@@ -180,8 +178,7 @@ FAILING_CHILD = textwrap.dedent("""
 
 def test_background_write_failure_surfaces_at_next_call(tmp_path):
     """A real EFBIG (RLIMIT_FSIZE) during the background write of step 2."""
-    p = subprocess.run([sys.executable, "-c", FAILING_CHILD, str(tmp_path)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    p = subprocess.run(python_cmd("-c", FAILING_CHILD, tmp_path), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["returned"]
@@ -217,8 +214,8 @@ def test_background_fsync_eio_surfaces_at_wait(tmp_path):
     """)
     # fsync #1 is the writer lock's; #2 the shard's. Only the 2nd fails.
     cmd = ["/usr/bin/strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync", "-e",
-           "inject=fsync:error=EIO:when=2", sys.executable, "-c", code, str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+           "inject=fsync:error=EIO:when=2", *python_cmd("-c", code, tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if p.returncode != 0 and "ptrace" in p.stderr:
         pytest.skip("ptrace not permitted here")
     assert p.returncode == 0, p.stderr

@@ -4,12 +4,8 @@ ZeroRedundancyOptimizer partition on two real gloo ranks), scheduler, GradScaler
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -18,13 +14,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from spawn import DIST_WORKERS, start_ranks, wait_ranks  # noqa: E402
+
 from tiered_ckpt import commit_step, load_shard, write_shard  # noqa: E402
 from tiered_ckpt.training.data import DataPosition, ShuffledBatchSampler  # noqa: E402
 from tiered_ckpt.errors import CheckpointError  # noqa: E402
 from tiered_ckpt.training.torch_state import (capture_rng_state, capture_training_state, numpy_to_tensor,  # noqa: E402
                                restore_rng_state, restore_training_state, tensor_to_numpy)
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def roundtrip(tmp_path: Path, state: dict) -> dict:
@@ -207,29 +204,9 @@ def test_sampler_resumes_with_exactly_the_remaining_ids(stop_after):
     assert ShuffledBatchSampler.rank_slice(full[0], 1, 2) == full[0][2:4]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(mode: str, out: Path, world: int = 2, timeout: float = 120) -> list[dict]:
     """Start ``world`` real processes of tests/_dist_workers.py (gloo) and collect their results."""
-    port = _free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "_dist_workers.py"), mode, str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    logs = wait_ranks(start_ranks(DIST_WORKERS, mode, out, world=world), timeout)
     results = []
     for r in range(world):
         f = out / f"result_{r}.json"

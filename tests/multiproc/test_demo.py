@@ -6,21 +6,18 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from spawn import child_env, python_cmd
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def test_demo_runs_the_whole_story(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
-    env["PYTHONPATH"] = str(REPO)
-    p = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "demo", "--workdir", str(tmp_path / "demo"),
-                        "--steps", "30", "--ckpt-every", "5"], env=env, capture_output=True, text=True,
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")})
+    p = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "demo", "--workdir", tmp_path / "demo",
+                                  "--steps", "30", "--ckpt-every", "5"), env=env, capture_output=True, text=True,
                        timeout=600)
     out = p.stdout
     assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{p.stderr[-3000:]}"

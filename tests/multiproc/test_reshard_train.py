@@ -12,15 +12,13 @@ batch is kept (``--batch-per-rank`` doubled) so that the data order continues ex
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from spawn import child_env, free_port, python_cmd
 import tiered_ckpt as tc
 from tiered_ckpt.local.reshard import even_split, reshard
 
@@ -30,17 +28,11 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_zero.py"
 STEPS, STOP, EVERY = 10, 6, 3
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, root: Path, log: Path, *extra: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={_port()}",
-           str(EXAMPLE), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", str(root), "--seed", "7",
-           "--sync-save", "--loss-log", str(log), "--data-bytes", "32768", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = python_cmd("-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
+                     EXAMPLE, "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", root, "--seed", "7",
+                     "--sync-save", "--loss-log", log, "--data-bytes", "32768", *extra)
+    env = child_env(OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr

@@ -4,11 +4,7 @@ restore hook, single-process and with 4 real gloo ranks on two simulated nodes. 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +12,11 @@ import pytest
 
 from restore_util import assert_states_equal, save_step
 from s3_infra import S3Location
+from spawn import RESTORE_WORKERS, start_ranks, wait_ranks
 from tiered_ckpt import committed_steps, load_sharded, read_manifest, restore
 from tiered_ckpt.layout import MANIFEST_NAME, UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.training.manager import CheckpointManager
 from tiered_ckpt.remote.upload import Uploader
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cluster_loss_after_the_real_uploader(s3_bucket: S3Location, tmp_path: Path) -> None:
@@ -62,30 +57,11 @@ def test_manager_restores_a_lost_step_before_loading(s3_bucket: S3Location, tmp_
         assert mgr.latest_step() is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_replaced_node_restores_its_ranks_through_the_manager(s3_bucket: S3Location, tmp_path: Path) -> None:
-    port, world = _free_port(), 4
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "restore_workers.py"), str(tmp_path), s3_bucket.url,
-             s3_bucket.endpoint_url], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=80)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    world = 4
+    procs = start_ranks(RESTORE_WORKERS, tmp_path, s3_bucket.url, s3_bucket.endpoint_url, world=world)
+    logs = wait_ranks(procs, timeout=80)
     results = []
     for r in range(world):
         f = tmp_path / f"result_{r}.json"

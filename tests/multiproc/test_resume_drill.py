@@ -16,9 +16,7 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from spawn import child_env, free_port, python_cmd  # noqa: E402
 from tiered_ckpt.local.steps import committed_steps, read_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,18 +35,12 @@ STEPS = 60
 EVERY = 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(root: Path, loss_log: Path, *extra: str, sleep: float = 0.0) -> subprocess.Popen:
     """torchrun of the example (its own session: keeps the test runner out of any signal)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_free_port()}",
-           str(EXAMPLE), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", str(root), "--seed", "1234",
-           "--loss-log", str(loss_log), "--sleep-per-step", str(sleep), *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = python_cmd("-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
+                     EXAMPLE, "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", root, "--seed", "1234",
+                     "--loss-log", loss_log, "--sleep-per-step", str(sleep), *extra)
+    env = child_env(OMP_NUM_THREADS="1")
     out = open(loss_log.with_suffix(".out"), "wb")
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

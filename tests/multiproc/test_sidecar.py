@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 import s3_infra
 from _upload_util import list_keys, make_step, remote_bytes
+from spawn import python_cmd
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local.steps import committed_steps, read_manifest
 from tiered_ckpt.format.upload_manifest import UploadManifest
@@ -25,10 +25,10 @@ MiB = 1024 * 1024
 
 def _start(root: Path, loc: s3_infra.S3Location, *extra: str) -> subprocess.Popen[bytes]:
     """Start the sidecar; its log goes to ``<root>.log`` (a pipe nobody reads would block it)."""
-    cmd = [sys.executable, "-c", "import sys; from tiered_ckpt.cli import main; sys.exit(main())", "--log-level", "INFO", "upload", "--local", str(root),
-           "--remote", loc.url, "--endpoint-url", loc.endpoint_url, "--path-style", "--watch",
-           "--poll-interval-s", "0.1", "--part-size-mib", "5", "--multipart-threshold-mib", "6",
-           "--max-concurrency", "4", *extra]
+    cmd = python_cmd("-m", "tiered_ckpt.cli", "--log-level", "INFO", "upload", "--local", root,
+                     "--remote", loc.url, "--endpoint-url", loc.endpoint_url, "--path-style", "--watch",
+                     "--poll-interval-s", "0.1", "--part-size-mib", "5", "--multipart-threshold-mib", "6",
+                     "--max-concurrency", "4", *extra)
     log = open(f"{root}.log", "ab")
     try:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +13,12 @@ import pytest
 import tiered_ckpt as tc
 from restore_util import publish, save_step
 from s3_infra import S3Location
+from spawn import child_env, python_cmd
 from tiered_ckpt.layout import MAX_WORLD_SIZE
 from tiered_ckpt.local.reshard import reshard
 from tiered_ckpt.local.scan import COMMITTED, INCOMPLETE, scan
 
-CLI = [sys.executable, "-m", "tiered_ckpt.cli"]
+CLI = python_cmd("-m", "tiered_ckpt.cli")
 
 
 def run(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -79,9 +79,9 @@ def test_usage_errors_exit_two_with_one_line(args: list[str], needle: str, run_d
 
 
 def test_env_defaults_are_validated_like_flags(run_dir: Path) -> None:
-    env = dict(os.environ, TIERED_CKPT_METRICS_PORT="70000")
+    env = child_env(TIERED_CKPT_METRICS_PORT="70000")
     assert "--metrics-port" in one_error_line(run("upload", "--remote", S3, "--local", run_dir, env=env), 2)
-    env = dict(os.environ, TIERED_CKPT_REMOTE="http://nope")
+    env = child_env(TIERED_CKPT_REMOTE="http://nope")
     assert "s3://" in one_error_line(run("upload", "--local", run_dir, env=env), 2)
 
 
@@ -141,7 +141,7 @@ def remote(tmp_path: Path, s3_bucket: S3Location) -> S3Location:
 
 def _no_endpoint_env() -> dict[str, str]:
     """The test environment without any endpoint: only the command's flags can reach moto."""
-    return {k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    return child_env({k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")})
 
 
 def _s3(loc: S3Location) -> list[str]:

@@ -3,10 +3,8 @@ commits nothing (moto server over HTTP; the CLI as a real subprocess)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import numpy as np
 
 from restore_util import files_under, publish
 from s3_infra import S3Location
+from spawn import child_env, python_cmd
 from tiered_ckpt import committed_steps, save_sharded
 
 
@@ -23,9 +22,9 @@ def test_sigint_mid_restore_stops_promptly_and_commits_nothing(tmp_path: Path, s
     save_sharded([{"w": rng.standard_normal(12 * 2**20).astype(np.float32)} for _ in range(2)], src, 5)
     publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, src, 5)
     dest = tmp_path / "dest"
-    env = dict(os.environ, AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
-    cmd = [sys.executable, "-m", "tiered_ckpt.cli", "restore", "--remote", s3_bucket.url, "--local", str(dest),
-           "--concurrency", "1", "--part-size-mib", "1", "--parallel-shards", "1", "--no-progress"]
+    env = child_env(AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
+    cmd = python_cmd("-m", "tiered_ckpt.cli", "restore", "--remote", s3_bucket.url, "--local", dest,
+                     "--concurrency", "1", "--part-size-mib", "1", "--parallel-shards", "1", "--no-progress")
     t0 = time.monotonic()
     full = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     uninterrupted = time.monotonic() - t0

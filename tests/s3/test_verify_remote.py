@@ -4,13 +4,12 @@ over HTTP; steps published in the documented layout by restore_util.publish)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from restore_util import publish, save_step
 from s3_infra import S3Location
+from spawn import child_env, python_cmd
 from tiered_ckpt.layout import remote_key, shard_file_name
 from tiered_ckpt.remote.verify import scan_remote
 
@@ -49,8 +48,8 @@ def test_scan_remote_states(tmp_path: Path, s3_bucket: S3Location) -> None:
 
 def test_cli_verify_remote(tmp_path: Path, s3_bucket: S3Location) -> None:
     _remote_root(tmp_path, s3_bucket)
-    env = dict(os.environ, AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
-    cmd = [sys.executable, "-m", "tiered_ckpt.cli", "verify", "--remote", s3_bucket.url]
+    env = child_env(AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
+    cmd = python_cmd("-m", "tiered_ckpt.cli", "verify", "--remote", s3_bucket.url)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
