@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.cli._common import (EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, positive_int, print_json,
                       print_table, s3_url, step_number)
@@ -77,15 +77,21 @@ def _check_url(url: str) -> None:
         raise CliError(str(e), EXIT_USAGE) from None
 
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from tiered_ckpt.remote.restore_plan import RestorePlan
+
+
 class _Progress:
     """A tqdm bar fed from transfer threads (created once the plan's size is known)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.bar: Any = None
+        self.bar: tqdm | None = None
         self._lock = threading.Lock()
 
-    def on_plan(self, plan: Any) -> None:
+    def on_plan(self, plan: RestorePlan) -> None:
         if not self.enabled:
             return
         from tqdm import tqdm

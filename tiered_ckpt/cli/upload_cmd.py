@@ -16,15 +16,20 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, port, positive_float,
                       positive_int, print_json, s3_url, step_number)
 
+if TYPE_CHECKING:
+    from tiered_ckpt.remote.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload import Uploader
+
 MiB = 1024 * 1024
 
 
-def _env(name: str, default: Any = None) -> Any:
+def _env(name: str, default: str | None = None) -> str | None:
+    """The environment variable ``name``, or ``default`` when unset or empty (argparse converts it)."""
     v = os.environ.get(name)
     return default if v in (None, "") else v
 
@@ -76,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | None = None,
-                   on_progress: Any = None, metrics: Any = None) -> Any:
+                   on_progress: Callable[[int], None] | None = None,
+                   metrics: "UploadMetrics | None" = None) -> "Uploader":
     from tiered_ckpt.store import WriteSettings, make_s3_client, parse_s3_url
     from tiered_ckpt.remote.upload import Uploader, UploadPolicy
 

@@ -69,7 +69,7 @@ class SaveCoordinator:
     whole job). Raises ``CheckpointError`` if torch.distributed is not initialized or they disagree.
     """
 
-    def __init__(self, rank: int, world_size: int, process_group: Any = None, *, timeout_s: float = 600.0,
+    def __init__(self, rank: int, world_size: int, process_group: dist.ProcessGroup | None = None, *, timeout_s: float = 600.0,
                  shared_filesystem: bool = False) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise CheckpointError("world_size > 1 needs torch.distributed initialized (init_process_group)")
@@ -90,7 +90,7 @@ class SaveCoordinator:
     # -------------------------------------------------------------------------------- primitives
 
     @staticmethod
-    def _all_gather_bytes(data: bytes, group: Any, world_size: int) -> list[bytes]:
+    def _all_gather_bytes(data: bytes, group: dist.ProcessGroup, world_size: int) -> list[bytes]:
         n = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
         dist.all_gather(sizes, n, group=group)
@@ -102,7 +102,7 @@ class SaveCoordinator:
         dist.all_gather(outs, buf, group=group)
         return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
 
-    def _broadcast_bytes(self, data: bytes | None, group: Any) -> bytes:
+    def _broadcast_bytes(self, data: bytes | None, group: dist.ProcessGroup) -> bytes:
         n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         dist.broadcast(n, src=self.src, group=group)
         buf = torch.zeros(int(n.item()), dtype=torch.uint8)
