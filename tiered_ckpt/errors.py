@@ -11,6 +11,7 @@ Source: SPEC §2 "Loading (fail loudly, early)"; style after torch.distributed.c
 
 from __future__ import annotations
 
+import errno
 from typing import Mapping
 
 
@@ -56,6 +57,15 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     def __str__(self) -> str:  # OSError.__str__ would format errno/strerror
         return str(self.args[0]) if self.args else ""
+
+    @classmethod
+    def from_os_error(cls, e: OSError, what: str) -> CheckpointWriteError:
+        """``"<what>: <cause in words>"`` (disk full, I/O error, permission denied, ...) with ``e``'s errno;
+        raise it ``from e`` so that the ``OSError`` stays the cause."""
+        reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "quota exceeded", errno.EIO: "I/O error",
+                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                  errno.EROFS: "read-only filesystem"}.get(e.errno or -1, e.strerror or str(e))
+        return cls(f"{what}: {reason}", errno_=e.errno)
 
 
 class UnsupportedStateError(CheckpointError, TypeError):

@@ -10,8 +10,9 @@ temp name, fsync, rename, directory fsync, manifest last), ``writer`` (one rank'
 
 from tiered_ckpt.local.catalogue import (MAX_MANIFEST_BYTES, all_step_dirs, committed_steps, latest_step,
                                          pick_step, read_manifest, resolve_root, step_path, symlinked_step_entries)
+from tiered_ckpt.fs import new_save_id, utc_now
 from tiered_ckpt.local.commit import (LocalStepCommit, as_write_error, durable_write_bytes, fsync_dir,
-                                      is_committed, new_save_id, unlink_durable, utc_now)
+                                      is_committed, unlink_durable)
 from tiered_ckpt.local.load import VerifiedShard, load_shard, load_sharded, read_shard_verified
 from tiered_ckpt.local.reshard import ReshardResult, even_split, reshard, reshard_states
 from tiered_ckpt.local.save import commit_step, save_sharded

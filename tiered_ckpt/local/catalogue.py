@@ -15,7 +15,8 @@ from pathlib import Path
 from tiered_ckpt.errors import ManifestError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
-from tiered_ckpt.local.commit import is_committed, is_real_dir
+from tiered_ckpt.fs import is_real_dir
+from tiered_ckpt.local.commit import is_committed
 
 #: Largest manifest we read (bytes).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024

@@ -29,19 +29,16 @@ Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; wh
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import stat
 import threading
-import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping
 
 from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
-from tiered_ckpt.fs import owner_alive, owner_token, temp_name_for, unlink_quietly, write_all
+from tiered_ckpt.fs import (is_real_dir, new_save_id, owner_alive, owner_token, temp_name_for, unlink_quietly, utc_now,
+                            write_all)
 from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -125,33 +122,11 @@ def unlink_durable(path: str | os.PathLike[str]) -> bool:
 
 
 def as_write_error(e: OSError, what: str) -> CheckpointWriteError:
-    """A :class:`CheckpointWriteError` naming the cause in words (disk full, I/O error, ...); raise it
-    ``from e`` so that the ``OSError`` stays the cause."""
-    reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "quota exceeded", errno.EIO: "I/O error",
-              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-              errno.EROFS: "read-only filesystem"}.get(e.errno or -1, e.strerror or str(e))
-    return CheckpointWriteError(f"{what}: {reason}", errno_=e.errno)
+    """:meth:`CheckpointWriteError.from_os_error`: ``"<what>: disk full"`` etc.; raise it ``from e``."""
+    return CheckpointWriteError.from_os_error(e, what)
 
 
 # ------------------------------------------------------------------------------------------ step directory
-
-
-def new_save_id() -> str:
-    """A fresh random save id (32 hex chars)."""
-    return uuid.uuid4().hex
-
-
-def utc_now() -> str:
-    """Now in UTC, ISO-8601 with microseconds and a ``Z`` (the manifest's ``created_at``)."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def is_real_dir(p: Path) -> bool:
-    """``p`` is a directory and not a symlink to one."""
-    try:
-        return stat.S_ISDIR(os.lstat(p).st_mode)
-    except OSError:
-        return False
 
 
 def is_committed(step_dir: Path) -> bool:
@@ -369,7 +344,7 @@ class LocalStepCommit:
         except FileExistsError:
             raise CheckpointExistsError(f"step {self.step} was committed by another writer meanwhile") from None
         except OSError as e:
-            raise as_write_error(e, f"step {self.step}: writing {MANIFEST_NAME} failed") from e
+            raise CheckpointWriteError.from_os_error(e, f"step {self.step}: writing {MANIFEST_NAME} failed") from e
         self.committed = True
 
     def release_lock(self) -> None:
@@ -411,5 +386,5 @@ def write_marker(path: Path, data: Mapping[str, object] | bytes) -> None:
 
 
 __all__ = ["LocalStepCommit", "as_write_error", "claim_save_lock", "durable_write", "durable_write_bytes",
-           "ensure_step_dir", "fsync_dir", "fsync_file", "is_committed", "is_real_dir", "lock_holder",
-           "new_save_id", "release_save_lock", "unlink_durable", "utc_now", "write_marker"]
+           "ensure_step_dir", "fsync_dir", "fsync_file", "is_committed", "lock_holder", "release_save_lock",
+           "unlink_durable", "write_marker"]

@@ -25,10 +25,10 @@ from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, Concurre
                                 ShardCorruptedError)
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.fs import unlink_quietly
+from tiered_ckpt.fs import is_real_dir, new_save_id, unlink_quietly, utc_now
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local.catalogue import resolve_root
-from tiered_ckpt.local.commit import LocalStepCommit, as_write_error, is_real_dir, new_save_id, utc_now
+from tiered_ckpt.local.commit import LocalStepCommit, as_write_error
 from tiered_ckpt.local.writer import write_shard
 
 log = logging.getLogger(__name__)
