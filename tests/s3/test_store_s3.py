@@ -42,22 +42,22 @@ from s3_infra import (
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
 from tiered_ckpt.store import (
+    NoSuchUploadError,
     ObjectStore,
     PreconditionFailedError,
     RemoteNotFoundError,
+    S3Store,
+    TransferSettings,
+    UploadedPart,
+    WriteSettings,
     checksums_match,
     composite_sha256_b64,
     parse_s3_url,
     plan_part_sizes,
+    probe_checksum_validation,
     sha256_b64,
 )
-from tiered_ckpt.store.s3 import (
-    PROBE_KEY_PREFIX,
-    S3Store,
-    TransferSettings,
-    WriteSettings,
-    probe_checksum_validation,
-)
+from tiered_ckpt.store.probe import PROBE_KEY_PREFIX
 
 MiB = 1024 * 1024
 SMALL_PARTS = TransferSettings(
@@ -259,6 +259,35 @@ def test_local_io_errors_stay_os_errors(store: S3Store, tmp_path: Path) -> None:
     assert not isinstance(info.value, UploadError)
 
 
+def test_download_writes_dest_path_itself_and_never_renames(
+    store: S3Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The contract restore relies on: the object lands in the temp name the caller chose (an existing
+    file there is truncated), nothing else appears in the directory, and the store neither fsyncs nor
+    renames (the caller commits through tiered_ckpt.local.commit)."""
+    store.put_bytes("d.bin", b"new bytes")
+    for name in ("fsync", "replace", "rename"):
+        monkeypatch.setattr(os, name, lambda *a, _n=name, **k: pytest.fail(f"download_file called os.{_n}"))
+    dest = tmp_path / ".d.bin.tmp"
+    dest.write_bytes(b"old and longer content")
+    assert store.download_file("d.bin", dest) == len(b"new bytes")
+    assert dest.read_bytes() == b"new bytes"
+    assert [p.name for p in tmp_path.iterdir()] == [dest.name]
+
+
+def test_failed_download_removes_dest_path(s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path) -> None:
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1,
+                    retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.02))
+    st.put_bytes("d.bin", os.urandom(1000))
+    fault_proxy.fail_all(status=500, code="InternalError")
+    dest = tmp_path / ".d.bin.tmp"
+    dest.write_bytes(b"stale")  # the caller's temp name, truncated by the attempt, then removed
+    with pytest.raises(UploadError):
+        st.download_file("d.bin", dest)
+    assert list(tmp_path.iterdir()) == []
+    st.close()
+
+
 def test_bad_keys_are_rejected(store: S3Store) -> None:
     for bad in ["", "/abs", "a//b", "../x", "a/./b"]:
         with pytest.raises(ValueError):
@@ -386,6 +415,62 @@ def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location)
     assert store.abort_multipart_upload(uploads[0].key, upload_id) is True
     assert store.abort_multipart_upload(uploads[0].key, upload_id) is False  # already gone
     assert list(store.list_multipart_uploads()) == []
+
+
+def test_multipart_operations_of_the_interface(store: S3Store) -> None:
+    """create -> upload_part (CRC32C each, out of order) -> complete, as remote/transfer.py drives them;
+    HEAD reports the composite ChecksumCRC32C; read_sha256 streams the object back."""
+    from tiered_ckpt.store.checksums import composite_crc32c_b64, crc32c_b64
+
+    key = "step_0000000005/rank_00000.safetensors"
+    data = [os.urandom(5 * MiB), os.urandom(4321)]
+    assert store.plan_parts(len(data[0]) + len(data[1])) == [5 * MiB, 4321]
+    assert store.plan_parts(5 * MiB - 1) is None
+    upload_id = store.create_multipart_upload(key, checksum_algorithm="CRC32C")
+    assert [(u.key, u.upload_id) for u in store.list_multipart_uploads()] == [(key, upload_id)]
+    parts = [store.upload_part(key, upload_id, n, d, checksum_algorithm="CRC32C", checksum_b64=crc32c_b64(d))
+             for n, d in reversed(list(enumerate(data, start=1)))][::-1]
+    assert [p.part_number for p in parts] == [1, 2] and all(isinstance(p, UploadedPart) for p in parts)
+    store.complete_multipart_upload(key, upload_id, parts)
+    info = store.head(key)
+    assert info is not None and info.size_bytes == len(data[0]) + len(data[1])
+    composite = composite_crc32c_b64([base64.b64decode(crc32c_b64(d)) for d in data])
+    assert checksums_match(info.reported_checksum("CRC32C") or "", composite)
+    assert store.read_sha256(key) == (info.size_bytes, hashlib.sha256(b"".join(data)).hexdigest())
+    assert list(store.list_multipart_uploads()) == []
+    with pytest.raises(ValueError):
+        store.create_multipart_upload(key, checksum_algorithm="MD5")
+    with pytest.raises(RemoteNotFoundError):
+        store.read_sha256("step_0000000005/missing")
+
+
+def test_no_such_upload_is_typed_and_not_retried(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+    """An upload aborted under us: S3 answers UploadPart / CompleteMultipartUpload with 404 NoSuchUpload
+    (injected here: moto 5.2.1 answers those calls on an aborted upload with a 500)."""
+    from tiered_ckpt.store.checksums import crc32c_b64
+
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
+    key = "step_0000000006/rank_00000.safetensors"
+    upload_id = st.create_multipart_upload(key, checksum_algorithm="CRC32C")
+    part_rule = fault_proxy.fail_first(None, is_upload_part, status=404, code="NoSuchUpload")
+    with pytest.raises(NoSuchUploadError):
+        st.upload_part(key, upload_id, 1, b"x", checksum_algorithm="CRC32C", checksum_b64=crc32c_b64(b"x"))
+    assert part_rule.applied == 1  # not retried
+    complete_rule = fault_proxy.fail_first(None, is_complete_multipart, status=404, code="NoSuchUpload")
+    with pytest.raises(NoSuchUploadError):
+        st.complete_multipart_upload(key, upload_id, [UploadedPart(1, '"etag"', "CRC32C", crc32c_b64(b"x"))])
+    assert complete_rule.applied == 1
+    fault_proxy.clear_rules()
+    assert st.abort_multipart_upload(key, upload_id) is True
+    st.close()
+
+
+def test_read_sha256_stops_on_the_stop_event(store: S3Store) -> None:
+    store.put_bytes("r.bin", os.urandom(1000))
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(OperationInterruptedError):
+        store.read_sha256("r.bin", stop_event=stop)
 
 
 # ------------------------------------------------------------------------------------- faults: retries

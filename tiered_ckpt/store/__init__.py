@@ -1,8 +1,19 @@
-"""Object storage behind a small interface (STYLE item 5).
+"""Object storage behind a small interface (STYLE item 5): the face of ``store/``.
 
-``base`` (the :class:`ObjectStore` protocol, value types, errors, ``parse_s3_url``) and ``checksums``
-(S3-style SHA-256 computed locally) are pure; ``s3`` is the only module that imports boto3 / botocore /
-s3transfer, and is imported lazily here so that importing the interface does not load boto3.
+Everything above ``store/`` speaks :class:`ObjectStore` (``base.py``: the protocol with its numbered
+lifecycle, value types, errors, ``parse_s3_url``) and never a boto3 client. Modules:
+
+* pure (no boto3 / botocore / s3transfer import): ``base`` (interface), ``checksums`` (S3-style SHA-256
+  and CRC32C computed locally), ``settings`` (:class:`TransferSettings`, :class:`WriteSettings`);
+* the S3 implementation: ``s3`` (:class:`S3Store`: key mapping and the store's retries around every
+  call), with its single attempts in ``objects`` (head / put / get / list / delete / read-back) and
+  ``multipart`` (create / part / complete / abort / list), which classify botocore errors by their
+  structured response and import no boto module, and ``probe`` (does the server validate checksums);
+* the only modules importing boto's libraries: ``client`` (boto3 and botocore: :func:`make_s3_client`)
+  and ``files`` (s3transfer: whole-file uploads and downloads).
+
+The boto-backed names (:class:`S3Store`, :func:`make_s3_client`, :func:`probe_checksum_validation`) are
+loaded lazily here, so that importing the interface does not load boto3.
 """
 
 from __future__ import annotations
@@ -10,12 +21,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.store.base import (
+    CHECKSUM_ALGORITHMS,
     MultipartUploadInfo,
+    NoSuchUploadError,
     ObjectInfo,
     ObjectStore,
     PreconditionFailedError,
     ProgressCallback,
     RemoteNotFoundError,
+    UploadedPart,
     format_s3_url,
     parse_s3_url,
     validate_key,
@@ -28,32 +42,34 @@ from tiered_ckpt.store.checksums import (
     plan_part_sizes,
     sha256_b64,
 )
+from tiered_ckpt.store.settings import TransferSettings, WriteSettings
 
 if TYPE_CHECKING:
-    from tiered_ckpt.store.s3 import (
-        S3Store,
-        TransferSettings,
-        WriteSettings,
-        make_s3_client,
-        probe_checksum_validation,
-    )
+    from tiered_ckpt.store.client import make_s3_client
+    from tiered_ckpt.store.probe import probe_checksum_validation
+    from tiered_ckpt.store.s3 import S3Store
 
-_S3_NAMES = frozenset(
-    {"S3Store", "TransferSettings", "WriteSettings", "make_s3_client", "probe_checksum_validation"}
-)
+_LAZY = {
+    "S3Store": "tiered_ckpt.store.s3",
+    "make_s3_client": "tiered_ckpt.store.client",
+    "probe_checksum_validation": "tiered_ckpt.store.probe",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _S3_NAMES:
-        from tiered_ckpt.store import s3
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
 
-        return getattr(s3, name)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
+    "CHECKSUM_ALGORITHMS",
     "FileDigests",
     "MultipartUploadInfo",
+    "NoSuchUploadError",
     "ObjectInfo",
     "ObjectStore",
     "PreconditionFailedError",
@@ -61,6 +77,7 @@ __all__ = [
     "RemoteNotFoundError",
     "S3Store",
     "TransferSettings",
+    "UploadedPart",
     "WriteSettings",
     "checksums_match",
     "composite_sha256_b64",

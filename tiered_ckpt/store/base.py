@@ -5,21 +5,41 @@ maps them to ``<prefix>/<key>`` in its bucket. Implementations: :class:`tiered_c
 
 Lifecycle of one store (who calls what):
 
-1. The driver (sidecar daemon, ``restore``, the CLI) builds ONE client and ONE store per remote URL and
-   shares it between threads; every method is thread-safe.
-2. The uploader calls :meth:`ObjectStore.server_validates_checksums` once, then per shard
-   :meth:`~ObjectStore.file_digests` (compare ``sha256_hex`` with the local manifest) and
-   :meth:`~ObjectStore.upload_file` with the digests' ``checksum_sha256_b64``; small JSON objects go
-   through :meth:`~ObjectStore.put_bytes` (``if_none_match`` / ``if_match`` for the commit mark and the
-   ``latest`` pointer).
+1. The driver (sidecar daemon / ``Uploader``, ``restore``, the CLI) builds ONE client and ONE store per
+   remote URL and shares it between threads; every method is thread-safe.
+2. The uploader's step thread calls :meth:`ObjectStore.server_validates_checksums` once (cached per
+   bucket), then per shard, on a shard thread (``tiered_ckpt.remote.transfer``):
+
+   a. below :meth:`~ObjectStore.plan_parts`' threshold (``None``): one :meth:`~ObjectStore.put_bytes`
+      with the body's ``checksum_sha256_b64``;
+   b. otherwise a multipart upload: the shard thread calls
+      :meth:`~ObjectStore.create_multipart_upload` (returns the upload id), part worker threads call
+      :meth:`~ObjectStore.upload_part` once per part (each with its own checksum; returns an
+      :class:`UploadedPart`), then the shard thread calls :meth:`~ObjectStore.complete_multipart_upload`
+      with every part in order, or :meth:`~ObjectStore.abort_multipart_upload` on any failure in between
+      (a crash leaves the upload for step 5);
+   c. confirmation: :meth:`~ObjectStore.head` (size, and the checksum the server reports for the
+      algorithm sent), or :meth:`~ObjectStore.read_sha256` (stream the object back and hash it) where the
+      server does not validate checksums.
+
+   Small JSON objects (confirmations, the upload manifest, the ``latest`` pointer) go through
+   :meth:`~ObjectStore.put_bytes` (``if_none_match`` for the commit mark, ``if_match`` for ``latest``).
+   :meth:`~ObjectStore.upload_file` / :meth:`~ObjectStore.file_digests` upload a whole file through the
+   store's own transfer machinery (tools and tests; the uploader hashes as it sends instead).
 3. Restore reads the pointer with :meth:`~ObjectStore.get_bytes`, confirms objects with
-   :meth:`~ObjectStore.head`, fetches shards with :meth:`~ObjectStore.download_file`.
-4. Cleanup (retention, a restarted sidecar) uses :meth:`~ObjectStore.list_keys`,
+   :meth:`~ObjectStore.head`, and on its download threads fetches each shard with
+   :meth:`~ObjectStore.download_file` into a temp name it chose; restore (the local commit protocol)
+   fsyncs and renames the file, never the store.
+4. Cleanup (retention, the upload of one shard before it starts) uses :meth:`~ObjectStore.list_keys`,
    :meth:`~ObjectStore.delete`, :meth:`~ObjectStore.list_multipart_uploads` and
    :meth:`~ObjectStore.abort_multipart_upload`.
-5. The driver calls :meth:`~ObjectStore.close` at shutdown.
+5. A restarted sidecar lists multipart uploads older than its cutoff
+   (:meth:`~ObjectStore.list_multipart_uploads`) and aborts them.
+6. The driver calls :meth:`~ObjectStore.close` at shutdown.
 
-Every failure that outlasts the store's retries is an :class:`~tiered_ckpt.errors.UploadError`.
+Every failure that outlasts the store's retries is an :class:`~tiered_ckpt.errors.UploadError`; the typed
+ones below (:class:`PreconditionFailedError`, :class:`RemoteNotFoundError`, :class:`NoSuchUploadError`)
+are never retried by the store. Local I/O errors stay ``OSError``.
 """
 
 from __future__ import annotations
@@ -27,8 +47,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit
 
 from tiered_ckpt.errors import UploadError
@@ -55,6 +76,23 @@ class RemoteNotFoundError(UploadError, FileNotFoundError):
         return str(self.args[0]) if self.args else ""
 
 
+class NoSuchUploadError(UploadError):
+    """The multipart upload no longer exists (S3 404 ``NoSuchUpload``): aborted by a cleanup, or completed
+    by an earlier attempt of the same ``CompleteMultipartUpload`` whose response was lost. Never retried by
+    the store; the caller decides (HEAD the object, or upload again from scratch)."""
+
+
+#: S3 additional-checksum algorithms (``x-amz-checksum-<alg>``; response field ``Checksum<ALG>``).
+CHECKSUM_ALGORITHMS = frozenset({"CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256"})
+
+
+def check_checksum_algorithm(algorithm: str) -> str:
+    """Return ``algorithm`` if it is one of :data:`CHECKSUM_ALGORITHMS`; raise ``ValueError`` otherwise."""
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise ValueError(f"checksum algorithm must be one of {sorted(CHECKSUM_ALGORITHMS)}, got {algorithm!r}")
+    return algorithm
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """What the server says about one object (S3 ``HeadObject`` / ``PutObject`` responses).
@@ -63,6 +101,8 @@ class ObjectInfo:
     ``checksum_sha256`` is the base64 ``ChecksumSHA256`` exactly as the server reports it, including the
     ``-N`` composite form of multipart uploads, or ``None`` when the server reports none.
     ``last_modified`` is ``None`` when the response does not carry it (``PutObject``).
+    ``checksum_crc32c`` likewise (``ChecksumCRC32C``, composite ``-N`` form for multipart uploads sent
+    with CRC32C part checksums), ``None`` when not reported.
     """
 
     key: str
@@ -70,6 +110,15 @@ class ObjectInfo:
     etag: str
     checksum_sha256: str | None
     last_modified: _dt.datetime | None
+    checksum_crc32c: str | None = None
+
+    def reported_checksum(self, algorithm: str) -> str | None:
+        """The checksum the server reported for ``algorithm`` (``"SHA256"`` or ``"CRC32C"``), or ``None``."""
+        if algorithm == "SHA256":
+            return self.checksum_sha256
+        if algorithm == "CRC32C":
+            return self.checksum_crc32c
+        return None
 
 
 @dataclass(frozen=True)
@@ -81,14 +130,31 @@ class MultipartUploadInfo:
     initiated: _dt.datetime | None
 
 
+@dataclass(frozen=True)
+class UploadedPart:
+    """One part of a multipart upload as the server accepted it (S3 ``UploadPart`` response), as
+    :meth:`ObjectStore.complete_multipart_upload` must list it: ``part_number`` (1-based), the ``etag``
+    the server returned (opaque), and the additional checksum sent with the part (``checksum_algorithm``
+    from :data:`CHECKSUM_ALGORITHMS`, ``checksum_b64`` its base64 value)."""
+
+    part_number: int
+    etag: str
+    checksum_algorithm: str
+    checksum_b64: str
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
-    """A bucket prefix holding objects. All methods are thread-safe; keys are relative to the prefix."""
+    """A bucket prefix holding objects (lifecycle: module docstring). All methods are thread-safe; keys
+    are relative to the prefix. Every method is retried by the store itself (see ``tiered_ckpt.retry``);
+    what outlasts the retries is an :class:`~tiered_ckpt.errors.UploadError`."""
 
     @property
     def url(self) -> str:
         """``s3://bucket/prefix`` (no credentials), for logs and messages."""
         ...
+
+    # ------------------------------------------------------------------------------ small objects
 
     def put_bytes(
         self,
@@ -101,6 +167,22 @@ class ObjectStore(Protocol):
     ) -> ObjectInfo:
         """Write a small object in one request; raises ``PreconditionFailedError`` on a lost condition."""
         ...
+
+    def get_bytes(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        """The object's bytes, or ``[start, stop)`` of them; raises ``RemoteNotFoundError``."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's metadata with the checksums the server reports, or ``None`` if it does not exist."""
+        ...
+
+    def read_sha256(self, key: str, *, stop_event: threading.Event | None = None) -> tuple[int, str]:
+        """Stream the object once (bounded memory): ``(size_bytes, sha256_hex)`` of the bytes received.
+        A retried attempt restarts the hash. Raises ``RemoteNotFoundError``; ``OperationInterruptedError``
+        between chunks once ``stop_event`` (or the store's own stop event) is set."""
+        ...
+
+    # ------------------------------------------------------------------------------ whole files
 
     def upload_file(
         self,
@@ -123,26 +205,46 @@ class ObjectStore(Protocol):
         """Whether the server rejects bytes that do not match the checksum sent (learnt once per bucket)."""
         ...
 
-    def get_bytes(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        """The object's bytes, or ``[start, stop)`` of them; raises ``RemoteNotFoundError``."""
-        ...
-
     def download_file(
         self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
     ) -> int:
-        """Download to a temp name next to ``dest_path`` then rename; returns the size in bytes."""
+        """Write the object into ``dest_path`` (a temp name the caller chose: created or truncated per
+        attempt, removed again on failure); returns its size in bytes. No fsync, no rename: the caller
+        commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here."""
         ...
 
-    def head(self, key: str) -> ObjectInfo | None:
-        """The object's metadata, or ``None`` if it does not exist."""
+    # ------------------------------------------------------------------------------ multipart uploads
+
+    def plan_parts(self, size_bytes: int) -> list[int] | None:
+        """Part sizes (bytes, in order) of a multipart upload of ``size_bytes`` with this store's transfer
+        settings, or ``None`` when the object goes as one PUT (below the multipart threshold)."""
         ...
 
-    def list_keys(self, prefix: str = "") -> Iterator[str]:
-        """Keys (relative to the store prefix) starting with ``prefix``, in S3's (lexical) order."""
+    def create_multipart_upload(self, key: str, *, checksum_algorithm: str) -> str:
+        """Start a multipart upload whose parts carry ``checksum_algorithm`` checksums (S3
+        ``CreateMultipartUpload``, the store's write settings applied); returns the upload id. Every
+        started upload must end in :meth:`complete_multipart_upload` or :meth:`abort_multipart_upload`."""
         ...
 
-    def delete(self, keys: Iterable[str]) -> None:
-        """Delete objects (missing ones are fine)."""
+    def upload_part(
+        self,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        data: bytes,
+        *,
+        checksum_algorithm: str,
+        checksum_b64: str,
+    ) -> UploadedPart:
+        """Send part ``part_number`` (1-based) with its additional checksum (a validating server rejects
+        damaged bytes); thread-safe, parts may be sent concurrently and in any order. Raises
+        :class:`NoSuchUploadError` when the upload is gone."""
+        ...
+
+    def complete_multipart_upload(self, key: str, upload_id: str, parts: Sequence[UploadedPart]) -> None:
+        """Assemble the object from ``parts`` (every part, ascending ``part_number``). Raises
+        :class:`NoSuchUploadError` when the upload is gone (also when an earlier attempt of this call
+        succeeded but its response was lost: HEAD the object to tell)."""
         ...
 
     def list_multipart_uploads(self, prefix: str = "") -> Iterator[MultipartUploadInfo]:
@@ -151,6 +253,16 @@ class ObjectStore(Protocol):
 
     def abort_multipart_upload(self, key: str, upload_id: str) -> bool:
         """Abort one multipart upload; ``False`` if it was already gone."""
+        ...
+
+    # ------------------------------------------------------------------------------ listing, cleanup
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        """Keys (relative to the store prefix) starting with ``prefix``, in S3's (lexical) order."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects (missing ones are fine)."""
         ...
 
     def close(self) -> None:
@@ -217,12 +329,16 @@ def format_s3_url(bucket: str, prefix: str) -> str:
 
 
 __all__ = [
+    "CHECKSUM_ALGORITHMS",
     "MultipartUploadInfo",
+    "NoSuchUploadError",
     "ObjectInfo",
     "ObjectStore",
     "PreconditionFailedError",
     "ProgressCallback",
     "RemoteNotFoundError",
+    "UploadedPart",
+    "check_checksum_algorithm",
     "format_s3_url",
     "parse_s3_url",
     "validate_key",

@@ -1,0 +1,94 @@
+"""The boto3 / botocore side of the S3 store: building the ONE client a remote is reached through.
+
+With :mod:`tiered_ckpt.store.files` (s3transfer) this is where the store touches boto3's libraries at
+import time; everything else in ``store/`` classifies botocore errors through
+:func:`tiered_ckpt.retry.s3_error_code_and_status` (structured ``response``, never the message text).
+
+Timeouts: ``connect_timeout_s`` / ``read_timeout_s`` are per HTTP request (botocore ``Config``); see
+``tiered_ckpt.retry`` for how they stack with botocore's and our retries (there is no overall deadline).
+
+Source: botocore ``config.py`` (``Config``: ``retries``, ``s3``, ``max_pool_connections``,
+``connect_timeout``, ``read_timeout``, ``request_checksum_calculation``, ``response_checksum_validation``),
+boto3 ``session.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import boto3
+import botocore.client
+from botocore.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+def make_s3_client(
+    *,
+    endpoint_url: str | None = None,
+    region_name: str | None = None,
+    profile_name: str | None = None,
+    path_style: bool = False,
+    max_pool_connections: int = 32,
+    botocore_max_attempts: int = 5,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float = 60.0,
+    request_checksum_calculation: str = "when_required",
+    response_checksum_validation: str = "when_required",
+    sign_payload: bool | None = False,
+) -> botocore.client.BaseClient:
+    """Create ONE S3 client; share it (botocore clients are thread-safe).
+
+    Credentials, region and endpoint follow boto3's chain (arguments first, then ``AWS_*`` environment
+    variables including ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, then ``AWS_PROFILE`` / config
+    files, then instance metadata). ``botocore_max_attempts`` is botocore's per-HTTP-call attempt count in
+    "standard" retry mode, the first try included (1 = botocore never retries; passed as botocore's
+    ``total_max_attempts``); see ``tiered_ckpt.retry`` for how it stacks with ours. ``path_style=True`` is
+    for MinIO and other servers without virtual-host buckets. ``max_pool_connections`` must cover the
+    store's transfer concurrency (uploads + downloads).
+
+    Checksums: ``request_checksum_calculation="when_required"`` keeps botocore from adding CRC32s the
+    store did not ask for (and from switching to aws-chunked trailers that some S3-compatible servers
+    reject); the store asks for SHA-256 explicitly. ``response_checksum_validation="when_required"``
+    because callers verify SHA-256 themselves and moto reports multipart composite checksums without the
+    ``-N`` suffix, which botocore would then misvalidate as a full-object checksum.
+
+    ``sign_payload=False`` (S3's ``payload_signing_enabled``): requests are signed with
+    ``X-Amz-Content-SHA256: UNSIGNED-PAYLOAD`` instead of a SHA-256 of the body. Over HTTPS botocore already
+    does that for bodies that carry a checksum; over plain HTTP (MinIO in compose, moto) it would otherwise
+    SHA-256 every part once more on the client, a third pass over every byte after the whole-file SHA-256
+    and the part checksum. Integrity does not depend on it: every body the store and the uploader send
+    carries an additional checksum (``ChecksumSHA256``/``ChecksumCRC32C``; DeleteObjects its required
+    checksum), which a validating server checks, and a CompleteMultipartUpload list damaged in transit
+    either names parts the server rejects or yields an object whose composite checksum differs from the
+    one computed locally. ``None`` keeps botocore's default (sign over HTTP), ``True`` always signs.
+    Raises ``ValueError`` on invalid settings (botocore's own validation).
+    """
+    if max_pool_connections < 1 or botocore_max_attempts < 1:
+        raise ValueError("max_pool_connections and botocore_max_attempts must be >= 1")
+    session = boto3.session.Session(profile_name=profile_name, region_name=region_name)
+    config = Config(
+        # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries only.
+        retries={"mode": "standard", "total_max_attempts": botocore_max_attempts},
+        s3={"addressing_style": "path" if path_style else "auto",
+            **({} if sign_payload is None else {"payload_signing_enabled": sign_payload})},
+        max_pool_connections=max_pool_connections,
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        request_checksum_calculation=request_checksum_calculation,
+        response_checksum_validation=response_checksum_validation,
+        user_agent_extra="tiered-ckpt",
+    )
+    client = session.client("s3", endpoint_url=endpoint_url, config=config)
+    logger.debug(
+        "created S3 client: endpoint=%s region=%s path_style=%s pool=%d botocore_max_attempts=%d",
+        client.meta.endpoint_url,
+        client.meta.region_name,
+        path_style,
+        max_pool_connections,
+        botocore_max_attempts,
+    )
+    return client
+
+
+__all__ = ["make_s3_client"]

@@ -1,0 +1,209 @@
+"""Whole-file transfers of :class:`~tiered_ckpt.store.s3.S3Store` through s3transfer: one attempt of an
+upload or a download each (the store retries whole attempts). The only store module importing
+s3transfer.
+
+s3transfer's ``TransferManager`` does the multipart upload (concurrent parts, abort on failure) and the
+ranged GETs of a download; :class:`FileTransfers` keeps one manager per direction per store, so
+concurrency is bounded per store, and cancels a transfer in flight when the store's stop event is set.
+
+Downloads write into the path the caller names (a temp name it chose) and remove it again on failure;
+they never fsync or rename: the caller commits the file (``tiered_ckpt.local.commit``).
+
+Source: s3transfer ``manager.py`` (``TransferConfig``: ``multipart_threshold``, ``multipart_chunksize``,
+``max_request_concurrency``), ``upload.py``, ``download.py``, ``subscribers.py``, ``futures.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+from s3transfer.exceptions import CancelledError as TransferCancelledError
+from s3transfer.futures import TransferFuture
+from s3transfer.manager import TransferConfig, TransferManager
+from s3transfer.subscribers import BaseSubscriber
+
+from tiered_ckpt.errors import ShardCorruptedError, UploadError
+from tiered_ckpt.retry import OperationInterruptedError
+from tiered_ckpt.store.base import ObjectInfo, ProgressCallback, RemoteNotFoundError
+from tiered_ckpt.store.checksums import checksums_match
+from tiered_ckpt.store.objects import head_object, is_not_found
+from tiered_ckpt.store.settings import TransferSettings
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+logger = logging.getLogger(__name__)
+
+_WAIT_POLL_S = 0.05
+
+
+class AttemptProgress(BaseSubscriber):
+    """Forwards s3transfer progress to ``on_progress`` and can take back one attempt's bytes."""
+
+    def __init__(self, on_progress: ProgressCallback | None) -> None:
+        self._on_progress = on_progress
+        self._lock = threading.Lock()
+        self._sent = 0
+
+    def on_progress(self, future: TransferFuture, bytes_transferred: int, **kwargs: Any) -> None:
+        with self._lock:
+            self._sent += bytes_transferred
+        if self._on_progress is not None:
+            self._on_progress(bytes_transferred)
+
+    def rollback(self) -> None:
+        """Report the bytes of this attempt as a negative delta (before a retry or on failure)."""
+        with self._lock:
+            sent, self._sent = self._sent, 0
+        if sent and self._on_progress is not None:
+            self._on_progress(-sent)
+
+
+class FileTransfers:
+    """The two s3transfer managers of one store (created on first use) and the wait that honours the
+    store's stop event. Thread-safe; :meth:`shutdown` waits for running transfers."""
+
+    def __init__(self, client: BaseClient, settings: TransferSettings, stop_event: threading.Event | None) -> None:
+        self._client = client
+        self._settings = settings
+        self._stop_event = stop_event
+        self._lock = threading.Lock()
+        self._managers: tuple[TransferManager, TransferManager] | None = None
+        self._closed = False
+
+    @property
+    def client(self) -> BaseClient:
+        """The botocore S3 client the managers use."""
+        return self._client
+
+    def managers(self, what: str) -> tuple[TransferManager, TransferManager]:
+        """``(upload manager, download manager)``; raises ``UploadError`` after :meth:`shutdown`."""
+        with self._lock:
+            if self._closed:
+                raise UploadError(f"{what}: store is closed")
+            if self._managers is None:
+                t = self._settings
+                up = TransferManager(self._client, TransferConfig(
+                    multipart_threshold=t.multipart_threshold_bytes,
+                    multipart_chunksize=t.part_size_bytes,
+                    max_request_concurrency=t.max_concurrency,
+                ))
+                down = TransferManager(self._client, TransferConfig(
+                    multipart_threshold=t.download_part_size_bytes,
+                    multipart_chunksize=t.download_part_size_bytes,
+                    max_request_concurrency=t.download_max_concurrency,
+                ))
+                self._managers = (up, down)
+            return self._managers
+
+    def wait(self, future: TransferFuture, op_name: str) -> Any:
+        """``future.result()``, cancelling the transfer if the stop event fires meanwhile (then
+        :class:`OperationInterruptedError`)."""
+        if self._stop_event is None:
+            return future.result()
+        while not future.done():
+            if self._stop_event.wait(_WAIT_POLL_S):
+                future.cancel()
+                try:
+                    future.result()
+                except TransferCancelledError as exc:
+                    raise OperationInterruptedError(f"{op_name}: cancelled by stop event", last_exception=exc) from exc
+                except Exception as exc:  # the transfer failed on its own before the cancel took
+                    raise OperationInterruptedError(f"{op_name}: stopped after {exc!r}", last_exception=exc) from exc
+                break
+        return future.result()
+
+    def shutdown(self) -> None:
+        """Shut the managers down (waiting for running transfers). Idempotent."""
+        with self._lock:
+            self._closed = True
+            managers, self._managers = self._managers, None
+        for manager in managers or ():
+            manager.shutdown()
+
+
+def upload_attempt(
+    transfers: FileTransfers,
+    source: str,
+    *,
+    bucket: str,
+    full_key: str,
+    key: str,
+    what: str,
+    size: int,
+    expected_checksum_b64: str,
+    single_put: bool,
+    write_args: Mapping[str, str],
+    on_progress: ProgressCallback | None,
+) -> ObjectInfo:
+    """One s3transfer upload of ``source`` (``ChecksumAlgorithm=SHA256``; a ``single_put`` carries
+    ``expected_checksum_b64`` itself, multipart parts the SHA-256 botocore computes per part), then HEAD: a
+    missing object, another size or a reported ``ChecksumSHA256`` other than ``expected_checksum_b64``
+    raises :class:`ShardCorruptedError` (retryable). A failed attempt's progress is taken back."""
+    extra_args = {"ChecksumAlgorithm": "SHA256", **write_args}
+    if single_put:
+        extra_args["ChecksumSHA256"] = expected_checksum_b64
+    upload_manager, _ = transfers.managers(what)
+    progress = AttemptProgress(on_progress)
+    try:
+        future = upload_manager.upload(source, bucket, full_key, extra_args=extra_args, subscribers=[progress])
+        transfers.wait(future, f"upload {source} -> {what}")
+        info = head_object(transfers.client, bucket, full_key, key)
+        if info is None:
+            raise ShardCorruptedError(f"{what}: missing right after its upload completed")
+        if info.size_bytes != size:
+            raise ShardCorruptedError(f"{what}: server reports {info.size_bytes} bytes, sent {size}")
+        if info.checksum_sha256 is not None and not checksums_match(info.checksum_sha256, expected_checksum_b64):
+            raise ShardCorruptedError(
+                f"{what}: server reports ChecksumSHA256 {info.checksum_sha256}, expected {expected_checksum_b64}"
+            )
+    except BaseException:
+        progress.rollback()
+        raise
+    logger.debug("uploaded %s (%d bytes, %s, ChecksumSHA256 %s)", what, size,
+                 "single PUT" if single_put else "multipart", info.checksum_sha256)
+    return info
+
+
+def download_attempt(
+    transfers: FileTransfers,
+    dest: str,
+    *,
+    bucket: str,
+    full_key: str,
+    what: str,
+    on_progress: ProgressCallback | None,
+) -> int:
+    """One s3transfer download into ``dest`` (created or truncated); returns its size in bytes. On any
+    failure the attempt's progress is taken back and ``dest`` removed (if this attempt opened it).
+    Raises :class:`RemoteNotFoundError` (404), ``OSError`` (local disk)."""
+    _, download_manager = transfers.managers(what)
+    progress = AttemptProgress(on_progress)
+    opened = False
+    try:
+        with open(dest, "wb") as f:
+            opened = True
+            future = download_manager.download(bucket, full_key, f, subscribers=[progress])
+            try:
+                transfers.wait(future, f"download {what} -> {dest}")
+            except Exception as exc:
+                if is_not_found(exc):
+                    raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
+                raise
+            f.flush()
+            size = os.fstat(f.fileno()).st_size
+    except BaseException:
+        progress.rollback()
+        if opened:
+            try:
+                os.unlink(dest)
+            except FileNotFoundError:
+                pass
+        raise
+    return size
+
+
+__all__ = ["AttemptProgress", "FileTransfers", "download_attempt", "upload_attempt"]

@@ -1,0 +1,231 @@
+"""Single-attempt S3 object calls for :class:`~tiered_ckpt.store.s3.S3Store`: one request each (botocore
+retries inside it), the boto response turned into our value types, S3 error codes into our typed errors.
+The store wraps each call in its retries and maps keys; nothing here retries or knows the prefix.
+
+No boto import: errors are classified with :func:`tiered_ckpt.retry.s3_error_code_and_status`, which reads
+botocore's structured ``ClientError.response`` (never the message text) and answers ``(None, None)`` for
+anything that is not a ``ClientError`` (those propagate unchanged).
+
+Source: S3 API reference (HeadObject with ``ChecksumMode=ENABLED``, PutObject with ``ChecksumSHA256``,
+``If-None-Match: *`` and ``If-Match``, GetObject with ``Range``, ListObjectsV2, DeleteObjects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+from tiered_ckpt.errors import ShardCorruptedError, UploadError
+from tiered_ckpt.retry import OperationInterruptedError, is_retryable_s3_error, s3_error_code_and_status
+from tiered_ckpt.store.base import ObjectInfo, PreconditionFailedError, RemoteNotFoundError
+from tiered_ckpt.store.checksums import checksums_match
+from tiered_ckpt.store.keys import PrefixKeys
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+#: The store's retried call: ``call(op_name, attempt) -> attempt()``'s result (one page per call).
+RetriedCall = Callable[[str, Callable[[], Any]], Any]
+
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
+_TRANSIENT_DELETE_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable"})
+#: Streamed read-back: bytes per chunk of the GetObject body.
+READ_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def is_not_found(exc: BaseException) -> bool:
+    """``exc`` is a botocore ``ClientError`` for a missing object or bucket (404, ``NoSuchKey``, ...)."""
+    code, status = s3_error_code_and_status(exc)
+    return status == 404 or code in _NOT_FOUND_CODES
+
+
+def object_info(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
+    """A HeadObject response as :class:`ObjectInfo` (``key`` relative to the store prefix)."""
+    return ObjectInfo(
+        key=key,
+        size_bytes=int(resp["ContentLength"]),
+        etag=str(resp["ETag"]),
+        checksum_sha256=resp.get("ChecksumSHA256"),
+        last_modified=resp.get("LastModified"),
+        checksum_crc32c=resp.get("ChecksumCRC32C"),
+    )
+
+
+def head_object(client: BaseClient, bucket: str, full_key: str, key: str) -> ObjectInfo | None:
+    """HeadObject (``ChecksumMode=ENABLED``); ``None`` on 404."""
+    try:
+        resp = client.head_object(Bucket=bucket, Key=full_key, ChecksumMode="ENABLED")
+    except Exception as exc:
+        if is_not_found(exc):
+            return None
+        raise
+    return object_info(key, resp)
+
+
+def put_object(
+    client: BaseClient,
+    bucket: str,
+    full_key: str,
+    payload: bytes,
+    checksum_sha256_b64: str,
+    write_args: Mapping[str, str],
+    *,
+    key: str,
+    what: str,
+    if_none_match: bool,
+    if_match: str | None,
+) -> ObjectInfo:
+    """PutObject of ``payload`` with ``ChecksumSHA256=checksum_sha256_b64``, the write settings'
+    ``write_args`` and the condition (``If-None-Match: *`` or ``If-Match: <etag>``). A lost condition (412
+    ``PreconditionFailed``; 404 for ``If-Match`` on a missing key) raises :class:`PreconditionFailedError`;
+    a reported ``ChecksumSHA256`` that differs from the one sent raises
+    :class:`~tiered_ckpt.errors.ShardCorruptedError` (retryable)."""
+    request: dict[str, Any] = {"Bucket": bucket, "Key": full_key, "Body": payload, "ChecksumAlgorithm": "SHA256",
+                               "ChecksumSHA256": checksum_sha256_b64, **write_args}
+    if if_none_match:
+        request["IfNoneMatch"] = "*"
+    if if_match is not None:
+        request["IfMatch"] = if_match
+    conditional = if_none_match or if_match is not None
+    try:
+        resp = client.put_object(**request)
+    except Exception as exc:
+        code, status = s3_error_code_and_status(exc)
+        lost = status == 412 or code == "PreconditionFailed" or (if_match is not None and is_not_found(exc))
+        if conditional and lost:
+            condition = "If-None-Match: *" if if_none_match else f"If-Match: {if_match}"
+            raise PreconditionFailedError(
+                f"conditional put of {what} lost ({condition}): {code}", last_exception=exc
+            ) from exc
+        raise
+    reported = resp.get("ChecksumSHA256")
+    if reported is not None and not checksums_match(reported, checksum_sha256_b64):
+        raise ShardCorruptedError(f"{what}: server reports ChecksumSHA256 {reported}, sent {checksum_sha256_b64}")
+    return ObjectInfo(
+        key=key, size_bytes=len(payload), etag=str(resp["ETag"]), checksum_sha256=reported, last_modified=None
+    )
+
+
+def get_object(client: BaseClient, request: Mapping[str, Any], what: str) -> bytes:
+    """GetObject with the prepared ``request`` (Bucket, Key, optional Range); the whole body in memory.
+    Raises :class:`RemoteNotFoundError` on 404."""
+    try:
+        resp = client.get_object(**request)
+    except Exception as exc:
+        if is_not_found(exc):
+            raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
+        raise
+    body = resp["Body"]
+    try:
+        return bytes(body.read())
+    finally:
+        body.close()
+
+
+def read_sha256(
+    client: BaseClient, bucket: str, full_key: str, what: str, stop_events: tuple[threading.Event, ...]
+) -> tuple[int, str]:
+    """GetObject streamed in :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the body.
+    Raises :class:`RemoteNotFoundError` (404), :class:`OperationInterruptedError` once any of
+    ``stop_events`` is set (checked after each chunk)."""
+    try:
+        resp = client.get_object(Bucket=bucket, Key=full_key)
+    except Exception as exc:
+        if is_not_found(exc):
+            raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
+        raise
+    body = resp["Body"]
+    h = hashlib.sha256()
+    n = 0
+    try:
+        for chunk in body.iter_chunks(READ_CHUNK_BYTES):
+            h.update(chunk)
+            n += len(chunk)
+            if any(e.is_set() for e in stop_events):
+                raise OperationInterruptedError(f"{what}: stopped during read-back")
+    finally:
+        body.close()
+    return n, h.hexdigest()
+
+
+def list_objects_page(
+    client: BaseClient, bucket: str, full_prefix: str, page_size: int, token: str | None
+) -> tuple[list[str], bool, str | None]:
+    """One ListObjectsV2 page: ``(full keys, is_truncated, next continuation token)``."""
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": full_prefix, "MaxKeys": page_size}
+    if token is not None:
+        kwargs["ContinuationToken"] = token
+    resp = client.list_objects_v2(**kwargs)
+    keys = [item["Key"] for item in resp.get("Contents", [])]
+    return keys, bool(resp.get("IsTruncated")), resp.get("NextContinuationToken")
+
+
+def iter_keys(
+    call: RetriedCall, client: BaseClient, bucket: str, keys: PrefixKeys, prefix: str, page_size: int, url: str
+) -> Iterator[str]:
+    """Relative keys under ``prefix``, page after page (a generator; each page one ``call``). Raises ``ValueError`` on
+    a ``page_size`` outside [1, 1000], ``UploadError`` on a truncated page without a token."""
+    if not 1 <= page_size <= 1000:
+        raise ValueError(f"page_size must be in [1, 1000], got {page_size}")
+    full_prefix = keys.full_prefix(prefix)
+    token: str | None = None
+    while True:
+        page, truncated, token = call(
+            f"list {url}/{prefix}", lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t)
+        )
+        for full_key in page:
+            yield keys.relative(full_key)
+        if not truncated:
+            return
+        if not token:
+            raise UploadError(f"list {url}/{prefix}: truncated page without a continuation token")
+
+
+class PartialDeleteError(Exception):
+    """DeleteObjects reported per-key errors; ``retryable`` if all of them are transient (internal to the
+    store: it retries the failed keys or raises an ``UploadError`` naming them)."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def is_retryable_delete_error(exc: BaseException) -> bool:
+    """Retry predicate of a delete batch: transient per-key errors, or any retryable S3 error."""
+    if isinstance(exc, PartialDeleteError):
+        return exc.retryable
+    return is_retryable_s3_error(exc)
+
+
+def delete_batch(client: BaseClient, bucket: str, batch: list[str]) -> None:
+    """DeleteObjects of ``batch`` (full keys, at most 1000). On per-key errors ``batch`` is narrowed IN
+    PLACE to the keys that failed (so a retry sends only those) and :class:`PartialDeleteError` raised."""
+    resp = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+    errors = resp.get("Errors") or []
+    if not errors:
+        batch.clear()
+        return
+    failed = {e.get("Key") for e in errors}
+    batch[:] = [k for k in batch if k in failed]
+    codes = sorted({str(e.get("Code")) for e in errors})
+    retryable = all(str(e.get("Code")) in _TRANSIENT_DELETE_CODES for e in errors)
+    raise PartialDeleteError(
+        f"{len(errors)} key(s) not deleted, codes {codes}, first {sorted(failed)[:3]}", retryable=retryable
+    )
+
+
+__all__ = [
+    "PartialDeleteError",
+    "READ_CHUNK_BYTES",
+    "delete_batch",
+    "get_object",
+    "head_object",
+    "is_not_found",
+    "is_retryable_delete_error",
+    "iter_keys",
+    "list_objects_page",
+    "object_info",
+    "put_object",
+    "read_sha256",
+]

@@ -1,0 +1,107 @@
+"""Configuration of the S3 store, as small frozen dataclasses checked in ``__post_init__`` (STYLE item 8).
+Pure: no boto3 import, so callers can build settings without loading the client.
+
+* :class:`TransferSettings`: part sizes and concurrency of uploads and downloads.
+* :class:`WriteSettings`: server-side encryption and storage class applied to every object written.
+
+Source: S3 API reference (multipart limits: parts of 5 MiB .. 5 GiB, at most 10,000 parts, single PUT up
+to 5 GiB; PutObject / CreateMultipartUpload ``ServerSideEncryption``, ``SSEKMSKeyId``, ``StorageClass``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tiered_ckpt.store.checksums import MAX_PART_SIZE_BYTES, MIN_PART_SIZE_BYTES
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How the store moves files.
+
+    Uploads: a file of ``size >= multipart_threshold_bytes`` goes as a multipart upload in parts of
+    ``part_size_bytes`` (S3: 5 MiB .. 5 GiB, at most 10,000 parts; s3transfer doubles the part size for
+    huge files), ``max_concurrency`` parts in flight per store. Downloads: an object of
+    ``size >= download_part_size_bytes`` is fetched with ranged GETs of that size,
+    ``download_max_concurrency`` in flight. Large ranges suit servers where a ranged GET costs time in
+    proportion to the whole object (moto); S3 and MinIO reach their throughput with parallel ranges.
+    Raises ``ValueError`` on out-of-range values.
+    """
+
+    multipart_threshold_bytes: int = 64 * MiB
+    part_size_bytes: int = 64 * MiB
+    max_concurrency: int = 8
+    download_part_size_bytes: int = 64 * MiB
+    download_max_concurrency: int = 8
+
+    def __post_init__(self) -> None:
+        for name in (
+            "multipart_threshold_bytes",
+            "part_size_bytes",
+            "max_concurrency",
+            "download_part_size_bytes",
+            "download_max_concurrency",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not MIN_PART_SIZE_BYTES <= self.part_size_bytes <= MAX_PART_SIZE_BYTES:
+            raise ValueError(
+                f"part_size_bytes must be in [{MIN_PART_SIZE_BYTES}, {MAX_PART_SIZE_BYTES}] (S3 limits), "
+                f"got {self.part_size_bytes}"
+            )
+        if self.multipart_threshold_bytes > MAX_PART_SIZE_BYTES:
+            raise ValueError(
+                f"multipart_threshold_bytes must be <= {MAX_PART_SIZE_BYTES} (S3's single PUT limit), "
+                f"got {self.multipart_threshold_bytes}"
+            )
+        if self.download_part_size_bytes < MiB:
+            raise ValueError(f"download_part_size_bytes must be >= 1 MiB, got {self.download_part_size_bytes}")
+
+
+_SSE_VALUES = frozenset({"AES256", "aws:kms", "aws:kms:dsse"})
+_STORAGE_CLASS_RE = re.compile(r"^[A-Z][A-Z_]*$")
+
+
+@dataclass(frozen=True)
+class WriteSettings:
+    """Optional S3 arguments applied to every object written (PutObject / CreateMultipartUpload).
+
+    ``server_side_encryption``: ``"AES256"``, ``"aws:kms"`` or ``"aws:kms:dsse"``; ``sse_kms_key_id``
+    only with a KMS value; ``storage_class``: e.g. ``"STANDARD"``, ``"INTELLIGENT_TIERING"``.
+    Raises ``ValueError`` on other values.
+    """
+
+    server_side_encryption: str | None = None
+    sse_kms_key_id: str | None = None
+    storage_class: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.server_side_encryption is not None and self.server_side_encryption not in _SSE_VALUES:
+            raise ValueError(
+                f"server_side_encryption must be one of {sorted(_SSE_VALUES)}, got {self.server_side_encryption!r}"
+            )
+        if self.sse_kms_key_id is not None:
+            if not self.sse_kms_key_id:
+                raise ValueError("sse_kms_key_id must not be empty")
+            if self.server_side_encryption not in ("aws:kms", "aws:kms:dsse"):
+                raise ValueError("sse_kms_key_id requires server_side_encryption='aws:kms' or 'aws:kms:dsse'")
+        if self.storage_class is not None and not _STORAGE_CLASS_RE.match(self.storage_class):
+            raise ValueError(f"storage_class must look like 'STANDARD', got {self.storage_class!r}")
+
+    def extra_args(self) -> dict[str, str]:
+        """The settings as S3 request parameters (``ServerSideEncryption``, ``SSEKMSKeyId``, ``StorageClass``)."""
+        args: dict[str, str] = {}
+        if self.server_side_encryption is not None:
+            args["ServerSideEncryption"] = self.server_side_encryption
+        if self.sse_kms_key_id is not None:
+            args["SSEKMSKeyId"] = self.sse_kms_key_id
+        if self.storage_class is not None:
+            args["StorageClass"] = self.storage_class
+        return args
+
+
+__all__ = ["TransferSettings", "WriteSettings"]
