@@ -8,11 +8,12 @@ byte is hashed as it is read for sending, on one thread, in file order:
 2. A file below the multipart threshold is read whole (bounded by the threshold), hashed, compared with
    the manifest's sha256 *before* anything is sent, then written with one ``PutObject`` carrying its
    ``ChecksumSHA256`` (``S3Store.put_bytes``).
-3. Otherwise a multipart upload: ``CreateMultipartUpload(ChecksumAlgorithm=CRC32C)``; the reader thread
-   ``pread`` s part after part (part sizes from :func:`~tiered_ckpt.store.plan_part_sizes`, as s3transfer
-   would), feeds the whole-file SHA-256, and hands each part to a worker that computes the part's CRC32C
-   (sent as ``ChecksumCRC32C``, so a validating server rejects bytes damaged in transit; hardware CRC32C
-   through ctypes releases the GIL) and sends ``UploadPart``. A semaphore shared by every shard bounds
+3. Otherwise a multipart upload (:class:`~tiered_ckpt.store.base.ObjectStore` lifecycle step 2b):
+   ``store.create_multipart_upload(checksum_algorithm="CRC32C")``; the reader thread ``pread`` s part
+   after part (part sizes from ``store.plan_parts``, as s3transfer would plan them), feeds the whole-file
+   SHA-256, and hands each part to a worker that computes the part's CRC32C (sent as ``ChecksumCRC32C``, so
+   a validating server rejects bytes damaged in transit; hardware CRC32C through ctypes releases the GIL)
+   and calls ``store.upload_part``. A semaphore shared by every shard bounds
    the parts in memory: at most ``part_slots + readers`` parts of ``part_size_bytes``.
    Why CRC32C and not SHA-256 per part: the whole-file SHA-256 above already proves that the bytes read
    equal the manifest's; the part checksum only has to catch damage in transit, which a CRC does (S3 and
@@ -20,19 +21,23 @@ byte is hashed as it is read for sending, on one thread, in file order:
    the client, and another one on servers that compute the composite themselves (moto), for nothing.
    After the last part the whole-file digest is compared with the manifest; a mismatch (local rot)
    aborts the upload before ``CompleteMultipartUpload``, so damaged bytes never become an object.
-4. ``CompleteMultipartUpload`` with every part's CRC32C. A retried Complete whose first attempt
-   succeeded answers ``NoSuchUpload``: then HEAD decides (size, and the confirmation below).
-5. Confirmation (:func:`confirm_shard`): HEAD with ``ChecksumMode=ENABLED``; the size must match. Where
+4. ``store.complete_multipart_upload`` with every part's CRC32C. A retried Complete whose first attempt
+   succeeded answers ``NoSuchUploadError``: then HEAD decides (size, and the confirmation below). A part
+   whose upload vanished (``NoSuchUploadError``: aborted by a cleanup) is a :class:`TransitCorruptionError`:
+   the caller sends the shard again.
+5. Confirmation (:func:`confirm_shard`): ``store.head`` (``ChecksumMode=ENABLED``); the size must match. Where
    the server validates checksums (probed once per bucket), the checksum it reports for the algorithm
    sent (``ChecksumSHA256`` of a single PUT, ``ChecksumCRC32C`` of a multipart upload) must equal the
    locally computed one (composite ``base64(crc32c(c1..cn))-n`` for multipart) -> ``server-checksum``.
-   Elsewhere (moto) or when the server reports none, the object is streamed back and hashed ->
-   ``read-back``. A mismatch is a :class:`TransitCorruptionError`: the caller uploads again.
+   Elsewhere (moto) or when the server reports none, the object is streamed back and hashed
+   (``store.read_sha256``) -> ``read-back``. A mismatch is a :class:`TransitCorruptionError`: the caller uploads again.
 
 Any failure after ``CreateMultipartUpload`` aborts that upload (best effort, logged); a crash leaves it for
-the next sidecar start (``Uploader.abort_abandoned_uploads``). Retries of single HTTP calls are botocore's
-(503 SlowDown, resets); whole-shard retries are the caller's (``tiered_ckpt.retry``). This module uses
-the store's injected client for the multipart calls and a streaming GET; it imports no boto3.
+the next sidecar start (``Uploader.abort_abandoned_uploads``). Retries stack as ``tiered_ckpt.retry``
+describes: botocore's per HTTP request (503 SlowDown, resets), the store's per call (each create, part,
+complete, HEAD and read-back is one retried store operation), and the caller's per shard (a fresh upload
+after a :class:`TransitCorruptionError` or a vanished upload). Everything goes through the
+:class:`~tiered_ckpt.store.base.ObjectStore` interface; this module never sees a boto3 client.
 """
 
 from __future__ import annotations
@@ -45,17 +50,18 @@ import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Mapping
 
-from tiered_ckpt.errors import ShardCorruptedError, UploadError
-from tiered_ckpt.retry import OperationInterruptedError, s3_error_code_and_status
+from tiered_ckpt.errors import ShardCorruptedError
 from tiered_ckpt.format.crc32c import crc32c_extend
-from tiered_ckpt.store import plan_part_sizes
+from tiered_ckpt.retry import OperationInterruptedError
+from tiered_ckpt.store import NoSuchUploadError, ObjectStore, UploadedPart, checksums_match
 from tiered_ckpt.store.checksums import composite_crc32c_b64
 
 log = logging.getLogger(__name__)
 
-_READBACK_CHUNK_BYTES = 8 * 1024 * 1024
+#: The additional checksum every part of a multipart shard upload carries.
+PART_CHECKSUM_ALGORITHM = "CRC32C"
 
 
 class LocalShardError(ShardCorruptedError):
@@ -81,10 +87,6 @@ class SentShard:
     parts: int
 
 
-def full_key(store: Any, key: str) -> str:
-    return f"{store.prefix}/{key}" if store.prefix else key
-
-
 def _pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
     chunks = []
     got = 0
@@ -98,7 +100,7 @@ def _pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
 
 
 def send_shard(
-    store: Any,
+    store: ObjectStore,
     key: str,
     path: str | os.PathLike[str],
     *,
@@ -106,14 +108,18 @@ def send_shard(
     expected_sha256: str,
     part_executor: ThreadPoolExecutor,
     part_slots: threading.Semaphore,
-    extra_args: dict[str, str],
+    extra_args: Mapping[str, str] | None = None,
     stop_event: threading.Event | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SentShard:
     """Send ``path`` to ``key`` (relative to the store prefix) hashing it as it is read; see the module
-    docstring. Raises :class:`LocalShardError` (file differs from the manifest; nothing committed),
-    ``FileNotFoundError`` (file gone), :class:`OperationInterruptedError` (stop event; upload aborted),
-    ``UploadError`` / botocore errors (the caller's retry decides)."""
+    docstring. The store applies its own write settings (SSE, storage class) to the objects it creates;
+    ``extra_args`` is accepted and ignored until the callers in ``remote/`` stop passing it (the uploader
+    passes the ``WriteSettings.extra_args()`` its store was built with, so nothing is lost). Raises
+    :class:`LocalShardError` (file differs from the manifest; nothing committed), ``FileNotFoundError``
+    (file gone), :class:`OperationInterruptedError` (stop event; upload aborted),
+    :class:`TransitCorruptionError` (the multipart upload vanished), ``UploadError`` (the store's retries
+    ran out; the caller's retry decides)."""
     what = f"{store.url}/{key}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -128,18 +134,16 @@ def send_shard(
         size = st.st_size
         if size != expected_size:
             raise LocalShardError(f"{what}: local file is {size} bytes, the manifest says {expected_size}")
-        settings = store.transfer_settings
-        plan = plan_part_sizes(size, multipart_threshold_bytes=settings.multipart_threshold_bytes,
-                               part_size_bytes=settings.part_size_bytes)
+        plan = store.plan_parts(size)
         if plan is None:
             return _send_single(store, key, fd, size, expected_sha256, what, stop_event, on_progress)
-        return _send_multipart(store, key, fd, plan, expected_sha256, what, part_executor, part_slots,
-                               extra_args, stop_event, on_progress)
+        upload = _MultipartSend(store, key, what, part_slots, on_progress)
+        return upload.run(fd, plan, expected_sha256, part_executor, stop_event)
     finally:
         os.close(fd)
 
 
-def _send_single(store: Any, key: str, fd: int, size: int, expected_sha256: str, what: str,
+def _send_single(store: ObjectStore, key: str, fd: int, size: int, expected_sha256: str, what: str,
                  stop_event: threading.Event | None, on_progress: Callable[[int], None] | None) -> SentShard:
     data = _pread_exact(fd, size, 0, what)
     digest = hashlib.sha256(data).digest()
@@ -155,139 +159,137 @@ def _send_single(store: Any, key: str, fd: int, size: int, expected_sha256: str,
     return SentShard(size, digest.hex(), "SHA256", b64, 1)
 
 
-def _send_multipart(store: Any, key: str, fd: int, plan: list[int], expected_sha256: str, what: str,
-                    part_executor: ThreadPoolExecutor, part_slots: threading.Semaphore,
-                    extra_args: dict[str, str], stop_event: threading.Event | None,
-                    on_progress: Callable[[int], None] | None) -> SentShard:
-    client, bucket, fkey = store.client, store.bucket, full_key(store, key)
-    resp = client.create_multipart_upload(Bucket=bucket, Key=fkey, ChecksumAlgorithm="CRC32C", **extra_args)
-    upload_id = resp["UploadId"]
-    log.debug("%s: multipart upload %s started (%d parts)", what, upload_id, len(plan))
-    futures: list[Future[dict[str, Any]]] = []
-    completed = False
-    sent = [0]
-    sent_lock = threading.Lock()
+class _MultipartSend:
+    """One multipart upload of one shard: the reader (the calling shard thread) hands parts to workers of
+    the shared part executor; ``part_slots`` (shared by every shard) bounds the parts in memory. Any exit
+    before the completion is confirmed cancels the queued parts, takes back their progress and aborts."""
 
-    def send_part(number: int, data: bytes) -> dict[str, Any]:
+    def __init__(self, store: ObjectStore, key: str, what: str, part_slots: threading.Semaphore,
+                 on_progress: Callable[[int], None] | None) -> None:
+        self.store, self.key, self.what = store, key, what
+        self.part_slots, self.on_progress = part_slots, on_progress
+        self.upload_id = ""
+        self.futures: list[Future[tuple[UploadedPart, bytes]]] = []
+        self._sent = 0
+        self._sent_lock = threading.Lock()
+
+    def send_part(self, number: int, data: bytes) -> tuple[UploadedPart, bytes]:
+        """Worker: CRC32C of ``data``, ``store.upload_part``; returns the part and its raw 4-byte CRC."""
         try:
             digest = crc32c_extend(0, data).to_bytes(4, "big")
             b64 = base64.b64encode(digest).decode("ascii")
-            r = client.upload_part(Bucket=bucket, Key=fkey, UploadId=upload_id, PartNumber=number, Body=data,
-                                   ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64)
-            if on_progress is not None:
-                on_progress(len(data))
-            with sent_lock:
-                sent[0] += len(data)
-            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC32C": b64, "_digest": digest}
-        finally:
-            part_slots.release()
-
-    try:
-        whole = hashlib.sha256()
-        offset = 0
-        for number, psize in enumerate(plan, start=1):
-            while not part_slots.acquire(timeout=0.1):
-                _check(futures, stop_event, what)
             try:
-                _check(futures, stop_event, what)
-                data = _pread_exact(fd, psize, offset, what)
-            except BaseException:
-                part_slots.release()
-                raise
-            whole.update(data)
-            offset += psize
-            futures.append(part_executor.submit(send_part, number, data))
-            del data
-        if os.pread(fd, 1, offset):
-            raise LocalShardError(f"{what}: file grew while being read")
-        sha_hex = whole.hexdigest()
-        parts = [f.result() for f in futures]  # re-raises a part's failure
-        if sha_hex != expected_sha256:
-            raise LocalShardError(f"{what}: sha256 of the bytes read for sending is {sha_hex}, the manifest "
-                                  f"says {expected_sha256} (local rot?); upload aborted")
-        if stop_event is not None and stop_event.is_set():
-            raise OperationInterruptedError(f"{what}: stopped before completing the upload")
-        composite = composite_crc32c_b64([p.pop("_digest") for p in parts])
+                part = self.store.upload_part(self.key, self.upload_id, number, data,
+                                              checksum_algorithm=PART_CHECKSUM_ALGORITHM, checksum_b64=b64)
+            except NoSuchUploadError as e:
+                raise TransitCorruptionError(f"{self.what}: multipart upload vanished while sending part "
+                                             f"{number}") from e
+            if self.on_progress is not None:
+                self.on_progress(len(data))
+            with self._sent_lock:
+                self._sent += len(data)
+            return part, digest
+        finally:
+            self.part_slots.release()
+
+    def run(self, fd: int, plan: list[int], expected_sha256: str, part_executor: ThreadPoolExecutor,
+            stop_event: threading.Event | None) -> SentShard:
+        """Read, hash and send every part of ``plan``, then complete; see the module docstring (3-4)."""
+        self.upload_id = self.store.create_multipart_upload(self.key, checksum_algorithm=PART_CHECKSUM_ALGORITHM)
+        log.debug("%s: multipart upload %s started (%d parts)", self.what, self.upload_id, len(plan))
+        completed = False
         try:
-            client.complete_multipart_upload(Bucket=bucket, Key=fkey, UploadId=upload_id,
-                                             MultipartUpload={"Parts": parts})
-        except Exception as e:
-            code, _ = s3_error_code_and_status(e)
-            if code != "NoSuchUpload":
-                raise
-            # A retried Complete whose first attempt won (or an abort by someone else): HEAD decides.
-            log.warning("%s: CompleteMultipartUpload answered NoSuchUpload; checking the object", what)
-            info = store.head(key)
-            if info is None or info.size_bytes != offset:
-                raise TransitCorruptionError(f"{what}: multipart upload vanished before completion") from e
-        completed = True
-        return SentShard(offset, sha_hex, "CRC32C", composite, len(plan))
-    finally:
-        if not completed:
-            for f in futures:
-                f.cancel()
-            for f in futures:
+            whole = hashlib.sha256()
+            offset = 0
+            for number, psize in enumerate(plan, start=1):
+                while not self.part_slots.acquire(timeout=0.1):
+                    _check(self.futures, stop_event, self.what)
                 try:
-                    f.exception()
-                except BaseException:  # noqa: BLE001 - cancelled futures; the original error propagates
-                    pass
-            if on_progress is not None and sent[0]:
-                on_progress(-sent[0])
-            _abort_quietly(client, bucket, fkey, upload_id, what)
+                    _check(self.futures, stop_event, self.what)
+                    data = _pread_exact(fd, psize, offset, self.what)
+                except BaseException:
+                    self.part_slots.release()
+                    raise
+                whole.update(data)
+                offset += psize
+                self.futures.append(part_executor.submit(self.send_part, number, data))
+                del data
+            if os.pread(fd, 1, offset):
+                raise LocalShardError(f"{self.what}: file grew while being read")
+            sha_hex = whole.hexdigest()
+            results = [f.result() for f in self.futures]  # re-raises a part's failure
+            if sha_hex != expected_sha256:
+                raise LocalShardError(f"{self.what}: sha256 of the bytes read for sending is {sha_hex}, the "
+                                      f"manifest says {expected_sha256} (local rot?); upload aborted")
+            if stop_event is not None and stop_event.is_set():
+                raise OperationInterruptedError(f"{self.what}: stopped before completing the upload")
+            self._complete([part for part, _ in results], offset)
+            completed = True
+            return SentShard(offset, sha_hex, PART_CHECKSUM_ALGORITHM,
+                             composite_crc32c_b64([digest for _, digest in results]), len(plan))
+        finally:
+            if not completed:
+                self._clean_up()
+
+    def _complete(self, parts: list[UploadedPart], size: int) -> None:
+        try:
+            self.store.complete_multipart_upload(self.key, self.upload_id, parts)
+        except NoSuchUploadError as e:
+            # A retried Complete whose first attempt won (or an abort by someone else): HEAD decides.
+            log.warning("%s: CompleteMultipartUpload answered NoSuchUpload; checking the object", self.what)
+            info = self.store.head(self.key)
+            if info is None or info.size_bytes != size:
+                raise TransitCorruptionError(f"{self.what}: multipart upload vanished before completion") from e
+
+    def _clean_up(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        for f in self.futures:
+            try:
+                f.exception()
+            except BaseException:  # noqa: BLE001 - cancelled futures; the original error propagates
+                pass
+        if self.on_progress is not None and self._sent:
+            self.on_progress(-self._sent)
+        try:
+            self.store.abort_multipart_upload(self.key, self.upload_id)
+            log.info("%s: aborted multipart upload %s", self.what, self.upload_id)
+        except Exception as e:  # noqa: BLE001 - already failing; a restart sweeps leftovers
+            log.warning("%s: could not abort multipart upload %s (%s); a restart will sweep it", self.what,
+                        self.upload_id, e)
 
 
-def _check(futures: list[Future[dict[str, Any]]], stop_event: threading.Event | None, what: str) -> None:
+def _check(futures: list[Future[tuple[UploadedPart, bytes]]], stop_event: threading.Event | None,
+           what: str) -> None:
     if stop_event is not None and stop_event.is_set():
         raise OperationInterruptedError(f"{what}: stopped; multipart upload aborted")
     for f in futures:
-        if f.done() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
+        if f.done():
+            exc = f.exception()
+            if exc is not None:
+                raise exc
 
 
-def _abort_quietly(client: Any, bucket: str, fkey: str, upload_id: str, what: str) -> None:
-    try:
-        client.abort_multipart_upload(Bucket=bucket, Key=fkey, UploadId=upload_id)
-        log.info("%s: aborted multipart upload %s", what, upload_id)
-    except Exception as e:  # noqa: BLE001 - already failing; a restart sweeps leftovers
-        log.warning("%s: could not abort multipart upload %s (%s); a restart will sweep it", what,
-                    upload_id, s3_error_code_and_status(e)[0] or type(e).__name__)
+def read_back_sha256(store: ObjectStore, key: str, stop_event: threading.Event | None = None) -> tuple[int, str]:
+    """Stream the object back (bounded memory, the store's retries) and return ``(size, sha256_hex)``."""
+    return store.read_sha256(key, stop_event=stop_event)
 
 
-def read_back_sha256(store: Any, key: str, stop_event: threading.Event | None = None) -> tuple[int, str]:
-    """Stream the object back (one GET, bounded memory) and return ``(size, sha256_hex)``."""
-    resp = store.client.get_object(Bucket=store.bucket, Key=full_key(store, key))
-    body = resp["Body"]
-    h = hashlib.sha256()
-    n = 0
-    try:
-        for chunk in body.iter_chunks(_READBACK_CHUNK_BYTES):
-            h.update(chunk)
-            n += len(chunk)
-            if stop_event is not None and stop_event.is_set():
-                raise OperationInterruptedError(f"{store.url}/{key}: stopped during read-back")
-    finally:
-        body.close()
-    return n, h.hexdigest()
-
-
-def confirm_shard(store: Any, key: str, sent: SentShard, *, server_validates: bool, expected_sha256: str,
+def confirm_shard(store: ObjectStore, key: str, sent: SentShard, *, server_validates: bool, expected_sha256: str,
                   force_read_back: bool = False, stop_event: threading.Event | None = None) -> str:
     """Confirm the object at ``key`` holds the bytes of ``sent``; returns the method (``server-checksum``
     or ``read-back``). Raises :class:`TransitCorruptionError` when it does not."""
-    from tiered_ckpt.store import checksums_match
-
     what = f"{store.url}/{key}"
-    resp = store.head_response(key)
-    if resp is None:
+    info = store.head(key)
+    if info is None:
         raise TransitCorruptionError(f"{what}: missing right after its upload")
-    size = int(resp["ContentLength"])
-    if size != sent.size_bytes:
-        raise TransitCorruptionError(f"{what}: server has {size} bytes, sent {sent.size_bytes}")
-    field = f"Checksum{sent.checksum_algorithm}"
-    reported = resp.get(field)
+    if info.size_bytes != sent.size_bytes:
+        raise TransitCorruptionError(f"{what}: server has {info.size_bytes} bytes, sent {sent.size_bytes}")
+    reported = info.reported_checksum(sent.checksum_algorithm)
     if server_validates and not force_read_back and reported is not None:
-        if not checksums_match(str(reported), sent.checksum_b64):
-            raise TransitCorruptionError(f"{what}: server reports {field} {reported}, sent {sent.checksum_b64}")
+        if not checksums_match(reported, sent.checksum_b64):
+            raise TransitCorruptionError(f"{what}: server reports Checksum{sent.checksum_algorithm} {reported}, "
+                                         f"sent {sent.checksum_b64}")
         return "server-checksum"
     size, sha = read_back_sha256(store, key, stop_event)
     if size != sent.size_bytes or sha != expected_sha256:
@@ -297,4 +299,4 @@ def confirm_shard(store: Any, key: str, sent: SentShard, *, server_validates: bo
 
 
 __all__ = ["LocalShardError", "TransitCorruptionError", "SentShard", "send_shard", "confirm_shard",
-           "read_back_sha256", "full_key"]
+           "read_back_sha256", "PART_CHECKSUM_ALGORITHM"]
