@@ -3,7 +3,7 @@
 How the retry layers stack (read this before tuning any of them):
 
 1. **botocore** retries each single HTTP call. The client is built with
-   ``Config(retries={"mode": "standard", "total_max_attempts": B})`` (see ``store/s3.py``
+   ``Config(retries={"mode": "standard", "total_max_attempts": B})`` (see ``store/client.py``
    ``make_s3_client``; note botocore's plain ``"max_attempts"`` key counts retries, i.e. ``B - 1``):
    a throttled, 5xx or dropped ``UploadPart`` is sent up to ``B`` times in total,
    with botocore's own jittered backoff (up to 1 s, 2 s, ... capped at 20 s) and a client-wide retry
@@ -11,16 +11,40 @@ How the retry layers stack (read this before tuning any of them):
 2. **s3transfer** (the multipart machinery) adds nothing for uploads: when one part fails for good it
    fails the whole transfer and aborts the multipart upload. For downloads it re-issues a ranged GET
    whose body stream broke, up to ``num_download_attempts`` (5) times.
-3. **This module** (:func:`call_with_retries`) retries the *whole operation*: a complete multipart
-   upload (create, every part, complete, HEAD and checksum comparison), a whole download to a temp file,
-   one PUT of a small object. It is what recovers when botocore gave up on one call, when the server
-   reported a checksum that differs from what was sent (:class:`~tiered_ckpt.errors.ShardCorruptedError`),
-   or when a multipart upload disappeared under us.
+3. **This module** (:func:`call_with_retries`) retries the *whole operation* of one store method: a
+   complete ``upload_file`` (create, every part, complete, HEAD and checksum comparison), a whole download
+   into the caller's temp file, one PUT of a small object, and each single call of a multipart upload the
+   uploader drives itself (create, one part, complete, abort; ``remote/transfer.py``). It is what
+   recovers when botocore gave up on one call, when the server reported a checksum that differs from
+   what was sent (:class:`~tiered_ckpt.errors.ShardCorruptedError`), or when a multipart upload
+   disappeared under ``upload_file``.
 
 Worst case, one HTTP request is sent ``B x RetryPolicy.max_attempts`` times, and the wall time is
 bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of our waits`` where our
 waits are at most ``max_wait_s`` each. Keep ``max_attempts`` small (the default is 6): the fine-grained
 retrying belongs to botocore.
+
+Timeouts and deadlines (what there is today; there is NO overall deadline on an operation):
+
+* **Per HTTP request, botocore**: ``connect_timeout_s`` (default 10 s) to open a connection and
+  ``read_timeout_s`` (default 60 s) as the socket timeout of each read while waiting for response bytes
+  (``make_s3_client`` -> botocore ``Config(connect_timeout=, read_timeout=)``). The read timeout is per
+  read, not per request: a slow transfer that keeps delivering bytes never times out. A timeout raises
+  ``ConnectTimeoutError`` / ``ReadTimeoutError``, which botocore's standard mode retries (layer 1) and
+  this module then treats as retryable (layer 3).
+* **s3transfer**: no timeout of its own; a transfer future waits as long as its requests do. The store
+  polls its stop event every 50 ms while it waits (``store/files.py``) and cancels the transfer.
+* **This module**: stops by attempt count (``stop_after_attempt``) or the stop event only, never by
+  elapsed time. Waits between attempts are bounded (``max_wait_s`` each).
+* **Above the store**: the uploader retries a whole shard on top of the store's per-call retries (a
+  damaged or vanished upload), with the same policy; the stop event is the only way to end early.
+
+So the worst case of one store call against a server that accepts connections but never answers is about
+``max_attempts x B x read_timeout_s`` plus the backoffs (6 x 5 x 60 s = 30 min with the defaults), and
+the stop event does not interrupt a request already in flight: a single botocore call (``put_bytes``, one
+part, a HEAD) returns or times out on its own; the stop event only prevents the next attempt, cuts a
+backoff short, cancels s3transfer transfers and ends a read-back between 8 MiB chunks. Callers that need a
+bound in wall time must lower ``read_timeout_s``, ``B`` and ``max_attempts``, or set the stop event.
 
 Every retry is logged at WARNING through ``logging.getLogger(__name__)`` before the wait. A
 ``threading.Event`` (the daemon's stop event) cuts a wait short: no further attempt is made once it is

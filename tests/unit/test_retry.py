@@ -293,3 +293,18 @@ def test_passthrough_types_are_not_wrapped() -> None:
     assert info.value is err
     with pytest.raises(UploadError):
         call_with_retries("op", fn, policy=FAST)
+
+
+def test_client_timeouts_and_botocore_attempts_as_documented() -> None:
+    """The per-request timeouts and botocore's attempt count the retry module's docstring describes are
+    the ones the client is built with (there is no overall deadline to check: none exists)."""
+    from tiered_ckpt.store import make_s3_client
+
+    client = make_s3_client(endpoint_url="http://127.0.0.1:9", region_name="us-east-1")
+    config = client.meta.config
+    assert (config.connect_timeout, config.read_timeout) == (10.0, 60.0)
+    assert config.retries == {"mode": "standard", "total_max_attempts": 5}
+    custom = make_s3_client(endpoint_url="http://127.0.0.1:9", region_name="us-east-1", connect_timeout_s=1.5,
+                            read_timeout_s=2.5, botocore_max_attempts=1)
+    assert (custom.meta.config.connect_timeout, custom.meta.config.read_timeout) == (1.5, 2.5)
+    assert custom.meta.config.retries["total_max_attempts"] == 1
