@@ -31,7 +31,8 @@ from pathlib import Path
 
 from tiered_ckpt.fs import fsync_dir, owner_alive, owner_token
 from tiered_ckpt.locks import live_locks
-from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
+from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local.markers import has_uploaded_marker
 from tiered_ckpt.local.steps import TRASH_PREFIX, committed_steps
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class RotationPlan:
 
 def is_uploaded(root: str | os.PathLike[str], step: int) -> bool:
     """Whether the sidecar's ``uploaded.json`` marker is in the step directory."""
-    return (Path(root) / step_dir_name(step) / UPLOADED_MARKER_NAME).is_file()
+    return has_uploaded_marker(Path(root) / step_dir_name(step))
 
 
 def plan_rotation(root: str | os.PathLike[str], policy: RotationPolicy) -> RotationPlan:
