@@ -1,0 +1,126 @@
+"""Uploading one shard of a step: step 3 of the remote commit protocol (:mod:`tiered_ckpt.remote.commit`).
+
+Called by :mod:`tiered_ckpt.remote.step_upload` on the shard executor, one call per local shard:
+
+1. Skip the shard if :meth:`RemoteStepCommit.confirmed` finds its record for this save and the object
+   with the manifest's size (a restart never re-sends a confirmed shard).
+2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed).
+3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates, else
+   read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
+   (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local rot
+   (:class:`~tiered_ckpt.remote.transfer.LocalShardError`) is not, and keeps its own type.
+4. PUT its confirmation record (:meth:`RemoteStepCommit.record_confirmation`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tiered_ckpt.errors import UploadError
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.layout import shard_file_name
+from tiered_ckpt.remote.catalogue import step_key
+from tiered_ckpt.remote.commit import RemoteStepCommit
+from tiered_ckpt.remote.errors import LocalStepGoneError
+from tiered_ckpt.remote.transfer import LocalShardError, SentShard, TransitCorruptionError, confirm_shard, send_shard
+from tiered_ckpt.retry import RetryPolicy, call_with_retries, is_retryable_s3_error, s3_error_code_and_status
+from tiered_ckpt.store.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """Figures of one step's upload on this node, summed over its shards (thread-safe through ``lock``):
+    ``read_back_s`` (seconds of read-back confirmation), ``bytes_sent``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    read_back_s: float = 0.0
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class ShardSender:
+    """What every shard upload of one uploader shares: the store, the part executor and the semaphore
+    bounding the parts in memory (all shards together), the write settings' extra arguments, the retry
+    policy, ``server_validates`` (a cached probe), ``force_read_back`` (``UploadPolicy.verify``), the stop
+    event, ``on_progress(delta_bytes)`` and the ``on_sent(bytes)`` metrics hook."""
+
+    store: ObjectStore
+    part_executor: ThreadPoolExecutor
+    part_slots: threading.Semaphore
+    extra_args: dict[str, str]
+    retry: RetryPolicy
+    server_validates: Callable[[], bool]
+    force_read_back: bool
+    stop_event: threading.Event
+    on_progress: Callable[[int], None] | None = None
+    on_sent: Callable[[int], None] | None = None
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, LocalShardError):
+        return False
+    if isinstance(e, TransitCorruptionError):
+        return True
+    return s3_error_code_and_status(e)[0] == "NoSuchUpload" or is_retryable_s3_error(e)
+
+
+def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec: ShardRecord,
+                 stats: StepStats) -> None:
+    """Steps 1-4 of the module docstring for ``rec``'s shard in ``sdir``. Raises
+    :class:`LocalStepGoneError` (file gone), ``LocalShardError`` (local rot), ``UploadError`` (after
+    retries; ``OperationInterruptedError`` on stop)."""
+    step, store = commit.step, sender.store
+    key = step_key(step, shard_file_name(rec.rank))
+    done = commit.confirmed(rec)
+    if done is not None:
+        log.info("step %d rank %d: already confirmed (%s), not re-sent", step, rec.rank, done.confirmed_by)
+        return
+    for mpu in list(store.list_multipart_uploads(key)):
+        if mpu.key == key:
+            store.abort_multipart_upload(mpu.key, mpu.upload_id)
+            log.info("step %d rank %d: aborted leftover multipart upload %s", step, rec.rank, mpu.upload_id)
+    validates = sender.server_validates()
+
+    def attempt() -> tuple[SentShard, str]:
+        try:
+            sent = send_shard(store, key, sdir / rec.path, expected_size=rec.size_bytes,
+                              expected_sha256=rec.sha256, part_executor=sender.part_executor,
+                              part_slots=sender.part_slots, stop_event=sender.stop_event,
+                              on_progress=sender.on_progress)
+        except FileNotFoundError as e:
+            raise LocalStepGoneError(f"step {step} rank {rec.rank}: {sdir / rec.path} disappeared",
+                                     last_exception=e) from e
+        t = time.monotonic()
+        how = confirm_shard(store, key, sent, server_validates=validates, expected_sha256=rec.sha256,
+                            force_read_back=sender.force_read_back, stop_event=sender.stop_event)
+        if how == "read-back":
+            with stats.lock:
+                stats.read_back_s += time.monotonic() - t
+        return sent, how
+
+    log.info("step %d rank %d: uploading %d bytes to %s/%s", step, rec.rank, rec.size_bytes, store.url, key)
+    try:
+        sent, how = call_with_retries(f"step {step} rank {rec.rank}: upload {store.url}/{key}", attempt,
+                                      policy=sender.retry, stop_event=sender.stop_event, is_retryable=_retryable)
+    except UploadError as e:
+        if isinstance(e.last_exception, LocalShardError):  # local rot: keep its own type
+            raise e.last_exception from None
+        raise
+    commit.record_confirmation(rec, size_bytes=sent.size_bytes, sha256=sent.sha256_hex, confirmed_by=how,
+                               checksum_algorithm=sent.checksum_algorithm, checksum=sent.checksum_b64)
+    with stats.lock:
+        stats.bytes_sent += sent.size_bytes
+    if sender.on_sent is not None:
+        sender.on_sent(sent.size_bytes)
+    log.info("step %d rank %d: confirmed (%s)", step, rec.rank, how)
+
+
+__all__ = ["ShardSender", "StepStats", "upload_shard"]
