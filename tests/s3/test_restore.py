@@ -17,8 +17,8 @@ from tiered_ckpt import (CheckpointExistsError, MissingShardError, NoCheckpointE
                          committed_steps, list_remote_steps, load_shard, load_sharded, restore)
 from tiered_ckpt.layout import (MANIFEST_NAME, UPLOADED_MARKER_NAME, remote_key, remote_latest_key,
                                 step_dir_name)
-from tiered_ckpt.remote.restore import (REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST, ensure_local, plan_restore,
-                                 restore_detailed)
+from tiered_ckpt.remote.restore import REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST, plan_restore, restore_detailed
+from tiered_ckpt.training.resume import ensure_local
 
 
 @pytest.fixture

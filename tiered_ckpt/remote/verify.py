@@ -1,5 +1,6 @@
 """``tiered-ckpt verify --remote s3://bucket/prefix``: the state of every remote step, checked against
-its upload manifest with the same code restore uses, so a step that verifies is one that restores.
+its upload manifest with the same code restore uses (:func:`~tiered_ckpt.remote.restore_plan.plan_step`,
+:func:`~tiered_ckpt.remote.download.fetch_shard`), so a step that verifies is one that restores.
 
 - ``committed``: upload manifest valid, mirrored ``manifest.json`` matches its sha256, every shard object
   present with the right size (HEAD) and, unless ``fast``, downloaded and matching its sha256 and header;
@@ -18,20 +19,23 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.errors import CheckpointError, MissingShardError, NoCheckpointError
-from tiered_ckpt.remote.restore import (REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST, _fetch_one, _plan_step, _StoreHandle,
-                      list_remote_steps)
 from tiered_ckpt.local.scan import COMMITTED, CORRUPT, INCOMPLETE, UNCOMMITTED, StepStatus
+from tiered_ckpt.remote.catalogue import REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST, list_remote_steps_in
+from tiered_ckpt.remote.download import fetch_shard
+from tiered_ckpt.remote.handle import StoreHandle
+from tiered_ckpt.remote.restore_plan import plan_step
+from tiered_ckpt.store.base import ObjectStore
 
 
 def scan_remote(remote_url: str, *, step: int | None = None, fast: bool = False, s3_client: Any = None,
-                store: Any = None, endpoint_url: str | None = None) -> list[StepStatus]:
-    """:class:`~tiered_ckpt.scan.StepStatus` of ``step``, or of every remote step (ascending).
+                store: ObjectStore | None = None, endpoint_url: str | None = None) -> list[StepStatus]:
+    """:class:`~tiered_ckpt.local.scan.StepStatus` of ``step``, or of every remote step (ascending).
 
     Never raises for a bad remote step (the fault is its ``reason``); raises
     :class:`~tiered_ckpt.errors.UploadError` when the bucket cannot be read at all.
     """
-    with _StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
-        listed = list_remote_steps(remote_url, store=st)
+    with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
+        listed = list_remote_steps_in(st)
         if step is not None:
             listed = [r for r in listed if r.step == step]
         out = []
@@ -45,9 +49,9 @@ def scan_remote(remote_url: str, *, step: int | None = None, fast: bool = False,
         return out
 
 
-def _check_step(store: Any, step: int, latest: bool, fast: bool) -> StepStatus:
+def _check_step(store: ObjectStore, step: int, latest: bool, fast: bool) -> StepStatus:
     try:
-        plan = _plan_step(store, step, None, from_pointer=latest)
+        plan = plan_step(store, step, None, from_pointer=latest)
     except (MissingShardError, NoCheckpointError) as exc:
         return StepStatus(step, INCOMPLETE, str(exc))
     except CheckpointError as exc:
@@ -58,7 +62,7 @@ def _check_step(store: Any, step: int, latest: bool, fast: bool) -> StepStatus:
             for obj in plan.objects:
                 path = Path(tmp) / f"rank_{obj.rank}.part"
                 try:
-                    _fetch_one(store, plan, obj, path, None)
+                    fetch_shard(store, plan, obj, path, None)
                 except MissingShardError as exc:
                     return StepStatus(step, INCOMPLETE, str(exc), m.world_size, plan.total_bytes, m.save_id)
                 except CheckpointError as exc:

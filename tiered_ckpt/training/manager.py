@@ -135,7 +135,7 @@ class CheckpointManager:
     ``handle_sigterm=True`` installs the preemption handler (:meth:`install_sigterm_handler`).
     ``remote_url`` (``s3://bucket/prefix``, the sidecar's): :meth:`load` restores this rank's shard from
     the bucket when it is missing locally (a replaced node, a whole lost step); see
-    :func:`tiered_ckpt.remote.restore.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore
+    :func:`tiered_ckpt.training.resume.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore
     client for it (default: boto3's chain).
     ``on_save_outcome``: called with each :class:`SaveOutcome`, in the thread that ran the save (the
     background thread when async), after the commit or failure and before the next save starts; it
@@ -345,7 +345,7 @@ class CheckpointManager:
         """
         self.wait()
         if self.remote_url is not None:  # restore-from-bucket hook
-            from tiered_ckpt.remote.restore import prepare_load_from_remote
+            from tiered_ckpt.training.resume import prepare_load_from_remote
 
             step = prepare_load_from_remote(
                 self.root, self.remote_url, self.rank, step, s3_client=self._remote_s3_client,
