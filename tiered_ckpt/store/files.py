@@ -99,11 +99,12 @@ class FileTransfers:
                 self._managers = (up, down)
             return self._managers
 
-    def wait(self, future: TransferFuture, op_name: str) -> Any:
-        """``future.result()``, cancelling the transfer if the stop event fires meanwhile (then
+    def wait(self, future: TransferFuture, op_name: str) -> None:
+        """``future.result()`` (``None`` for uploads and downloads), cancelling the transfer if the stop event fires meanwhile (then
         :class:`OperationInterruptedError`)."""
         if self._stop_event is None:
-            return future.result()
+            future.result()
+            return
         while not future.done():
             if self._stop_event.wait(_WAIT_POLL_S):
                 future.cancel()
@@ -114,7 +115,7 @@ class FileTransfers:
                 except Exception as exc:  # the transfer failed on its own before the cancel took
                     raise OperationInterruptedError(f"{op_name}: stopped after {exc!r}", last_exception=exc) from exc
                 break
-        return future.result()
+        future.result()
 
     def shutdown(self) -> None:
         """Shut the managers down (waiting for running transfers). Idempotent."""

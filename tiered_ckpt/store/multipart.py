@@ -10,7 +10,7 @@ Source: S3 API reference (CreateMultipartUpload with ``ChecksumAlgorithm``, Uplo
 from __future__ import annotations
 
 import datetime as _dt
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 from tiered_ckpt.retry import is_retryable_s3_error, s3_error_code_and_status
 from tiered_ckpt.errors import UploadError
@@ -115,7 +115,7 @@ def list_uploads_page(
 ) -> tuple[list[tuple[str, str, _dt.datetime | None]], bool, str | None, str | None]:
     """One ListMultipartUploads page: ``([(full key, upload id, initiated)], is_truncated, next key
     marker, next upload id marker)``."""
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": full_prefix}
+    kwargs: dict[str, str] = {"Bucket": bucket, "Prefix": full_prefix}
     if key_marker is not None:
         kwargs["KeyMarker"] = key_marker
     if upload_id_marker is not None:

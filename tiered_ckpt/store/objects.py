@@ -81,7 +81,7 @@ def put_object(
     ``PreconditionFailed``; 404 for ``If-Match`` on a missing key) raises :class:`PreconditionFailedError`;
     a reported ``ChecksumSHA256`` that differs from the one sent raises
     :class:`~tiered_ckpt.errors.ShardCorruptedError` (retryable)."""
-    request: dict[str, Any] = {"Bucket": bucket, "Key": full_key, "Body": payload, "ChecksumAlgorithm": "SHA256",
+    request: dict[str, str | bytes] = {"Bucket": bucket, "Key": full_key, "Body": payload, "ChecksumAlgorithm": "SHA256",
                                "ChecksumSHA256": checksum_sha256_b64, **write_args}
     if if_none_match:
         request["IfNoneMatch"] = "*"
@@ -107,7 +107,7 @@ def put_object(
     )
 
 
-def get_object(client: BaseClient, request: Mapping[str, Any], what: str) -> bytes:
+def get_object(client: BaseClient, request: Mapping[str, str], what: str) -> bytes:
     """GetObject with the prepared ``request`` (Bucket, Key, optional Range); the whole body in memory.
     Raises :class:`RemoteNotFoundError` on 404."""
     try:
@@ -153,7 +153,7 @@ def list_objects_page(
     client: BaseClient, bucket: str, full_prefix: str, page_size: int, token: str | None
 ) -> tuple[list[str], bool, str | None]:
     """One ListObjectsV2 page: ``(full keys, is_truncated, next continuation token)``."""
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": full_prefix, "MaxKeys": page_size}
+    kwargs: dict[str, str | int] = {"Bucket": bucket, "Prefix": full_prefix, "MaxKeys": page_size}
     if token is not None:
         kwargs["ContinuationToken"] = token
     resp = client.list_objects_v2(**kwargs)

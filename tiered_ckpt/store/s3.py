@@ -202,7 +202,7 @@ class S3Store:
         """GetObject; ``byte_range=(start, stop)`` fetches ``[start, stop)`` (a range running past the end
         is truncated by the server). Raises ``RemoteNotFoundError`` on 404, ``UploadError`` otherwise
         (416 ``InvalidRange`` for a start past the end)."""
-        request: dict[str, Any] = {"Bucket": self._bucket, "Key": self._keys.full_key(key)}
+        request: dict[str, str] = {"Bucket": self._bucket, "Key": self._keys.full_key(key)}
         if byte_range is not None:
             start, stop = byte_range
             if not 0 <= start < stop:
