@@ -141,7 +141,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     try:
         steps = [args.step] if args.step is not None else up.pending_steps()
         if up.policy.skip_intermediate and args.step is None:
-            steps = up._select_pending()
+            steps = up.select_pending()
         if bar is not None:
             from tiered_ckpt.local import read_manifest
             total = 0
