@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 from tiered_ckpt.retry import s3_error_code_and_status
 from tiered_ckpt.store.checksums import checksums_match, sha256_b64
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
-
-    from tiered_ckpt.store.s3 import S3Store
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +30,19 @@ _DIGEST_REJECTION_CODES = frozenset(
 )
 _PROBE_CACHE: dict[tuple[str, str], bool] = {}
 _PROBE_LOCK = threading.Lock()
+
+
+class ProbedStore(Protocol):
+    """What :func:`probe_checksum_validation` needs of a store (:class:`~tiered_ckpt.store.s3.S3Store`;
+    a protocol here so that this module does not import ``s3.py``, which imports it)."""
+
+    @property
+    def endpoint_url(self) -> str: ...
+
+    @property
+    def bucket(self) -> str: ...
+
+    def run_checksum_probe(self, key_prefix: str = PROBE_KEY_PREFIX) -> bool: ...
 
 
 def probe_once(
@@ -55,7 +66,7 @@ def probe_once(
     return reported is not None and checksums_match(reported, sha256_b64(data))
 
 
-def probe_checksum_validation(store: S3Store, *, refresh: bool = False) -> bool:
+def probe_checksum_validation(store: ProbedStore, *, refresh: bool = False) -> bool:
     """Whether the server behind ``store`` checks the SHA-256 additional checksums it is sent.
 
     PUTs a small probe object under ``<prefix>/.tiered_ckpt_probe/`` with a deliberately WRONG
@@ -80,4 +91,4 @@ def probe_checksum_validation(store: S3Store, *, refresh: bool = False) -> bool:
     return validates
 
 
-__all__ = ["PROBE_KEY_PREFIX", "probe_checksum_validation", "probe_once"]
+__all__ = ["PROBE_KEY_PREFIX", "ProbedStore", "probe_checksum_validation", "probe_once"]
