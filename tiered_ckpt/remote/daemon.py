@@ -2,7 +2,7 @@
 
 Lifecycle (one process per training node):
 
-1. The CLI builds ONE S3 client and ONE :class:`~tiered_ckpt.upload.Uploader` and calls
+1. The CLI builds ONE S3 client and ONE :class:`~tiered_ckpt.remote.upload.Uploader` and calls
    :func:`run_sidecar`.
 2. :func:`run_sidecar` installs SIGTERM/SIGINT handlers that only set the stop event, optionally serves
    Prometheus metrics, and runs ``Uploader.run`` in a worker thread (the main thread waits on signals).
@@ -21,19 +21,23 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from tiered_ckpt.remote.upload import Uploader
 
 log = logging.getLogger(__name__)
 
 
-def run_sidecar(uploader: Any, *, poll_interval_s: float = 2.0, metrics_port: int | None = None,
+def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_port: int | None = None,
                 shutdown_timeout_s: float = 30.0, stop_event: threading.Event | None = None,
                 once: bool = False) -> int:
     """Run the upload loop until SIGTERM/SIGINT (or ``stop_event``). Returns the exit code (0)."""
     stop = stop_event if stop_event is not None else uploader.stop_event
-    previous: dict[int, Any] = {}
+    previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
-    def on_signal(signum: int, _frame: Any) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: stopping the sidecar (in-flight uploads finish or abort)", signum)
         stop.set()
         uploader.stop_event.set()

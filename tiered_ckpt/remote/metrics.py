@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -47,7 +47,7 @@ class UploadMetrics:
                     "Seconds since the newest remotely committed step was saved (training time at risk)",
                     registry=r)
         age.set_function(self._age)
-        self._server: Any = None
+        self._server: WSGIServer | None = None  # prometheus_client's server
 
     def set_newest_remote(self, step: int, commit_time_epoch_s: float) -> None:
         with self._lock:

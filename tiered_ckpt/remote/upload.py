@@ -30,7 +30,7 @@ from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
-from tiered_ckpt.local.steps import committed_steps, resolve_root, step_path
+from tiered_ckpt.local.catalogue import committed_steps, resolve_root, step_path
 from tiered_ckpt.remote import retention
 from tiered_ckpt.remote.catalogue import committed_step_candidates
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError
