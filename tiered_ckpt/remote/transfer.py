@@ -50,7 +50,7 @@ import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 from tiered_ckpt.errors import ShardCorruptedError
 from tiered_ckpt.format.crc32c import crc32c_extend
@@ -108,14 +108,12 @@ def send_shard(
     expected_sha256: str,
     part_executor: ThreadPoolExecutor,
     part_slots: threading.Semaphore,
-    extra_args: Mapping[str, str] | None = None,
     stop_event: threading.Event | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SentShard:
     """Send ``path`` to ``key`` (relative to the store prefix) hashing it as it is read; see the module
-    docstring. The store applies its own write settings (SSE, storage class) to the objects it creates;
-    ``extra_args`` is accepted and ignored until the callers in ``remote/`` stop passing it (the uploader
-    passes the ``WriteSettings.extra_args()`` its store was built with, so nothing is lost). Raises
+    docstring. The store applies its own write settings (SSE, storage class) to the objects it creates.
+    Raises
     :class:`LocalShardError` (file differs from the manifest; nothing committed), ``FileNotFoundError``
     (file gone), :class:`OperationInterruptedError` (stop event; upload aborted),
     :class:`TransitCorruptionError` (the multipart upload vanished), ``UploadError`` (the store's retries
