@@ -320,6 +320,7 @@ def test_rotation_runs_only_after_a_successful_commit(tmp_path):
 # --------------------------------------------------------------------------------------- multi-rank
 
 
+@pytest.mark.slow  # multi-process (real gloo ranks): out of the quick tier
 def test_two_ranks_node_local_roots(tmp_path):
     from test_torch_state import run_ranks
 
@@ -339,6 +340,7 @@ def test_two_ranks_node_local_roots(tmp_path):
     assert committed_steps(tmp_path / "node0") == [4, 6]  # keep_last=2 on every node
 
 
+@pytest.mark.slow  # multi-process (real gloo ranks): out of the quick tier
 def test_dead_rank_mid_save_raises_instead_of_hanging(tmp_path):
     from test_torch_state import run_ranks
 
@@ -349,6 +351,7 @@ def test_dead_rank_mid_save_raises_instead_of_hanging(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow  # multi-process (real gloo ranks): out of the quick tier
 def test_two_ranks_agree_on_time_policy_and_preemption(tmp_path):
     from test_torch_state import run_ranks
 

@@ -216,6 +216,7 @@ def run_ranks(mode: str, out: Path, world: int = 2, timeout: float = 120) -> lis
     return results
 
 
+@pytest.mark.slow  # multi-process (real gloo ranks): out of the quick tier
 def test_zero_redundancy_optimizer_local_partition(tmp_path):
     res = run_ranks("zero", tmp_path)
     for r in res:

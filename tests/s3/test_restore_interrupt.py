@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from restore_util import files_under, publish
 from s3_infra import S3Location
@@ -16,6 +17,7 @@ from spawn import child_env, python_cmd
 from tiered_ckpt import committed_steps, save_sharded
 
 
+@pytest.mark.slow  # two full CLI restores of 96 MiB (~10 s): out of the quick tier
 def test_sigint_mid_restore_stops_promptly_and_commits_nothing(tmp_path: Path, s3_bucket: S3Location) -> None:
     src = tmp_path / "src"
     rng = np.random.default_rng(0)
