@@ -1,18 +1,17 @@
-"""Filesystem primitives of the commit protocol (POSIX): unique temp names, fsync, atomic rename,
-directory fsync, writer liveness. Knows nothing of manifests, S3 or threads.
-
-The durable-replace recipe (SPEC §2, I1): write to a unique temp name in the *same directory*, fsync the
-file, ``rename(2)`` it over the final name (atomic on one POSIX filesystem), then fsync the directory so
-that the rename itself survives a power loss. torch DCP and orbax skip the directory fsync; we don't.
+"""POSIX primitives below the commit protocols: this node's and process's identity (host name, owner
+tokens that survive pid reuse, liveness of an owner), unique temp names that name their owner, save ids
+and timestamps, and raw write helpers (``write(2)`` until done, writeback hints). Nothing here makes a
+file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync, rename, directory fsync).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
+import stat
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -79,6 +78,25 @@ def owner_alive(token: str) -> bool:
     return start == 0 or actual == start
 
 
+def new_save_id() -> str:
+    """A fresh random save id (32 hex chars)."""
+    return uuid.uuid4().hex
+
+
+def utc_now() -> str:
+    """Now in UTC, ISO-8601 with microseconds and a ``Z`` (the manifest's ``created_at``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def is_real_dir(p: Path) -> bool:
+    """``p`` is a directory and not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(p).st_mode)
+    except OSError:
+        return False
+
+
+
 def temp_name_for(final_name: str) -> str:
     """A unique temp name for one write attempt of ``final_name``: ``.<final>.<owner>.<rand>.tmp``.
 
@@ -97,15 +115,6 @@ def temp_owner(name: str) -> str | None:
     if len(parts) < 5:
         return None
     return ".".join(parts[-4:-1])
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so that entries created, renamed or removed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -147,59 +156,6 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def atomic_write(
-    path: str | os.PathLike[str],
-    writer: Callable[[int], None],
-    *,
-    exclusive: bool = False,
-    dir_fsync: bool = True,
-) -> None:
-    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes.
-
-    Temp file in the same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, then
-    ``rename`` over ``path`` (or, with ``exclusive=True``, ``link`` + ``unlink`` so that an existing
-    ``path`` makes it fail with ``FileExistsError``), then fsync the directory. On any error the temp
-    file is removed and the ``OSError`` propagates; with ``exclusive=True`` an error of the directory
-    fsync also removes ``path`` again, so that an error always means "not created".
-    """
-    path = Path(path)
-    tmp = path.with_name(temp_name_for(path.name))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            writer(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if exclusive:
-            os.link(tmp, path)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    if exclusive:
-        _unlink_quietly(tmp)  # a leftover hard link is harmless: gc removes it once we are gone
-    if dir_fsync:
-        try:
-            fsync_dir(path.parent)
-        except BaseException:
-            if exclusive:
-                # The new entry may not be durable: take it away again so that the caller's error is
-                # the whole truth (for a manifest: the step is not committed, the previous stays newest).
-                _unlink_quietly(path)
-            raise
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, **kwargs: bool) -> None:
-    """:func:`atomic_write` of a bytes object."""
-    atomic_write(path, lambda fd: write_all(fd, data), **kwargs)
-
-
-def atomic_write_json(path: str | os.PathLike[str], obj: object, **kwargs: bool) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), **kwargs)
-
-
 def _unlink_quietly(path: str | os.PathLike[str]) -> None:
     try:
         os.unlink(path)
@@ -212,14 +168,3 @@ def _unlink_quietly(path: str | os.PathLike[str]) -> None:
 def unlink_quietly(path: str | os.PathLike[str]) -> None:
     """Remove a file, ignoring any error (cleanup on a failure path)."""
     _unlink_quietly(path)
-
-
-def unlink_durable(path: str | os.PathLike[str]) -> bool:
-    """Remove ``path`` and fsync its directory. Returns whether it existed."""
-    path = Path(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    fsync_dir(path.parent)
-    return True

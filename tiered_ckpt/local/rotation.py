@@ -5,18 +5,18 @@ Rules, applied by :func:`plan_rotation` to the committed steps of one root, orde
 
 1. The newest ``keep_last`` steps are kept (``keep_last >= 1``: the newest is never deleted).
 2. An older step is kept while any live advisory lock names it (a reader, the uploader sidecar; see
-   :mod:`tiered_ckpt._locks`).
+   :mod:`tiered_ckpt.locks`).
 3. With ``upload_gated=True``, an older step without the sidecar's ``uploaded.json`` marker is *pending*
    and kept, but at most ``max_pending_uploads`` pending steps are kept beyond the newest ``keep_last``:
    past that, the oldest pending ones are deleted with an ERROR log (a dead sidecar must not fill the
    disk). A root therefore holds at most ``keep_last + max_pending_uploads`` unlocked steps.
 4. Everything else older is deleted.
 
-Deleting (:func:`delete_step`) follows the lock protocol of :mod:`tiered_ckpt._locks`: rename the step
+Deleting (:func:`delete_step`, through :mod:`tiered_ckpt.local.trash`) follows the lock protocol of :mod:`tiered_ckpt.locks`: rename the step
 directory to a trash name (atomic: readers stop seeing the step at once), check the locks again inside it,
 rename it back if a holder raced in, otherwise remove the files and fsync the root.
 
-Callers: :class:`~tiered_ckpt.manager.CheckpointManager` after each successful commit (each committing
+Callers: :class:`~tiered_ckpt.CheckpointManager` after each successful commit (each committing
 node on its own root), and the CLI ``gc``.
 """
 
@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiered_ckpt.fs import fsync_dir, owner_alive, owner_token
 from tiered_ckpt.locks import live_locks
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local.markers import has_uploaded_marker
-from tiered_ckpt.local.steps import TRASH_PREFIX, committed_steps
+from tiered_ckpt.local.catalogue import committed_steps
+from tiered_ckpt.local.trash import move_to_trash, put_back, remove_trash, sweep_trash
 
 log = logging.getLogger(__name__)
 
@@ -102,44 +100,17 @@ def delete_step(root: str | os.PathLike[str], step: int) -> bool:
 
     Raises ``OSError`` if renaming or removing fails (the step stays, or stays un-committed in trash).
     """
-    r = Path(root)
-    sdir = r / step_dir_name(step)
-    trash = r / f"{TRASH_PREFIX}{sdir.name}.{owner_token()}.{uuid.uuid4().hex[:8]}"
+    sdir = Path(root) / step_dir_name(step)
     try:
-        os.rename(sdir, trash)
+        trash = move_to_trash(sdir)
     except FileNotFoundError:
         return False
     if live_locks(trash):
-        os.rename(trash, sdir)
-        fsync_dir(r)
+        put_back(trash, sdir)
         log.info("rotation: step %d got locked while being deleted; kept", step)
         return False
-    fsync_dir(r)
-    shutil.rmtree(trash)
-    fsync_dir(r)
+    remove_trash(trash)
     return True
-
-
-def sweep_trash(root: str | os.PathLike[str]) -> int:
-    """Remove trash directories left by dead deleters on this host. Returns how many were removed."""
-    r = Path(root)
-    try:
-        names = os.listdir(r)
-    except FileNotFoundError:
-        return 0
-    n = 0
-    for name in names:
-        if not name.startswith(TRASH_PREFIX):
-            continue
-        parts = name[len(TRASH_PREFIX):].split(".")
-        # step_XXXXXXXXXX, host, pid, start, rand
-        if len(parts) != 5 or owner_alive(".".join(parts[1:4])):
-            continue  # another tool's naming (gc's), or a live deleter: not ours to touch
-        shutil.rmtree(r / name, ignore_errors=True)
-        n += 1
-    if n:
-        fsync_dir(r)
-    return n
 
 
 def rotate(root: str | os.PathLike[str], policy: RotationPolicy, *, rank: int = 0) -> list[int]:
