@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import s3_infra  # noqa: E402
 from _common import interleaved, machine_note, median, table  # noqa: E402
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
-from tiered_ckpt.local.steps import save_sharded  # noqa: E402
+from tiered_ckpt.local import save_sharded  # noqa: E402
 
 MiB = 1024 * 1024
 SETTINGS = {"s3": (16 * MiB, 16), "default": (64 * MiB, 8), "moto": (2048 * MiB, 4)}

@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import numpy as np  # noqa: E402
 
 import s3_infra  # noqa: E402
-from tiered_ckpt.local.steps import save_sharded  # noqa: E402
+from tiered_ckpt.local import save_sharded  # noqa: E402
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
 
 MiB = 1024 * 1024

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_ckpt.local.steps import save_sharded
+from tiered_ckpt.local import save_sharded
 from tiered_ckpt.layout import step_dir_name
 
 MiB = 1024 * 1024

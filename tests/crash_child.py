@@ -73,7 +73,7 @@ def make_states(seed: int, big: bool = False, world_size: int = WORLD_SIZE) -> l
 
 def _save(variant: str, root: str, step: int, states: list[dict]) -> None:
     from tiered_ckpt import commit_step, save_sharded, write_shard
-    from tiered_ckpt.local.steps import new_save_id
+    from tiered_ckpt.local import new_save_id
 
     if variant in ("sharded", "replace"):
         save_sharded(states, root, step, extra={"variant": variant}, replace=(variant == "replace"))

@@ -20,7 +20,7 @@ from spawn import python_cmd
 from tiered_ckpt import CheckpointError, GlobalSlice, read_manifest
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local.steps import committed_steps, save_sharded
+from tiered_ckpt.local import committed_steps, save_sharded
 from tiered_ckpt.training.manager import CheckpointManager
 from tiered_ckpt.local.rotation import RotationPolicy, plan_rotation, rotate
 

@@ -25,7 +25,7 @@ except ImportError:  # tests/ became a package
 
 from tiered_ckpt import (CheckpointWriteError, commit_step, latest_step, load_sharded, save_sharded,
                          write_shard)
-from tiered_ckpt.local.steps import new_save_id
+from tiered_ckpt.local import new_save_id
 from tiered_ckpt.local.scan import inspect_step
 
 MiB = 1024 * 1024

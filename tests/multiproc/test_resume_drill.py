@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("torch")
 
 from spawn import child_env, free_port, python_cmd  # noqa: E402
-from tiered_ckpt.local.steps import committed_steps, read_manifest  # noqa: E402
+from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import s3_infra
 from _upload_util import list_keys, make_step, remote_bytes
 from spawn import python_cmd
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local.steps import committed_steps, read_manifest
+from tiered_ckpt.local import committed_steps, read_manifest
 from tiered_ckpt.format.upload_manifest import UploadManifest
 
 MiB = 1024 * 1024

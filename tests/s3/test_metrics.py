@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import s3_infra
 from _upload_util import SMALL, make_step
 from tiered_ckpt import Uploader
-from tiered_ckpt.local.steps import read_manifest
+from tiered_ckpt.local import read_manifest
 from tiered_ckpt.remote.metrics import UploadMetrics
 from tiered_ckpt.retry import RetryPolicy
 

@@ -12,7 +12,7 @@ import s3_infra
 from _upload_util import SMALL, list_keys, make_step, remote_bytes, split_nodes
 from tiered_ckpt import UploadManifest, Uploader
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local.steps import read_manifest
+from tiered_ckpt.local import read_manifest
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.remote.upload import StepIncompleteError, UploadPolicy
 from tiered_ckpt.format.upload_manifest import LatestPointer

@@ -11,7 +11,7 @@ import s3_infra
 from _upload_util import SMALL, list_keys, make_step, remote_bytes
 from tiered_ckpt import ShardCorruptedError, UploadError, Uploader
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local.steps import read_manifest
+from tiered_ckpt.local import read_manifest
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.remote.upload import LocalStepGoneError
 
