@@ -263,6 +263,7 @@ class LocalStepCommit:
         self.created_dir, self.claimed = created_dir, claimed
         self.committed = False
         self._staged: dict[str, Path] = {}
+        self._synced: set[str] = set()
         self._open = True
 
     @classmethod
@@ -317,12 +318,20 @@ class LocalStepCommit:
         self._staged[name] = tmp
         return tmp
 
+    def sync_staged(self, name: str) -> None:
+        """fsync the staged file of ``name`` now (e.g. on the thread that downloaded it, so that the
+        flushes of several files overlap); :meth:`publish` then does not fsync it again. Raises ``OSError``."""
+        fsync_file(self._staged[name])
+        self._synced.add(name)
+
     def publish(self, names: list[str] | None = None) -> None:
-        """fsync each staged file (``names``: default all staged), rename it onto its name, then fsync the
-        directory once. Raises ``OSError``; what was renamed stays renamed (the step is not committed)."""
+        """fsync each staged file not yet synced (``names``: default all staged), rename it onto its name,
+        then fsync the directory once. Raises ``OSError``; what was renamed stays renamed (the step is not
+        committed)."""
         todo = sorted(self._staged) if names is None else names
         for name in todo:
-            fsync_file(self._staged[name])
+            if name not in self._synced:
+                fsync_file(self._staged[name])
         for name in todo:
             os.rename(self._staged.pop(name), self.step_dir / name)
         fsync_dir(self.step_dir)

@@ -112,16 +112,22 @@ def _same_save(local_bytes: bytes, plan: RestorePlan) -> bool:
         (a.sha256, a.size_bytes) == (b.sha256, b.size_bytes) for a, b in zip(lm.shards, rm.shards))
 
 
-def _download_all(store: ObjectStore, plan: RestorePlan, targets: dict[int, Path], max_parallel_shards: int,
+def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, max_parallel_shards: int,
                   on_progress: ProgressCallback | None, cancel: Callable[[], None]) -> None:
-    """Step 3 for every planned object, ``max_parallel_shards`` at once; raises the lowest rank's error
-    (a local ``OSError`` as :class:`CheckpointWriteError`). On KeyboardInterrupt the transfers in flight
-    are cancelled (``cancel()``), not waited out."""
+    """Step 3 for every planned object, ``max_parallel_shards`` at once: each shard is downloaded into
+    its staged temp name, verified, and fsynced on its own thread (so the flushes overlap); raises the
+    lowest rank's error (a local ``OSError`` as :class:`CheckpointWriteError`). On KeyboardInterrupt the
+    transfers in flight are cancelled (``cancel()``), not waited out."""
+    targets = {o.rank: lsc.stage(shard_file_name(o.rank)) for o in plan.objects}
+
+    def fetch(obj: RemoteObject) -> None:
+        fetch_shard(store, plan, obj, targets[obj.rank], on_progress)
+        lsc.sync_staged(shard_file_name(obj.rank))
+
     errors: dict[int, BaseException] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(max_parallel_shards, len(plan.objects))),
                             thread_name_prefix="tiered-ckpt-restore") as pool:
-        futs = {o.rank: pool.submit(fetch_shard, store, plan, o, targets[o.rank], on_progress)
-                for o in plan.objects}
+        futs = {o.rank: pool.submit(fetch, o) for o in plan.objects}
         try:
             for rank, fut in futs.items():
                 exc = fut.exception()
@@ -177,8 +183,7 @@ def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
         raise as_write_error(e, f"step {step}: cannot prepare {root / step_dir_name(step)}") from e
     with lsc:
         try:
-            targets = {o.rank: lsc.stage(shard_file_name(o.rank)) for o in plan.objects}
-            _download_all(store, plan, targets, max_parallel_shards, on_progress, cancel)
+            _download_all(store, plan, lsc, max_parallel_shards, on_progress, cancel)
             try:
                 keep_manifest = _publish(lsc, plan, uncommit=local_bytes is not None and not keep_manifest,
                                          keep_manifest=keep_manifest)
