@@ -237,7 +237,7 @@ class _Demo:
         self.written = _bytes_by_step(self.story_root)
         self.upload_lat = list(_upload_latencies(self.story_root).values())
         shutil.rmtree(self.story_root)
-        self.remote = [s for s in list_remote_steps(self.target.remote_url, s3_client=self.target.client) if s.ok]
+        self.remote = [s for s in list_remote_steps(self.target.remote_url, store=self.target.store) if s.ok]
         self.say(f"[6/8] cluster loss: job and sidecar SIGKILLed at step {self.loss_at}, local tier deleted; "
                  f"remotely committed: {[s.step for s in self.remote]}")
 
@@ -245,7 +245,7 @@ class _Demo:
         from tiered_ckpt.remote.restore import list_remote_steps, restore_detailed
 
         cfg, root, target = self.cfg, self.story_root, self.target
-        res = restore_detailed(target.remote_url, root, s3_client=target.client)
+        res = restore_detailed(target.remote_url, root, store=target.store)
         if res.plan.step != max(s.step for s in self.remote):
             raise DemoError(f"restore: restored step {res.plan.step}, newest remote is {self.remote[-1].step}")
         self.say(f"[7/8] restore: step {res.plan.step} ({res.bytes_downloaded / MiB:.1f} MiB, verified) in "
@@ -265,7 +265,7 @@ class _Demo:
             if s != res.plan.step:
                 self.written[s] = b
         self.upload_lat += [v for s, v in _upload_latencies(root).items() if s != res.plan.step]
-        self.remote = [s for s in list_remote_steps(target.remote_url, s3_client=target.client) if s.ok]
+        self.remote = [s for s in list_remote_steps(target.remote_url, store=target.store) if s.ok]
 
     def _report(self) -> DemoReport:
         """Compare the story's curve (each step's loss from the phase that ran it last) with the baseline."""

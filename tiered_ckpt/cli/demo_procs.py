@@ -16,7 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable
+from typing import IO, TYPE_CHECKING, Callable
+
+from tiered_ckpt.store import ObjectStore
 
 if TYPE_CHECKING:
     from moto.server import ThreadedMotoServer
@@ -69,12 +71,13 @@ def sidecar_argv(root: Path, remote_url: str, endpoint_url: str) -> list[str]:
 @dataclass(frozen=True)
 class S3Target:
     """Where the story uploads: ``remote_url`` (``s3://bucket/prefix``, a fresh prefix), ``endpoint``
-    (URL), ``where`` (one line for the report) and ``client`` (a botocore S3 client for the restore)."""
+    (URL), ``where`` (one line for the report) and ``store`` (an open store of ``remote_url``, for the
+    listing and the restore; closed by :meth:`DemoS3.stop`)."""
 
     remote_url: str
     endpoint: str
     where: str
-    client: Any  # botocore S3 client: the front end hands it to restore; no interface type above store/
+    store: ObjectStore
 
 
 class DemoS3:
@@ -83,11 +86,12 @@ class DemoS3:
 
     def __init__(self) -> None:
         self.server: ThreadedMotoServer | None = None
+        self.store: ObjectStore | None = None
 
     def start(self, endpoint_url: str | None, bucket: str, env: dict[str, str]) -> S3Target:
         """Start (or reach) the server, make sure ``bucket`` exists, set ``env["AWS_ENDPOINT_URL"]``.
         Raises :class:`DemoError` if the bucket can be neither read nor created."""
-        from tiered_ckpt.store import make_s3_client
+        from tiered_ckpt.store import S3Store, make_s3_client
 
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
         if endpoint is None:
@@ -97,6 +101,8 @@ class DemoS3:
             where = f"S3 endpoint {endpoint}"
         env["AWS_ENDPOINT_URL"] = endpoint
         client = make_s3_client(endpoint_url=endpoint, path_style=True)
+        # Setting up the demo's own bucket is not a store operation (the ObjectStore interface works
+        # inside an existing bucket): the one place above store/ that calls the client itself.
         try:
             client.head_bucket(Bucket=bucket)
         except Exception:  # noqa: BLE001 - absent (404) or not ours: try to create it, fail loudly below
@@ -105,7 +111,9 @@ class DemoS3:
             except Exception as e:  # noqa: BLE001
                 raise DemoError(f"s3: cannot use bucket {bucket!r} at {endpoint}: {e}") from e
         prefix = f"demo/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        return S3Target(f"s3://{bucket}/{prefix}", endpoint, where, client)
+        url = f"s3://{bucket}/{prefix}"
+        self.store = S3Store.from_url(url, client=client)
+        return S3Target(url, endpoint, where, self.store)
 
     def _start_embedded(self, env: dict[str, str]) -> str:
         from moto.server import ThreadedMotoServer
@@ -123,6 +131,9 @@ class DemoS3:
         return f"http://{host}:{port}"
 
     def stop(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         if self.server is not None:
             self.server.stop()
             self.server = None
