@@ -34,6 +34,12 @@ SAVE_LOCK_NAME = ".save.lock"
 #: Prefix of advisory lock files (readers, uploader) in a step directory (see _locks.py).
 LOCK_PREFIX = ".lock."
 TMP_SUFFIX = ".tmp"
+#: Prefix of a step directory being deleted (renamed first, then removed; local/trash.py).
+TRASH_PREFIX = ".trash."
+#: Folder of the per-shard confirmation records inside a remote step (remote/commit.py).
+CONFIRM_DIR = ".confirm"
+#: Remote keys of the store's checksum-validation probe (store/probe.py), relative to the prefix.
+PROBE_KEY_PREFIX = ".tiered_ckpt_probe/"
 
 # ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$" would
 # also accept a trailing newline): one step number has exactly one directory name.

@@ -14,10 +14,9 @@ import uuid
 from pathlib import Path
 
 from tiered_ckpt.fs import owner_alive, owner_token
+from tiered_ckpt.layout import TRASH_PREFIX
 from tiered_ckpt.local.commit import fsync_dir
 
-#: Prefix of a step directory being deleted by rotation or gc (renamed first, then removed).
-TRASH_PREFIX = ".trash."
 
 
 def move_to_trash(step_dir: Path, *, owned: bool = True) -> Path:

@@ -46,14 +46,14 @@ from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.records import ConfirmationRecord
 from tiered_ckpt.format.upload_manifest import LatestPointer, RemoteShard, UploadManifest
-from tiered_ckpt.layout import LATEST_POINTER_NAME, MANIFEST_NAME, UPLOAD_MANIFEST_NAME, remote_key, shard_file_name
+from tiered_ckpt.layout import (CONFIRM_DIR, LATEST_POINTER_NAME, MANIFEST_NAME, UPLOAD_MANIFEST_NAME, remote_key,
+                                shard_file_name)
 from tiered_ckpt.remote.catalogue import get_or_none, read_latest_pointer_versioned, read_upload_manifest, step_key
 from tiered_ckpt.remote.errors import StepIncompleteError
 from tiered_ckpt.store.base import ObjectStore, PreconditionFailedError
 
 log = logging.getLogger(__name__)
 
-CONFIRM_DIR = ".confirm"
 #: Conditional attempts to move ``latest`` before giving up (each lost one means another node moved it).
 LATEST_MOVE_ATTEMPTS = 20
 

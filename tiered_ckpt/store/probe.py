@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Mapping, Protocol
 
+from tiered_ckpt.layout import PROBE_KEY_PREFIX
 from tiered_ckpt.retry import s3_error_code_and_status
 from tiered_ckpt.store.checksums import checksums_match, sha256_b64
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Where :func:`probe_checksum_validation` writes its probe object, under the store prefix.
-PROBE_KEY_PREFIX = ".tiered_ckpt_probe/"
 _DIGEST_REJECTION_CODES = frozenset(
     {"BadDigest", "InvalidDigest", "InvalidRequest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
 )
