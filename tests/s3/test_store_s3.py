@@ -23,6 +23,7 @@ import io
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -723,3 +724,23 @@ def test_proxy_keeps_aws_chunked_framing() -> None:
     assert data == b"a" * 1024 + b"xyz"
     assert trailers == [b"x-amz-checksum-sha256:" + sha256_b64(data).encode()]
     assert _encode_chunked(chunks, trailers) == raw
+
+
+def test_ensure_bucket_creates_once_and_fails_typed(moto_server: str) -> None:
+    from tiered_ckpt.errors import UploadError
+    from tiered_ckpt.store import ensure_bucket, make_s3_client
+
+    client = make_s3_client(endpoint_url=moto_server, path_style=True)
+    name = f"tc-ensure-{uuid.uuid4().hex[:12]}"
+    assert ensure_bucket(client, name) is True
+    assert ensure_bucket(client, name) is False
+    client.put_object(Bucket=name, Key="k", Body=b"x")
+    assert client.get_object(Bucket=name, Key="k")["Body"].read() == b"x"
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: neither HeadBucket nor CreateBucket answers
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    unreachable = make_s3_client(endpoint_url=dead, path_style=True, botocore_max_attempts=1, connect_timeout_s=1)
+    with pytest.raises(UploadError, match=f"cannot use bucket '{name}'"):
+        ensure_bucket(unreachable, name)

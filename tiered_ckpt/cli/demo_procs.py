@@ -91,7 +91,8 @@ class DemoS3:
     def start(self, endpoint_url: str | None, bucket: str, env: dict[str, str]) -> S3Target:
         """Start (or reach) the server, make sure ``bucket`` exists, set ``env["AWS_ENDPOINT_URL"]``.
         Raises :class:`DemoError` if the bucket can be neither read nor created."""
-        from tiered_ckpt.store import S3Store, make_s3_client
+        from tiered_ckpt.errors import UploadError
+        from tiered_ckpt.store import S3Store, ensure_bucket, make_s3_client
 
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
         if endpoint is None:
@@ -101,15 +102,10 @@ class DemoS3:
             where = f"S3 endpoint {endpoint}"
         env["AWS_ENDPOINT_URL"] = endpoint
         client = make_s3_client(endpoint_url=endpoint, path_style=True)
-        # Setting up the demo's own bucket is not a store operation (the ObjectStore interface works
-        # inside an existing bucket): the one place above store/ that calls the client itself.
         try:
-            client.head_bucket(Bucket=bucket)
-        except Exception:  # noqa: BLE001 - absent (404) or not ours: try to create it, fail loudly below
-            try:
-                client.create_bucket(Bucket=bucket)
-            except Exception as e:  # noqa: BLE001
-                raise DemoError(f"s3: cannot use bucket {bucket!r} at {endpoint}: {e}") from e
+            ensure_bucket(client, bucket)
+        except UploadError as e:
+            raise DemoError(f"s3: cannot use bucket {bucket!r} at {endpoint}: {e.__cause__ or e}") from e
         prefix = f"demo/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         url = f"s3://{bucket}/{prefix}"
         self.store = S3Store.from_url(url, client=client)

@@ -45,12 +45,13 @@ from tiered_ckpt.store.checksums import (
 from tiered_ckpt.store.settings import TransferSettings, WriteSettings
 
 if TYPE_CHECKING:
-    from tiered_ckpt.store.client import make_s3_client
+    from tiered_ckpt.store.client import ensure_bucket, make_s3_client
     from tiered_ckpt.store.probe import probe_checksum_validation
     from tiered_ckpt.store.s3 import S3Store
 
 _LAZY = {
     "S3Store": "tiered_ckpt.store.s3",
+    "ensure_bucket": "tiered_ckpt.store.client",
     "make_s3_client": "tiered_ckpt.store.client",
     "probe_checksum_validation": "tiered_ckpt.store.probe",
 }
@@ -82,6 +83,7 @@ __all__ = [
     "checksums_match",
     "composite_sha256_b64",
     "compute_file_digests",
+    "ensure_bucket",
     "format_s3_url",
     "make_s3_client",
     "parse_s3_url",

@@ -91,4 +91,25 @@ def make_s3_client(
     return client
 
 
-__all__ = ["make_s3_client"]
+def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
+    """Make sure ``bucket`` exists: HeadBucket, and CreateBucket when it is absent (S3 API). Returns
+    whether it was created. For setting up a test or demo server; the :class:`ObjectStore` interface
+    itself works inside an existing bucket. Raises :class:`~tiered_ckpt.errors.UploadError` when the
+    bucket can be neither read nor created (the botocore error as cause)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from tiered_ckpt.errors import UploadError
+
+    try:
+        client.head_bucket(Bucket=bucket)
+        return False
+    except (ClientError, BotoCoreError):  # absent (404), or not ours: try to create it, fail loudly below
+        pass
+    try:
+        client.create_bucket(Bucket=bucket)
+    except (ClientError, BotoCoreError) as e:
+        raise UploadError(f"cannot use bucket {bucket!r}: {type(e).__name__}: {e}") from e
+    return True
+
+
+__all__ = ["ensure_bucket", "make_s3_client"]
