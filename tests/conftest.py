@@ -9,10 +9,7 @@ from typing import Iterator
 
 import pytest
 
-try:
-    import s3_infra
-except ImportError:  # tests/ became a package
-    from tests import s3_infra
+import s3_infra
 
 
 @pytest.fixture(scope="session", autouse=True)

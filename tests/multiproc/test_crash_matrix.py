@@ -35,12 +35,8 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import crash_harness as H
-    from crash_child import make_states
-except ImportError:  # tests/ became a package
-    from tests import crash_harness as H
-    from tests.crash_child import make_states
+import crash_harness as H
+from crash_child import make_states
 
 import tiered_ckpt
 from tiered_ckpt import CheckpointExistsError, latest_step, load_sharded, read_manifest, save_sharded

@@ -16,12 +16,8 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-try:
-    import crash_harness as H
-    from crash_child import make_states
-except ImportError:  # tests/ became a package
-    from tests import crash_harness as H
-    from tests.crash_child import make_states
+import crash_harness as H
+from crash_child import make_states
 
 from tiered_ckpt import (CheckpointWriteError, commit_step, latest_step, load_sharded, save_sharded,
                          write_shard)
