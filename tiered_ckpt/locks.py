@@ -55,29 +55,20 @@ def hold_step_lock(step_dir: str | os.PathLike[str], kind: str) -> Iterator[Path
             pass
 
 
-def live_locks(step_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """``(kind, owner)`` of every lock on ``step_dir`` whose owner may be alive."""
-    out = []
+def _lock_files(step_dir: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
+    """``(file name, kind, owner)`` of every lock file on ``step_dir``."""
     try:
         names = os.listdir(step_dir)
     except FileNotFoundError:
         return []
-    for name in names:
-        parsed = _parse(name)
-        if parsed and owner_alive(parsed[1]):
-            out.append(parsed)
-    return out
+    return [(name, *parsed) for name in names if (parsed := _parse(name))]
+
+
+def live_locks(step_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """``(kind, owner)`` of every lock on ``step_dir`` whose owner may be alive."""
+    return [(kind, owner) for _, kind, owner in _lock_files(step_dir) if owner_alive(owner)]
 
 
 def stale_lock_files(step_dir: str | os.PathLike[str]) -> list[Path]:
     """Lock files on ``step_dir`` whose owner is dead (safe to remove)."""
-    out = []
-    try:
-        names = os.listdir(step_dir)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        parsed = _parse(name)
-        if parsed and not owner_alive(parsed[1]):
-            out.append(Path(step_dir) / name)
-    return out
+    return [Path(step_dir) / name for name, _, owner in _lock_files(step_dir) if not owner_alive(owner)]

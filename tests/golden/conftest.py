@@ -1,11 +1,5 @@
 """Tier 'golden': every test collected under this folder gets the `golden` marker."""
 
-import pytest
+from tiers import tier_hook
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = __file__.rsplit("/", 1)[0] + "/"
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.golden)
+pytest_collection_modifyitems = tier_hook(__file__, "golden")
