@@ -128,7 +128,7 @@ def plan_step(store: ObjectStore, step: int, ranks: Iterable[int] | None, *, fro
         raise NoCheckpointError(f"step {step} has no {UPLOAD_MANIFEST_NAME} under {store.url}: it was never "
                                 "fully uploaded, so it does not exist for restore")
     um, um_raw = um_pair
-    if um.prefix.strip("/") != getattr(store, "prefix", um.prefix).strip("/"):
+    if um.prefix.strip("/") != store.prefix.strip("/"):
         log.warning("step %d: upload manifest was written under prefix %r, restoring from %s (a copied "
                     "bucket?)", step, um.prefix, store.url)
     m, raw = _read_mirrored_manifest(store, step, um)

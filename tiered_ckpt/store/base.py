@@ -154,6 +154,11 @@ class ObjectStore(Protocol):
         """``s3://bucket/prefix`` (no credentials), for logs and messages."""
         ...
 
+    @property
+    def prefix(self) -> str:
+        """The key prefix every key is relative to (``""`` for a whole bucket), as in :attr:`url`."""
+        ...
+
     # ------------------------------------------------------------------------------ small objects
 
     def put_bytes(
