@@ -362,12 +362,14 @@ class LocalStepCommit:
 
     # step 5
     def abandon(self) -> None:
-        """A failed writer lets go: staged temps removed, the lock released, and a step directory this
-        open created removed again when it is empty (another rank may be writing into it)."""
+        """A failed writer lets go: staged temps removed, the lock released if this open claimed it, and a
+        step directory this open created removed again when it is empty (another rank may be writing into
+        it)."""
         self.discard_staged()
         if self.committed:
             return
-        self.release_lock()
+        if self.claimed:
+            self.release_lock()
         if self.created_dir:
             try:
                 os.rmdir(self.step_dir)
