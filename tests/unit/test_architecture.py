@@ -4,7 +4,8 @@
 - no import of another folder's ``_private`` names or modules, no import circle;
 - no module over 400 lines, no function over 80 lines unless its docstring says "Long because";
 - the durable-commit calls (``os.fsync``, ``os.replace``, ``os.rename``) only in the local commit protocol
-  module and the one trash helper; boto3/botocore only in ``store/``; tenacity only in ``retry.py``;
+  module and the one trash helper; boto3/botocore only in ``store/client.py``, s3transfer only in
+  ``store/files.py`` (type-only imports aside), tenacity only in ``retry.py``;
   the format layer does no I/O and starts no threads; nothing above ``store/`` touches a boto3 client.
 
 Each checker is a function of ``{module name: source}`` so that the tests below also prove, on small
@@ -203,18 +204,35 @@ def check_durable_calls(modules: dict[str, str]) -> list[str]:
     return bad
 
 
+#: The only modules that may import each library when the program runs (type-only imports under
+#: ``if TYPE_CHECKING:`` are free inside ``store/``).
+THIRD_PARTY_HOMES = {"boto3": {"tiered_ckpt.store.client"}, "botocore": {"tiered_ckpt.store.client"},
+                     "s3transfer": {"tiered_ckpt.store.files"}, "tenacity": {"tiered_ckpt.retry"}}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def check_third_party(modules: dict[str, str]) -> list[str]:
-    allowed = {"boto3": "tiered_ckpt.store", "botocore": "tiered_ckpt.store", "s3transfer": "tiered_ckpt.store",
-               "tenacity": "tiered_ckpt.retry"}
     bad = []
     for mod, src in modules.items():
-        for node in ast.walk(ast.parse(src)):
+        tree = ast.parse(src)
+        typing_only = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for name in names:
-                top = name.split(".")[0]
-                if top in allowed and not (mod == allowed[top] or mod.startswith(allowed[top] + ".")):
-                    bad.append(f"{mod}:{node.lineno} imports {name} (only {allowed[top]} may)")
+                homes = THIRD_PARTY_HOMES.get(name.split(".")[0])
+                if homes is None or mod in homes:
+                    continue
+                if id(node) in typing_only and mod.startswith("tiered_ckpt.store."):
+                    continue
+                bad.append(f"{mod}:{node.lineno} imports {name} (only {', '.join(sorted(homes))} may)")
     return bad
 
 
@@ -316,9 +334,13 @@ def test_durable_calls_outside_the_protocol_are_caught() -> None:
 
 
 def test_third_party_and_purity_and_client_are_caught() -> None:
-    assert check_third_party({"tiered_ckpt.remote.u": "import boto3\n", "tiered_ckpt.store.s3": "import boto3\n",
-                              "tiered_ckpt.local.x": "from tenacity import retry\n"}) == [
-        "tiered_ckpt.remote.u:1 imports boto3 (only tiered_ckpt.store may)",
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from botocore.client import BaseClient\n"
+    assert check_third_party({"tiered_ckpt.remote.u": "import boto3\n", "tiered_ckpt.store.client": "import boto3\n",
+                              "tiered_ckpt.store.s3": "import botocore\n", "tiered_ckpt.store.files": typed,
+                              "tiered_ckpt.remote.v": typed, "tiered_ckpt.local.x": "from tenacity import retry\n"}) == [
+        "tiered_ckpt.remote.u:1 imports boto3 (only tiered_ckpt.store.client may)",
+        "tiered_ckpt.store.s3:1 imports botocore (only tiered_ckpt.store.client may)",
+        "tiered_ckpt.remote.v:3 imports botocore.client (only tiered_ckpt.store.client may)",
         "tiered_ckpt.local.x:1 imports tenacity (only tiered_ckpt.retry may)"]
     assert check_format_pure({"tiered_ckpt.format.m": "import os\nopen('x')\n", "tiered_ckpt.local.m": "import os\n"}) == [
         "tiered_ckpt.format.m:1 imports os", "tiered_ckpt.format.m:2 calls open()"]

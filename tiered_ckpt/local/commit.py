@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
 from tiered_ckpt.fs import (is_real_dir, new_save_id, owner_alive, owner_token, temp_name_for, unlink_quietly, utc_now,
@@ -390,12 +390,6 @@ class LocalStepCommit:
         self.close()
 
 
-def write_marker(path: Path, data: Mapping[str, object] | bytes) -> None:
-    """Durably write a small JSON file (sorted keys, one-space indent, trailing newline) or raw bytes."""
-    body = data if isinstance(data, bytes) else (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
-    durable_write_bytes(path, body)
-
-
 __all__ = ["LocalStepCommit", "as_write_error", "claim_save_lock", "durable_write", "durable_write_bytes",
            "ensure_step_dir", "fsync_dir", "fsync_file", "is_committed", "lock_holder", "release_save_lock",
-           "unlink_durable", "write_marker"]
+           "unlink_durable"]
