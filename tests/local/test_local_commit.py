@@ -125,3 +125,37 @@ def test_durable_helpers(tmp_path: Path) -> None:
         durable_write_bytes(p, b"3", exclusive=True)
     assert p.read_bytes() == b"2" and _names(tmp_path) == {"f.json"}
     assert unlink_durable(p) is True and unlink_durable(p) is False
+
+
+def test_a_joined_open_never_releases_the_lock(tmp_path: Path) -> None:
+    with LocalStepCommit.open(tmp_path, 12, "sid_a") as first:
+        assert first.claimed
+        with LocalStepCommit.open(tmp_path, 12, "sid_a") as second:  # joins the lock first created
+            assert not second.claimed and second.created_dir is False
+            second.abandon()
+        assert lock_holder(first.step_dir) == "sid_a"
+        first.abandon()
+    assert not (tmp_path / step_dir_name(12)).exists()
+
+
+def test_a_failed_rename_in_publish_leaves_no_temp(tmp_path: Path) -> None:
+    with LocalStepCommit.open(tmp_path, 13, "sid_a") as c:
+        c.stage("rank_00000.safetensors").write_bytes(b"downloaded")
+        blocker = c.step_dir / "rank_00000.safetensors"
+        blocker.mkdir()  # rename(file, non-empty directory) fails
+        (blocker / "x").write_bytes(b"")
+        with pytest.raises(OSError):
+            c.publish()
+    assert not [n for n in os.listdir(tmp_path / step_dir_name(13)) if n.endswith(TMP_SUFFIX)]
+
+
+def test_a_failed_claim_leaves_no_step_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def eio(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "link", eio)  # the lock file's exclusive link
+    with pytest.raises(OSError):
+        LocalStepCommit.open(tmp_path, 14, "sid_a")
+    assert os.listdir(tmp_path) == []

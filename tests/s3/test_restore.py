@@ -186,3 +186,53 @@ def test_empty_bucket(s3_bucket: S3Location, tmp_path: Path) -> None:
     with pytest.raises(NoCheckpointError, match="no remotely committed step"):
         _restore(s3_bucket, tmp_path)
     assert list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client) == []
+
+
+def test_restore_decides_under_the_writer_lock(run, s3_bucket: S3Location, tmp_path: Path) -> None:
+    """A live local writer of another save holds the step: restore refuses before reading or writing
+    anything (I4); a committed step of another save is refused without replace and keeps no lock of
+    ours; a failed replace leaves no lock in it either."""
+    import json
+    import os
+
+    from tiered_ckpt.errors import ConcurrentSaveError
+    from tiered_ckpt.layout import SAVE_LOCK_NAME
+
+    loc = s3_bucket
+    dest = tmp_path / "dest"
+    sdir = dest / step_dir_name(20)
+    sdir.mkdir(parents=True)
+    lock = {"save_id": "another_save", "owner": f"otherhost.{os.getpid()}.0", "created_at": ""}
+    (sdir / SAVE_LOCK_NAME).write_text(json.dumps(lock))  # another host's writer: counted alive
+    with pytest.raises(ConcurrentSaveError, match="another writer"):
+        _restore(loc, dest)
+    assert sorted(os.listdir(sdir)) == [SAVE_LOCK_NAME] and json.loads((sdir / SAVE_LOCK_NAME).read_text()) == lock
+    shutil.rmtree(dest)
+
+    save_step(dest, 20)  # committed locally by another save
+    before = {n: (sdir / n).read_bytes() for n in os.listdir(sdir)}
+    with pytest.raises(CheckpointExistsError):
+        _restore(loc, dest)
+    assert {n: (sdir / n).read_bytes() for n in os.listdir(sdir)} == before  # untouched, no lock left
+
+    key = remote_key(loc.prefix, 20, "rank_00002.safetensors")
+    body = bytearray(loc.client.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
+    body[-1] ^= 0x01
+    loc.client.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
+    with pytest.raises(ShardCorruptedError):
+        _restore(loc, dest, replace=True)
+    assert {n: (sdir / n).read_bytes() for n in os.listdir(sdir)} == before  # failed before any change
+
+
+def test_symlinked_step_directory_is_refused(run, s3_bucket: S3Location, tmp_path: Path) -> None:
+    from tiered_ckpt.errors import CheckpointWriteError
+
+    outside = tmp_path / "outside"
+    save_step(outside, 20)  # a committed-looking step outside the run directory
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / step_dir_name(20)).symlink_to(outside / step_dir_name(20))
+    before = files_under(outside)
+    with pytest.raises(CheckpointWriteError, match="exists and is not a directory"):
+        _restore(s3_bucket, dest)
+    assert files_under(outside) == before

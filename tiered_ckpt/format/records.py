@@ -8,7 +8,8 @@
   only by :mod:`tiered_ckpt.local.markers`.
 
 Both serialise to exactly the bytes earlier releases wrote (existing buckets and run directories stay
-readable): the confirmation record as ``json.dumps(sort_keys=True)`` plus a newline, the marker as
+readable), and both readers ignore keys they do not know (a newer sidecar's, on a node not yet upgraded),
+as the readers before these dataclasses did: the confirmation record as ``json.dumps(sort_keys=True)`` plus a newline, the marker as
 ``json.dumps(indent=1, sort_keys=True)`` plus a newline, optional marker fields omitted when unset.
 Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`.
 """
@@ -28,8 +29,9 @@ from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
-_CONFIRM_KEYS = {"rank", "key", "size_bytes", "sha256", "confirmed_by", "checksum_algorithm", "checksum",
-                 "save_id"}
+_CONFIRM_KEYS = {"rank", "key", "size_bytes", "sha256", "confirmed_by", "save_id"}
+#: Absent from records written before per-part checksums were recorded; read as ``None``.
+_CONFIRM_OPTIONAL = {"checksum_algorithm", "checksum"}
 
 
 def _opt_str(v: Any, what: str) -> str | None:
@@ -75,7 +77,7 @@ class ConfirmationRecord:
     @classmethod
     def from_dict(cls, obj: Any) -> ConfirmationRecord:
         what = "confirmation record"
-        check_keys(obj, what, _CONFIRM_KEYS)
+        check_keys(obj, what, _CONFIRM_KEYS, _CONFIRM_OPTIONAL, ignore_unknown=True)
         how = str_field(obj["confirmed_by"], f"{what}.confirmed_by")
         if how not in CONFIRM_METHODS:
             raise ManifestError(f"{what}.confirmed_by {how[:30]!r} is not one of {CONFIRM_METHODS}")
@@ -85,8 +87,8 @@ class ConfirmationRecord:
                          size_bytes=int_field(obj["size_bytes"], f"{what}.size_bytes", 0, MAX_SHARD_BYTES),
                          sha256=str_field(obj["sha256"], f"{what}.sha256", _HEX64),
                          confirmed_by=how,
-                         checksum_algorithm=_opt_str(obj["checksum_algorithm"], f"{what}.checksum_algorithm"),
-                         checksum=_opt_str(obj["checksum"], f"{what}.checksum"),
+                         checksum_algorithm=_opt_str(obj.get("checksum_algorithm"), f"{what}.checksum_algorithm"),
+                         checksum=_opt_str(obj.get("checksum"), f"{what}.checksum"),
                          save_id=str_field(obj["save_id"], f"{what}.save_id", _SAVE_ID)).items():
             object.__setattr__(rec, k, v)
         return rec
@@ -134,7 +136,8 @@ class UploadedMarker:
     @classmethod
     def from_dict(cls, obj: Any) -> UploadedMarker:
         what = "uploaded marker"
-        check_keys(obj, what, {"step", "remote"}, {"upload_manifest_sha256", "skipped", "restored"})
+        check_keys(obj, what, {"step", "remote"}, {"upload_manifest_sha256", "skipped", "restored"},
+                   ignore_unknown=True)
         sha = obj.get("upload_manifest_sha256")
         flags = {}
         for name in ("skipped", "restored"):

@@ -46,14 +46,17 @@ def int_list(v: Any, what: str, hi: int = MAX_NUMEL) -> tuple[int, ...]:
     return tuple(int_field(x, f"{what}[{i}]", 0, hi) for i, x in enumerate(v))
 
 
-def check_keys(obj: Any, what: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
+def check_keys(obj: Any, what: str, required: set[str], optional: set[str] = frozenset(), *,
+               ignore_unknown: bool = False) -> dict[str, Any]:
+    """``obj`` is a JSON object holding every ``required`` key and (unless ``ignore_unknown``: for records
+    other versions may extend) no key outside ``required | optional``."""
     if not isinstance(obj, dict):
         raise fail(f"{what} must be a JSON object, got {type(obj).__name__}")
     missing = required - obj.keys()
     if missing:
         raise fail(f"{what} lacks {sorted(missing)}")
     unknown = obj.keys() - required - optional
-    if unknown:
+    if unknown and not ignore_unknown:
         raise fail(f"{what} has unknown keys {sorted(unknown)[:5]}")
     return obj
 

@@ -8,18 +8,18 @@ temp name, fsync, rename, directory fsync, manifest last), ``writer`` (one rank'
 ``trash``, ``scan`` (ls / verify / gc), ``markers`` (the uploader's ``uploaded.json``).
 """
 
-from tiered_ckpt.local.catalogue import (MAX_MANIFEST_BYTES, all_step_dirs, committed_steps, latest_step,
-                                         pick_step, read_manifest, resolve_root, step_path, symlinked_step_entries)
 from tiered_ckpt.fs import new_save_id, utc_now
-from tiered_ckpt.local.commit import (LocalStepCommit, as_write_error, durable_write_bytes, fsync_dir,
-                                      is_committed, unlink_durable)
+from tiered_ckpt.local.catalogue import (MAX_MANIFEST_BYTES, all_step_dirs, committed_steps, is_committed,
+                                         latest_step, pick_step, read_manifest, read_manifest_bytes, resolve_root,
+                                         step_path, symlinked_step_entries)
+from tiered_ckpt.local.commit import LocalStepCommit, durable_write_bytes, fsync_dir, unlink_durable
 from tiered_ckpt.local.load import VerifiedShard, load_shard, load_sharded, read_shard_verified
 from tiered_ckpt.local.reshard import ReshardResult, even_split, reshard, reshard_states
 from tiered_ckpt.local.save import commit_step, save_sharded
 from tiered_ckpt.local.writer import write_shard
 
 __all__ = ["MAX_MANIFEST_BYTES", "LocalStepCommit", "ReshardResult", "VerifiedShard", "all_step_dirs",
-           "as_write_error", "commit_step", "committed_steps", "durable_write_bytes", "even_split", "fsync_dir",
+           "commit_step", "committed_steps", "durable_write_bytes", "even_split", "fsync_dir",
            "is_committed", "latest_step", "load_shard", "load_sharded", "new_save_id", "pick_step",
-           "read_manifest", "read_shard_verified", "reshard", "reshard_states", "resolve_root", "save_sharded",
+           "read_manifest", "read_manifest_bytes", "read_shard_verified", "reshard", "reshard_states", "resolve_root", "save_sharded",
            "step_path", "symlinked_step_entries", "unlink_durable", "utc_now", "write_shard"]

@@ -16,12 +16,18 @@ from tiered_ckpt.errors import ManifestError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.fs import is_real_dir
-from tiered_ckpt.local.commit import is_committed
 
 #: Largest manifest we read (bytes).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 
 PathLike = str | os.PathLike[str]
+
+
+def is_committed(step_dir: Path) -> bool:
+    """A step is committed iff an entry named ``manifest.json`` is present (I1). One that is not a
+    regular file still counts, so that loading it fails loudly (ManifestError) instead of silently
+    falling back to an older step."""
+    return os.path.lexists(step_dir / MANIFEST_NAME)
 
 
 def resolve_root(root: PathLike, step: int | None = None) -> tuple[Path, int | None]:
@@ -94,6 +100,33 @@ def pick_step(root: PathLike, step: int | None) -> tuple[Path, int]:
     return r, step
 
 
+def read_manifest_bytes(step_dir: Path) -> bytes | None:
+    """The raw bytes of ``<step_dir>/manifest.json``, or ``None`` when there is none (not committed).
+
+    Never follows a symlink (the step directory itself must be a real directory: check with
+    :func:`tiered_ckpt.fs.is_real_dir`). Raises :class:`ManifestError` if the entry is a symlink, not a
+    regular file, over :data:`MAX_MANIFEST_BYTES`, or unreadable."""
+    path = step_dir / MANIFEST_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        what = "is a symlink" if e.errno == errno.ELOOP else f"cannot be opened: {e.strerror or e}"
+        raise ManifestError(f"{path} {what}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path} is {st.st_size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap")
+        return os.pread(fd, st.st_size + 1, 0)
+    except OSError as e:
+        raise ManifestError(f"cannot read {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+
+
 def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
     """Read and validate the manifest of ``step`` (newest committed when ``None``).
 
@@ -105,30 +138,14 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
     sdir = r / step_dir_name(step)
     if not is_real_dir(sdir):
         raise ManifestError(f"{sdir} is not a directory (symlinked step directories are refused)")
-    path = sdir / MANIFEST_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NoCheckpointError(f"step {step} is not committed under {r}") from None
-    except OSError as e:
-        what = "is a symlink" if e.errno == errno.ELOOP else f"cannot be opened: {e.strerror or e}"
-        raise ManifestError(f"{path} {what}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"{path} is not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path} is {st.st_size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap")
-        data = os.pread(fd, st.st_size + 1, 0)
-    except OSError as e:
-        raise ManifestError(f"cannot read {path}: {e.strerror or e}") from e
-    finally:
-        os.close(fd)
+    data = read_manifest_bytes(sdir)
+    if data is None:
+        raise NoCheckpointError(f"step {step} is not committed under {r}")
     m = ShardManifest.from_json(data)
     if m.step != step:
-        raise ManifestError(f"{path} says step {m.step} but lies in the directory of step {step}")
+        raise ManifestError(f"{sdir / MANIFEST_NAME} says step {m.step} but lies in the directory of step {step}")
     return m
 
 
-__all__ = ["MAX_MANIFEST_BYTES", "all_step_dirs", "committed_steps", "latest_step", "pick_step",
-           "read_manifest", "resolve_root", "step_path", "symlinked_step_entries"]
+__all__ = ["MAX_MANIFEST_BYTES", "all_step_dirs", "committed_steps", "is_committed", "latest_step", "pick_step",
+           "read_manifest", "read_manifest_bytes", "resolve_root", "step_path", "symlinked_step_entries"]

@@ -1,10 +1,9 @@
 """The local commit protocol (SPEC §2, invariants I1-I5): the one place that makes local files durable.
 
-Every durable local write goes through here: a save's shards and manifest, a restore's downloads and
-manifest, the uploader's ``uploaded.json`` marker, writer locks. The recipe (POSIX): write to a unique
-temp name in the *same directory*, ``fsync`` the file, ``rename(2)`` it over the final name (atomic on one
-filesystem), then ``fsync`` the directory so that the rename itself survives a power loss (torch DCP and
-orbax skip the directory fsync; we don't).
+Every durable local write goes through here (shards, manifests, downloads, ``uploaded.json``, writer
+locks). The recipe (POSIX): a unique temp name in the *same directory*, ``fsync``, ``rename(2)`` over the
+final name (atomic on one filesystem), then ``fsync`` of the directory so that the rename itself survives
+a power loss (torch DCP and orbax skip the directory fsync; we don't).
 
 Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; who calls each):
 
@@ -23,8 +22,8 @@ Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; wh
    linked exclusively (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the
    step is committed from that link on (I1). Then :meth:`~LocalStepCommit.release_lock`.
 5. everyone: leave the ``with`` block (:meth:`~LocalStepCommit.close`): the in-process registration ends;
-   staged temps not published are removed. A failed writer calls :meth:`~LocalStepCommit.abandon` first
-   (lock released, an empty step directory it created removed).
+   unpublished temps are removed. A failed writer calls :meth:`~LocalStepCommit.abandon` first (the
+   lock released if this open created it, an empty step directory it made removed).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, Conc
 from tiered_ckpt.fs import (is_real_dir, new_save_id, owner_alive, owner_token, temp_name_for, unlink_quietly, utc_now,
                             write_all)
 from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, step_dir_name
+from tiered_ckpt.local.catalogue import is_committed
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +47,22 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------ durable files
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so that entries created, renamed or removed in it are durable (POSIX)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: str | os.PathLike[str], flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that entries created, renamed or removed in it are durable (POSIX)."""
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
-    """fsync a file that was written without (a download); raises ``OSError``."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a file that was written without (a download; not through a symlink); raises ``OSError``."""
+    _fsync(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def durable_write(path: str | os.PathLike[str], writer: Callable[[int], None], *, exclusive: bool = False,
@@ -121,19 +121,7 @@ def unlink_durable(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def as_write_error(e: OSError, what: str) -> CheckpointWriteError:
-    """:meth:`CheckpointWriteError.from_os_error`: ``"<what>: disk full"`` etc.; raise it ``from e``."""
-    return CheckpointWriteError.from_os_error(e, what)
-
-
 # ------------------------------------------------------------------------------------------ step directory
-
-
-def is_committed(step_dir: Path) -> bool:
-    """A step is committed iff an entry named ``manifest.json`` is present (I1). One that is not a
-    regular file still counts, so that loading it fails loudly (ManifestError) instead of silently
-    falling back to an older step."""
-    return os.path.lexists(step_dir / MANIFEST_NAME)
 
 
 def ensure_step_dir(root: Path, step: int) -> Path:
@@ -160,8 +148,9 @@ def lock_holder(step_dir: Path) -> str | None:
     return sid if isinstance(sid, str) else None
 
 
-def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> str:
-    """Claim (or join) the writer lock of ``step_dir`` for ``save_id``; returns the save id in force.
+def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> tuple[str, bool]:
+    """Claim (or join) the writer lock of ``step_dir`` for ``save_id``; returns the save id in force and
+    whether this call created the lock file (``False``: it joined or adopted a lock already there).
 
     - no lock, or a lock of a dead writer: ours (created with ``O_EXCL``, so one of two racing writers
       loses and retries against the winner);
@@ -182,9 +171,9 @@ def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> str:
             cur, cur_id, cur_owner = {}, "", ""  # unreadable lock: treat as stale
         if cur is not None:
             if save_id is None and cur_owner == me:
-                return cur_id
+                return cur_id, False
             if cur_id == save_id:
-                return save_id
+                return save_id, False
             if cur_owner and cur_owner != me and owner_alive(cur_owner):
                 raise ConcurrentSaveError(
                     f"step {step}: another writer (save_id {cur_id}, process {cur_owner}) is saving this "
@@ -194,7 +183,7 @@ def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> str:
         body = json.dumps({"save_id": sid, "owner": me, "created_at": utc_now()}).encode()
         try:
             durable_write_bytes(path, body, exclusive=True)
-            return sid
+            return sid, True
         except FileExistsError:
             continue  # lost a race: look again
     raise ConcurrentSaveError(f"step {step}: could not claim the writer lock of {step_dir}")
@@ -204,6 +193,13 @@ def release_save_lock(step_dir: Path, save_id: str) -> None:
     """Remove the writer lock if it is still ``save_id`` 's."""
     if lock_holder(step_dir) == save_id:
         unlink_quietly(step_dir / SAVE_LOCK_NAME)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        os.rmdir(path)  # fails (and is left) when not empty: another rank may be writing into it
+    except OSError:
+        pass
 
 
 class _Registry:
@@ -220,7 +216,8 @@ class _Registry:
     active: dict[str, list[str | int]] = {}  # str(step dir) -> [save_id, calls in flight]
 
     @classmethod
-    def enter(cls, sdir: Path, step: int, save_id: str | None, claim: bool) -> str:
+    def enter(cls, sdir: Path, step: int, save_id: str | None, claim: bool) -> tuple[str, bool]:
+        """Register; with ``claim``, claim or join the on-disk lock. Returns ``(save id, lock created)``."""
         key = str(sdir)
         with cls.guard:
             cur = cls.active.get(key)
@@ -228,13 +225,13 @@ class _Registry:
                 raise ConcurrentSaveError(
                     f"step {step}: another thread of this process is saving this step (save {cur[0]}); "
                     "threads writing the ranks of one save must pass the same save_id")
-            sid = claim_save_lock(sdir, step, save_id) if claim else save_id
+            sid, created = claim_save_lock(sdir, step, save_id) if claim else (save_id, False)
             assert sid is not None
             if cur is None:
                 cls.active[key] = [sid, 1]
             else:
                 cur[1] = int(cur[1]) + 1
-            return sid
+            return sid, created
 
     @classmethod
     def exit(cls, sdir: Path) -> None:
@@ -253,8 +250,8 @@ class LocalStepCommit:
     docstring for the numbered lifecycle). Use as a context manager, from :meth:`open`.
 
     Attributes: ``root`` (the run directory), ``step``, ``step_dir``, ``save_id`` (the save in force),
-    ``created_dir`` (whether this open made the step directory), ``committed`` (set by
-    :meth:`commit_manifest`).
+    ``created_dir`` (whether this open made the step directory), ``claimed`` (whether this open created
+    the writer lock, rather than joining one), ``committed`` (set by :meth:`commit_manifest`).
     """
 
     def __init__(self, root: Path, step: int, step_dir: Path, save_id: str, *, created_dir: bool,
@@ -276,14 +273,19 @@ class LocalStepCommit:
 
         Raises :class:`ConcurrentSaveError` (I4), :class:`CheckpointWriteError` (the step entry is not a
         directory), ``OSError`` (disk)."""
+        if not claim and save_id is None:
+            raise ValueError("a registration without a claim needs the save_id")
         sdir = root / step_dir_name(step)
         existed = os.path.lexists(sdir)
         if create:
             sdir = ensure_step_dir(root, step)
-        if not claim and save_id is None:
-            raise ValueError("a registration without a claim needs the save_id")
-        sid = _Registry.enter(sdir, step, save_id, claim)
-        return cls(root, step, sdir, sid, created_dir=not existed, claimed=claim)
+        try:
+            sid, created = _Registry.enter(sdir, step, save_id, claim)
+        except BaseException:
+            if create and not existed:
+                _rmdir_if_empty(sdir)  # leave nothing behind when the claim fails (I3)
+            raise
+        return cls(root, step, sdir, sid, created_dir=create and not existed, claimed=created)
 
     # step 2
     def is_committed(self) -> bool:
@@ -333,7 +335,8 @@ class LocalStepCommit:
             if name not in self._synced:
                 fsync_file(self._staged[name])
         for name in todo:
-            os.rename(self._staged.pop(name), self.step_dir / name)
+            os.rename(self._staged[name], self.step_dir / name)
+            del self._staged[name]  # only once renamed: a failed rename leaves it for discard_staged
         fsync_dir(self.step_dir)
 
     def discard_staged(self) -> None:
@@ -371,10 +374,7 @@ class LocalStepCommit:
         if self.claimed:
             self.release_lock()
         if self.created_dir:
-            try:
-                os.rmdir(self.step_dir)
-            except OSError:
-                pass
+            _rmdir_if_empty(self.step_dir)
 
     def close(self) -> None:
         """End the in-process registration; staged temps not published are removed."""
@@ -390,6 +390,6 @@ class LocalStepCommit:
         self.close()
 
 
-__all__ = ["LocalStepCommit", "as_write_error", "claim_save_lock", "durable_write", "durable_write_bytes",
-           "ensure_step_dir", "fsync_dir", "fsync_file", "is_committed", "lock_holder", "release_save_lock",
+__all__ = ["LocalStepCommit", "claim_save_lock", "durable_write", "durable_write_bytes",
+           "ensure_step_dir", "fsync_dir", "fsync_file", "lock_holder", "release_save_lock",
            "unlink_durable"]

@@ -49,9 +49,8 @@ from tiered_ckpt.errors import CheckpointExistsError, ReshardError
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, numel
 from tiered_ckpt.layout import MAX_WORLD_SIZE, step_dir_name
-from tiered_ckpt.local.catalogue import pick_step, read_manifest, resolve_root
+from tiered_ckpt.local.catalogue import is_committed, pick_step, read_manifest, resolve_root
 from tiered_ckpt.fs import new_save_id
-from tiered_ckpt.local.commit import is_committed
 from tiered_ckpt.local.reader import ReadLock, ReadStats, ShardReader, copy_value
 from tiered_ckpt.local.reshard_plan import (ABSENT, NAMED_RULES, DictNode, Partition, Planner, ReplicatedNode, Rule,
                                            RuledNode, SliceNode, even_split)

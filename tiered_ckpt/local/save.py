@@ -21,14 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, ConcurrentSaveError, MissingShardError,
-                                ShardCorruptedError)
+from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
+                                MissingShardError, ShardCorruptedError)
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.fs import is_real_dir, new_save_id, unlink_quietly, utc_now
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local.catalogue import resolve_root
-from tiered_ckpt.local.commit import LocalStepCommit, as_write_error
+from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.writer import write_shard
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -
     except FileNotFoundError:
         raise MissingShardError(f"{where}: shard file is missing") from None
     except OSError as e:
-        raise as_write_error(e, f"{where}: cannot open") from e
+        raise CheckpointWriteError.from_os_error(e, f"{where}: cannot open") from e
     try:
         size = os.fstat(fd).st_size
         if size != rec.size_bytes:
@@ -149,7 +149,7 @@ def save_sharded(
         # This call owns the whole save: claim the step once for every rank thread (they join it).
         hold = LocalStepCommit.open(r, step, new_save_id(), claim=True)
     except OSError as e:
-        raise as_write_error(e, f"step {step}: cannot prepare {r}") from e
+        raise CheckpointWriteError.from_os_error(e, f"step {step}: cannot prepare {r}") from e
     records: list[ShardRecord] = []
     with hold:
         try:
@@ -158,7 +158,7 @@ def save_sharded(
                 try:
                     hold.uncommit()
                 except OSError as e:
-                    raise as_write_error(e, f"step {step}: cannot un-commit the step to replace it") from e
+                    raise CheckpointWriteError.from_os_error(e, f"step {step}: cannot un-commit the step to replace it") from e
             _write_all_ranks(r, step, hold.save_id, state_dict_per_rank, records)
             return commit_step(r, step, world_size, records, extra, save_id=hold.save_id,
                                wall_clock_seconds=wall_clock_seconds)

@@ -17,8 +17,8 @@ from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
-from tiered_ckpt.local.catalogue import all_step_dirs, read_manifest, resolve_root, symlinked_step_entries
-from tiered_ckpt.local.commit import is_committed
+from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, resolve_root,
+                                         symlinked_step_entries)
 from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
 
 log = logging.getLogger(__name__)

@@ -14,14 +14,14 @@ import logging
 import os
 from typing import Any, Mapping
 
-from tiered_ckpt.errors import CheckpointError, CheckpointExistsError
+from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, TensorChunkCrcs
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.layout import shard_file_name, step_dir_name
 from tiered_ckpt.local.catalogue import resolve_root
-from tiered_ckpt.local.commit import LocalStepCommit, as_write_error
+from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.shard_io import write_stream
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def write_shard(
     except CheckpointError:
         raise
     except OSError as e:
-        raise as_write_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
+        raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
     with hold:
         _prepare(hold, rank, replace)
         return _write_claimed(hold, rank, tree, entries, param_shard)
@@ -102,7 +102,7 @@ def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
     except CheckpointError:  # CheckpointExistsError is an OSError too: keep its type
         raise
     except OSError as e:
-        raise as_write_error(e, f"rank {rank} step {hold.step}: cannot prepare {hold.root}") from e
+        raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {hold.step}: cannot prepare {hold.root}") from e
 
 
 def _write_claimed(hold: LocalStepCommit, rank: int, tree: dict[str, Any], entries: list[fmt.TensorEntry],
@@ -126,7 +126,7 @@ def _write_claimed(hold: LocalStepCommit, rank: int, tree: dict[str, Any], entri
     try:
         hold.write_file(name, write)
     except OSError as e:
-        raise as_write_error(e, f"rank {rank} step {step}: writing {name} failed") from e
+        raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: writing {name} failed") from e
     crcs = chunk_crcs.result()
     return ShardRecord(rank=rank, path=name, sha256=sha.hexdigest(), size_bytes=written[0],
                        param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),

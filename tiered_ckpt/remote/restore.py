@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, ConcurrentSaveError, ManifestError
+from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
-from tiered_ckpt.layout import MANIFEST_NAME, shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import resolve_root
-from tiered_ckpt.local.commit import LocalStepCommit, as_write_error
+from tiered_ckpt.layout import shard_file_name, step_dir_name
+from tiered_ckpt.local.catalogue import read_manifest_bytes, resolve_root
+from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.markers import write_uploaded_marker
 from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST,
                                           REMOTE_VANISHED, RemoteStep, list_remote_steps, read_latest_pointer,
@@ -87,15 +87,6 @@ class RestoreResult:
 
 
 # ------------------------------------------------------------------------------------------ local commit
-
-
-def _existing_manifest(sdir: Path) -> bytes | None:
-    try:
-        return (sdir / MANIFEST_NAME).read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError:
-        raise ManifestError(f"{sdir / MANIFEST_NAME} is a directory") from None
 
 
 def _same_save(local_bytes: bytes, plan: RestorePlan) -> bool:
@@ -141,7 +132,7 @@ def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, m
     if errors:
         first = errors[min(errors)]
         if isinstance(first, OSError) and not isinstance(first, CheckpointError):
-            raise as_write_error(first, f"step {plan.step} rank {min(errors)}: writing the download failed") from first
+            raise CheckpointWriteError.from_os_error(first, f"step {plan.step} rank {min(errors)}: writing the download failed") from first
         raise first
 
 
@@ -156,7 +147,7 @@ def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_ma
         try:
             lsc.commit_manifest(plan.manifest_bytes)
         except CheckpointExistsError:  # another rank of this node restored the same step meanwhile
-            now = _existing_manifest(lsc.step_dir)
+            now = read_manifest_bytes(lsc.step_dir)
             if now is None or not _same_save(now, plan):
                 raise ConcurrentSaveError(f"step {plan.step}: another writer committed a different save "
                                           f"into {lsc.step_dir} meanwhile") from None
@@ -172,27 +163,30 @@ def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
     """Steps 3-4 of the lifecycle for a planned step."""
     t0 = time.perf_counter()
     step = plan.step
-    local_bytes = _existing_manifest(root / step_dir_name(step))
-    keep_manifest = local_bytes is not None and _same_save(local_bytes, plan)
-    if local_bytes is not None and not keep_manifest and not replace:
-        raise CheckpointExistsError(f"step {step} is committed under {root} by another save; pass "
-                                    "replace=True (--replace) to overwrite it with the bucket's copy")
-    try:  # claim: I4, refuses a live local writer of another save
-        lsc = LocalStepCommit.open(root, step, plan.manifest.save_id, claim=not keep_manifest)
+    try:  # claim or join the writer lock for the bucket's save first: I4, a live local writer of another
+        lsc = LocalStepCommit.open(root, step, plan.manifest.save_id)  # save is refused
     except OSError as e:
-        raise as_write_error(e, f"step {step}: cannot prepare {root / step_dir_name(step)}") from e
+        raise CheckpointWriteError.from_os_error(
+            e, f"step {step}: cannot claim the writer lock of {root / step_dir_name(step)}") from e
     with lsc:
         try:
+            # Decided under the lock, so that no save can commit the step between this look and ours.
+            local_bytes = read_manifest_bytes(lsc.step_dir)
+            keep_manifest = local_bytes is not None and _same_save(local_bytes, plan)
+            if local_bytes is not None and not keep_manifest and not replace:
+                raise CheckpointExistsError(f"step {step} is committed under {root} by another save; pass "
+                                            "replace=True (--replace) to overwrite it with the bucket's copy")
             _download_all(store, plan, lsc, max_parallel_shards, on_progress, cancel)
+            lsc.check_lock()  # nobody took the step over while the shards downloaded
             try:
                 keep_manifest = _publish(lsc, plan, uncommit=local_bytes is not None and not keep_manifest,
                                          keep_manifest=keep_manifest)
             except OSError as e:
-                raise as_write_error(e, f"step {step}: committing the restored step in {lsc.step_dir} failed") from e
+                raise CheckpointWriteError.from_os_error(
+                    e, f"step {step}: committing the restored step in {lsc.step_dir} failed") from e
         except BaseException:
-            lsc.discard_staged()
-            if lsc.created_dir and not lsc.committed:
-                lsc.abandon()  # lock released, the empty step directory made here removed
+            if not lsc.committed:
+                lsc.abandon()  # temps removed, our lock released, an empty step directory made here removed
             raise
     seconds = time.perf_counter() - t0
     log.info("step %d: restored %d shard(s) (%d bytes) from %s into %s in %.2f s", step, len(plan.objects),
