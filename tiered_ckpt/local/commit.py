@@ -135,7 +135,7 @@ def ensure_step_dir(root: Path, step: int) -> Path:
         fsync_dir(root)
     except FileExistsError:
         if not is_real_dir(sdir):
-            raise CheckpointWriteError(f"{sdir} exists and is not a directory") from None
+            raise CheckpointWriteError(f"step {step}: {sdir} exists and is not a directory") from None
     return sdir
 
 

@@ -148,6 +148,8 @@ def save_sharded(
     try:
         # This call owns the whole save: claim the step once for every rank thread (they join it).
         hold = LocalStepCommit.open(r, step, new_save_id(), claim=True)
+    except CheckpointError:
+        raise
     except OSError as e:
         raise CheckpointWriteError.from_os_error(e, f"step {step}: cannot prepare {r}") from e
     records: list[ShardRecord] = []

@@ -165,6 +165,8 @@ def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
     step = plan.step
     try:  # claim or join the writer lock for the bucket's save first: I4, a live local writer of another
         lsc = LocalStepCommit.open(root, step, plan.manifest.save_id)  # save is refused
+    except CheckpointError:
+        raise
     except OSError as e:
         raise CheckpointWriteError.from_os_error(
             e, f"step {step}: cannot claim the writer lock of {root / step_dir_name(step)}") from e
