@@ -33,7 +33,11 @@ def test_demo_runs_the_whole_story(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_rejects_bad_settings() -> None:
+def test_demo_rejects_bad_settings(tmp_path, monkeypatch) -> None:
+    import tempfile
+
     from tiered_ckpt.cli import main
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo would make its workdir
     assert main(["demo", "--steps", "10", "--ckpt-every", "5"]) == 2
+    assert list(tmp_path.iterdir()) == []  # a usage error makes nothing on disk

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -33,13 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def cmd_demo(args: argparse.Namespace) -> int:
     from tiered_ckpt.cli.demo import DemoConfig, DemoError, format_report, run_demo
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-ckpt-demo-"))
-    try:
-        cfg = DemoConfig(workdir=workdir, steps=args.steps, ckpt_every=args.ckpt_every, seed=args.seed,
-                         endpoint_url=args.endpoint_url, bucket=args.bucket, tolerance=args.tolerance,
-                         plot=not args.no_plot)
+    try:  # settings checked before anything is made on disk
+        cfg = DemoConfig(workdir=args.workdir or Path("."), steps=args.steps, ckpt_every=args.ckpt_every,
+                         seed=args.seed, endpoint_url=args.endpoint_url, bucket=args.bucket,
+                         tolerance=args.tolerance, plot=not args.no_plot)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-ckpt-demo-"))
+    cfg = dataclasses.replace(cfg, workdir=workdir)
     say = (lambda _msg: None) if args.json else (lambda msg: print(msg, flush=True))
     say(f"tiered-ckpt demo in {workdir}")
     try:
