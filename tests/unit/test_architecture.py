@@ -3,7 +3,7 @@
 - layers import only downward (base -> format -> primitives -> local -> remote -> training -> face -> front);
 - no import of another folder's ``_private`` names or modules, no import circle;
 - no module over 400 lines, no function over 80 lines unless its docstring says "Long because";
-- the durable-commit calls (``os.fsync``, ``os.replace``, ``os.rename``) only in the local commit protocol
+- the durable-commit calls (``os.fsync``, ``os.replace``, ``os.rename``, ``os.link``, ``Path.rename``) only in the local commit protocol
   module and the one trash helper; boto3/botocore only in ``store/client.py``, s3transfer only in
   ``store/files.py`` (type-only imports aside), tenacity only in ``retry.py``;
   the format layer does no I/O and starts no threads; nothing above ``store/`` touches a boto3 client.
@@ -37,7 +37,9 @@ LAYERS: list[tuple[str, int, str]] = [
 
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
-DURABLE_CALLS = {"fsync", "replace", "rename"}
+DURABLE_CALLS = {"fsync", "fdatasync", "replace", "rename", "link"}
+#: ``pathlib`` methods that rename or link (``Path.replace`` is left out: ``str.replace`` shares its name).
+DURABLE_METHODS = {"rename", "hardlink_to", "link_to"}
 DURABLE_MODULES = {"tiered_ckpt.local.commit", "tiered_ckpt.local.trash"}
 
 
@@ -188,7 +190,7 @@ def check_sizes(modules: dict[str, str]) -> list[str]:
 
 
 def check_durable_calls(modules: dict[str, str]) -> list[str]:
-    bad = []
+    bad: list[tuple[int, str]] = []
     for mod, src in modules.items():
         if mod in DURABLE_MODULES:
             continue
@@ -198,10 +200,14 @@ def check_durable_calls(modules: dict[str, str]) -> list[str]:
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and node.attr in DURABLE_CALLS and isinstance(node.value, ast.Name)
                     and node.value.id == "os"):
-                bad.append(f"{mod}:{node.lineno} os.{node.attr}")
+                bad.append((node.lineno, f"{mod}:{node.lineno} os.{node.attr}"))
             if isinstance(node, ast.Name) and node.id in from_os:
-                bad.append(f"{mod}:{node.lineno} {node.id} (from os)")
-    return bad
+                bad.append((node.lineno, f"{mod}:{node.lineno} {node.id} (from os)"))
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in DURABLE_METHODS
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "os")):
+                bad.append((node.lineno, f"{mod}:{node.lineno} .{node.func.attr}()"))
+    return [msg for _, msg in sorted(bad, key=lambda b: (b[1].split(":")[0], b[0]))]
 
 
 #: The only modules that may import each library when the program runs (type-only imports under
@@ -327,10 +333,12 @@ def test_sizes_are_caught() -> None:
 
 
 def test_durable_calls_outside_the_protocol_are_caught() -> None:
-    src = "import os\nfrom os import replace as r\nos.fsync(1)\nos.rename('a', 'b')\nr('a', 'b')\n"
+    src = ("import os\nfrom os import replace as r\nos.fsync(1)\nos.rename('a', 'b')\nr('a', 'b')\n"
+           "Path('a').rename('b')\nos.link('a', 'b')\n'x'.replace('x', 'y')\n")
     assert check_durable_calls({"tiered_ckpt.remote.restore": src, "tiered_ckpt.local.commit": src}) == [
         "tiered_ckpt.remote.restore:3 os.fsync", "tiered_ckpt.remote.restore:4 os.rename",
-        "tiered_ckpt.remote.restore:5 r (from os)"]
+        "tiered_ckpt.remote.restore:5 r (from os)", "tiered_ckpt.remote.restore:6 .rename()",
+        "tiered_ckpt.remote.restore:7 os.link"]
 
 
 def test_third_party_and_purity_and_client_are_caught() -> None:
