@@ -210,3 +210,22 @@ def test_upload_manifest_deleted_first_on_retention(tmp_path: Path, s3_bucket: s
     assert calls[0] == [f"{d1}/upload_manifest.json"]  # un-committed before anything else goes
     assert any(f"{d1}/rank_00000.safetensors" in c for c in calls[1:])
     assert not [k for k in list_keys(s3_bucket) if d1 in k]
+
+
+def test_a_symlinked_local_manifest_is_never_uploaded(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+    """The sidecar reads manifest.json as the local catalogue does: a symlink to bytes outside the step
+    (outside the checkpoint directory) is refused, and nothing of the step reaches the bucket."""
+    from tiered_ckpt.errors import ManifestError
+    from tiered_ckpt.layout import MANIFEST_NAME
+
+    root = tmp_path / "node"
+    make_step(root, 10, shard_bytes=1 * MiB)
+    mpath = root / step_dir_name(10) / MANIFEST_NAME
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(mpath.read_bytes())
+    mpath.unlink()
+    mpath.symlink_to(outside)
+    with _uploader(root, s3_bucket) as up:
+        with pytest.raises(ManifestError, match="symlink"):
+            up.upload_step(10)
+    assert list_keys(s3_bucket) == []

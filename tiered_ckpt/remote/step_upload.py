@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME
+from tiered_ckpt.local.catalogue import read_manifest_bytes
 from tiered_ckpt.local.markers import write_uploaded_marker
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.remote.commit import RemoteStepCommit
@@ -36,14 +38,15 @@ log = logging.getLogger(__name__)
 
 
 def read_local_manifest(local_root: Path, step: int, sdir: Path) -> tuple[bytes, ShardManifest]:
-    """The exact bytes and parsed form of ``sdir/manifest.json``. Raises :class:`LocalStepGoneError`
-    (directory gone), ``NoCheckpointError`` (no manifest), ``ManifestError`` (invalid, or another step's)."""
-    try:
-        data = (sdir / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
+    """The exact bytes and parsed form of ``sdir/manifest.json``, read as the local catalogue reads it (never
+    through a symlink, size-capped). Raises :class:`LocalStepGoneError` (directory gone),
+    ``NoCheckpointError`` (no manifest), ``ManifestError`` (a symlink, not a regular file, invalid, or
+    another step's)."""
+    data = read_manifest_bytes(sdir)
+    if data is None:
         if not sdir.is_dir():
-            raise LocalStepGoneError(f"step {step}: {sdir} disappeared") from None
-        raise NoCheckpointError(f"step {step} is not committed under {local_root}") from None
+            raise LocalStepGoneError(f"step {step}: {sdir} disappeared")
+        raise NoCheckpointError(f"step {step} is not committed under {local_root}")
     m = ShardManifest.from_json(data)
     if m.step != step:
         raise ManifestError(f"{sdir / MANIFEST_NAME} says step {m.step}")
@@ -77,7 +80,7 @@ def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, comm
 
 
 def _commit_locked(sender: ShardSender, executor: ThreadPoolExecutor, prefix: str, local_root: Path,
-                   step: int, sdir: Path, stats: StepStats) -> tuple[UploadManifest, bytes, ShardManifest]:
+                   step: int, sdir: Path, stats: StepStats) -> tuple[UploadManifest, ShardManifest]:
     mbytes, m = read_local_manifest(local_root, step, sdir)
     commit = RemoteStepCommit(sender.store, prefix, step, mbytes, m)
     done = commit.committed()
@@ -97,25 +100,19 @@ def _commit_locked(sender: ShardSender, executor: ThreadPoolExecutor, prefix: st
                                                    upload_manifest_sha256=hashlib.sha256(body).hexdigest()))
     except FileNotFoundError:
         log.warning("step %d: local step vanished after the remote commit; no marker written", step)
-    return um, body, m
+    return um, m
 
 
 def upload_step(sender: ShardSender, executor: ThreadPoolExecutor, prefix: str, local_root: Path, step: int,
                 sdir: Path, stats: StepStats) -> tuple[UploadManifest, ShardManifest]:
     """Steps 1-3 of the module docstring. Returns the committed upload manifest and the local manifest.
     Errors: see :meth:`tiered_ckpt.remote.upload.Uploader.upload_step`."""
-    try:
-        lock = hold_step_lock(sdir, "upload")
-        lock.__enter__()
-    except FileNotFoundError as e:
-        raise LocalStepGoneError(f"step {step}: {sdir} does not exist", last_exception=e) from None
-    try:
-        um, _, m = _commit_locked(sender, executor, prefix, local_root, step, sdir, stats)
-    except BaseException as e:
-        lock.__exit__(type(e), e, e.__traceback__)
-        raise
-    lock.__exit__(None, None, None)
-    return um, m
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(hold_step_lock(sdir, "upload"))
+        except FileNotFoundError as e:
+            raise LocalStepGoneError(f"step {step}: {sdir} does not exist", last_exception=e) from None
+        return _commit_locked(sender, executor, prefix, local_root, step, sdir, stats)
 
 
 __all__ = ["read_local_manifest", "upload_step"]
