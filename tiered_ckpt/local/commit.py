@@ -213,7 +213,7 @@ class _Registry:
     """
 
     guard = threading.Lock()
-    active: dict[str, list[str | int]] = {}  # str(step dir) -> [save_id, calls in flight]
+    active: dict[str, tuple[str, int]] = {}  # str(step dir) -> (save_id, calls in flight)
 
     @classmethod
     def enter(cls, sdir: Path, step: int, save_id: str | None, claim: bool) -> tuple[str, bool]:
@@ -227,19 +227,15 @@ class _Registry:
                     "threads writing the ranks of one save must pass the same save_id")
             sid, created = claim_save_lock(sdir, step, save_id) if claim else (save_id, False)
             assert sid is not None
-            if cur is None:
-                cls.active[key] = [sid, 1]
-            else:
-                cur[1] = int(cur[1]) + 1
+            cls.active[key] = (sid, 1 if cur is None else cur[1] + 1)
             return sid, created
 
     @classmethod
     def exit(cls, sdir: Path) -> None:
         with cls.guard:
-            ent = cls.active[str(sdir)]
-            ent[1] = int(ent[1]) - 1
-            if ent[1] == 0:
-                del cls.active[str(sdir)]
+            sid, calls = cls.active.pop(str(sdir))
+            if calls > 1:
+                cls.active[str(sdir)] = (sid, calls - 1)
 
 
 # ------------------------------------------------------------------------------------------ the protocol

@@ -48,14 +48,13 @@ class StepStats:
 @dataclass(frozen=True)
 class ShardSender:
     """What every shard upload of one uploader shares: the store, the part executor and the semaphore
-    bounding the parts in memory (all shards together), the write settings' extra arguments, the retry
-    policy, ``server_validates`` (a cached probe), ``force_read_back`` (``UploadPolicy.verify``), the stop
-    event, ``on_progress(delta_bytes)`` and the ``on_sent(bytes)`` metrics hook."""
+    bounding the parts in memory (all shards together), the retry policy, ``server_validates`` (a cached
+    probe), ``force_read_back`` (``UploadPolicy.verify``), the stop event, ``on_progress(delta_bytes)``
+    and the ``on_sent(bytes)`` metrics hook."""
 
     store: ObjectStore
     part_executor: ThreadPoolExecutor
     part_slots: threading.Semaphore
-    extra_args: dict[str, str]
     retry: RetryPolicy
     server_validates: Callable[[], bool]
     force_read_back: bool

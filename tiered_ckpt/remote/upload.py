@@ -147,7 +147,7 @@ class Uploader:
         self._shard_executor = ThreadPoolExecutor(max_concurrent_shards, thread_name_prefix="tc-upload-shard")
         self._sender = ShardSender(
             store=self.store, part_executor=self._part_executor,
-            part_slots=threading.BoundedSemaphore(max_concurrency), extra_args=self.write.extra_args(),
+            part_slots=threading.BoundedSemaphore(max_concurrency),
             retry=self.retry, server_validates=self.server_validates_checksums,
             force_read_back=self.policy.verify == "read-back", stop_event=self.stop_event,
             on_progress=on_progress, on_sent=self._count_sent)
