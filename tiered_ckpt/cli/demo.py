@@ -41,8 +41,8 @@ from typing import Callable, Iterator
 from tiered_ckpt.cli.demo_procs import (DemoError, DemoS3, Job, S3Target, launcher_argv, read_losses, sidecar_argv,
                                         wait_for)
 from tiered_ckpt.cli.demo_report import MiB, DemoReport, format_report, plot_curves
-from tiered_ckpt.layout import MANIFEST_NAME, UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, read_manifest
+from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
+from tiered_ckpt.local import committed_steps, has_uploaded_marker, read_manifest, uploaded_marker_time
 from tiered_ckpt.training import read_job_events
 
 __all__ = ["DemoConfig", "DemoReport", "DemoError", "run_demo", "format_report", "plot_curves"]
@@ -88,10 +88,13 @@ def _upload_latencies(root: Path) -> dict[int, float]:
     out = {}
     for s in committed_steps(root):
         sdir = root / step_dir_name(s)
+        uploaded = uploaded_marker_time(sdir)
         try:
-            out[s] = (sdir / UPLOADED_MARKER_NAME).stat().st_mtime - (sdir / MANIFEST_NAME).stat().st_mtime
+            committed = (sdir / MANIFEST_NAME).stat().st_mtime
         except OSError:
             continue
+        if uploaded is not None:
+            out[s] = uploaded - committed
     return out
 
 
@@ -216,8 +219,7 @@ class _Demo:
         job2 = self.trainer("phase2", root, self.loss_logs[1], sleep=self.cfg.sleep_per_step_s)
 
         def uploaded_after(step: int) -> bool:
-            return any((root / step_dir_name(s) / UPLOADED_MARKER_NAME).is_file()
-                       for s in committed_steps(root) if s > step)
+            return any(has_uploaded_marker(root / step_dir_name(s)) for s in committed_steps(root) if s > step)
 
         wait_for(lambda: uploaded_after(newest), "resume from local disk: an upload of a newer step",
                  self.cfg.stage_timeout_s, job=job2)
@@ -256,7 +258,7 @@ class _Demo:
         resumed_remote = self.resumed_from("phase3", job3)
         if resumed_remote != res.plan.step:
             raise DemoError(f"resume after restore: resumed from step {resumed_remote}, restored {res.plan.step}")
-        wait_for(lambda: (root / step_dir_name(cfg.steps) / UPLOADED_MARKER_NAME).is_file(),
+        wait_for(lambda: has_uploaded_marker(root / step_dir_name(cfg.steps)),
                  "final upload", cfg.stage_timeout_s, job=side2)
         side2.kill(signal.SIGTERM)
         self.finish(side2, "sidecar shutdown (SIGTERM)")

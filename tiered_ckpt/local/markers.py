@@ -50,4 +50,12 @@ def has_uploaded_marker(step_dir: PathLike) -> bool:
     return (Path(step_dir) / UPLOADED_MARKER_NAME).is_file()
 
 
-__all__ = ["has_uploaded_marker", "read_uploaded_marker", "write_uploaded_marker"]
+def uploaded_marker_time(step_dir: PathLike) -> float | None:
+    """When the marker was written (its mtime, seconds since the epoch), or ``None`` when there is none."""
+    try:
+        return (Path(step_dir) / UPLOADED_MARKER_NAME).stat().st_mtime
+    except OSError:
+        return None
+
+
+__all__ = ["has_uploaded_marker", "read_uploaded_marker", "uploaded_marker_time", "write_uploaded_marker"]
