@@ -235,6 +235,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--handle-sigterm", action="store_true", help="final save on SIGTERM, then exit")
     p.add_argument("--no-resume", action="store_true", help="start fresh even if a checkpoint exists")
+    p.add_argument("--remote-url", default=None,
+                   help="s3://bucket/prefix the upload sidecar writes to: a resume restores from it what this "
+                        "node's root lacks (a replaced node, a lost cluster); S3 settings from boto3's chain "
+                        "(AWS_ENDPOINT_URL, ...)")
+    p.add_argument("--upload-gated", action="store_true",
+                   help="rotation deletes a local step only once the sidecar has uploaded it")
     return p.parse_args(argv)
 
 
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     events = JobEventLog(args.events_log) if (args.events_log and rank == 0) else None
     mgr = CheckpointManager(args.root, rank=rank, world_size=world, save_every_steps=args.ckpt_every,
                             keep_last=args.keep_last, async_save=not args.sync_save,
+                            remote_url=args.remote_url, upload_gated=args.upload_gated,
                             collective_timeout_s=120.0, handle_sigterm=args.handle_sigterm,
                             on_save_outcome=events.save if events is not None else None)
     step, history = (0, []) if args.no_resume else _resume(mgr, opt, sampler)
