@@ -92,6 +92,21 @@ class DistributedSaveError(CheckpointError):
         self.failures = dict(failures or {})
 
 
+class LineageError(CheckpointError):
+    """Two records of a run's lineage disagree (a diverged history), or a step's lineage cannot be
+    decided; nothing is changed when it is raised (SPEC §11)."""
+
+
+class RunMismatchError(UploadError):
+    """A bucket prefix is claimed by another run (``<prefix>/run.json`` names a different ``run_id``):
+    refused unless the sidecar is told to adopt the prefix (SPEC §11). ``claimed_by``/``ours``: run ids."""
+
+    def __init__(self, message: str, *, claimed_by: str = "", ours: str = "") -> None:
+        super().__init__(message)
+        self.claimed_by = claimed_by
+        self.ours = ours
+
+
 __all__ = [
     "CheckpointError",
     "WorldSizeMismatchError",
@@ -106,4 +121,6 @@ __all__ = [
     "UploadError",
     "ReshardError",
     "DistributedSaveError",
+    "LineageError",
+    "RunMismatchError",
 ]

@@ -5,12 +5,25 @@ Local layout (SPEC §2)::
     <root>/step_0000001234/rank_00000.safetensors   one file per rank, written by that rank
     <root>/step_0000001234/manifest.json            the commit point, written last
 
-Remote layout (SPEC §4)::
+    <root>/step_0000001234/uploaded.json            the sidecar's marker (after the remote commit)
+    <root>/step_0000001234/pinned.json              pin: rotation never removes the step
+    <root>/run.json                                 run id and lineage (format/lineage.py, SPEC §11)
+    <root>/superseded/step_0000001234.<save_id>/    a step set aside by a newer attempt (SPEC §11)
+    <root>/.node.<token>                            node discovery token of a live rank (SPEC §11)
 
-    <prefix>/step_0000001234/rank_00000.safetensors
-    <prefix>/step_0000001234/manifest.json          copy of the local manifest
-    <prefix>/step_0000001234/upload_manifest.json   remote commit point, written last
-    <prefix>/latest                                 pointer to the newest remotely committed step
+Remote layout, schema 3 (SPEC §4, §11): one key prefix per *save*, so two saves of one step (a rollback,
+an old sidecar, a replace) never share an object::
+
+    <prefix>/run.json                                        run claim + lineage (If-None-Match / If-Match)
+    <prefix>/latest                                          newest current step, ordered by (attempt, step)
+    <prefix>/step_0000001234.<save_id>/rank_00000.safetensors
+    <prefix>/step_0000001234.<save_id>/manifest.json         copy of the local manifest
+    <prefix>/step_0000001234.<save_id>/.confirm/rank_00000.json
+    <prefix>/step_0000001234.<save_id>/upload_manifest.json  remote commit point, written last
+    <prefix>/step_0000001234.<save_id>/pinned.json           pin mirrored by the sidecar
+
+Round-1 prefixes (upload manifest schema 1) have one save per step at ``<prefix>/step_0000001234/``;
+they are read as they are (:func:`parse_remote_step_entry` returns ``save_id=None`` for them).
 
 Step numbers are zero-padded to 10 digits so that lexical order is numeric order.
 """
@@ -40,10 +53,21 @@ TRASH_PREFIX = ".trash."
 CONFIRM_DIR = ".confirm"
 #: Remote keys of the store's checksum-validation probe (store/probe.py), relative to the prefix.
 PROBE_KEY_PREFIX = ".tiered_ckpt_probe/"
+#: Run id and lineage of a root, and the run claim of a prefix (format/lineage.py).
+RUN_RECORD_NAME = "run.json"
+#: Folder of a root where superseded steps are set aside, as ``step_XXXXXXXXXX.<save_id>``.
+SUPERSEDED_DIR = "superseded"
+#: Pin of a step (local step directory, and the remote save prefix): rotation and retention keep it.
+PINNED_MARKER_NAME = "pinned.json"
+#: Prefix of the node discovery tokens in a root (which ranks share this disk; training/dist.py).
+NODE_TOKEN_PREFIX = ".node."
 
 # ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$" would
 # also accept a trailing newline): one step number has exactly one directory name.
 _STEP_RE = re.compile(r"step_([0-9]{%d})" % STEP_DIGITS)
+_SAVE_ID_CHARS = "[0-9A-Za-z_-]{1,64}"
+_SAVE_ID_RE = re.compile(_SAVE_ID_CHARS)
+_ENTRY_RE = re.compile(r"step_([0-9]{%d})(?:\.(%s))?" % (STEP_DIGITS, _SAVE_ID_CHARS))
 _SHARD_RE = re.compile(r"rank_([0-9]{%d})\.safetensors" % RANK_DIGITS)
 
 
@@ -89,9 +113,48 @@ def remote_latest_key(prefix: str) -> str:
     return f"{p}/{LATEST_POINTER_NAME}" if p else LATEST_POINTER_NAME
 
 
+def remote_run_key(prefix: str) -> str:
+    """Key of the run claim + lineage record of ``prefix``: ``<prefix>/run.json``."""
+    p = prefix.strip("/")
+    return f"{p}/{RUN_RECORD_NAME}" if p else RUN_RECORD_NAME
+
+
+def save_entry_name(step: int, save_id: str | None) -> str:
+    """``step_0000001234.<save_id>``: the name of one save of a step (a remote save prefix, a superseded
+    local step). ``save_id=None``: the round-1 name ``step_0000001234``. Raises ``ValueError`` for a bad
+    step or save id."""
+    if save_id is None:
+        return step_dir_name(step)
+    if not isinstance(save_id, str) or not _SAVE_ID_RE.fullmatch(save_id):
+        raise ValueError(f"save_id must match {_SAVE_ID_CHARS}, got {save_id!r}")
+    return f"{step_dir_name(step)}.{save_id}"
+
+
+def parse_remote_step_entry(name: str) -> tuple[int, str | None] | None:
+    """Inverse of :func:`save_entry_name`: ``(step, save_id)``, ``save_id`` ``None`` for a round-1 entry;
+    ``None`` for any other name."""
+    m = _ENTRY_RE.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def remote_save_prefix(prefix: str, step: int, save_id: str | None) -> str:
+    """Key prefix of one save of a step: ``<prefix>/step_XXXXXXXXXX.<save_id>`` (no trailing slash);
+    ``save_id=None`` gives the round-1 ``<prefix>/step_XXXXXXXXXX``."""
+    p = prefix.strip("/")
+    name = save_entry_name(step, save_id)
+    return f"{p}/{name}" if p else name
+
+
+def remote_save_key(prefix: str, step: int, save_id: str | None, name: str) -> str:
+    """Key of file ``name`` (shard, manifest, upload manifest, pin) of one save of ``step``."""
+    return f"{remote_save_prefix(prefix, step, save_id)}/{name}"
+
+
 __all__ = [
     "STEP_DIGITS", "RANK_DIGITS", "MAX_STEP", "MAX_WORLD_SIZE", "MANIFEST_NAME", "UPLOAD_MANIFEST_NAME",
     "LATEST_POINTER_NAME", "UPLOADED_MARKER_NAME", "SAVE_LOCK_NAME", "LOCK_PREFIX", "TMP_SUFFIX",
     "step_dir_name", "parse_step_dir_name", "shard_file_name", "parse_shard_file_name",
-    "remote_step_prefix", "remote_key", "remote_latest_key",
+    "remote_step_prefix", "remote_key", "remote_latest_key", "RUN_RECORD_NAME", "SUPERSEDED_DIR",
+    "PINNED_MARKER_NAME", "NODE_TOKEN_PREFIX", "remote_run_key", "save_entry_name", "parse_remote_step_entry",
+    "remote_save_prefix", "remote_save_key",
 ]

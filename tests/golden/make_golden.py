@@ -133,6 +133,8 @@ def v1_manifest_json(m: ShardManifest) -> str:
     the writer adds checksum fields; v1 had none of them."""
     d = m.to_dict()
     d["schema_version"] = 1
+    for k in ("run_id", "attempt"):  # schema v3 (issue 10) lineage keys
+        d.pop(k, None)
     for s in d["shards"]:
         for k in ("crc32c", "header_sha256", "crc32c_chunk_bytes"):
             s.pop(k, None)

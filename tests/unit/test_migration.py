@@ -21,6 +21,7 @@ from tiered_ckpt.local.reshard import even_split
 
 GOLDEN_V1 = Path(__file__).resolve().parents[1] / "golden" / "v1"
 V2_KEYS = ("crc32c", "header_sha256", "crc32c_chunk_bytes")
+V3_KEYS = ("run_id", "attempt")
 
 
 def schema(version: int) -> Draft202012Validator:
@@ -34,6 +35,8 @@ def to_v1(d: dict[str, Any]) -> dict[str, Any]:
     """What the v1 code wrote for the same step."""
     d = copy.deepcopy(d)
     d["schema_version"] = 1
+    for k in V3_KEYS:
+        del d[k]
     for s in d["shards"]:
         for k in V2_KEYS:
             del s[k]
@@ -50,10 +53,62 @@ def write_v1_step(root: Path, world: int = 4, n: int = 1001) -> np.ndarray:
     return flat
 
 
+def to_v2(d: dict[str, Any]) -> dict[str, Any]:
+    """What the v2 code wrote for the same step (no lineage keys)."""
+    d = copy.deepcopy(d)
+    d["schema_version"] = 2
+    for k in V3_KEYS:
+        del d[k]
+    return d
+
+
 def test_migration_is_named_and_registered() -> None:
-    assert mf.SCHEMA_VERSION == 2
+    assert mf.SCHEMA_VERSION == 3
     assert mf.MIGRATIONS[1] is mf.migrate_v1_to_v2
+    assert mf.MIGRATIONS[2] is mf.migrate_v2_to_v3
     assert mf.migrate_v1_to_v2.__name__ == "migrate_v1_to_v2"
+    assert mf.migrate_v2_to_v3.__name__ == "migrate_v2_to_v3"
+
+
+def test_v2_manifest_upgrades_to_attempt_1_of_no_run(tmp_path: Path) -> None:
+    m = tc.save_sharded([{"a": np.arange(3.0)}, {"a": np.arange(2.0)}], tmp_path, 5)
+    raw = to_v2(m.to_dict())
+    assert not list(schema(2).iter_errors(raw))
+    before = copy.deepcopy(raw)
+    up = mf.migrate_v2_to_v3(raw)
+    assert raw == before  # pure
+    assert (up["schema_version"], up["run_id"], up["attempt"]) == (3, None, 1)
+    assert not list(schema(3).iter_errors(up))
+    (tmp_path / "step_0000000005" / "manifest.json").write_text(json.dumps(raw, indent=1))
+    m2 = tc.read_manifest(tmp_path)
+    assert (m2.schema_version, m2.run_id, m2.attempt, m2.save_id) == (3, None, 1, m.save_id)
+    assert m2.shards == m.shards
+    assert not list(schema(3).iter_errors(json.loads(m2.to_json())))
+
+
+def test_v2_with_v3_fields_is_refused() -> None:
+    m = tc.ShardManifest(world_size=1, step=1, save_id="s", shards=(tc.ShardRecord(
+        rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),))
+    for key, value in (("run_id", "r"), ("attempt", 2)):
+        bad = to_v2(m.to_dict())
+        bad[key] = value
+        with pytest.raises(ManifestError, match=r"unknown keys \['%s'\] \(schema_version 2\)" % key):
+            mf.ShardManifest.from_dict(bad)
+
+
+def test_v3_lineage_fields_are_validated() -> None:
+    m = tc.ShardManifest(world_size=1, step=1, save_id="s", run_id="run-1", attempt=4, shards=(tc.ShardRecord(
+        rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),))
+    assert mf.ShardManifest.from_json(m.to_json()) == m
+    for key, value in (("run_id", "../x"), ("run_id", ""), ("attempt", 0), ("attempt", True), ("attempt", "2")):
+        bad = m.to_dict()
+        bad[key] = value
+        with pytest.raises(ManifestError, match=key):
+            mf.ShardManifest.from_dict(bad)
+    bad = m.to_dict()
+    del bad["attempt"]
+    with pytest.raises(ManifestError, match="attempt"):
+        mf.ShardManifest.from_dict(bad)
 
 
 def test_v1_manifest_upgrades_with_null_checksums(tmp_path: Path) -> None:
@@ -66,11 +121,11 @@ def test_v1_manifest_upgrades_with_null_checksums(tmp_path: Path) -> None:
     assert raw == before  # pure
     assert up["schema_version"] == 2 and not list(schema(2).iter_errors(up))
     m = tc.read_manifest(tmp_path)
-    assert m.schema_version == 2
+    assert (m.schema_version, m.run_id, m.attempt) == (3, None, 1)
     assert all(s.crc32c is None and s.header_sha256 is None and s.crc32c_chunk_bytes is None for s in m.shards)
     assert all(t.crc32c is None for s in m.shards for t in s.tensors)
-    # re-serialised, it is a valid v2 manifest
-    assert not list(schema(2).iter_errors(json.loads(m.to_json())))
+    # re-serialised, it is a valid v3 manifest
+    assert not list(schema(3).iter_errors(json.loads(m.to_json())))
 
 
 def test_v1_with_v2_fields_is_refused(tmp_path: Path) -> None:
@@ -91,7 +146,7 @@ def test_newer_manifest_is_refused_clearly(tmp_path: Path) -> None:
     d = m.to_dict()
     d["schema_version"] = mf.SCHEMA_VERSION + 1
     (tmp_path / "step_0000000001" / "manifest.json").write_text(json.dumps(d))
-    with pytest.raises(ManifestError, match=r"schema_version 3 is newer .* understands \(2\); upgrade"):
+    with pytest.raises(ManifestError, match=r"schema_version 4 is newer .* understands \(3\); upgrade"):
         tc.load_sharded(tmp_path, 1)
 
 
@@ -125,7 +180,7 @@ def test_v1_step_loads_fast_path_falls_back_and_reshards(tmp_path: Path) -> None
     got = tc.load_sharded(tmp_path / "v1", 3, reshard=True, rules={"lr": "take_rank0"})
     assert np.concatenate([o["p"] for o in got]).tobytes() == flat.tobytes()
     res = tc.reshard(tmp_path / "v1", 9, 2, tmp_path / "v2", rules={"lr": "take_rank0"})
-    assert res.manifest.schema_version == 2 and res.manifest.shards[0].crc32c is not None
+    assert res.manifest.schema_version == 3 and res.manifest.shards[0].crc32c is not None
     # a corrupted v1 shard is caught by that sha256 even where the needed range is intact
     p = tmp_path / "v1" / "step_0000000009" / "rank_00003.safetensors"
     b = bytearray(p.read_bytes())

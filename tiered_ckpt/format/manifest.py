@@ -1,4 +1,4 @@
-"""The step manifest (schema version 2): who owns what in a committed step.
+"""The step manifest (schema version 3): who owns what in a committed step.
 
 Pure module: frozen dataclasses, JSON (de)serialisation, strict validation. No I/O, threads or S3.
 Field names of the seed lesson are kept (``schema_version``, ``world_size``, ``step``,
@@ -17,7 +17,12 @@ as in a manifest migrated from version 1, whose verification falls back to the w
 - per tensor: ``crc32c``, the CRC32C of each ``crc32c_chunk_bytes`` chunk of the tensor's bytes (see
   :mod:`tiered_ckpt._crc`), so that a partial read (resharding) verifies exactly the chunks it read.
 
-Version 1 manifests are upgraded on read by :func:`migrate_v1_to_v2` (registered in :data:`MIGRATIONS`).
+Version 3 adds the step's lineage (SPEC §11, :mod:`tiered_ckpt.format.lineage`): ``run_id`` (the run that
+saved it; ``null``: unknown, a migrated or low-level save outside any run) and ``attempt`` (the attempt of
+that run, >= 1; a migrated manifest is attempt 1). The performance and DCP issues extend version 3 with
+optional keys; there is one migration per version.
+
+Older manifests are upgraded on read through :data:`MIGRATIONS` (:mod:`tiered_ckpt.format.migration`).
 
 Every validation failure raises :class:`~tiered_ckpt.errors.ManifestError`, except a missing or duplicate
 rank, which raises :class:`~tiered_ckpt.errors.MissingShardError` (SPEC §2 failure table).
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_ckpt.errors import MissingShardError
-from tiered_ckpt.format.migration import MIGRATIONS, SCHEMA_VERSION, migrate, migrate_v1_to_v2
+from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE
+from tiered_ckpt.format.migration import MIGRATIONS, SCHEMA_VERSION, migrate, migrate_v1_to_v2, migrate_v2_to_v3
 from tiered_ckpt.format.validate import (MAX_NUMEL, check_keys, fail, first_overlap, int_field, int_list,
                                         loads_json, str_field)
 from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE, shard_file_name
@@ -257,6 +263,7 @@ class ShardManifest:
 
     ``wall_clock_seconds``: the run's elapsed training time as the caller reports it (seconds).
     ``created_at``: UTC ISO-8601 time of the commit. ``extra``: caller JSON (step-level metadata).
+    ``run_id``/``attempt`` (v3): the lineage the step was saved in (see :mod:`tiered_ckpt.format.lineage`).
     """
 
     world_size: int
@@ -266,6 +273,8 @@ class ShardManifest:
     wall_clock_seconds: float = 0.0
     created_at: str = ""
     extra: dict[str, Any] | None = None
+    run_id: str | None = None
+    attempt: int = 1
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -285,6 +294,8 @@ class ShardManifest:
             "wall_clock_seconds": self.wall_clock_seconds,
             "created_at": self.created_at,
             "extra": self.extra,
+            "run_id": self.run_id,
+            "attempt": self.attempt,
             "shards": [s.to_dict() for s in self.shards],
         }
 
@@ -308,7 +319,10 @@ class ShardManifest:
                         f"understands ({SCHEMA_VERSION}); upgrade tiered_ckpt to read it")
         obj = migrate(obj, version)
         check_keys(obj, "manifest", {"schema_version", "world_size", "step", "save_id", "wall_clock_seconds",
-                                "created_at", "shards"}, {"extra"})
+                                     "created_at", "shards", "run_id", "attempt"}, {"extra"})
+        run_id = obj["run_id"]
+        run_id = None if run_id is None else str_field(run_id, "run_id", RUN_ID_RE)
+        attempt = int_field(obj["attempt"], "attempt", 1, MAX_ATTEMPTS)
         ws = int_field(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
         step = int_field(obj["step"], "step", 0, MAX_STEP)
         save_id = str_field(obj["save_id"], "save_id", _SAVE_ID)
@@ -345,8 +359,8 @@ class ShardManifest:
         _check_partitions(shards, step)
         m = object.__new__(cls)
         for k, v in dict(world_size=ws, step=step, shards=tuple(shards), save_id=save_id,
-                         wall_clock_seconds=float(wcs), created_at=created, extra=extra,
-                         schema_version=SCHEMA_VERSION).items():
+                         wall_clock_seconds=float(wcs), created_at=created, extra=extra, run_id=run_id,
+                         attempt=attempt, schema_version=SCHEMA_VERSION).items():
             object.__setattr__(m, k, v)
         return m
 
@@ -378,4 +392,5 @@ def _check_partitions(shards: list[ShardRecord], step: int) -> None:
 
 
 __all__ = ["SCHEMA_VERSION", "DTYPE_SIZES", "TensorRecord", "ShardRecord", "ShardManifest", "migrate",
-           "MIGRATIONS", "migrate_v1_to_v2", "numel"]
+           "MIGRATIONS", "migrate_v1_to_v2",
+           "migrate_v2_to_v3", "numel"]

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 from tiered_ckpt.format.validate import fail
 
 #: The manifest schema version this code writes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,8 +46,23 @@ def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def migrate_v2_to_v3(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Upgrade a version-2 manifest dict to version 3 (pure; the input is not modified).
+
+    Version 2 has no lineage: the step gets ``run_id: null`` (no known run) and ``attempt: 1`` (the first
+    attempt, which no rollback has happened before). A version-2 dict that already carries ``run_id`` or
+    ``attempt`` is refused (they were unknown keys in v2).
+    """
+    clash = sorted({"run_id", "attempt"} & obj.keys())
+    if clash:
+        raise fail(f"manifest has unknown keys {clash} (schema_version 2)")
+    out = dict(obj)
+    out.update(schema_version=3, run_id=None, attempt=1)
+    return out
+
+
 #: Named migrations: ``MIGRATIONS[v]`` upgrades a manifest dict of version ``v`` to ``v + 1``.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3}
 
 
 def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
@@ -65,4 +80,4 @@ def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
 
 
 
-__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "migrate", "migrate_v1_to_v2"]
+__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "migrate", "migrate_v1_to_v2", "migrate_v2_to_v3"]

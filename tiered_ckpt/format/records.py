@@ -1,6 +1,6 @@
 """The two small JSON records of the upload tier (SPEC §4). Pure: no I/O.
 
-- :class:`ConfirmationRecord`: ``<prefix>/step_XXXXXXXXXX/.confirm/rank_XXXXX.json``, PUT by the sidecar
+- :class:`ConfirmationRecord`: ``<prefix>/step_XXXXXXXXXX.<save_id>/.confirm/rank_XXXXX.json``, PUT by the sidecar
   that sent and confirmed one shard, read (GET, never LIST) by whoever gathers the step's confirmations
   before writing the upload manifest. Written and read only by :mod:`tiered_ckpt.remote.commit`.
 - :class:`UploadedMarker`: ``<step_dir>/uploaded.json`` on local disk: the step is in the bucket named by
@@ -30,8 +30,9 @@ from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _CONFIRM_KEYS = {"rank", "key", "size_bytes", "sha256", "confirmed_by", "save_id"}
-#: Absent from records written before per-part checksums were recorded; read as ``None``.
-_CONFIRM_OPTIONAL = {"checksum_algorithm", "checksum"}
+#: Absent from records written before per-part checksums (and, before schema 3, ETags) were recorded;
+#: read as ``None``.
+_CONFIRM_OPTIONAL = {"checksum_algorithm", "checksum", "etag"}
 
 
 def _opt_str(v: Any, what: str) -> str | None:
@@ -47,6 +48,7 @@ class ConfirmationRecord:
     :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`. ``checksum_algorithm`` / ``checksum``: the
     S3 additional checksum sent (``"SHA256"`` for a single PUT, ``"CRC32C"`` composite ``...-N`` for a
     multipart upload; see :mod:`tiered_ckpt.remote.transfer`). ``save_id``: the save the shard belongs to.
+    ``etag``: the object's ETag when it was confirmed (the commit re-checks it; ``None`` in older records).
     """
 
     rank: int
@@ -57,6 +59,7 @@ class ConfirmationRecord:
     checksum_algorithm: str | None
     checksum: str | None
     save_id: str
+    etag: str | None = None
 
     def __post_init__(self) -> None:
         ConfirmationRecord.from_dict(self.to_dict())
@@ -64,7 +67,8 @@ class ConfirmationRecord:
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "key": self.key, "size_bytes": self.size_bytes, "sha256": self.sha256,
                 "confirmed_by": self.confirmed_by, "checksum_algorithm": self.checksum_algorithm,
-                "checksum": self.checksum, "save_id": self.save_id}
+                "checksum": self.checksum, "save_id": self.save_id} | (
+                    {"etag": self.etag} if self.etag is not None else {})
 
     def to_json(self) -> str:
         """The record's bytes as PUT (sorted keys, one line, trailing newline)."""
@@ -89,7 +93,8 @@ class ConfirmationRecord:
                          confirmed_by=how,
                          checksum_algorithm=_opt_str(obj.get("checksum_algorithm"), f"{what}.checksum_algorithm"),
                          checksum=_opt_str(obj.get("checksum"), f"{what}.checksum"),
-                         save_id=str_field(obj["save_id"], f"{what}.save_id", _SAVE_ID)).items():
+                         save_id=str_field(obj["save_id"], f"{what}.save_id", _SAVE_ID),
+                         etag=_opt_str(obj.get("etag"), f"{what}.etag")).items():
             object.__setattr__(rec, k, v)
         return rec
 
@@ -104,6 +109,9 @@ class UploadedMarker:
 
     ``upload_manifest_sha256``: sha256 (hex) of the step's upload manifest (absent on a skip marker).
     ``skipped``: released unsent (``UploadPolicy.skip_intermediate``). ``restored``: written by restore.
+    ``manifest_sha256`` (SPEC §11): sha256 (hex) of the local ``manifest.json`` the marker was written for;
+    the marker counts only while it matches (a step re-saved with ``replace=True`` is uploaded again).
+    ``None`` in markers of earlier releases (then it counts as before).
     """
 
     step: int
@@ -111,6 +119,7 @@ class UploadedMarker:
     upload_manifest_sha256: str | None = None
     skipped: bool = False
     restored: bool = False
+    manifest_sha256: str | None = None
 
     def __post_init__(self) -> None:
         UploadedMarker.from_dict(self.to_dict())
@@ -119,6 +128,8 @@ class UploadedMarker:
         d: dict[str, Any] = {"step": self.step, "remote": self.remote}
         if self.upload_manifest_sha256 is not None:
             d["upload_manifest_sha256"] = self.upload_manifest_sha256
+        if self.manifest_sha256 is not None:
+            d["manifest_sha256"] = self.manifest_sha256
         if self.skipped:
             d["skipped"] = True
         if self.restored:
@@ -136,9 +147,10 @@ class UploadedMarker:
     @classmethod
     def from_dict(cls, obj: Any) -> UploadedMarker:
         what = "uploaded marker"
-        check_keys(obj, what, {"step", "remote"}, {"upload_manifest_sha256", "skipped", "restored"},
-                   ignore_unknown=True)
+        check_keys(obj, what, {"step", "remote"}, {"upload_manifest_sha256", "skipped", "restored",
+                                                 "manifest_sha256"}, ignore_unknown=True)
         sha = obj.get("upload_manifest_sha256")
+        msha = obj.get("manifest_sha256")
         flags = {}
         for name in ("skipped", "restored"):
             v = obj.get(name, False)
@@ -150,9 +162,15 @@ class UploadedMarker:
                          remote=str_field(obj["remote"], f"{what}.remote"),
                          upload_manifest_sha256=None if sha is None else str_field(
                              sha, f"{what}.upload_manifest_sha256", _HEX64),
+                         manifest_sha256=None if msha is None else str_field(msha, f"{what}.manifest_sha256", _HEX64),
                          **flags).items():
             object.__setattr__(m, k, v)
         return m
+
+    def matches_manifest(self, manifest_sha256: str) -> bool:
+        """Whether the marker was written for the local manifest with this sha256 (a marker of an
+        earlier release, without ``manifest_sha256``, matches any)."""
+        return self.manifest_sha256 is None or self.manifest_sha256 == manifest_sha256
 
     def names_remote(self, remote_url: str) -> bool:
         """Whether the marker was written for ``remote_url`` (trailing ``/`` ignored)."""

@@ -1,12 +1,19 @@
 """The upload manifest: the remote commit point of a step (SPEC §4). Pure: no I/O, no S3.
 
-``<prefix>/step_XXXXXXXXXX/upload_manifest.json`` is written only after every shard of the step is
-confirmed remotely. It lists, per rank, the remote key, size, sha256 and how the shard was confirmed,
+``<prefix>/step_XXXXXXXXXX.<save_id>/upload_manifest.json`` (schema 2; round 1's schema 1 lives at
+``<prefix>/step_XXXXXXXXXX/upload_manifest.json``, one save per step) is written only after every shard
+of the save is confirmed remotely and re-checked (ETag and size of every object, sha256 of
+``manifest.json``). It lists, per rank, the remote key, size, sha256 and how the shard was confirmed,
 plus the sha256 of the local ``manifest.json`` it mirrors (uploaded next to it). Its content is
 deterministic (no per-writer timestamps or host names), so two sidecars that race to write it produce
 identical bytes. A step without it does not exist for restore.
 
-``<prefix>/latest`` (see :class:`LatestPointer`) names the newest remotely committed step.
+Schema 2 adds the lineage (``run_id``, ``attempt``: SPEC §11), the local manifest's ``created_at`` and, per
+shard, the ``etag`` the commit re-checked. Schema 1 is still read (``run_id`` ``None``, ``attempt`` 1,
+``etag`` ``None``).
+
+``<prefix>/latest`` (see :class:`LatestPointer`) names the newest current remotely committed save,
+ordered by ``(attempt, step)``.
 
 Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`.
 """
@@ -19,11 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError
-from tiered_ckpt.layout import MANIFEST_NAME, MAX_STEP, MAX_WORLD_SIZE, remote_key, shard_file_name
+from tiered_ckpt.layout import MANIFEST_NAME, MAX_STEP, MAX_WORLD_SIZE, remote_save_key, shard_file_name
+from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE
 from tiered_ckpt.format.manifest import MAX_SHARD_BYTES
 from tiered_ckpt.format.validate import check_keys, int_field, loads_json, str_field
 
-UPLOAD_SCHEMA_VERSION = 1
+#: The upload manifest schema this code writes; 1 (round 1) is still read.
+UPLOAD_SCHEMA_VERSION = 2
+_SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+_ETAG_MAX = 256
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 #: How a shard was confirmed remotely:
@@ -36,21 +47,26 @@ CONFIRM_METHODS = ("server-checksum", "read-back")
 @dataclass(frozen=True)
 class RemoteShard:
     """One confirmed remote shard: ``key`` (full object key), ``size_bytes``, ``sha256`` (hex, equal to
-    the local manifest's), ``confirmed_by`` (one of :data:`CONFIRM_METHODS`)."""
+    the local manifest's), ``confirmed_by`` (one of :data:`CONFIRM_METHODS`), ``etag`` (schema 2: the
+    object's ETag as the commit re-checked it; ``None`` in schema 1)."""
 
     rank: int
     key: str
     size_bytes: int
     sha256: str
     confirmed_by: str
+    etag: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "key": self.key, "size_bytes": self.size_bytes, "sha256": self.sha256,
-                "confirmed_by": self.confirmed_by}
+        d = {"rank": self.rank, "key": self.key, "size_bytes": self.size_bytes, "sha256": self.sha256,
+             "confirmed_by": self.confirmed_by}
+        if self.etag is not None:
+            d["etag"] = self.etag
+        return d
 
     @classmethod
     def from_dict(cls, obj: Any, what: str = "shard") -> RemoteShard:
-        check_keys(obj, what, {"rank", "key", "size_bytes", "sha256", "confirmed_by"})
+        check_keys(obj, what, {"rank", "key", "size_bytes", "sha256", "confirmed_by"}, {"etag"})
         rank = int_field(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
         key = str_field(obj["key"], f"{what}.key")
         size = int_field(obj["size_bytes"], f"{what}.size_bytes", 8, MAX_SHARD_BYTES)
@@ -58,7 +74,12 @@ class RemoteShard:
         how = str_field(obj["confirmed_by"], f"{what}.confirmed_by")
         if how not in CONFIRM_METHODS:
             raise ManifestError(f"{what}.confirmed_by {how[:30]!r} is not one of {CONFIRM_METHODS}")
-        return cls(rank, key, size, sha, how)
+        etag = obj.get("etag")
+        if etag is not None:
+            etag = str_field(etag, f"{what}.etag")
+            if not 0 < len(etag) <= _ETAG_MAX:
+                raise ManifestError(f"{what}.etag has bad length {len(etag)}")
+        return cls(rank, key, size, sha, how, etag)
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,9 @@ class UploadManifest:
 
     ``prefix``: the key prefix of the run in the bucket (no bucket name, so a bucket copied elsewhere
     still restores). ``manifest_sha256``: sha256 (hex) of the exact ``manifest.json`` bytes uploaded.
+    ``run_id``/``attempt``/``created_at`` (schema 2): copied from the local manifest (``None``/``1``/``""``
+    in schema 1). Object keys: :func:`~tiered_ckpt.layout.remote_save_key` of ``(step, save_id)`` in
+    schema 2, of ``(step, None)`` in schema 1 (:attr:`key_save_id`).
     """
 
     step: int
@@ -76,7 +100,15 @@ class UploadManifest:
     manifest_key: str
     manifest_sha256: str
     shards: tuple[RemoteShard, ...]
+    run_id: str | None = None
+    attempt: int = 1
+    created_at: str = ""
     schema_version: int = UPLOAD_SCHEMA_VERSION
+
+    @property
+    def key_save_id(self) -> str | None:
+        """The save id in this save's object keys (``None``: a round-1, schema-1 step)."""
+        return self.save_id if self.schema_version >= 2 else None
 
     def __post_init__(self) -> None:
         UploadManifest.from_dict(self.to_dict())
@@ -95,7 +127,8 @@ class UploadManifest:
             "manifest_key": self.manifest_key,
             "manifest_sha256": self.manifest_sha256,
             "shards": [s.to_dict() for s in sorted(self.shards, key=lambda s: s.rank)],
-        }
+        } | ({"run_id": self.run_id, "attempt": self.attempt, "created_at": self.created_at}
+             if self.schema_version >= 2 else {})
 
     def to_json(self) -> str:
         """Deterministic bytes: sorted keys, shards in rank order, no timestamps."""
@@ -107,18 +140,29 @@ class UploadManifest:
 
     @classmethod
     def from_dict(cls, obj: Any) -> UploadManifest:
-        check_keys(obj, "upload manifest", {"schema_version", "step", "world_size", "save_id", "prefix",
-                                       "manifest_key", "manifest_sha256", "shards"})
-        version = int_field(obj["schema_version"], "schema_version", 0, 2**31)
-        if version != UPLOAD_SCHEMA_VERSION:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"upload manifest must be a JSON object, got {type(obj).__name__}")
+        version = int_field(obj.get("schema_version"), "schema_version", 0, 2**31)
+        if version not in (1, UPLOAD_SCHEMA_VERSION):
             raise ManifestError(f"upload manifest schema_version {version} is not supported "
-                                f"(this tiered_ckpt reads {UPLOAD_SCHEMA_VERSION})")
+                                f"(this tiered_ckpt reads 1 and {UPLOAD_SCHEMA_VERSION}); upgrade tiered_ckpt")
+        lineage_keys = {"run_id", "attempt", "created_at"} if version >= 2 else set()
+        check_keys(obj, "upload manifest", {"schema_version", "step", "world_size", "save_id", "prefix",
+                                            "manifest_key", "manifest_sha256", "shards"} | lineage_keys)
+        run_id, attempt, created = None, 1, ""
+        if version >= 2:
+            run_id = None if obj["run_id"] is None else str_field(obj["run_id"], "run_id", RUN_ID_RE)
+            attempt = int_field(obj["attempt"], "attempt", 1, MAX_ATTEMPTS)
+            created = str_field(obj["created_at"], "created_at")
+            if len(created) > 64:
+                raise ManifestError("created_at is too long")
         step = int_field(obj["step"], "step", 0, MAX_STEP)
         ws = int_field(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
-        save_id = str_field(obj["save_id"], "save_id", re.compile(r"^[0-9A-Za-z_-]{1,64}$"))
+        save_id = str_field(obj["save_id"], "save_id", _SAVE_ID)
         prefix = str_field(obj["prefix"], "prefix")
+        key_sid = save_id if version >= 2 else None
         mkey = str_field(obj["manifest_key"], "manifest_key")
-        if mkey != remote_key(prefix, step, MANIFEST_NAME):
+        if mkey != remote_save_key(prefix, step, key_sid, MANIFEST_NAME):
             raise ManifestError(f"manifest_key {mkey[:100]!r} is not the manifest of step {step} under "
                                 f"{prefix!r}")
         msha = str_field(obj["manifest_sha256"], "manifest_sha256", _HEX64)
@@ -129,33 +173,52 @@ class UploadManifest:
         if sorted(s.rank for s in shards) != list(range(ws)):
             raise ManifestError(f"upload manifest shards do not cover ranks 0..{ws - 1} exactly once")
         for s in shards:
-            if s.key != remote_key(prefix, step, shard_file_name(s.rank)):
+            if s.key != remote_save_key(prefix, step, key_sid, shard_file_name(s.rank)):
                 raise ManifestError(f"shard key {s.key[:100]!r} of rank {s.rank} is outside step {step}")
+            if (s.etag is not None) != (version >= 2):
+                raise ManifestError(f"shard of rank {s.rank}: etag is required in schema 2 and unknown in 1")
         m = object.__new__(cls)
         for k, v in dict(step=step, world_size=ws, save_id=save_id, prefix=prefix, manifest_key=mkey,
                          manifest_sha256=msha, shards=tuple(sorted(shards, key=lambda s: s.rank)),
-                         schema_version=version).items():
+                         run_id=run_id, attempt=attempt, created_at=created, schema_version=version).items():
             object.__setattr__(m, k, v)
         return m
 
 
 @dataclass(frozen=True)
 class LatestPointer:
-    """Content of ``<prefix>/latest``: the newest remotely committed ``step`` and the sha256 of its
-    upload manifest. Moved forward only, with conditional writes (``If-Match`` / ``If-None-Match``)."""
+    """Content of ``<prefix>/latest``: the newest current remotely committed save (``step``, ``attempt``,
+    ``save_id``; ``save_id`` ``None`` for a round-1 step) and the sha256 of its upload manifest. Moved with
+    conditional writes (``If-Match`` / ``If-None-Match``) and only to a greater :attr:`order` (SPEC §11):
+    a live sidecar of an older attempt can no longer move it. A round-1 pointer (``step`` and sha256
+    only) reads as attempt 1."""
 
     step: int
     upload_manifest_sha256: str
+    attempt: int = 1
+    save_id: str | None = None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """``(attempt, step)``: the pointer's position in the run's history."""
+        return (self.attempt, self.step)
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "upload_manifest_sha256": self.upload_manifest_sha256},
-                          sort_keys=True) + "\n"
+        d: dict[str, Any] = {"step": self.step, "upload_manifest_sha256": self.upload_manifest_sha256}
+        if self.save_id is not None:
+            d.update(attempt=self.attempt, save_id=self.save_id)
+        return json.dumps(d, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LatestPointer:
-        obj = check_keys(loads_json(text, "latest pointer"), "latest pointer", {"step", "upload_manifest_sha256"})
+        obj = check_keys(loads_json(text, "latest pointer"), "latest pointer", {"step", "upload_manifest_sha256"},
+                         {"attempt", "save_id"})
+        if ("attempt" in obj) != ("save_id" in obj):
+            raise ManifestError("latest pointer: attempt and save_id go together")
         return cls(int_field(obj["step"], "step", 0, MAX_STEP),
-                   str_field(obj["upload_manifest_sha256"], "upload_manifest_sha256", _HEX64))
+                   str_field(obj["upload_manifest_sha256"], "upload_manifest_sha256", _HEX64),
+                   int_field(obj.get("attempt", 1), "attempt", 1, MAX_ATTEMPTS),
+                   None if obj.get("save_id") is None else str_field(obj["save_id"], "save_id", _SAVE_ID))
 
 
 __all__ = ["UPLOAD_SCHEMA_VERSION", "CONFIRM_METHODS", "RemoteShard", "UploadManifest", "LatestPointer"]

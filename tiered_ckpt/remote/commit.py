@@ -153,7 +153,8 @@ class RemoteStepCommit:
             raise StepIncompleteError(f"step {self.step}: ranks {missing[:8]} not confirmed remotely yet", missing)
         return UploadManifest(step=self.step, world_size=m.world_size, save_id=m.save_id, prefix=self.prefix,
                               manifest_key=remote_key(self.prefix, self.step, MANIFEST_NAME),
-                              manifest_sha256=self.manifest_sha256, shards=tuple(shards))
+                              manifest_sha256=self.manifest_sha256, shards=tuple(shards),
+                              schema_version=1)  # round-1 keys until the per-save key scheme lands
 
     # -- 5
     def write_upload_manifest(self, um: UploadManifest) -> bytes:
