@@ -1,5 +1,6 @@
-"""POSIX primitives below the commit protocols: this node's and process's identity (host name, owner
-tokens that survive pid reuse, liveness of an owner), unique temp names that name their owner, save ids
+"""POSIX primitives below the commit protocols: this node's and process's identity (host name, kernel
+boot id, pid namespace; owner tokens that survive pid reuse and tell machines with one host name apart;
+liveness of an owner), unique temp names that name their owner, save ids
 and timestamps, and raw write helpers (``write(2)`` until done, writeback hints). Nothing here makes a
 file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync, rename, directory fsync).
 """
@@ -19,6 +20,13 @@ from tiered_ckpt.layout import TMP_SUFFIX
 
 _HOST = None
 
+#: Separator of the identity fields inside the first field of an owner token. :func:`hostname` never
+#: yields it, so a token whose first field has none is of the old ``<host>.<pid>.<start>`` format.
+_ID_SEP = "_"
+_BOOT_ID_CHARS = 16  # of the kernel's 128-bit random boot id: 64 bits tell two boots apart
+_UNKNOWN = "x"
+_IDENTITY: tuple[int, str, str] | None = None  # (pid it was read in, boot id, pid namespace)
+
 
 def hostname() -> str:
     """This node's host name, made safe for file names (``[A-Za-z0-9-]``)."""
@@ -29,13 +37,75 @@ def hostname() -> str:
     return _HOST
 
 
+def _read_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            raw = f.read(64).decode("ascii", "replace")
+    except OSError:
+        return _UNKNOWN
+    digits = "".join(c for c in raw.lower() if c in "0123456789abcdef")
+    return digits[:_BOOT_ID_CHARS] or _UNKNOWN
+
+
+def _read_pid_namespace() -> str:
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return _UNKNOWN
+    digits = "".join(c for c in link if c.isdigit())
+    return digits or _UNKNOWN
+
+
+def _identity() -> tuple[str, str]:
+    """``(boot id, pid namespace)`` of this process, read once per process (a forked child reads its
+    own: it may live in another pid namespace than its parent)."""
+    global _IDENTITY
+    pid = os.getpid()
+    if _IDENTITY is None or _IDENTITY[0] != pid:
+        _IDENTITY = (pid, _read_boot_id(), _read_pid_namespace())
+    return _IDENTITY[1], _IDENTITY[2]
+
+
+def boot_id() -> str:
+    """The first 16 hex digits of this machine's kernel boot id (``/proc/sys/kernel/random/boot_id``,
+    random per boot, so two machines with one host name differ), or ``"x"`` where it cannot be read."""
+    return _identity()[0]
+
+
+def pid_namespace() -> str:
+    """The inode number of this process's pid namespace (``readlink /proc/self/ns/pid``, see
+    namespaces(7)), as decimal digits, or ``"x"`` where it cannot be read. Two processes with one pid
+    number in different containers differ here."""
+    return _identity()[1]
+
+
+def node_identity() -> str:
+    """``<host>_<boot id>_<pid namespace>``: the first field of this process's :func:`owner_token`, the
+    scope within which its pid means one process."""
+    boot, ns = _identity()
+    return f"{hostname()}{_ID_SEP}{boot}{_ID_SEP}{ns}"
+
+
+def _proc_is_ours() -> bool:
+    """Whether ``/proc`` is mounted for this process's pid namespace (``/proc/self`` names our own pid):
+    only then does ``/proc/<pid>`` describe the process a token of this namespace names."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), or ``None``.
 
     Together with the pid it identifies a process even after pid reuse.
     """
+    return _start_time_from(f"/proc/{pid}/stat")
+
+
+def _start_time_from(stat_path: str) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(stat_path, "rb") as f:
             data = f.read()
     except OSError:
         return None
@@ -50,23 +120,40 @@ def process_start_time(pid: int) -> int | None:
 
 
 def owner_token() -> str:
-    """``<host>.<pid>.<starttime>`` of the calling process: who owns a temp file or lock."""
-    pid = os.getpid()
-    return f"{hostname()}.{pid}.{process_start_time(pid) or 0}"
+    """``<host>_<boot id>_<pid namespace>.<pid>.<starttime>`` of the calling process: who owns a temp
+    file or lock (SPEC §11 "Nodes").
+
+    Three dot-separated fields, as the old ``<host>.<pid>.<starttime>`` format had (the names of temp
+    files, lock files and trash directories embed it and are parsed by field count). The start time is
+    read from ``/proc/self/stat`` (right even where ``/proc`` belongs to another pid namespace), ``0``
+    where it cannot be read.
+    """
+    return f"{node_identity()}.{os.getpid()}.{_start_time_from('/proc/self/stat') or 0}"
 
 
 def owner_alive(token: str) -> bool:
     """Whether the process named by an :func:`owner_token` may still be running.
 
-    On another host we cannot tell, so the answer is ``True`` (leftovers of other hosts are never swept
-    automatically; ``gc --force`` exists for that). On this host: the pid exists, is not a zombie, and has
-    the same start time.
+    Only a process of this very host name, kernel boot and pid namespace can be checked; for any other
+    (another machine, even one with our host name; another container on this machine; a namespace
+    whose ``/proc`` is not mounted here) the answer is ``True``: we cannot tell, and a live writer
+    must never be judged dead (its leftovers are never swept automatically; ``gc --force`` exists for
+    that). Checkable tokens: the pid exists, is not a zombie, and has the same start time (``0``: any).
+    Old-format tokens (``<host>.<pid>.<starttime>``, written before boot id and namespace were part of
+    the identity) keep their old meaning: another host name -> ``True``, this one -> the pid check.
+    A malformed token is ``False`` (no process can own it).
     """
     parts = token.rsplit(".", 2)
     if len(parts) != 3:
         return False
-    host, pid_s, start_s = parts
-    if host != hostname():
+    node, pid_s, start_s = parts
+    if _ID_SEP in node:
+        fields = node.split(_ID_SEP)
+        if len(fields) != 3 or not all(fields):
+            return False
+        if node != node_identity() or not _proc_is_ours():
+            return True
+    elif node != hostname():
         return True
     try:
         pid, start = int(pid_s), int(start_s)
