@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tiered_ckpt.local.scan import COMMITTED, UNCOMMITTED, gc, scan
+from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc, gc_superseded, scan
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, parse_ranks,
                       print_json, print_table, s3_url, step_number)
 
@@ -29,14 +29,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("verify", help="fully verify steps (sizes, sha256 or CRC32C, headers)",
                        description="Verify one step (--step) or every step under ROOT. Prints one line per step: "
                                    "'step N: STATE[: REASON]', STATE one of committed / uncommitted / corrupt / "
-                                   "incomplete; exit 1 if any committed step is bad (or the --step asked for is "
-                                   "not committed). With --ranks (a node-local root holding only some ranks' "
-                                   "shards, e.g. after 'restore --ranks'): only those ranks' shards are checked.")
+                                   "incomplete / superseded; exit 1 if any committed step is bad (or the --step "
+                                   "asked for is not committed). A node-local root (holding only its node's "
+                                   "ranks' shards) is checked for the ranks it holds: 'step N: committed "
+                                   "(node-local: ranks 2-3 of 4)', exit 0 when those verify; --require-all "
+                                   "wants every rank's shard here. Superseded steps (a newer attempt started "
+                                   "below them) are listed, never verified, never a fault. With --ranks: "
+                                   "only those ranks' shards are checked.")
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory (omit with --remote)")
     p.add_argument("--step", type=step_number, default=None)
     p.add_argument("--ranks", default=None,
                    help="verify only these ranks' shards, e.g. 0-1 or 2,3 (a node-local root; the other "
                         "ranks' shards are expected on other nodes); local roots only")
+    p.add_argument("--require-all", action="store_true",
+                   help="every rank's shard must be in ROOT (a shared root); without it a node-local root "
+                        "is checked for the ranks it holds")
     p.add_argument("--fast", action="store_true",
                    help="verify CRC32C instead of sha256 (sha256 for steps saved without CRC32C)")
     p.add_argument("--remote", metavar="S3_URL", default=None, type=s3_url,
@@ -47,10 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     p = sub.add_parser("gc", help="remove leftovers of dead writers",
                        description="Remove uncommitted step directories, temp files and stale locks whose "
-                                   "writer is dead. Committed steps are never touched.")
+                                   "writer is dead. Committed steps are never touched; superseded ones only "
+                                   "with --superseded.")
     p.add_argument("root", type=Path)
     p.add_argument("--force", action="store_true",
                    help="also remove leftovers of writers that cannot be checked (other hosts)")
+    p.add_argument("--superseded", action="store_true",
+                   help="also remove superseded steps (abandoned by a rollback; see 'ls'), except pinned "
+                        "ones and ones being read or uploaded")
     p.add_argument("--min-age-s", type=nonneg_float, default=60.0,
                    help="leave uncommitted directories younger than this alone (default 60)")
     p.add_argument("--json", action="store_true")
@@ -65,7 +76,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.root is None:
         raise CliError("ls needs ROOT or --remote s3://bucket/prefix", EXIT_USAGE)
     _require_root(args.root)
-    rows = scan(args.root, verify=False)
+    rows = scan(args.root, verify=False, require_all=False)
     if args.json:
         print_json([s.to_dict() for s in rows])
         return EXIT_OK
@@ -74,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     print_table(["step", "state", "world_size", "size", "note"],
                 [[s.step, s.state, s.world_size if s.world_size is not None else "-", human_bytes(s.size_bytes),
-                  s.reason] for s in rows])
+                  s.note] for s in rows])
     return EXIT_OK
 
 
@@ -105,29 +116,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
         rows = _scan_remote(args)
     else:
         _require_root(args.root)
-        rows = scan(args.root, verify=True, step=args.step, fast=args.fast, ranks=ranks)
+        rows = scan(args.root, verify=True, step=args.step, fast=args.fast, ranks=ranks,
+                    require_all=args.require_all)
     if args.json:
         print_json([s.to_dict() for s in rows])
     elif not rows:
         print(f"no steps under {args.remote or args.root}")
     else:
-        # One line per step, columns step / state / reason ("step 3: corrupt: <reason>"): the format of
-        # issue 2 (one line per fault, pinned by the CLI and hostile-input tests).
         for s in rows:
-            print(f"step {s.step}: {s.state}" + (f": {' '.join(s.reason.split())}" if s.reason else ""))
-    bad = [s for s in rows if s.state not in (COMMITTED, UNCOMMITTED)]
-    if args.step is not None and rows and rows[0].state == UNCOMMITTED:
-        return EXIT_FAULT
+            print(_verify_line(s))
+    bad = [s for s in rows if s.state not in (COMMITTED, UNCOMMITTED, SUPERSEDED)]
+    if args.step is not None and rows and not any(s.state == COMMITTED for s in rows):
+        return EXIT_FAULT  # the step asked for is not a committed (current) step
     return EXIT_FAULT if bad else EXIT_OK
+
+
+def _verify_line(s: StepStatus) -> str:
+    """One line per step, ``step N: STATE[: REASON]``: the format of issue 2 (one line per fault, pinned
+    by the CLI and hostile-input tests); the step's details (superseded by whom, node-local ranks, pinned)
+    follow in parentheses, e.g. ``step 20: committed (node-local: ranks 2-3 of 4)``."""
+    reason = " ".join(s.reason.split())
+    line = f"step {s.step}: {s.state}" + (f": {reason}" if reason else "")
+    return line + (f" ({', '.join(s.details)})" if s.details else "")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     _require_root(args.root)
-    removed = gc(args.root, force=args.force, min_age_s=args.min_age_s)
+    kept: list[tuple[Path, str]] = []
+    removed: list[Path] = []
+    if args.superseded:
+        removed, kept = gc_superseded(args.root)
+    removed += gc(args.root, force=args.force, min_age_s=args.min_age_s)
     if args.json:
         print_json([str(p) for p in removed])
     else:
         for p in removed:
             print(f"removed {p}")
+        for p, why in kept:
+            print(f"kept superseded {p}: {why}")
         print(f"{len(removed)} leftover(s) removed")
     return EXIT_OK

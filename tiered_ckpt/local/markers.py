@@ -3,35 +3,75 @@
 Writers: the sidecar after a remote commit or a ``skip_intermediate`` release
 (:mod:`tiered_ckpt.remote.upload`), and restore after its local commit (:mod:`tiered_ckpt.remote.restore`).
 Readers: the sidecar's backlog (a step counts as uploaded only for the remote its marker names) and
-upload-gated rotation (:func:`tiered_ckpt.local.rotation.is_uploaded`: any marker file releases the step,
-SPEC §3). The format is :class:`tiered_ckpt.format.records.UploadedMarker`.
+upload-gated rotation (:func:`tiered_ckpt.local.rotation.is_uploaded`). The format is
+:class:`tiered_ckpt.format.records.UploadedMarker`.
+
+A marker counts (:func:`has_uploaded_marker`) only while it matches the step's manifest (SPEC §11): it
+names the sha256 of the local ``manifest.json`` bytes it was written for, and a step re-saved with
+``replace=True`` (new manifest bytes) is not uploaded until a new marker says so (issue 10, Why case 4). A
+marker of an earlier release, without ``manifest_sha256``, counts for any manifest, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME
+from tiered_ckpt.local.catalogue import read_manifest_bytes
 from tiered_ckpt.local.commit import durable_write_bytes
 
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
-def write_uploaded_marker(step_dir: PathLike, marker: UploadedMarker) -> None:
+
+def manifest_sha256_of(step_dir: PathLike) -> str | None:
+    """sha256 (hex) of the bytes of ``<step_dir>/manifest.json`` now, or ``None`` when the step is not
+    committed or its manifest cannot be read (a symlink, not a regular file, over the size cap: see
+    :func:`tiered_ckpt.local.catalogue.read_manifest_bytes`). Never raises for those; the value a writer
+    passes as ``manifest_sha256`` should be that of the bytes it actually uploaded or restored."""
+    try:
+        data = read_manifest_bytes(Path(step_dir))
+    except (ManifestError, OSError):
+        return None
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def write_uploaded_marker(step_dir: PathLike, marker: UploadedMarker, *,
+                          manifest_sha256: str | None = None) -> None:
     """Write ``<step_dir>/uploaded.json`` durably (temp, fsync, rename, directory fsync), replacing any
-    earlier marker. Raises ``FileNotFoundError`` when the step directory is gone, ``OSError`` otherwise."""
+    earlier marker.
+
+    ``manifest_sha256``: sha256 (hex, 64 lowercase digits) of the local ``manifest.json`` bytes the upload
+    or restore was made from; recorded in the marker (SPEC §11), which then counts only while the step's
+    manifest has exactly those bytes. ``None``: the marker's own ``manifest_sha256`` (if any) is written as
+    it is; a marker without one counts for any manifest (the behaviour of earlier releases).
+
+    Raises ``ValueError`` if ``manifest_sha256`` is not 64 hex digits or disagrees with the marker's own
+    value (nothing written), ``FileNotFoundError`` when the step directory is gone, ``OSError`` otherwise."""
+    if manifest_sha256 is not None:
+        if not isinstance(manifest_sha256, str) or not _HEX64.fullmatch(manifest_sha256):
+            raise ValueError(f"manifest_sha256 must be 64 lowercase hex digits, got {manifest_sha256!r}")
+        if marker.manifest_sha256 not in (None, manifest_sha256):
+            raise ValueError(f"step {marker.step}: manifest_sha256={manifest_sha256} disagrees with the "
+                             f"marker's own {marker.manifest_sha256}")
+        marker = dataclasses.replace(marker, manifest_sha256=manifest_sha256)
     durable_write_bytes(Path(step_dir) / UPLOADED_MARKER_NAME, marker.to_json().encode())
 
 
 def read_uploaded_marker(step_dir: PathLike) -> UploadedMarker | None:
     """The step's marker, or ``None`` when there is none or it cannot be read or parsed (the sidecar then
-    treats the step as not uploaded and checks it remotely again). Never raises."""
+    treats the step as not uploaded and checks it remotely again). Never raises. The marker is returned
+    whether or not it matches the step's manifest: see :func:`has_uploaded_marker`."""
     path = Path(step_dir) / UPLOADED_MARKER_NAME
     try:
         data = path.read_bytes()
@@ -44,10 +84,25 @@ def read_uploaded_marker(step_dir: PathLike) -> UploadedMarker | None:
         return None
 
 
+def marker_matches_manifest(step_dir: PathLike, marker: UploadedMarker | None) -> bool:
+    """Whether ``marker`` (as read from ``step_dir``) counts for the step's current ``manifest.json``:
+    :meth:`UploadedMarker.matches_manifest` with the sha256 of its bytes now (SPEC §11). ``False`` for no
+    marker or a step without a readable manifest."""
+    if marker is None:
+        return False
+    sha = manifest_sha256_of(step_dir)
+    return sha is not None and marker.matches_manifest(sha)
+
+
 def has_uploaded_marker(step_dir: PathLike) -> bool:
-    """Whether ``<step_dir>/uploaded.json`` exists as a file, whatever it says: the release that
-    upload-gated rotation waits for (the sidecar wrote it, for some remote)."""
-    return (Path(step_dir) / UPLOADED_MARKER_NAME).is_file()
+    """Whether the step has an ``uploaded.json`` that counts: it parses, and it was written for the
+    step's current ``manifest.json`` bytes (or names none: a marker of an earlier release). The release
+    that upload-gated rotation waits for. A stale marker (the step was re-saved with ``replace=True``
+    since) or an unreadable one does not count (issue 10, Why case 4). Never raises."""
+    ok = marker_matches_manifest(step_dir, read_uploaded_marker(step_dir))
+    if not ok and (Path(step_dir) / UPLOADED_MARKER_NAME).is_file():
+        log.debug("%s: uploaded.json does not match manifest.json (or is unreadable); not uploaded", step_dir)
+    return ok
 
 
 def uploaded_marker_time(step_dir: PathLike) -> float | None:
@@ -58,4 +113,5 @@ def uploaded_marker_time(step_dir: PathLike) -> float | None:
         return None
 
 
-__all__ = ["has_uploaded_marker", "read_uploaded_marker", "uploaded_marker_time", "write_uploaded_marker"]
+__all__ = ["has_uploaded_marker", "manifest_sha256_of", "marker_matches_manifest", "read_uploaded_marker",
+           "uploaded_marker_time", "write_uploaded_marker"]

@@ -1,6 +1,17 @@
 """Inspect a local run directory: the state of every step (``ls``/``verify``) and cleanup of leftovers
 of dead writers (``gc``). Builds on the local tier's own readers, so a step that scans as committed is
 exactly one that loads.
+
+Node-local roots (issue 10, Build 5): with node-local disks a root holds the global manifest of each step
+and only its node's shards. With ``require_all=False`` a step is checked for *the ranks this root holds*:
+those of the step's world size whose shard is present in any committed step of that world size under
+the root (so a shard lost from one step of a root that holds every rank elsewhere is still found). A step
+of a root that holds no shard of its world size at all is ``incomplete``. With ``require_all=True`` (the
+API default, ``verify --require-all``) every rank's shard must be here.
+
+Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside under
+``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and step that
+superseded them; they are not verified and are never a fault. ``gc(superseded=True)`` removes them.
 """
 
 from __future__ import annotations
@@ -10,27 +21,46 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
-from tiered_ckpt.fs import owner_alive, temp_owner
+from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
+from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
-from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, resolve_root,
-                                         symlinked_step_entries)
+from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
+                                         resolve_root, symlinked_step_entries)
+from tiered_ckpt.local.pins import has_pin
+from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
 from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
 
 log = logging.getLogger(__name__)
 
 COMMITTED, UNCOMMITTED, CORRUPT, INCOMPLETE = "committed", "uncommitted", "corrupt", "incomplete"
+SUPERSEDED = "superseded"
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 2, 3, 4, 7]`` -> ``"0,2-4,7"`` (the form ``--ranks`` accepts)."""
+    out: list[str] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ",".join(out)
 
 
 @dataclass(frozen=True)
 class StepStatus:
-    """What :func:`inspect_step` found. ``state``: committed / uncommitted / corrupt / incomplete;
-    ``reason``: one line for anything but a good committed step; ``size_bytes``: bytes of shard files
-    present on disk."""
+    """What :func:`inspect_step` found. ``state``: committed / uncommitted / corrupt / incomplete /
+    superseded; ``reason``: one line for anything but a good committed step; ``size_bytes``: bytes of
+    shard files present on disk. ``node_ranks``: the ranks checked when the root holds fewer than the
+    step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
+    ``superseded_by`` / ``superseded_from``: the attempt that superseded the step and the step number it
+    supersedes from (state ``superseded`` only); ``attempt``: the step's own attempt, ``path``: its
+    directory (set for superseded steps)."""
 
     step: int
     state: str
@@ -38,13 +68,41 @@ class StepStatus:
     world_size: int | None = None
     size_bytes: int = 0
     save_id: str | None = None
+    node_ranks: tuple[int, ...] | None = None
+    pinned: bool = False
+    superseded_by: int | None = None
+    superseded_from: int | None = None
+    attempt: int | None = None
+    path: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.state == COMMITTED
 
+    @property
+    def details(self) -> list[str]:
+        """What is worth saying besides the reason: superseded by whom, the node-local ranks, pinned."""
+        out = []
+        if self.state == SUPERSEDED and self.superseded_by is not None:
+            out.append(f"superseded by attempt {self.superseded_by} (from step {self.superseded_from})")
+        elif self.state == SUPERSEDED:
+            out.append("set aside as superseded (run.json no longer says by which attempt)")
+        if self.node_ranks is not None and self.world_size is not None:
+            out.append(f"node-local: ranks {format_ranks(self.node_ranks)} of {self.world_size}")
+        if self.pinned:
+            out.append("pinned")
+        return out
+
+    @property
+    def note(self) -> str:
+        """One line for people: the reason (whitespace folded) and the :attr:`details`, comma-separated;
+        ``""`` for a plain good step."""
+        return ", ".join(([" ".join(self.reason.split())] if self.reason else []) + self.details)
+
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        d = asdict(self)
+        d["note"] = self.note
+        return d
 
 
 def _dir_bytes(sdir: Path) -> int:
@@ -62,8 +120,29 @@ def _dir_bytes(sdir: Path) -> int:
     return total
 
 
+def _present_ranks(sdir: Path, m: ShardManifest) -> set[int]:
+    """Ranks of ``m`` whose shard file is an entry of ``sdir`` (not followed, not checked)."""
+    return {rec.rank for rec in m.shards if os.path.lexists(sdir / rec.path)}
+
+
+def held_ranks(root: str | os.PathLike[str]) -> dict[int, frozenset[int]]:
+    """World size -> ranks whose shard is present in at least one committed step of that world size under
+    ``root``: the ranks this root holds (all of them on a shared root, one node's on a node-local root).
+    Steps whose manifest does not read are skipped. Never raises for a bad checkpoint."""
+    r, _ = resolve_root(root)
+    out: dict[int, set[int]] = {}
+    for s in all_step_dirs(r):
+        try:
+            m = read_manifest(r, s)
+        except CheckpointError:
+            continue
+        out.setdefault(m.world_size, set()).update(_present_ranks(r / step_dir_name(s), m))
+    return {ws: frozenset(v) for ws, v in out.items()}
+
+
 def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False,
-                 ranks: Iterable[int] | None = None) -> StepStatus:
+                 ranks: Iterable[int] | None = None, require_all: bool = True,
+                 held: Mapping[int, frozenset[int]] | None = None) -> StepStatus:
     """State of one step. With ``verify`` every shard is read and hashed (as a load would, streaming
     through a small buffer) and its header and state tree checked, so that a step verifies iff it loads:
     sha256, or CRC32C with ``fast`` (sha256 for shards whose manifest has no CRC32C, i.e. schema v1);
@@ -73,8 +152,10 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     ``ranks`` (default: all) checks only those ranks' shards, for a node-local root that holds some ranks
     of a step (e.g. after ``restore(ranks=...)``): the global manifest is still read and validated, the
     other ranks' shards are expected elsewhere. A rank outside the step's world size makes the step
-    ``incomplete`` (its shard cannot be here)."""
-    wanted = None if ranks is None else frozenset(int(x) for x in ranks)
+    ``incomplete`` (its shard cannot be here). Without ``ranks`` and with ``require_all=False``, the
+    ranks this root holds (:func:`held_ranks`, module docstring) are checked; the result then names them
+    in ``node_ranks`` when they are fewer than the world size; ``held``: :func:`held_ranks` of the root
+    when already known (a scan of many steps computes it once)."""
     r, _ = resolve_root(root)
     sdir = r / step_dir_name(step)
     size = _dir_bytes(sdir)
@@ -87,47 +168,90 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
         return StepStatus(step, INCOMPLETE, str(e), size_bytes=size)
     except ManifestError as e:
         return StepStatus(step, CORRUPT, str(e), size_bytes=size)
-    if wanted is not None:
+    pinned = has_pin(sdir)
+    node: tuple[int, ...] | None = None
+    if ranks is not None:
+        wanted: frozenset[int] | None = frozenset(int(x) for x in ranks)
         outside = sorted(x for x in wanted if not 0 <= x < m.world_size)
         if outside:
             return StepStatus(step, INCOMPLETE, f"step {step} has world size {m.world_size}; no rank(s) "
-                              f"{','.join(map(str, outside))}", m.world_size, size, m.save_id)
+                              f"{','.join(map(str, outside))}", m.world_size, size, m.save_id, pinned=pinned)
+    elif require_all:
+        wanted = None
+    else:
+        mine = (held_ranks(r) if held is None else held).get(m.world_size, frozenset())
+        if not mine:
+            return StepStatus(step, INCOMPLETE, f"no shard of step {step} (world size {m.world_size}) is in "
+                              "this root", m.world_size, size, m.save_id, pinned=pinned)
+        wanted = None if len(mine) == m.world_size else mine
+        node = None if wanted is None else tuple(sorted(mine))
+    state, reason = _check_shards(sdir, m, wanted, verify, fast)
+    return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned)
+
+
+def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, verify: bool,
+                  fast: bool) -> tuple[str, str]:
+    """``(state, reason)`` of the shards of ``m`` in ``wanted`` (``None``: all)."""
+    step = m.step
     try:
         for rec in m.shards:
             if wanted is not None and rec.rank not in wanted:
                 continue
             if verify:
                 verify_shard_stream(sdir, m, rec.rank, "crc32c" if fast else "sha256")
-            else:
-                try:
-                    st = os.lstat(sdir / rec.path)
-                except FileNotFoundError:
-                    raise MissingShardError(f"step {step} rank {rec.rank} ({rec.path}): shard file is missing")
-                if st.st_size != rec.size_bytes:
-                    raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
-                                          f"disk, manifest says {rec.size_bytes}")
+                continue
+            try:
+                st = os.lstat(sdir / rec.path)
+            except FileNotFoundError:
+                raise MissingShardError(f"step {step} rank {rec.rank} ({rec.path}): shard file is missing")
+            if st.st_size != rec.size_bytes:
+                raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
+                                      f"disk, manifest says {rec.size_bytes}")
     except MissingShardError as e:
-        return StepStatus(step, INCOMPLETE, str(e), m.world_size, size, m.save_id)
+        return INCOMPLETE, str(e)
     except CheckpointError as e:
-        return StepStatus(step, CORRUPT, str(e), m.world_size, size, m.save_id)
-    return StepStatus(step, COMMITTED, "", m.world_size, size, m.save_id)
+        return CORRUPT, str(e)
+    return COMMITTED, ""
+
+
+def _superseded_status(entry: Any) -> StepStatus:
+    """The row of one superseded entry (not verified: it is never loaded)."""
+    path = Path(entry.path)
+    ws = None
+    try:
+        data = read_manifest_bytes(path) if is_real_dir(path) else None
+        ws = ShardManifest.from_json(data).world_size if data is not None else None
+    except CheckpointError:
+        pass
+    sup = entry.superseded
+    return StepStatus(entry.step, SUPERSEDED, "", ws, _dir_bytes(path), entry.save_id, pinned=has_pin(path),
+                      superseded_by=None if sup is None else sup.attempt,
+                      superseded_from=None if sup is None else sup.from_step, attempt=entry.attempt,
+                      path=str(path))
 
 
 def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None = None,
-         fast: bool = False, ranks: Iterable[int] | None = None) -> list[StepStatus]:
-    """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending);
-    ``ranks`` as for :func:`inspect_step`."""
+         fast: bool = False, ranks: Iterable[int] | None = None, require_all: bool = True) -> list[StepStatus]:
+    """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending), plus a
+    ``superseded`` row for each superseded step (of ``step`` only, when given); ``ranks`` and
+    ``require_all`` as for :func:`inspect_step`. Raises :class:`ManifestError` for an unreadable
+    ``run.json`` (what is current cannot be told)."""
     r, step = resolve_root(root, step)
     wanted = None if ranks is None else list(ranks)
-    if step is not None:
-        return [inspect_step(r, step, verify=verify, fast=fast, ranks=wanted)]
-    out = [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted) for s in all_step_dirs(r)]
-    # Symlinked step directories are not part of the run (loads ignore them, nothing is read through
-    # them); report them so that an operator who moved a step elsewhere does not silently lose it.
-    out += [StepStatus(s, CORRUPT, f"{step_dir_name(s)} is a symlink; step directories must be real "
-                                   "directories of the run (it is ignored by loads)")
-            for s in symlinked_step_entries(r)]
-    return sorted(out, key=lambda st: st.step)
+    sup = [e for e in superseded_entries(r) if step is None or e.step == step]
+    in_place = {Path(e.path) for e in sup}
+    held = held_ranks(r) if wanted is None and not require_all else None
+    steps = [step] if step is not None else all_step_dirs(r)
+    out = [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted, require_all=require_all, held=held)
+           for s in steps if r / step_dir_name(s) not in in_place]
+    out += [_superseded_status(e) for e in sup]
+    if step is None:
+        # Symlinked step directories are not part of the run (loads ignore them, nothing is read through
+        # them); report them so that an operator who moved a step elsewhere does not silently lose it.
+        out += [StepStatus(s, CORRUPT, f"{step_dir_name(s)} is a symlink; step directories must be real "
+                                       "directories of the run (it is ignored by loads)")
+                for s in symlinked_step_entries(r)]
+    return sorted(out, key=lambda st: (st.step, st.state == SUPERSEDED, st.path or ""))
 
 
 def _writer_alive(sdir: Path) -> bool:
@@ -148,19 +272,38 @@ def _writer_alive(sdir: Path) -> bool:
     return any((o := temp_owner(n)) is not None and owner_alive(o) for n in names)
 
 
-def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 60.0) -> list[Path]:
+def gc_superseded(root: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Remove every superseded step of ``root`` (SPEC §11, ``gc --superseded``) through
+    :func:`tiered_ckpt.local.lineage.remove_superseded`, except pinned ones and ones a live reader or
+    uploader holds. Returns ``(removed paths, [(kept path, why)])``. Raises :class:`ManifestError` for an
+    unreadable ``run.json``, ``OSError`` from a removal."""
+    removed: list[Path] = []
+    kept: list[tuple[Path, str]] = []
+    for e in sorted(superseded_entries(root), key=lambda e: (e.step, str(e.path))):
+        why = remove_superseded_step(root, e)
+        if why:
+            kept.append((Path(e.path), why))
+        else:
+            removed.append(Path(e.path))
+    return removed, kept
+
+
+def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 60.0,
+       superseded: bool = False) -> list[Path]:
     """Remove leftovers of dead writers under ``root`` and return what was removed (I3):
 
     - uncommitted step directories whose writer is dead (not touched for ``min_age_s`` seconds, so that
       a writer that has only just made the directory is left alone);
     - temp files and stale lock files of dead owners inside committed steps;
-    - trash directories left by an interrupted rotation.
+    - trash directories left by an interrupted rotation;
+    - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
 
-    Committed steps themselves are never removed. ``force`` also removes leftovers whose owner cannot be
-    checked (another host) or is alive: only for an operator who knows no job is running.
+    Committed current steps are never removed, and without ``superseded`` no superseded one either.
+    ``force`` also removes leftovers whose owner cannot be checked (another host) or is alive: only for
+    an operator who knows no job is running.
     """
     r, _ = resolve_root(root)
-    removed: list[Path] = []
+    removed: list[Path] = gc_superseded(r)[0] if superseded else []
     now = time.time()
     try:
         names = os.listdir(r)
