@@ -20,16 +20,28 @@ thread when saving asynchronously):
 1. rank 0 chooses the ``save_id``, broadcasts it with its ``extra`` and wall clock;
 2. every rank writes its shard (``local.write_shard``) and all ranks all-gather their records or errors;
    any error -> every rank raises ``DistributedSaveError`` and nothing is committed;
-3. committers (rank 0 alone with ``shared_filesystem=True``; otherwise the lowest rank of every
-   ``(host, root)`` pair, i.e. each node's local rank 0) commit the same global manifest into their own
+3. committers (rank 0 alone with ``shared_filesystem=True``; otherwise the lowest rank of every group of
+   ranks that share a root, i.e. each node's local rank 0) commit the same global manifest into their own
    root, checking the shards of the ranks they serve (``local_ranks``);
 4. all ranks all-gather the commit outcomes: a failed commit anywhere -> every rank raises.
+
+Which ranks share a root is found from the filesystem, never from host names or paths (SPEC §11
+"Nodes"; containers often share a host name, and every node mounts its disk at one path). At the first
+save into a root (before step 1) every rank creates a node token file ``<root>/.node.<owner>.<rand>``
+(:func:`tiered_ckpt.locks.write_node_token`), all ranks all-gather the names, each looks every name up in
+its own root, and all ranks all-gather which ones they found: ranks that see each other's token (or are
+linked through others that do) share a disk. Every rank computes the same groups from the same gathered
+data; the committer of a group is its lowest rank. The result is kept per root; each later save reports in
+its step-2 exchange whether the rank's token is still there, and a missing one (the root was wiped)
+makes every rank discover again. Token files are removed by :meth:`SaveCoordinator.close` (or when the
+coordinator is garbage-collected or the process exits), stale ones of dead owners by the next discovery.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,9 +50,9 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from tiered_ckpt.fs import hostname
 from tiered_ckpt.errors import CheckpointError, DistributedSaveError
 from tiered_ckpt.local import commit_step, new_save_id, utc_now, write_shard
+from tiered_ckpt.locks import node_token_present, remove_node_token, write_node_token
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -60,6 +72,42 @@ class CoordinatedSave:
 
 def _collective_error(what: str, exc: BaseException) -> DistributedSaveError:
     return DistributedSaveError(f"{what}: a collective failed (a rank died or timed out?): {exc}")
+
+
+def disk_groups(seen: list[list[int]]) -> list[list[int]]:
+    """Partition ranks into groups that share a root: ``seen[r]`` lists the ranks whose node token rank
+    ``r`` found in its root. ``r`` and ``s`` share a disk when either saw the other's token; groups are
+    the connected components (ascending, each sorted). Pure: every rank computes the same result."""
+    n = len(seen)
+    adj: list[set[int]] = [set() for _ in range(n)]
+    for r, found in enumerate(seen):
+        for s in found:
+            if 0 <= s < n and s != r:
+                adj[r].add(s)
+                adj[s].add(r)
+    group_of = [-1] * n
+    groups: list[list[int]] = []
+    for start in range(n):
+        if group_of[start] >= 0:
+            continue
+        group_of[start] = len(groups)
+        todo, members = [start], []
+        while todo:
+            r = todo.pop()
+            members.append(r)
+            for s in adj[r]:
+                if group_of[s] < 0:
+                    group_of[s] = group_of[start]
+                    todo.append(s)
+        groups.append(sorted(members))
+    return groups
+
+
+def _remove_tokens(tokens: dict[str, str]) -> None:
+    """Finalizer of a coordinator: remove the node token files it wrote (``root -> name``)."""
+    for root, name in list(tokens.items()):
+        remove_node_token(root, name)
+    tokens.clear()
 
 
 class SaveCoordinator:
@@ -86,6 +134,15 @@ class SaveCoordinator:
         self.world_size = world_size
         self.src = ranks[0]  # global rank of group rank 0
         self.shared_filesystem = shared_filesystem
+        self._tokens: dict[str, str] = {}  # root -> name of the node token file this rank wrote there
+        self._served: dict[str, list[int]] = {}  # root -> the ranks that share it (this rank's group)
+        self._finalizer = weakref.finalize(self, _remove_tokens, self._tokens)
+
+    def close(self) -> None:
+        """Remove the node token files this rank wrote (idempotent; also done at garbage collection and
+        interpreter exit). The process groups stay (torch.distributed owns them)."""
+        self._finalizer()
+        self._served.clear()
 
     # -------------------------------------------------------------------------------- primitives
 
@@ -153,12 +210,49 @@ class SaveCoordinator:
         common = set(lists[0]).intersection(*map(set, lists[1:]))
         return sorted(common)
 
+    # -------------------------------------------------------------------------------- who shares a disk
+
+    def _token_ok(self, root: Path) -> bool:
+        name = self._tokens.get(str(root))
+        return name is not None and node_token_present(root, name)
+
+    def _discover(self, root: Path, step: int) -> list[int]:
+        """The ranks that share ``root`` with this one (module docstring, "Which ranks share a root").
+        Two collectives on the save group; every rank calls it at the same point. Raises
+        ``DistributedSaveError`` when a rank cannot write its token or a collective fails."""
+        key = str(root)
+        mine: dict[str, Any] = {"rank": self.rank}
+        failure: BaseException | None = None
+        try:
+            old = self._tokens.pop(key, None)
+            if old is not None:
+                remove_node_token(root, old)
+            self._tokens[key] = mine["token"] = write_node_token(root)
+        except OSError as exc:  # reported to every rank below, then re-raised here
+            failure = exc
+            mine["error"] = f"{type(exc).__name__}: {exc}"
+        names = [g["token"] for g in self._exchange(mine, step, "-", "node token write", failure)]
+        seen = [r for r, name in enumerate(names) if node_token_present(root, name)]
+        if self.rank not in seen:
+            seen.append(self.rank)  # our own token vanished at once: still our own disk
+        try:
+            everyone = self.all_gather_json(seen)
+        except RuntimeError as exc:
+            raise _collective_error(f"rank {self.rank} step {step}: gathering node tokens", exc) from exc
+        group = next(g for g in disk_groups(everyone) if self.rank in g)
+        log.info("rank %d: root %s is shared by ranks %s (found from node tokens)", self.rank, root, group)
+        self._served[key] = group
+        return group
+
     # -------------------------------------------------------------------------------- the save
 
     def save(self, root: Path, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
-             wall_clock_seconds: float, *, replace: bool = False) -> CoordinatedSave:
+             wall_clock_seconds: float, *, replace: bool = False, run_id: str | None = None,
+             attempt: int | None = None) -> CoordinatedSave:
         """Run one save on this rank (steps 1-4 of the module docstring).
 
+        ``run_id``/``attempt``: the lineage to record in the manifest (SPEC §11), passed to
+        ``commit_step`` (``None``: its default, the root's current attempt).
         Raises ``DistributedSaveError`` (``failures``: rank -> message) if any rank failed to write or
         commit, or a collective failed; the step is then committed nowhere unless a commit on another
         node succeeded before (logged).
@@ -174,7 +268,9 @@ class SaveCoordinator:
         except RuntimeError as exc:
             raise _collective_error(f"rank {self.rank} step {step}: save id broadcast", exc) from exc
         sid = info["save_id"]
-        mine: dict[str, Any] = {"rank": self.rank, "host": hostname(), "root": str(root)}
+        if not self.shared_filesystem and str(root) not in self._served:
+            self._discover(root, step)
+        mine: dict[str, Any] = {"rank": self.rank, "node_token": self.shared_filesystem or self._token_ok(root)}
         failure: BaseException | None = None
         try:
             rec = write_shard(root, step, self.rank, state, save_id=sid, replace=replace)
@@ -186,21 +282,20 @@ class SaveCoordinator:
         records = [ShardRecord.from_dict(g["record"]) for g in gathered]
         # Who commits where (step 3).
         if self.shared_filesystem:
-            groups = {("*", "*"): list(range(self.world_size))}
+            serve = list(range(self.world_size))
         else:
-            groups = {}
-            for g in gathered:
-                groups.setdefault((g["host"], g["root"]), []).append(g["rank"])
-        serve = next(rs for rs in groups.values() if self.rank in rs or self.shared_filesystem)
+            if not all(g["node_token"] for g in gathered):  # a root was wiped: every rank looks again
+                self._discover(root, step)
+            serve = self._served[str(root)]
         committer = min(serve) == self.rank
         manifest = None
         outcome: dict[str, Any] = {"rank": self.rank}
+        lineage: dict[str, Any] = {k: v for k, v in (("run_id", run_id), ("attempt", attempt)) if v is not None}
         if committer:
             try:
                 manifest = commit_step(root, step, self.world_size, records, info["extra"], save_id=sid,
                                        replace=replace, wall_clock_seconds=info["wall_clock_seconds"],
-                                       created_at=info["created_at"],
-                                       local_ranks=serve)
+                                       created_at=info["created_at"], local_ranks=serve, **lineage)
             except Exception as exc:  # reported to every rank below, then re-raised here
                 failure = exc
                 outcome["error"] = f"{type(exc).__name__}: {exc}"
