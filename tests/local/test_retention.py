@@ -294,3 +294,37 @@ def test_rotation_works_without_lineage_records(tmp_path: Path) -> None:
         commit(tmp_path, s)
     assert plan_rotation(tmp_path, RotationPolicy(keep_last=2)).remove_superseded == ()
     assert rotate(tmp_path, RotationPolicy(keep_last=2)) == [1]
+
+
+def test_rollback_with_real_lineage_records(tmp_path: Path) -> None:
+    """The whole of Why case 1 on one root, with the lineage module's own records: attempt 1 saved 500, 600,
+    700; attempt 2 supersedes from 100 (600 pinned, 700 still in place); rotation keeps the new steps and
+    the superseded ones until keep_last current steps exist, then removes all but the pinned one."""
+    from tiered_ckpt.format.lineage import RunLineage
+    from tiered_ckpt.fs import utc_now
+    from tiered_ckpt.layout import SUPERSEDED_DIR
+    from tiered_ckpt.local.lineage import set_aside_superseded, superseded_local_steps, write_run_record
+
+    rec = RunLineage.first("run0001", utc_now())
+    write_run_record(tmp_path, rec)
+    for s in (500, 600, 700):
+        commit(tmp_path, s)
+    pin_step(tmp_path, 600)
+    rec2 = rec.new_attempt(supersedes_from=100, resumed_from=None, started_at=utc_now())
+    write_run_record(tmp_path, rec2)
+    set_aside_superseded(tmp_path, rec2)
+    moved_back = next(p for p in (tmp_path / SUPERSEDED_DIR).iterdir() if p.name.startswith(step_dir_name(700)))
+    moved_back.rename(tmp_path / step_dir_name(700))  # as a crash before setting it aside leaves it
+    policy = RotationPolicy(keep_last=2)
+    commit(tmp_path, 100)
+    assert committed_steps(tmp_path) == [100]
+    assert rotate(tmp_path, policy, just_committed=100) == []
+    assert [(e.step, e.set_aside) for e in superseded_local_steps(tmp_path)] == [(500, True), (600, True),
+                                                                                 (700, False)]
+    commit(tmp_path, 200)
+    assert rotate(tmp_path, policy, just_committed=200) == []
+    assert [(e.step, e.set_aside) for e in superseded_local_steps(tmp_path)] == [(600, True)]
+    assert not (tmp_path / step_dir_name(700)).exists() and committed_steps(tmp_path) == [100, 200]
+    commit(tmp_path, 300)
+    assert rotate(tmp_path, policy, just_committed=300) == [100]
+    assert committed_steps(tmp_path) == [200, 300] and len(superseded_local_steps(tmp_path)) == 1

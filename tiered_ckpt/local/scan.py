@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
@@ -140,6 +140,28 @@ def held_ranks(root: str | os.PathLike[str]) -> dict[int, frozenset[int]]:
     return {ws: frozenset(v) for ws, v in out.items()}
 
 
+class _LazyHeld(Mapping[int, frozenset[int]]):
+    """:func:`held_ranks` of a root, computed on first use (a scan of a shared root never needs it)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._value: dict[int, frozenset[int]] | None = None
+
+    def _get(self) -> dict[int, frozenset[int]]:
+        if self._value is None:
+            self._value = held_ranks(self._root)
+        return self._value
+
+    def __getitem__(self, key: int) -> frozenset[int]:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
 def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False,
                  ranks: Iterable[int] | None = None, require_all: bool = True,
                  held: Mapping[int, frozenset[int]] | None = None) -> StepStatus:
@@ -153,7 +175,8 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     of a step (e.g. after ``restore(ranks=...)``): the global manifest is still read and validated, the
     other ranks' shards are expected elsewhere. A rank outside the step's world size makes the step
     ``incomplete`` (its shard cannot be here). Without ``ranks`` and with ``require_all=False``, the
-    ranks this root holds (:func:`held_ranks`, module docstring) are checked; the result then names them
+    ranks this root holds (:func:`held_ranks`, module docstring; read only when some shard of this step
+    is not here) are checked; the result then names them
     in ``node_ranks`` when they are fewer than the world size; ``held``: :func:`held_ranks` of the root
     when already known (a scan of many steps computes it once)."""
     r, _ = resolve_root(root)
@@ -178,6 +201,8 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
                               f"{','.join(map(str, outside))}", m.world_size, size, m.save_id, pinned=pinned)
     elif require_all:
         wanted = None
+    elif _present_ranks(sdir, m) == set(range(m.world_size)):
+        wanted = None  # every shard is here: nothing outside this step needs reading
     else:
         mine = (held_ranks(r) if held is None else held).get(m.world_size, frozenset())
         if not mine:
@@ -240,7 +265,7 @@ def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None 
     wanted = None if ranks is None else list(ranks)
     sup = [e for e in superseded_entries(r) if step is None or e.step == step]
     in_place = {Path(e.path) for e in sup}
-    held = held_ranks(r) if wanted is None and not require_all else None
+    held = _LazyHeld(r) if wanted is None and not require_all else None
     steps = [step] if step is not None else all_step_dirs(r)
     out = [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted, require_all=require_all, held=held)
            for s in steps if r / step_dir_name(s) not in in_place]
