@@ -1,24 +1,36 @@
-"""The local catalogue (SPEC §2): which steps a run directory holds, which are committed, and their
-validated manifests. Read-only: nothing here writes.
+"""The local catalogue (SPEC §2, §11): which steps a run directory holds, which are committed and
+current, their validated manifests, and the root's run record. Read-only: nothing here writes.
 
 A step is committed iff its directory holds an entry named ``manifest.json`` (I1); uncommitted
 leftovers are ignored by every reader (I3). Symlinked step directories are never followed.
+
+A committed step is **current** unless the root's ``run.json`` (:class:`~tiered_ckpt.format.lineage.RunLineage`)
+names a later attempt that supersedes it (SPEC §11). Every "which steps" read here (:func:`committed_steps`,
+:func:`latest_step`, :func:`pick_step`) sees current steps only, so a superseded step still in place (not
+yet set aside by :mod:`tiered_ckpt.local.lineage`) is never loaded, uploaded or rotated as current. To
+decide, only the manifests of steps at or above the smallest ``supersedes_from`` are read (their
+``attempt``); a root whose record has one attempt reads nothing extra. :func:`all_committed_steps` is the
+unfiltered view.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
 
 from tiered_ckpt.errors import ManifestError, NoCheckpointError
+from tiered_ckpt.format.lineage import RunLineage, Superseded
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.fs import is_real_dir
 
 #: Largest manifest we read (bytes).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+#: Largest ``run.json`` we read (bytes): 100,000 attempts of about 120 bytes each fit.
+MAX_RUN_RECORD_BYTES = 16 * 1024 * 1024
 
 PathLike = str | os.PathLike[str]
 
@@ -73,23 +85,82 @@ def symlinked_step_entries(root: PathLike) -> list[int]:
                   if (s := parse_step_dir_name(name)) is not None and os.path.islink(os.path.join(root, name)))
 
 
-def committed_steps(root: PathLike) -> list[int]:
+def all_committed_steps(root: PathLike) -> list[int]:
     """Committed steps (their ``manifest.json`` is present) under the run directory ``root``, ascending
-    by step number. Uncommitted leftovers are ignored (I3)."""
+    by step number, superseded ones included (the unfiltered view: ``ls``/``verify``). Uncommitted
+    leftovers are ignored (I3)."""
     r, _ = resolve_root(root)
     return [s for s in all_step_dirs(r) if is_committed(r / step_dir_name(s))]
 
 
+def read_run_record(root: PathLike) -> RunLineage | None:
+    """The run record ``<root>/run.json`` (SPEC §11), or ``None`` when the root has none.
+
+    Bounded read: never follows a symlink, refuses FIFOs, devices and directories (opened non-blocking,
+    checked with ``fstat``), and records over :data:`MAX_RUN_RECORD_BYTES`. Raises :class:`ManifestError`
+    for any of these and for a malformed record (:meth:`RunLineage.from_json`)."""
+    data = _read_regular(Path(root) / RUN_RECORD_NAME, MAX_RUN_RECORD_BYTES)
+    return None if data is None else RunLineage.from_json(data)
+
+
+def step_lineage(step_dir: Path) -> tuple[str | None, int, str | None] | None:
+    """``(run_id, attempt, save_id)`` that the committed step's manifest records (schema 1-2: attempt 1 of
+    no run; an empty save id as ``None``), or ``None`` when there is no readable, well-formed manifest (such a step counts as current,
+    so that loading it fails loudly). Reads only the manifest's top-level keys, without validating it."""
+    try:
+        data = read_manifest_bytes(step_dir) if is_real_dir(step_dir) else None
+        obj = json.loads(data) if data is not None else None
+    except (ManifestError, ValueError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    v3 = isinstance(obj.get("schema_version"), int) and obj["schema_version"] >= 3
+    run_id, attempt, sid = (obj.get("run_id"), obj.get("attempt"), obj.get("save_id")) if v3 else \
+        (None, 1, obj.get("save_id"))
+    if not (isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 1 and isinstance(sid, str)
+            and (run_id is None or isinstance(run_id, str))):
+        return None
+    return run_id, attempt, sid or None
+
+
+def superseded_in(root: PathLike, step: int, lineage: RunLineage | None) -> Superseded | None:
+    """Why the committed ``step`` under ``root`` is superseded by ``lineage`` (SPEC §11), or ``None`` when it
+    is current (no record, no later attempt reaching it, or no readable manifest). The step's own run id
+    is not compared: a step restored from another run (fine tuning) is judged by its attempt number."""
+    if lineage is None or not _may_be_superseded(lineage, step):
+        return None
+    info = step_lineage(Path(root) / step_dir_name(step))
+    return None if info is None else lineage.superseded_by(info[1], step)
+
+
+def _may_be_superseded(lineage: RunLineage, step: int) -> bool:
+    return any(a.supersedes_from is not None and step >= a.supersedes_from for a in lineage.attempts)
+
+
+def committed_steps(root: PathLike) -> list[int]:
+    """Current committed steps under the run directory ``root``, ascending by step number: committed
+    (``manifest.json`` present, I1) and not superseded by the root's ``run.json`` (SPEC §11).
+    Uncommitted leftovers are ignored (I3). Raises :class:`ManifestError` if ``run.json`` is unreadable
+    or malformed (never guessed around: a superseded step would otherwise count as current)."""
+    r, _ = resolve_root(root)
+    steps = all_committed_steps(r)
+    lineage = read_run_record(r)
+    if lineage is None or lineage.attempt == 1:
+        return steps
+    return [s for s in steps if superseded_in(r, s, lineage) is None]
+
+
 def latest_step(root: PathLike) -> int | None:
-    """The newest committed step, or ``None`` when nothing is committed."""
+    """The newest current committed step, or ``None`` when nothing current is committed."""
     steps = committed_steps(root)
     return steps[-1] if steps else None
 
 
 def pick_step(root: PathLike, step: int | None) -> tuple[Path, int]:
-    """``(run_root, step)`` of ``step``, or of the newest committed step when ``None``.
+    """``(run_root, step)`` of ``step``, or of the newest current committed step when ``None``.
 
-    Raises :class:`NoCheckpointError` if nothing (or not that step) is committed."""
+    Raises :class:`NoCheckpointError` if nothing (or not that step) is committed, or that step is
+    superseded (SPEC §11: never loaded; it is listed by ``tiered_ckpt.local.lineage.superseded_local_steps``)."""
     r, step = resolve_root(root, step)
     if step is None:
         step = latest_step(r)
@@ -97,18 +168,19 @@ def pick_step(root: PathLike, step: int | None) -> tuple[Path, int]:
             raise NoCheckpointError(f"no committed step under {r}")
     elif not is_committed(r / step_dir_name(step)):
         raise NoCheckpointError(f"step {step} is not committed under {r}")
+    else:
+        why = superseded_in(r, step, read_run_record(r))
+        if why is not None:
+            raise NoCheckpointError(f"step {step} under {r} is superseded by attempt {why.attempt} (steps >= "
+                                    f"{why.from_step} of earlier attempts are abandoned history)")
     return r, step
 
 
-def read_manifest_bytes(step_dir: Path) -> bytes | None:
-    """The raw bytes of ``<step_dir>/manifest.json``, or ``None`` when there is none (not committed).
-
-    Never follows a symlink (the step directory itself must be a real directory: check with
-    :func:`tiered_ckpt.fs.is_real_dir`). Raises :class:`ManifestError` if the entry is a symlink, not a
-    regular file, over :data:`MAX_MANIFEST_BYTES`, or unreadable."""
-    path = step_dir / MANIFEST_NAME
+def _read_regular(path: Path, cap: int) -> bytes | None:
+    """The bytes of the regular file ``path`` (at most ``cap``), or ``None`` when it does not exist.
+    Raises :class:`ManifestError` for a symlink, a non-regular file, an oversized or unreadable one."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
@@ -118,23 +190,38 @@ def read_manifest_bytes(step_dir: Path) -> bytes | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError(f"{path} is not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path} is {st.st_size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap")
-        return os.pread(fd, st.st_size + 1, 0)
+        if st.st_size > cap:
+            raise ManifestError(f"{path} is {st.st_size} bytes, over the {cap}-byte cap")
+        data = os.pread(fd, st.st_size + 1, 0)
+        if len(data) > cap:
+            raise ManifestError(f"{path} grew over the {cap}-byte cap while being read")
+        return data
     except OSError as e:
         raise ManifestError(f"cannot read {path}: {e.strerror or e}") from e
     finally:
         os.close(fd)
 
 
+def read_manifest_bytes(step_dir: Path) -> bytes | None:
+    """The raw bytes of ``<step_dir>/manifest.json``, or ``None`` when there is none (not committed).
+
+    Never follows a symlink (the step directory itself must be a real directory: check with
+    :func:`tiered_ckpt.fs.is_real_dir`). Raises :class:`ManifestError` if the entry is a symlink, not a
+    regular file, over :data:`MAX_MANIFEST_BYTES`, or unreadable."""
+    return _read_regular(step_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES)
+
+
 def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
-    """Read and validate the manifest of ``step`` (newest committed when ``None``).
+    """Read and validate the manifest of ``step`` (newest current committed when ``None``; an explicit
+    ``step`` is read even when superseded, so that ``ls``/``verify`` can show it).
 
     Raises :class:`NoCheckpointError` if the step is not committed, :class:`ManifestError` if the
     manifest is unreadable, malformed, hostile, over :data:`MAX_MANIFEST_BYTES`, names another step or is
     a symlink, and :class:`MissingShardError` if it lacks or repeats a rank.
     """
-    r, step = pick_step(root, step)
+    r, step = resolve_root(root, step)
+    if step is None:
+        r, step = pick_step(r, None)
     sdir = r / step_dir_name(step)
     if not is_real_dir(sdir):
         raise ManifestError(f"{sdir} is not a directory (symlinked step directories are refused)")
@@ -147,5 +234,6 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
     return m
 
 
-__all__ = ["MAX_MANIFEST_BYTES", "all_step_dirs", "committed_steps", "is_committed", "latest_step", "pick_step",
-           "read_manifest", "read_manifest_bytes", "resolve_root", "step_path", "symlinked_step_entries"]
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_RUN_RECORD_BYTES", "all_committed_steps", "all_step_dirs", "committed_steps",
+           "is_committed", "latest_step", "pick_step", "read_manifest", "read_manifest_bytes", "read_run_record",
+           "resolve_root", "step_lineage", "step_path", "superseded_in", "symlinked_step_entries"]

@@ -1,33 +1,31 @@
 """The local commit protocol (SPEC §2, invariants I1-I5): the one place that makes local files durable.
 
 Every durable local write goes through here (shards, manifests, downloads, ``uploaded.json``, writer
-locks). The recipe (POSIX): a unique temp name in the *same directory*, ``fsync``, ``rename(2)`` over the
-final name (atomic on one filesystem), then ``fsync`` of the directory so that the rename itself survives
-a power loss (torch DCP and orbax skip the directory fsync; we don't).
+locks, ``run.json``; the set-aside of superseded steps, SPEC §11). The recipe (POSIX): a unique temp
+name in the *same directory*, ``fsync``, ``rename(2)`` over the final name (atomic on one filesystem),
+then ``fsync`` of the directory so that the rename itself survives a power loss (torch DCP and orbax skip
+the directory fsync; we don't).
 
 Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; who calls each):
 
-1. every writer (each rank's :func:`~tiered_ckpt.local.write_shard`, the coordinator's
-   :func:`~tiered_ckpt.local.commit_step`, a restore): :meth:`LocalStepCommit.open` makes the step
-   directory durably, registers the call in this process (threads of one save share a ``save_id``) and,
-   with ``claim=True``, claims or joins the on-disk writer lock ``.save.lock`` (a live writer of another
-   save -> :class:`ConcurrentSaveError`, I4).
-2. the writer: :meth:`~LocalStepCommit.is_committed` / :meth:`~LocalStepCommit.uncommit` (with
-   ``replace``: ``manifest.json`` removed and the directory fsynced *before* any file of the step
-   changes, I2).
-3. the writer: :meth:`~LocalStepCommit.write_file` (a shard: temp, write, fsync, rename, directory fsync)
-   or :meth:`~LocalStepCommit.stage` + :meth:`~LocalStepCommit.publish` (downloads: fetched into temp
-   names, then fsynced and renamed together, one directory fsync).
-4. the coordinator (or the restoring process): :meth:`~LocalStepCommit.commit_manifest`, ``manifest.json``
-   linked exclusively (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the
-   step is committed from that link on (I1). Then :meth:`~LocalStepCommit.release_lock`.
-5. everyone: leave the ``with`` block (:meth:`~LocalStepCommit.close`): the in-process registration ends;
-   unpublished temps are removed. A failed writer calls :meth:`~LocalStepCommit.abandon` first (the
-   lock released if this open created it, an empty step directory it made removed).
+1. every writer (each rank's ``write_shard``, the coordinator's ``commit_step``, a restore):
+   :meth:`LocalStepCommit.open` makes the step directory durably, registers the call in this process
+   (threads of one save share a ``save_id``) and, with ``claim=True``, claims or joins the on-disk writer
+   lock ``.save.lock`` (a live writer of another save -> :class:`ConcurrentSaveError`, I4).
+2. the writer: ``is_committed`` / ``uncommit`` (with ``replace``: ``manifest.json`` removed and the
+   directory fsynced *before* any file of the step changes, I2).
+3. the writer: ``write_file`` (a shard: temp, write, fsync, rename, directory fsync) or ``stage`` +
+   ``publish`` (downloads: fetched into temp names, then fsynced and renamed together).
+4. the coordinator (or the restoring process): ``commit_manifest``, ``manifest.json`` linked exclusively
+   (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the step is committed
+   from that link on (I1). Then ``release_lock``.
+5. everyone: leave the ``with`` block (``close``): the registration ends, unpublished temps are removed.
+   A failed writer calls ``abandon`` first (lock released if this open made it, an empty directory too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +36,8 @@ from typing import Callable
 from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
 from tiered_ckpt.fs import (is_real_dir, new_save_id, owner_alive, owner_token, temp_name_for, unlink_quietly, utc_now,
                             write_all)
-from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, step_dir_name
+from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, SUPERSEDED_DIR, UPLOADED_MARKER_NAME as UPLOADED
+from tiered_ckpt.layout import save_entry_name, step_dir_name
 from tiered_ckpt.local.catalogue import is_committed
 
 log = logging.getLogger(__name__)
@@ -67,14 +66,11 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 def durable_write(path: str | os.PathLike[str], writer: Callable[[int], None], *, exclusive: bool = False,
                   dir_fsync: bool = True) -> None:
-    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes.
-
-    Temp file in the same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, then
+    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes: temp file in the same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, then
     ``rename`` over ``path`` (or, with ``exclusive=True``, ``link`` + ``unlink`` so that an existing
     ``path`` makes it fail with ``FileExistsError``), then fsync the directory. On any error the temp
     file is removed and the ``OSError`` propagates; with ``exclusive=True`` an error of the directory
-    fsync also removes ``path`` again, so that an error always means "not created".
-    """
+    fsync also removes ``path`` again, so that an error always means "not created"."""
     path = Path(path)
     tmp = path.with_name(temp_name_for(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -112,12 +108,11 @@ def durable_write_bytes(path: str | os.PathLike[str], data: bytes, *, exclusive:
 
 def unlink_durable(path: str | os.PathLike[str]) -> bool:
     """Remove ``path`` and fsync its directory. Returns whether it existed."""
-    path = Path(path)
     try:
         os.unlink(path)
     except FileNotFoundError:
         return False
-    fsync_dir(path.parent)
+    fsync_dir(Path(path).parent)
     return True
 
 
@@ -139,6 +134,31 @@ def ensure_step_dir(root: Path, step: int) -> Path:
     return sdir
 
 
+def set_aside_step(root: Path, step: int, save_id: str | None) -> Path | None:
+    """Move the committed ``<root>/step_XXXXXXXXXX`` to ``<root>/superseded/<save_entry_name(step,
+    save_id)>`` (SPEC §11), durably: ``superseded/`` made and the root fsynced, ``rename(2)``, then both
+    parents fsynced. Returns the new path, or ``None`` if the step directory is already gone (another
+    rank sharing the root moved it). Raises ``FileExistsError`` if the target exists (the step stays),
+    :class:`CheckpointWriteError` if ``superseded`` is not a real directory, ``OSError`` otherwise."""
+    into = root / SUPERSEDED_DIR
+    dst = into / save_entry_name(step, save_id)
+    try:
+        os.mkdir(into, 0o755)
+        fsync_dir(root)
+    except FileExistsError:
+        if not is_real_dir(into):
+            raise CheckpointWriteError(f"{into} exists and is not a directory") from None
+    if os.path.lexists(dst):
+        raise FileExistsError(f"step {step}: {dst} already exists; the step stays in place")
+    try:
+        os.rename(root / step_dir_name(step), dst)
+    except FileNotFoundError:
+        return None
+    for d in (into, root):
+        fsync_dir(d)
+    return dst
+
+
 def lock_holder(step_dir: Path) -> str | None:
     """The ``save_id`` named by the step's writer lock, or ``None`` (no lock, or unreadable)."""
     try:
@@ -151,14 +171,10 @@ def lock_holder(step_dir: Path) -> str | None:
 def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> tuple[str, bool]:
     """Claim (or join) the writer lock of ``step_dir`` for ``save_id``; returns the save id in force and
     whether this call created the lock file (``False``: it joined or adopted a lock already there).
-
-    - no lock, or a lock of a dead writer: ours (created with ``O_EXCL``, so one of two racing writers
-      loses and retries against the winner);
-    - a lock with the same ``save_id``: joined (the other ranks of the same save);
-    - a lock of this very process (sequential retry, or ``save_id=None`` after an earlier write of the
-      same save): taken over / adopted;
-    - otherwise :class:`ConcurrentSaveError` (I4).
-    """
+    No lock, or a dead writer's: ours (``O_EXCL``: of two racing writers one loses and looks again). The
+    same ``save_id``: joined (the other ranks of the save). This very process's (a sequential retry, or
+    ``save_id=None`` after an earlier write of the save): taken over / adopted. Else
+    :class:`ConcurrentSaveError` (I4)."""
     path = step_dir / SAVE_LOCK_NAME
     me = owner_token()
     for _ in range(8):
@@ -196,21 +212,16 @@ def release_save_lock(step_dir: Path, save_id: str) -> None:
 
 
 def _rmdir_if_empty(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.rmdir(path)  # fails (and is left) when not empty: another rank may be writing into it
-    except OSError:
-        pass
 
 
 class _Registry:
-    """Calls writing or committing a step directory within this process.
-
-    The on-disk save lock names its owner process, so it cannot tell two threads of one process apart:
-    this registry does. A second thread working on the same step for another save (or with
-    ``save_id=None``, which would adopt the first thread's save) gets :class:`ConcurrentSaveError`
-    (I4); threads of one save (same ``save_id``, e.g. ``save_sharded`` 's rank threads) share it. The
-    on-disk lock is claimed under the registry's lock, so the two checks are one.
-    """
+    """Calls writing or committing a step directory within this process. The on-disk save lock names its
+    owner process, so it cannot tell two threads of one process apart: this registry does. A second thread
+    on the same step for another save (or with ``save_id=None``, which would adopt the first thread's
+    save) gets :class:`ConcurrentSaveError` (I4); threads of one save (``save_sharded`` 's rank threads)
+    share it. The on-disk lock is claimed under the registry's lock, so the two checks are one."""
 
     guard = threading.Lock()
     active: dict[str, tuple[str, int]] = {}  # str(step dir) -> (save_id, calls in flight)
@@ -266,7 +277,6 @@ class LocalStepCommit:
         process's save of the step, or start a new one); without it only the in-process registration is
         made (the coordinator's commit, whose ranks hold the lock). ``create``: make the step directory
         (else it must exist: :class:`~tiered_ckpt.errors.MissingShardError` is the caller's to raise).
-
         Raises :class:`ConcurrentSaveError` (I4), :class:`CheckpointWriteError` (the step entry is not a
         directory), ``OSError`` (disk)."""
         if not claim and save_id is None:
@@ -289,8 +299,10 @@ class LocalStepCommit:
         return is_committed(self.step_dir)
 
     def uncommit(self) -> bool:
-        """Remove ``manifest.json`` and fsync the directory, before any file of the step changes (I2).
-        Returns whether there was one."""
+        """Remove ``uploaded.json`` (it was written for the old manifest: the step is to be uploaded
+        again) and then ``manifest.json``, each durably, before any file of the step changes (I2).
+        Returns whether there was a manifest."""
+        unlink_durable(self.step_dir / UPLOADED)
         if unlink_durable(self.step_dir / MANIFEST_NAME):
             log.warning("step %d: un-committed the existing step in %s to replace it", self.step, self.step_dir)
             return True
@@ -343,10 +355,9 @@ class LocalStepCommit:
 
     # step 4
     def commit_manifest(self, data: bytes) -> None:
-        """Link ``manifest.json`` exclusively and fsync the directory: the commit point (I1).
-
-        Raises :class:`CheckpointExistsError` if a manifest is present (another writer committed
-        meanwhile), :class:`CheckpointWriteError` on I/O (then nothing is committed)."""
+        """Link ``manifest.json`` exclusively and fsync the directory: the commit point (I1). Raises
+        :class:`CheckpointExistsError` if a manifest is present (another writer committed meanwhile),
+        :class:`CheckpointWriteError` on I/O (then nothing is committed)."""
         try:
             durable_write_bytes(self.step_dir / MANIFEST_NAME, data, exclusive=True)
         except FileExistsError:
@@ -362,8 +373,7 @@ class LocalStepCommit:
     # step 5
     def abandon(self) -> None:
         """A failed writer lets go: staged temps removed, the lock released if this open claimed it, and a
-        step directory this open created removed again when it is empty (another rank may be writing into
-        it)."""
+        step directory this open created removed again when empty (another rank may be writing into it)."""
         self.discard_staged()
         if self.committed:
             return
@@ -386,6 +396,5 @@ class LocalStepCommit:
         self.close()
 
 
-__all__ = ["LocalStepCommit", "claim_save_lock", "durable_write", "durable_write_bytes",
-           "ensure_step_dir", "fsync_dir", "fsync_file", "lock_holder", "release_save_lock",
-           "unlink_durable"]
+__all__ = ["LocalStepCommit", "claim_save_lock", "durable_write", "durable_write_bytes", "ensure_step_dir",
+           "fsync_dir", "fsync_file", "lock_holder", "release_save_lock", "set_aside_step", "unlink_durable"]

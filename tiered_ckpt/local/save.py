@@ -26,10 +26,10 @@ from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, Checkpoi
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.fs import is_real_dir, new_save_id, unlink_quietly, utc_now
-from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local.catalogue import resolve_root
-from tiered_ckpt.local.commit import LocalStepCommit
-from tiered_ckpt.local.writer import write_shard
+from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
+from tiered_ckpt.local.catalogue import read_run_record, resolve_root
+from tiered_ckpt.local.commit import LocalStepCommit, unlink_durable
+from tiered_ckpt.local.writer import superseded_hint, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ def commit_step(
     wall_clock_seconds: float | None = None,
     local_ranks: Iterable[int] | None = None,
     created_at: str | None = None,
+    run_id: str | None = None,
+    attempt: int | None = None,
 ) -> ShardManifest:
     """Commit ``step``: write ``manifest.json`` last, after checking the shards (call on the coordinator;
     with node-local disks, on each node's local rank 0 with that node's ``local_ranks``).
@@ -57,13 +59,20 @@ def commit_step(
     ``local_ranks``: the ranks whose shard files must be present in this ``root`` (default: all).
     ``created_at``: the commit time to record (default now); every node committing one save passes the
     same value so that all copies of the global manifest are byte-identical.
+    ``run_id``/``attempt``: the lineage to record in the manifest (SPEC §11); each defaults to the root's
+    ``run.json`` (its run id and current attempt; ``None`` and 1 without a record). Recorded as given:
+    this call never supersedes anything (only ``CheckpointManager`` and ``restore`` decide lineage).
+    Any ``uploaded.json`` left in the step directory is removed before the manifest is linked (it was
+    written for another manifest).
 
     Raises :class:`MissingShardError` (a rank missing, duplicated, or its file absent),
     :class:`ShardCorruptedError` (a file's size or header disagrees with its record),
     :class:`ConcurrentSaveError` (records or files of another save, I4), :class:`CheckpointExistsError`
-    (already committed and not ``replace``), :class:`CheckpointWriteError` (I/O).
+    (already committed and not ``replace``), :class:`CheckpointWriteError` (I/O), :class:`ManifestError`
+    (a malformed ``run.json`` when the lineage is defaulted), ``ValueError`` (a bad ``run_id``/``attempt``).
     """
     r, _ = resolve_root(root)
+    run_id, attempt = default_lineage(r, run_id, attempt)
     records = sorted(records, key=lambda rec: rec.rank)
     ids = {rec.save_id for rec in records}
     if save_id is None:
@@ -79,7 +88,7 @@ def commit_step(
     manifest = ShardManifest(world_size=world_size, step=step, shards=tuple(records), save_id=save_id,
                              wall_clock_seconds=float(wall_clock_seconds or 0.0),
                              created_at=created_at or utc_now(),
-                             extra=dict(extra) if extra is not None else None)
+                             extra=dict(extra) if extra is not None else None, run_id=run_id, attempt=attempt)
     # Registered as save_id's: no other thread of this process can rename a shard of another save
     # between the checks and the manifest link.
     with LocalStepCommit.open(r, step, save_id, claim=False, create=False) as hold:
@@ -90,13 +99,29 @@ def commit_step(
                 check_written_shard(sdir, rec, step, save_id)
         if hold.is_committed():
             if not replace:
-                raise CheckpointExistsError(f"step {step} is already committed under {r}")
+                raise CheckpointExistsError(f"step {step} is already committed under {r}{superseded_hint(r, step)}")
             hold.uncommit()
+        try:
+            unlink_durable(sdir / UPLOADED_MARKER_NAME)  # a marker names another manifest: it must not count
+        except OSError as e:
+            raise CheckpointWriteError.from_os_error(e, f"step {step}: removing a stale marker failed") from e
         hold.commit_manifest(manifest.to_json().encode())
         hold.release_lock()
-    log.info("step %d: committed %d shard(s), %d bytes, save %s", step, world_size, manifest.total_bytes,
-             save_id)
+    log.info("step %d: committed %d shard(s), %d bytes, save %s, run %s attempt %d", step, world_size,
+             manifest.total_bytes, save_id, run_id, attempt)
     return manifest
+
+
+def default_lineage(root: Path, run_id: str | None, attempt: int | None) -> tuple[str | None, int]:
+    """``(run_id, attempt)`` to record for a save into ``root`` (SPEC §11): what is given, the rest from
+    the root's ``run.json`` (a given ``run_id`` of another run takes attempt 1), else ``(None, 1)``.
+    Raises :class:`ManifestError` for a malformed ``run.json`` (only read when something is missing)."""
+    if run_id is not None and attempt is not None:
+        return run_id, attempt
+    rec = read_run_record(root)
+    if rec is not None and run_id in (None, rec.run_id):
+        return rec.run_id, rec.attempt if attempt is None else attempt
+    return run_id, 1 if attempt is None else attempt
 
 
 def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -> None:
@@ -134,11 +159,15 @@ def save_sharded(
     *,
     replace: bool = False,
     wall_clock_seconds: float | None = None,
+    run_id: str | None = None,
+    attempt: int | None = None,
 ) -> ShardManifest:
     """Single-process convenience (the seed's API): write every rank's shard in parallel, then commit.
 
-    ``state_dict_per_rank[i]`` is rank ``i`` 's state. Errors as :func:`write_shard` and
-    :func:`commit_step`; when several ranks fail, the lowest rank's error is raised.
+    ``state_dict_per_rank[i]`` is rank ``i`` 's state. ``run_id``/``attempt``: as :func:`commit_step`
+    (default: the root's ``run.json``). With ``replace=True`` an existing step is un-committed first and
+    its ``uploaded.json`` removed durably before that (the re-saved step is uploaded again). Errors as
+    :func:`write_shard` and :func:`commit_step`; when several ranks fail, the lowest rank's error is raised.
     """
     world_size = len(state_dict_per_rank)
     if world_size < 1:
@@ -163,7 +192,7 @@ def save_sharded(
                     raise CheckpointWriteError.from_os_error(e, f"step {step}: cannot un-commit the step to replace it") from e
             _write_all_ranks(r, step, hold.save_id, state_dict_per_rank, records)
             return commit_step(r, step, world_size, records, extra, save_id=hold.save_id,
-                               wall_clock_seconds=wall_clock_seconds)
+                               wall_clock_seconds=wall_clock_seconds, run_id=run_id, attempt=attempt)
         except CheckpointError:
             # Failed: take this attempt's shards away again (a failed save on a full disk must not keep
             # the disk full) and let go of the step, so that another process may save it at once.
@@ -191,4 +220,4 @@ def _write_all_ranks(r: Path, step: int, save_id: str, states: Sequence[Mapping[
         raise errors[0]
 
 
-__all__ = ["check_written_shard", "commit_step", "save_sharded"]
+__all__ = ["check_written_shard", "commit_step", "default_lineage", "save_sharded"]

@@ -20,7 +20,7 @@ from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, TensorChunkCr
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.layout import shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import resolve_root
+from tiered_ckpt.local.catalogue import read_run_record, resolve_root, superseded_in
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.shard_io import write_stream
 
@@ -96,13 +96,24 @@ def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
         if hold.is_committed():
             if not replace:
                 hold.release_lock()
-                raise CheckpointExistsError(
-                    f"step {hold.step} is already committed under {hold.root}; pass replace=True to overwrite it")
+                raise CheckpointExistsError(f"step {hold.step} is already committed under {hold.root}"
+                                            f"{superseded_hint(hold.root, hold.step)}; pass replace=True to overwrite it")
             hold.uncommit()
     except CheckpointError:  # CheckpointExistsError is an OSError too: keep its type
         raise
     except OSError as e:
         raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {hold.step}: cannot prepare {hold.root}") from e
+
+
+def superseded_hint(root: Path, step: int) -> str:
+    """A sentence for an error about a committed ``step`` that the root's ``run.json`` supersedes (``""``
+    when it does not, or the record cannot be read)."""
+    try:
+        why = superseded_in(root, step, read_run_record(root))
+    except CheckpointError:
+        return ""
+    return "" if why is None else (f" (it is superseded by attempt {why.attempt}, from step {why.from_step}, but "
+                                   "not set aside yet: tiered_ckpt.local.lineage.set_aside_superseded)")
 
 
 def _write_claimed(hold: LocalStepCommit, rank: int, tree: dict[str, Any], entries: list[fmt.TensorEntry],
@@ -136,4 +147,4 @@ def _write_claimed(hold: LocalStepCommit, rank: int, tree: dict[str, Any], entri
                        crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES)
 
 
-__all__ = ["infer_param_shard", "write_shard"]
+__all__ = ["infer_param_shard", "superseded_hint", "write_shard"]
