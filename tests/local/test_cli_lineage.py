@@ -234,3 +234,15 @@ def test_ls_shows_pins(tmp_path: Path) -> None:
     assert not lines(proc)[2].endswith("pinned")
     assert lines(run("verify", root)) == ["step 1: committed (pinned)", "step 2: committed"]
     assert [r["pinned"] for r in json.loads(run("ls", root, "--json").stdout)] == [True, False]
+
+
+def test_malformed_run_record_is_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    tc.save_sharded([state(1, 0)], root, 1)
+    (root / "run.json").write_text("{")
+    for args in (["ls", root], ["verify", root], ["gc", root, "--superseded"]):
+        proc = run(*args)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert lines(proc) == [lines(proc)[0]] and lines(proc)[0].startswith(
+            f"tiered-ckpt: error: ManifestError: {root / 'run.json'}: run record is not valid JSON")
+    assert run("gc", root).returncode == 0  # plain gc does not need the record

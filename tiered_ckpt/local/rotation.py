@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.locks import live_locks
-from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.layout import RUN_RECORD_NAME, step_dir_name
 from tiered_ckpt.local.markers import has_uploaded_marker
 from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.pins import has_pin
@@ -109,10 +110,14 @@ def is_uploaded(root: str | os.PathLike[str], step: int) -> bool:
 
 def superseded_entries(root: str | os.PathLike[str]) -> list[Any]:
     """The root's superseded steps (:func:`tiered_ckpt.local.lineage.superseded_local_steps`), ``[]``
-    where lineage is not available. Raises what that raises (``ManifestError`` for a bad ``run.json``)."""
+    where lineage is not available. Raises :class:`ManifestError` naming the file for a malformed
+    ``run.json`` (which steps are current cannot be told)."""
     if lineage is None:
         return []
-    return list(lineage.superseded_local_steps(root))
+    try:
+        return list(lineage.superseded_local_steps(root))
+    except ManifestError as e:
+        raise ManifestError(f"{Path(root) / RUN_RECORD_NAME}: {e}") from e
 
 
 def _superseded_to_remove(root: str | os.PathLike[str], policy: RotationPolicy, n_current: int) -> tuple[Any, ...]:
