@@ -37,7 +37,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.locks import live_locks
@@ -47,12 +46,8 @@ from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.trash import move_to_trash, put_back, remove_trash, sweep_trash
 
-try:  # issue 10's local lineage module; until it is committed nothing is superseded
-    from tiered_ckpt.local import lineage
-except ModuleNotFoundError as _e:  # pragma: no cover - removed once tiered_ckpt/local/lineage.py is committed
-    if _e.name != "tiered_ckpt.local.lineage":
-        raise
-    lineage = None  # type: ignore[assignment]
+from tiered_ckpt.local import lineage
+from tiered_ckpt.local.lineage import SupersededStep
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +94,7 @@ class RotationPlan:
     #: ``just_committed`` when it is older than the newest ``keep_last`` (else empty)
     kept_just_committed: tuple[int, ...] = ()
     #: superseded entries (:func:`superseded_entries`) to remove, oldest step first
-    remove_superseded: tuple[Any, ...] = ()
+    remove_superseded: tuple[SupersededStep, ...] = ()
 
 
 def is_uploaded(root: str | os.PathLike[str], step: int) -> bool:
@@ -108,19 +103,18 @@ def is_uploaded(root: str | os.PathLike[str], step: int) -> bool:
     return has_uploaded_marker(Path(root) / step_dir_name(step))
 
 
-def superseded_entries(root: str | os.PathLike[str]) -> list[Any]:
-    """The root's superseded steps (:func:`tiered_ckpt.local.lineage.superseded_local_steps`), ``[]``
-    where lineage is not available. Raises :class:`ManifestError` naming the file for a malformed
-    ``run.json`` (which steps are current cannot be told)."""
-    if lineage is None:
-        return []
+def superseded_entries(root: str | os.PathLike[str]) -> list[SupersededStep]:
+    """The root's superseded steps (:func:`tiered_ckpt.local.lineage.superseded_local_steps`). Raises
+    :class:`ManifestError` naming the file for a malformed ``run.json`` (which steps are current cannot
+    be told)."""
     try:
         return list(lineage.superseded_local_steps(root))
     except ManifestError as e:
         raise ManifestError(f"{Path(root) / RUN_RECORD_NAME}: {e}") from e
 
 
-def _superseded_to_remove(root: str | os.PathLike[str], policy: RotationPolicy, n_current: int) -> tuple[Any, ...]:
+def _superseded_to_remove(root: str | os.PathLike[str], policy: RotationPolicy,
+                          n_current: int) -> tuple[SupersededStep, ...]:
     """Superseded entries rotation may remove now: only once ``keep_last`` current steps exist; never a
     pinned or locked one."""
     if n_current < policy.keep_last:
@@ -182,7 +176,7 @@ def delete_step(root: str | os.PathLike[str], step: int) -> bool:
     return True
 
 
-def remove_superseded_step(root: str | os.PathLike[str], entry: Any) -> str:
+def remove_superseded_step(root: str | os.PathLike[str], entry: SupersededStep) -> str:
     """Remove one superseded entry (:func:`superseded_entries`) through
     :func:`tiered_ckpt.local.lineage.remove_superseded`, unless it is pinned or a live lock names it
     (checked now: one may have appeared since a plan). Returns ``""`` when removed, else why it was kept.

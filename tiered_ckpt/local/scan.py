@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
@@ -31,6 +31,7 @@ from tiered_ckpt.layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
                                          resolve_root, symlinked_step_entries)
+from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
 from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
@@ -239,7 +240,7 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
     return COMMITTED, ""
 
 
-def _superseded_status(entry: Any) -> StepStatus:
+def _superseded_status(entry: SupersededStep) -> StepStatus:
     """The row of one superseded entry (not verified: it is never loaded)."""
     path = Path(entry.path)
     ws = None
