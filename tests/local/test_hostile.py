@@ -684,8 +684,9 @@ def _library_path(p: str) -> bool:
 
 def _check_opens(world: World, case: Case, opens: list[tuple[str, bool]]) -> None:
     """Nothing outside the step directory was opened: no attempt on a path outside it (except the run
-    directory itself, listed to find steps, and the interpreter's own files), and no successful open of
-    a path that resolves outside it (a symlink followed)."""
+    directory itself, listed to find steps, its ``run.json`` (the lineage record, SPEC §11, opened with
+    O_NOFOLLOW and bounded), and the interpreter's own files), and no successful open of a path that
+    resolves outside it (a symlink followed)."""
     c = world.ctx[case.id]
     sdir = str(c.sdir)
     real_sdir = os.path.realpath(sdir)
@@ -699,7 +700,8 @@ def _check_opens(world: World, case: Case, opens: list[tuple[str, bool]]) -> Non
             if case.id == "step-dir-symlink-outside":
                 raise AssertionError(f"opened {p} through the symlinked step directory")
             continue
-        if _library_path(p) or p == str(world.root) or p == sdir or p.startswith(sdir + "/"):
+        if _library_path(p) or p in (str(world.root), str(world.root / "run.json")) or p == sdir \
+                or p.startswith(sdir + "/"):
             continue
         raise AssertionError(f"opened {p}, which is outside the step directory {sdir}")
 
