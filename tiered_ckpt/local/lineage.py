@@ -143,7 +143,8 @@ def set_aside_superseded(root: PathLike, lineage: RunLineage | None = None) -> l
         try:
             dst = set_aside_step(r, s, info[2])
         except (FileExistsError, ValueError) as e:  # ValueError: a save id no entry name can carry
-            log.warning("step %d: not set aside: %s", s, e)
+            if os.path.lexists(r / step_dir_name(s)):  # else another rank sharing the root moved it
+                log.warning("step %d: not set aside: %s", s, e)
             continue
         except CheckpointWriteError:
             raise

@@ -19,13 +19,10 @@ the previous one; a failed background save raises :class:`~tiered_ckpt.errors.Ch
 next ``save``, ``wait``, ``load`` or ``close`` (that call does nothing else), and is never counted as
 committed: :meth:`latest_step` reads the disk, so the manager's view always equals what is on disk.
 
-Outcomes as data: every save, committed or failed, yields one :class:`SaveOutcome` (step, seconds of the
-background write + hash + commit, the error if any). The manager keeps the most recent ones
-(:attr:`CheckpointManager.save_outcomes`) and passes each to ``on_save_outcome`` if given, so a caller
-(the demo's training job, a metrics exporter) reads timings from values, never from log text.
-
-torch is imported only for several ranks or a given ``process_group``; a single-process numpy state
-needs no torch.
+Lineage (SPEC §11): ``load`` (or the first ``save`` without one) decides the run and attempt every save
+records (:mod:`tiered_ckpt.training.lineage_decision`). Outcomes as data: every save yields one
+:class:`SaveOutcome` (step, seconds, the error if any), kept in :attr:`CheckpointManager.save_outcomes` and
+passed to ``on_save_outcome``. torch is imported only for several ranks or a given ``process_group``.
 """
 
 from __future__ import annotations
@@ -42,9 +39,12 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from tiered_ckpt.errors import CheckpointError, NoCheckpointError
+from tiered_ckpt.errors import CheckpointError
+from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.local import commit_step, committed_steps, load_shard, new_save_id, write_shard
+from tiered_ckpt.local.pins import pin_step
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
+from tiered_ckpt.training.lineage_decision import LineageDecider
 from tiered_ckpt.training.staging import Stager, copy_json
 
 if TYPE_CHECKING:
@@ -68,10 +68,8 @@ class SaveOutcome:
     to stage the state (0.0 for a synchronous save, whose whole cost is ``seconds``). ``committed_here``:
     this rank wrote the step's manifest into its own root. ``error``: ``None`` when the step was
     committed, else ``"ExceptionType: message"`` of the failure (the exception itself is raised by the
-    next ``save``/``wait``/``load``/``close`` as usual).
-
-    :meth:`to_json` / :meth:`from_json`: a flat JSON object with these keys (for logs that other
-    processes read, e.g. the demo's training job).
+    next ``save``/``wait``/``load``/``close`` as usual). :meth:`to_json` / :meth:`from_json`: a flat JSON
+    object with these keys (for logs that other processes read, e.g. the demo's training job).
     """
 
     step: int
@@ -87,9 +85,8 @@ class SaveOutcome:
         return self.error is None
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "seconds": self.seconds,
-                "stage_seconds": self.stage_seconds, "committed_here": self.committed_here,
-                "error": self.error}
+        return {"step": self.step, "rank": self.rank, "seconds": self.seconds, "stage_seconds": self.stage_seconds,
+                "committed_here": self.committed_here, "error": self.error}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "SaveOutcome":
@@ -130,13 +127,14 @@ class CheckpointManager:
     gloo groups with ``collective_timeout_s``).
     ``shared_filesystem``: ``root`` is the same directory for every node (rank 0 alone commits); by default
     each node's lowest rank commits the global manifest into its own root.
-    ``keep_last``, ``upload_gated``, ``max_pending_uploads``: rotation (:mod:`tiered_ckpt.rotation`).
+    ``keep_last``, ``upload_gated``, ``max_pending_uploads``, ``keep_every_steps`` (keep every step with
+    ``step % N == 0``): rotation (:mod:`tiered_ckpt.local.rotation`; the step just committed is never
+    rotated out). :meth:`load` or the first :meth:`save` decides the lineage every save records (SPEC §11).
     ``async_save=False`` writes and commits inside ``save``.
     ``handle_sigterm=True`` installs the preemption handler (:meth:`install_sigterm_handler`).
     ``remote_url`` (``s3://bucket/prefix``, the sidecar's): :meth:`load` restores this rank's shard from
-    the bucket when it is missing locally (a replaced node, a whole lost step); see
-    :func:`tiered_ckpt.training.resume.prepare_load_from_remote`. ``remote_s3_client``: an injected botocore
-    client for it (default: boto3's chain).
+    the bucket when it is missing locally (a replaced node, a whole lost step; :mod:`tiered_ckpt.training.resume`).
+    ``remote_s3_client``: an injected botocore client for it (default: boto3's chain).
     ``on_save_outcome``: called with each :class:`SaveOutcome`, in the thread that ran the save (the
     background thread when async), after the commit or failure and before the next save starts; it
     must be quick and must not call the manager. An exception it raises is logged (with traceback) and
@@ -162,6 +160,7 @@ class CheckpointManager:
         remote_url: str | None = None,
         remote_s3_client: Any = None,  # a botocore S3 client (no interface type for it above store/)
         on_save_outcome: Callable[[SaveOutcome], None] | None = None,
+        keep_every_steps: int | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank ({rank}) < world_size ({world_size})")
@@ -169,7 +168,7 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.policy = SavePolicy(save_every_steps, save_every_seconds)
-        self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads)
+        self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads, keep_every_steps=keep_every_steps)
         self.async_save = async_save
         self.remote_url = remote_url
         self._remote_s3_client = remote_s3_client
@@ -180,6 +179,8 @@ class CheckpointManager:
 
             self._coord = SaveCoordinator(rank, world_size, process_group, timeout_s=collective_timeout_s,
                                           shared_filesystem=shared_filesystem)
+        self._lineage: RunLineage | None = None
+        self._decider = LineageDecider(self.root, rank, self._coord, remote_url=remote_url, s3_client=remote_s3_client)
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiered-ckpt-save-r{rank}")
                           if async_save else None)
         self._future: Future[None] | None = None
@@ -244,6 +245,8 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         self.wait()
+        if self._lineage is None:  # the first save without a load decides the lineage (a collective)
+            self._lineage = self._decider.at_first_save(step)
         wall = time.monotonic() - self._started
         if self._executor is None or self._preempt_agreed:
             self._persist(step, state, extra, wall, 0.0)
@@ -280,7 +283,7 @@ class CheckpointManager:
         self._record(SaveOutcome(step, self.rank, seconds, stage_s, committed_here=committed_here))
         if committed_here:
             try:
-                rotate(self.root, self.rotation, rank=self.rank)
+                rotate(self.root, self.rotation, rank=self.rank, just_committed=step)
             except OSError as exc:  # the save itself succeeded; retention retries after the next one
                 log.error("rank %d step %d: rotation failed: %s", self.rank, step, exc)
 
@@ -288,11 +291,13 @@ class CheckpointManager:
                           wall: float) -> bool:
         """Write this rank's shard and commit the step (all ranks' protocol with several). Returns
         whether this rank committed the manifest into its root."""
+        assert self._lineage is not None
+        lin = {"run_id": self._lineage.run_id, "attempt": self._lineage.attempt}
         if self._coord is not None:
-            return self._coord.save(self.root, step, state, extra, wall).committed_here
+            return self._coord.save(self.root, step, state, extra, wall, **lin).committed_here
         sid = new_save_id()
         rec = write_shard(self.root, step, self.rank, state, save_id=sid)
-        commit_step(self.root, step, 1, [rec], extra, save_id=sid, wall_clock_seconds=wall)
+        commit_step(self.root, step, 1, [rec], extra, save_id=sid, wall_clock_seconds=wall, **lin)
         return True
 
     def _record(self, outcome: SaveOutcome) -> None:
@@ -331,32 +336,38 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------- read
 
     def latest_step(self) -> int | None:
-        """The newest step committed in this rank's root (read from disk; an in-flight save is not
-        counted until its commit). No collective."""
+        """The newest current step committed in this rank's root (read from disk; an in-flight save is
+        not counted until its commit). No collective."""
         steps = committed_steps(self.root)
         return steps[-1] if steps else None
 
     def load(self, step: int | None = None) -> dict[str, Any]:
-        """Load and verify this rank's state of ``step`` (``None``: the newest step committed in every
-        rank's root; a collective with several ranks). Waits for an in-flight save first.
-
-        Raises ``NoCheckpointError`` when nothing is committed (on every rank alike), and the loading
-        errors of :func:`tiered_ckpt.local.load_shard`.
-        """
+        """Load and verify this rank's state of ``step`` (``None``: the newest current step every rank can
+        load; with ``remote_url`` the bucket's too, restored first). A collective; waits for an in-flight
+        save first. The manager's first load (before any save) decides the lineage (SPEC §11): loading a
+        step older than a visible current step starts a new attempt and sets the newer steps aside. Raises ``NoCheckpointError`` (nothing, or not that
+        step, available to every rank; on every rank alike), ``LineageError``, and the errors of
+        :func:`tiered_ckpt.local.load_shard`."""
         self.wait()
-        if self.remote_url is not None:  # restore-from-bucket hook
-            from tiered_ckpt.training.resume import prepare_load_from_remote
-
-            step = prepare_load_from_remote(
-                self.root, self.remote_url, self.rank, step, s3_client=self._remote_s3_client,
-                common_steps=self._coord.common_steps if self._coord is not None else None)
-        if step is None and self._coord is not None:
-            common = self._coord.common_steps(committed_steps(self.root))
-            if common:
-                step = common[-1]
-            else:
-                raise NoCheckpointError(f"no step is committed in every rank's root (rank {self.rank}: {self.root})")
+        step, self._lineage = self._decider.at_load(step, decided=self._lineage)
         return load_shard(self.root, self.rank, self.world_size, step)
+
+    @property
+    def run_id(self) -> str | None:
+        """The run every save of this manager records (``None`` until :meth:`load` or the first save)."""
+        return self._lineage.run_id if self._lineage else None
+
+    @property
+    def attempt(self) -> int | None:
+        """The attempt of the run every save records (``None`` until :meth:`load` or the first save)."""
+        return self._lineage.attempt if self._lineage else None
+
+    def pin(self, step: int) -> None:
+        """Pin the committed ``step`` in this rank's root (call on every rank): rotation never removes it,
+        whatever ``keep_last`` says; the sidecar mirrors the pin to the bucket. Waits for an in-flight save
+        first. Raises ``NoCheckpointError`` if ``step`` is not committed in this root."""
+        self.wait()
+        pin_step(self.root, step)
 
     # -------------------------------------------------------------------------------- lifecycle
 

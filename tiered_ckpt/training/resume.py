@@ -1,25 +1,95 @@
-"""The manager's resume hook (SPEC §5): choose the step to load and make this rank's shard of it local,
-restoring from the bucket what the local disk lacks (a replaced node, or a whole missing step).
+"""The manager's resume hook (SPEC §5, §11): what the bucket shows the lineage decision, which steps a
+rank can offer to load, and making this rank's shard of the chosen step local, restoring from the bucket
+what the local disk lacks (a replaced node, or a whole missing step).
 
-Called by :meth:`tiered_ckpt.training.manager.CheckpointManager.load` on every rank when the manager has a
-``remote_url``; the step choice is a collective over the ranks (``common_steps``).
+Called by :mod:`tiered_ckpt.training.lineage_decision` (on behalf of
+:meth:`tiered_ckpt.training.manager.CheckpointManager.load`) when the manager has a ``remote_url``. Only
+steps *current* under the run's lineage are ever offered: a step of an abandoned attempt, local or
+remote, is never loaded (a node-replacement resume from 30 while node A still holds 40 of the old
+attempt starts a new attempt instead of loading or colliding with 40; issue 10, Why case 2).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from tiered_ckpt.errors import CheckpointError, NoCheckpointError, UploadError
+from tiered_ckpt.errors import CheckpointError, ManifestError, NoCheckpointError, UploadError
+from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.local.catalogue import committed_steps, read_manifest, resolve_root, step_path
-from tiered_ckpt.remote.catalogue import remote_committed_steps
+from tiered_ckpt.local.catalogue import (all_committed_steps, committed_steps, read_manifest, read_run_record,
+                                         resolve_root, step_path, superseded_in)
+from tiered_ckpt.remote.catalogue import read_catalogue
+from tiered_ckpt.remote.handle import StoreHandle
+from tiered_ckpt.remote.lineage import publish_lineage
 from tiered_ckpt.remote.restore import restore
+from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class RemoteView:
+    """What the bucket shows a lineage decision (read by one rank): its run record (``None``: none, or
+    the bucket could not be read), its remotely committed saves as ``(step, attempt)`` (``attempt``
+    ``None``: unknown, judged current), and whether it could be read at all."""
+
+    lineage: RunLineage | None
+    steps: tuple[tuple[int, int | None], ...]
+    readable: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lineage": None if self.lineage is None else self.lineage.to_dict(),
+                "steps": [list(s) for s in self.steps], "readable": self.readable}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "RemoteView":
+        lin = obj["lineage"]
+        return cls(None if lin is None else RunLineage.from_dict(lin),
+                   tuple((int(s), None if a is None else int(a)) for s, a in obj["steps"]), bool(obj["readable"]))
+
+    def current_steps(self, lineage: RunLineage | None) -> list[int]:
+        """The bucket's steps with a save current under ``lineage`` (the run's merged record), ascending."""
+        return sorted({s for s, a in self.steps if lineage is None or a is None or lineage.is_current(a, s)})
+
+
+def read_remote_view(remote_url: str, *, s3_client: Any = None, endpoint_url: str | None = None,
+                     store: ObjectStore | None = None) -> RemoteView:
+    """Read the bucket's run record and committed saves for a lineage decision: one look at the prefix
+    (:func:`~tiered_ckpt.remote.catalogue.read_catalogue`). Saves of another run than the bucket's record
+    names are left out. Never raises for an unreadable bucket: logged, and ``readable=False`` (the
+    decision then sees the local tier only)."""
+    try:
+        with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
+            cat = read_catalogue(st)
+    except (UploadError, ManifestError) as exc:
+        log.warning("cannot read %s (%s); the lineage decision sees the local tier only", remote_url, exc)
+        return RemoteView(None, (), False)
+    run = cat.lineage.run_id if cat.lineage is not None else None
+    steps = sorted({(s.step, s.attempt) for s in cat.saves if run is None or s.run_id in (None, run)})
+    return RemoteView(cat.lineage, tuple(steps))
+
+
+def publish_remote_lineage(remote_url: str, lineage: RunLineage, *, s3_client: Any = None,
+                           endpoint_url: str | None = None) -> None:
+    """Write ``lineage`` into the bucket (``<prefix>/run.json``, conditionally:
+    :func:`~tiered_ckpt.remote.lineage.publish_lineage`) before the first step of a new attempt commits
+    (SPEC §11). Raises ``UploadError``, ``RunMismatchError``, ``LineageError``, ``ManifestError``."""
+    with StoreHandle(remote_url, s3_client=s3_client, endpoint_url=endpoint_url) as st:
+        publish_lineage(st, lineage)
+
+
+def current_local_steps(root: PathLike, lineage: RunLineage | None) -> list[int]:
+    """Committed steps of ``root`` current under ``lineage`` (the run's merged record; ``None``: the
+    root's own), ascending. Reads only manifests of steps ``lineage`` could supersede."""
+    if lineage is None:
+        return committed_steps(root)
+    r, _ = resolve_root(root)
+    return [s for s in all_committed_steps(r) if superseded_in(r, s, lineage) is None]
 
 
 def local_ranks_present(root: PathLike, step: int, ranks: Iterable[int]) -> list[int]:
@@ -41,6 +111,13 @@ def local_ranks_present(root: PathLike, step: int, ranks: Iterable[int]) -> list
     return out
 
 
+def offer_steps(root: PathLike, rank: int, local_current: Sequence[int], remote_current: Sequence[int]) -> list[int]:
+    """The steps this rank can load: current local steps holding its shard, plus the bucket's current
+    steps (restorable). Ascending."""
+    local = [s for s in local_current if local_ranks_present(root, s, [rank])]
+    return sorted(set(local) | set(remote_current))
+
+
 def ensure_local(root: PathLike, remote_url: str, step: int, ranks: Sequence[int], *, s3_client: Any = None,
                  endpoint_url: str | None = None, **restore_kwargs: Any) -> ShardManifest:
     """Make ``ranks``' shards of ``step`` present in ``root``, restoring the missing ones from the bucket
@@ -57,33 +134,33 @@ def ensure_local(root: PathLike, remote_url: str, step: int, ranks: Sequence[int
 
 def prepare_load_from_remote(root: PathLike, remote_url: str, rank: int, step: int | None, *,
                              common_steps: Callable[[list[int]], list[int]] | None = None,
-                             s3_client: Any = None, endpoint_url: str | None = None) -> int:
-    """The restore hook of :meth:`CheckpointManager.load`: choose the step to load and make this rank's
-    shard of it local. Returns the step.
+                             s3_client: Any = None, endpoint_url: str | None = None,
+                             lineage: RunLineage | None = None) -> int:
+    """Choose the step to load and make this rank's shard of it local (without a lineage decision: the
+    manager decides through :mod:`tiered_ckpt.training.lineage_decision`). Returns the step.
 
-    ``step=None``: every rank offers the steps it can provide (committed locally with its own shard, or
-    remote candidates: :func:`~tiered_ckpt.remote.catalogue.committed_step_candidates`) and the newest step
-    every rank can provide wins (``common_steps``, a collective over the ranks; ``None`` for one process).
-    So a replaced node's ranks restore the newest step the bucket holds while the surviving nodes load
-    their local copies of it. When the bucket cannot be read, the local steps alone are offered (with a
-    warning). Raises :class:`NoCheckpointError` when no step is available to every rank, and
-    :func:`~tiered_ckpt.remote.restore.restore`'s errors.
+    ``step=None``: every rank offers the current steps it can provide (:func:`offer_steps`, under
+    ``lineage``, default the root's ``run.json`` merged with the bucket's) and the newest step every rank
+    can provide wins (``common_steps``, a collective over the ranks; ``None`` for one process). Raises
+    :class:`NoCheckpointError` when no step is available to every rank, :class:`LineageError` when the
+    root's and the bucket's records disagree, and :func:`~tiered_ckpt.remote.restore.restore`'s errors.
     """
-    local = [s for s in committed_steps(root) if local_ranks_present(root, s, [rank])]
+    view = read_remote_view(remote_url, s3_client=s3_client, endpoint_url=endpoint_url)
+    if lineage is None:
+        lineage = read_run_record(root)
+        if view.lineage is not None and (lineage is None or lineage.run_id == view.lineage.run_id):
+            lineage = view.lineage if lineage is None else lineage.merge(view.lineage)
+    local = current_local_steps(root, lineage)
     if step is None:
-        try:
-            remote = remote_committed_steps(remote_url, s3_client=s3_client, endpoint_url=endpoint_url)
-        except UploadError as exc:
-            log.warning("rank %d: cannot read %s (%s); resuming from local steps only", rank, remote_url, exc)
-            remote = []
-        offer = sorted(set(local) | set(remote))
+        offer = offer_steps(root, rank, local, view.current_steps(lineage))
         avail = common_steps(offer) if common_steps is not None else offer
         if not avail:
             raise NoCheckpointError(f"no step is available to every rank, locally ({root}) or in {remote_url}")
         step = avail[-1]
-    if step not in local:
+    if not local_ranks_present(root, step, [rank]):
         ensure_local(root, remote_url, step, [rank], s3_client=s3_client, endpoint_url=endpoint_url)
     return step
 
 
-__all__ = ["ensure_local", "local_ranks_present", "prepare_load_from_remote"]
+__all__ = ["RemoteView", "current_local_steps", "ensure_local", "local_ranks_present", "offer_steps",
+           "prepare_load_from_remote", "publish_remote_lineage", "read_remote_view"]

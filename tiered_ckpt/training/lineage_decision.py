@@ -1,0 +1,232 @@
+"""The manager's lineage decision (SPEC §11): at :meth:`CheckpointManager.load` and at its first save.
+
+The rule (``N``: the newest attempt any visible record names; visible: every rank's root and, with a
+``remote_url``, the bucket):
+
+- loading step ``S`` while a current committed step ``> S`` is visible starts attempt ``N+1`` with
+  ``supersedes_from = S + 1`` (a rollback, or a node replacement that lost the newest step);
+- a first save of step ``T`` without a load while a current step ``>= T`` is visible starts attempt
+  ``N+1`` with ``supersedes_from = T``;
+- otherwise the run goes on in attempt ``N``; with no record anywhere a run is created (attempt 1, a new
+  run id, rank 0's choice).
+
+Lifecycle of one decision (every rank, in the caller's thread; collectives on the manager's policy group):
+
+1. survey: every rank reads its root's ``run.json``; rank 0 also reads the bucket (its record and its
+   committed steps) and draws a candidate run id and timestamp. All-gathered; every rank merges the
+   records (:meth:`RunLineage.merge`; :class:`LineageError` on divergence) to the same result;
+2. steps: every rank reports its root's committed steps current under the merged record (and, to load,
+   the steps it can offer: holding its own shard, or restorable from the bucket). All-gathered; the step
+   to load is the newest every rank offers; the decision above is made (identically on every rank);
+3. record: every rank writes the decided record into its root (:func:`write_run_record`: idempotent, so
+   ranks sharing a root may all write it) and sets the superseded steps aside
+   (:func:`set_aside_superseded`, race-tolerant); rank 0 publishes it to the bucket; an all-gather of the
+   outcomes is the barrier (any failure raises on every rank). Only then may the new attempt save.
+
+A crash anywhere repeats the decision on restart: once a root holds the record, its superseded steps are
+filtered by every catalogue read, so the same step is loaded and no newer current step is seen (no third
+attempt). ``run_id`` and ``attempt`` of the decided record go into every manifest the manager commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiered_ckpt.errors import CheckpointError, DistributedSaveError, LineageError, ManifestError, NoCheckpointError
+from tiered_ckpt.format.lineage import RunLineage
+from tiered_ckpt.fs import utc_now
+from tiered_ckpt.local import new_run_id, read_run_record, set_aside_superseded, write_run_record
+from tiered_ckpt.training.resume import (RemoteView, current_local_steps, ensure_local, local_ranks_present,
+                                         offer_steps, publish_remote_lineage, read_remote_view)
+
+if TYPE_CHECKING:
+    from tiered_ckpt.training.dist import SaveCoordinator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Phase 1 on every rank: the merged record (``None``: no record anywhere), rank 0's candidate run id
+    and timestamp, the bucket's view (``None`` without a remote) and whether the bucket is this run's (a
+    bucket of another run is read for restoring, never written)."""
+
+    merged: RunLineage | None
+    run_id: str
+    started_at: str
+    remote: RemoteView | None
+    remote_ours: bool
+
+    @property
+    def remote_current(self) -> list[int]:
+        if self.remote is None:
+            return []
+        return self.remote.current_steps(self.merged if self.remote_ours else self.remote.lineage)
+
+
+def decide(survey: Survey, visible: set[int], *, loaded: int | None = None,
+           first_save: int | None = None) -> RunLineage:
+    """The record the run continues in (see the module docstring); pure."""
+    base = survey.merged if survey.merged is not None else RunLineage.first(survey.run_id, survey.started_at)
+    if loaded is not None and any(s > loaded for s in visible):
+        return base.new_attempt(supersedes_from=loaded + 1, resumed_from=loaded, started_at=survey.started_at)
+    if first_save is not None and any(s >= first_save for s in visible):
+        return base.new_attempt(supersedes_from=first_save, resumed_from=None, started_at=survey.started_at)
+    return base
+
+
+class LineageDecider:
+    """One manager's lineage decisions (see the module docstring). ``coord``: the manager's
+    :class:`~tiered_ckpt.training.dist.SaveCoordinator` (its ``all_gather_json(obj, policy=True)``
+    gathers from every rank on the policy group), ``None`` for one process."""
+
+    def __init__(self, root: Path, rank: int, coord: "SaveCoordinator | None", *, remote_url: str | None = None,
+                 s3_client: Any = None) -> None:
+        self.root, self.rank = root, rank
+        self._coord = coord
+        self.remote_url, self._s3_client = remote_url, s3_client
+
+    def _gather(self, obj: Any, what: str) -> list[Any]:
+        if self._coord is None:
+            return [obj]
+        try:
+            return list(self._coord.all_gather_json(obj, policy=True))
+        except RuntimeError as exc:
+            raise DistributedSaveError(f"rank {self.rank}: {what}: a collective failed (a rank died or timed "
+                                       f"out?): {exc}") from exc
+
+    # ------------------------------------------------------------------------------ phases
+
+    def survey(self) -> Survey:
+        """Phase 1. Raises :class:`LineageError` (records that diverge or cannot be read, on any rank)."""
+        mine: dict[str, Any] = {"rank": self.rank}
+        try:
+            rec = read_run_record(self.root)
+            mine["record"] = None if rec is None else rec.to_dict()
+        except ManifestError as exc:
+            mine["error"] = str(exc)
+        if self.rank == 0:
+            mine.update(run_id=new_run_id(), started_at=utc_now())
+            if self.remote_url is not None:
+                try:  # whatever fails here must reach every rank, not leave them waiting in the gather
+                    mine["remote"] = read_remote_view(self.remote_url, s3_client=self._s3_client).to_json()
+                except Exception as exc:
+                    mine["error"] = f"reading {self.remote_url}: {type(exc).__name__}: {exc}"
+        got = self._gather(mine, "gathering run records")
+        errors = {g["rank"]: g["error"] for g in got if "error" in g}
+        if errors:
+            raise LineageError(f"the run's records cannot be read on rank(s) {sorted(errors)}: "
+                               f"{next(iter(errors.values()))}")
+        merged: RunLineage | None = None
+        for g in got:
+            if g["record"] is not None:
+                rec = RunLineage.from_dict(g["record"])
+                merged = rec if merged is None else merged.merge(rec)
+        head = got[0]
+        remote = RemoteView.from_json(head["remote"]) if head.get("remote") is not None else None
+        ours = True
+        if remote is not None and remote.lineage is not None:
+            if merged is None or merged.run_id == remote.lineage.run_id:
+                merged = remote.lineage if merged is None else merged.merge(remote.lineage)
+            else:
+                ours = False
+                log.warning("rank %d: %s belongs to run %s, this root to run %s: its steps may be restored, "
+                            "its record is left alone", self.rank, self.remote_url, remote.lineage.run_id,
+                            merged.run_id)
+        return Survey(merged, head["run_id"], head["started_at"], remote, ours)
+
+    def _steps(self, sv: Survey, *, offers: bool) -> tuple[set[int], list[set[int]]]:
+        """Phase 2: the visible current steps (every root's and the bucket's) and, with ``offers``, what
+        each rank can load."""
+        local = current_local_steps(self.root, sv.merged)
+        mine: dict[str, Any] = {"current": local}
+        if offers:
+            mine["offer"] = (offer_steps(self.root, self.rank, local, sv.remote_current)
+                             if self.remote_url is not None else local)
+        got = self._gather(mine, "gathering the current steps")
+        visible = set(sv.remote_current).union(*(g["current"] for g in got))
+        return visible, [set(g["offer"]) for g in got] if offers else []
+
+    def _record(self, sv: Survey, lineage: RunLineage) -> None:
+        """Phase 3: write the record, set superseded steps aside, publish; the outcome gather is the
+        barrier. Raises :class:`LineageError` if any rank failed."""
+        failure: BaseException | None = None
+        mine: dict[str, Any] = {"rank": self.rank}
+        try:
+            write_run_record(self.root, lineage)
+            set_aside_superseded(self.root, lineage)
+        except (CheckpointError, OSError) as exc:
+            failure, mine["error"] = exc, f"{type(exc).__name__}: {exc}"
+        if self.rank == 0 and failure is None and self.remote_url is not None and sv.remote_ours \
+                and (sv.remote is None or sv.remote.lineage != lineage):
+            self._publish(lineage)
+        got = self._gather(mine, "recording the run's lineage")
+        errors = {g["rank"]: g["error"] for g in got if "error" in g}
+        if errors:
+            raise LineageError(f"recording attempt {lineage.attempt} of run {lineage.run_id} failed on rank(s) "
+                               f"{sorted(errors)}: {next(iter(errors.values()))}") from failure
+
+    def _publish(self, lineage: RunLineage) -> None:
+        """Rank 0: the record into the bucket. A failure is logged, not raised: the sidecar publishes the
+        root's record before it uploads any step of a newer attempt (SPEC §11)."""
+        assert self.remote_url is not None
+        try:
+            publish_remote_lineage(self.remote_url, lineage, s3_client=self._s3_client)
+        except CheckpointError as exc:
+            log.warning("run %s attempt %d: could not publish the record to %s (%s); the sidecar will",
+                        lineage.run_id, lineage.attempt, self.remote_url, exc)
+
+    def _announce(self, sv: Survey, lineage: RunLineage, visible: set[int]) -> None:
+        if sv.merged is None:
+            log.info("rank %d: run %s starts in %s", self.rank, lineage.run_id, self.root)
+        if lineage.attempt > (sv.merged.attempt if sv.merged is not None else 1):
+            a = lineage.attempts[-1]
+            newer = sorted(s for s in visible if a.supersedes_from is not None and s >= a.supersedes_from)
+            log.warning("rank %d: run %s attempt %d (resumed from %s) supersedes steps >= %s of earlier "
+                        "attempts: %s are set aside, not loaded", self.rank, lineage.run_id, a.attempt,
+                        a.resumed_from, a.supersedes_from, newer)
+
+    # ------------------------------------------------------------------------------ decisions
+
+    def at_load(self, step: int | None, *, decided: RunLineage | None = None) -> tuple[int, RunLineage]:
+        """The step to load (``None``: the newest current step every rank can load) and the record the run
+        continues in, recorded everywhere; this rank's shard of the step is made local from the bucket if
+        missing. ``decided``: the manager's lineage is already decided (a later load, e.g. to inspect an
+        older step): it is kept and nothing is recorded. Raises :class:`NoCheckpointError` (nothing, or not
+        that step, is available to every rank: nothing is decided then), :class:`LineageError`, restore's
+        errors."""
+        sv = self.survey()
+        visible, offers = self._steps(sv, offers=True)
+        common = set.intersection(*offers) if offers else set()
+        if step is None:
+            if not common:
+                where = f" or in {self.remote_url}" if self.remote_url is not None else ""
+                raise NoCheckpointError(f"no current step is available to every rank, locally (rank {self.rank}: "
+                                        f"{self.root}){where}")
+            step = max(common)
+        elif step not in common:
+            raise NoCheckpointError(f"step {step} is not a current committed step every rank can load (rank "
+                                    f"{self.rank}: {self.root})")
+        lineage = decided if decided is not None else decide(sv, visible, loaded=step)
+        if decided is None:
+            self._announce(sv, lineage, visible)
+            self._record(sv, lineage)
+        if self.remote_url is not None and not local_ranks_present(self.root, step, [self.rank]):
+            ensure_local(self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client)
+        return step, lineage
+
+    def at_first_save(self, step: int) -> RunLineage:
+        """The record a manager that did not load continues in, before its first save of ``step``;
+        recorded everywhere. Raises :class:`LineageError`."""
+        sv = self.survey()
+        visible, _ = self._steps(sv, offers=False)
+        lineage = decide(sv, visible, first_save=step)
+        self._announce(sv, lineage, visible)
+        self._record(sv, lineage)
+        return lineage
+
+
+__all__ = ["LineageDecider", "Survey", "decide"]
