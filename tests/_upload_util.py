@@ -58,3 +58,16 @@ def list_keys(loc, prefix: str | None = None) -> list[str]:
     for page in loc.client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=p):
         out.extend(o["Key"] for o in page.get("Contents", []))
     return out
+
+
+def save_entry(root: Path, step: int) -> str:
+    """``step_XXXXXXXXXX.<save_id>``: the remote entry of the local step's save (SPEC §11 keys)."""
+    from tiered_ckpt.layout import save_entry_name
+    from tiered_ckpt.local import read_manifest
+
+    return save_entry_name(step, read_manifest(root, step).save_id)
+
+
+def save_prefix(loc, root: Path, step: int) -> str:
+    """Full key prefix (no trailing slash) of the local step's save under ``loc``."""
+    return f"{loc.prefix}/{save_entry(root, step)}" if loc.prefix else save_entry(root, step)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered_ckpt import GlobalSlice, read_manifest, save_sharded
-from tiered_ckpt.layout import (MANIFEST_NAME, UPLOAD_MANIFEST_NAME, remote_key, remote_latest_key,
+from tiered_ckpt.layout import (MANIFEST_NAME, UPLOAD_MANIFEST_NAME, remote_latest_key, remote_save_key,
                                 step_dir_name)
 from tiered_ckpt.format.upload_manifest import LatestPointer, RemoteShard, UploadManifest
 
@@ -37,33 +37,43 @@ def save_step(root: Path, step: int, world_size: int = 4) -> list[dict]:
     return states
 
 
-def put(client, bucket: str, key: str, body: bytes) -> None:
-    client.put_object(Bucket=bucket, Key=key, Body=body)
+def put(client, bucket: str, key: str, body: bytes) -> str:
+    """PUT ``body``; returns the object's ETag."""
+    return client.put_object(Bucket=bucket, Key=key, Body=body)["ETag"]
 
 
 def publish(client, bucket: str, prefix: str, root: Path, step: int, *, upload_manifest: bool = True,
-            pointer: bool = True) -> UploadManifest | None:
+            pointer: bool = True, schema: int = 1) -> UploadManifest | None:
     """Upload ``step`` of ``root``: shards, the manifest's exact bytes, then (optionally) the upload
-    manifest and the latest pointer."""
+    manifest and the latest pointer. ``schema=1``: the round-1 layout (``<prefix>/step_X/``, upload
+    manifest schema 1); ``schema=2``: one prefix per save (``<prefix>/step_X.<save_id>/``, schema 2 with
+    the lineage and each shard's ETag)."""
     sdir = Path(root) / step_dir_name(step)
     m = read_manifest(root, step)
     raw = (sdir / MANIFEST_NAME).read_bytes()
+    sid = m.save_id if schema >= 2 else None
+
+    def key(name: str) -> str:
+        return remote_save_key(prefix, step, sid, name)
+
     shards = []
     for rec in m.shards:
-        key = remote_key(prefix, step, rec.path)
-        put(client, bucket, key, (sdir / rec.path).read_bytes())
-        shards.append(RemoteShard(rec.rank, key, rec.size_bytes, rec.sha256, "read-back"))
-    put(client, bucket, remote_key(prefix, step, MANIFEST_NAME), raw)
+        etag = put(client, bucket, key(rec.path), (sdir / rec.path).read_bytes())
+        shards.append(RemoteShard(rec.rank, key(rec.path), rec.size_bytes, rec.sha256, "read-back",
+                                  etag if schema >= 2 else None))
+    put(client, bucket, key(MANIFEST_NAME), raw)
     if not upload_manifest:
         return None
+    lineage = dict(run_id=m.run_id, attempt=m.attempt, created_at=m.created_at) if schema >= 2 else {}
     um = UploadManifest(step=step, world_size=m.world_size, save_id=m.save_id, prefix=prefix,
-                        manifest_key=remote_key(prefix, step, MANIFEST_NAME),
-                        manifest_sha256=hashlib.sha256(raw).hexdigest(), shards=tuple(shards))
+                        manifest_key=key(MANIFEST_NAME), manifest_sha256=hashlib.sha256(raw).hexdigest(),
+                        shards=tuple(shards), schema_version=schema, **lineage)
     body = um.to_json().encode()
-    put(client, bucket, remote_key(prefix, step, UPLOAD_MANIFEST_NAME), body)
+    put(client, bucket, key(UPLOAD_MANIFEST_NAME), body)
     if pointer:
-        put(client, bucket, remote_latest_key(prefix),
-            LatestPointer(step, hashlib.sha256(body).hexdigest()).to_json().encode())
+        ptr = LatestPointer(step, hashlib.sha256(body).hexdigest(), m.attempt, sid) if schema >= 2 else \
+            LatestPointer(step, hashlib.sha256(body).hexdigest())
+        put(client, bucket, remote_latest_key(prefix), ptr.to_json().encode())
     return um
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import s3_infra
-from _upload_util import list_keys, make_step, remote_bytes
+from _upload_util import list_keys, make_step, remote_bytes, save_prefix
 from spawn import python_cmd
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, read_manifest
@@ -104,7 +104,7 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
     remote = _check_no_unconfirmed(s3_bucket, verify_bytes=True)
     assert remote == committed_steps(root)
     for s in remote:
-        sp = f"{s3_bucket.prefix}/{step_dir_name(s)}"
+        sp = save_prefix(s3_bucket, root, s)
         assert remote_bytes(s3_bucket, f"{sp}/manifest.json") == (root / step_dir_name(s) / "manifest.json").read_bytes()
         assert read_manifest(root, s).step == s
     assert not s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import s3_infra
-from _upload_util import SMALL, list_keys, make_step, remote_bytes, split_nodes
+from _upload_util import SMALL, list_keys, make_step, remote_bytes, save_entry, save_prefix, split_nodes
 from tiered_ckpt import UploadManifest, Uploader
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest
@@ -39,7 +39,7 @@ def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S
     reqs = fault_proxy.requests
     for s in (10, 20, 30):
         m = read_manifest(root, s)
-        sp = f"{s3_bucket.prefix}/{step_dir_name(s)}"
+        sp = save_prefix(s3_bucket, root, s)
         um = UploadManifest.from_json(remote_bytes(s3_bucket, f"{sp}/upload_manifest.json"))
         assert um.step == s and um.world_size == 4 and um.save_id == m.save_id
         for rec, rs in zip(m.shards, um.shards):
@@ -82,7 +82,7 @@ def test_server_checksum_confirmation_compares_composite_crc32c(
         up._server_validates = True  # as a validating server (S3, MinIO) would be probed
         um = up.upload_step(1)
         assert {s.confirmed_by for s in um.shards} == {"server-checksum"}
-        sp = f"{s3_bucket.prefix}/{step_dir_name(1)}"
+        sp = save_prefix(s3_bucket, root, 1)
         for rec in read_manifest(root, 1).shards:
             data = (root / step_dir_name(1) / rec.path).read_bytes()
             assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == data
@@ -96,7 +96,7 @@ def test_server_checksum_confirmation_compares_composite_crc32c(
     assert flip.applied == 1
     assert fault_proxy.count(lambda r: r.method == "POST" and r.target.endswith("?uploads")) - before == 5
     assert {s.confirmed_by for s in um2.shards} == {"server-checksum"}
-    sp = f"{s3_bucket.prefix}/{step_dir_name(2)}"
+    sp = save_prefix(s3_bucket, root, 2)
     for rec in read_manifest(root, 2).shards:
         assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == (root / step_dir_name(2) / rec.path).read_bytes()
 
@@ -108,7 +108,7 @@ def test_restart_does_not_resend_confirmed_shards(tmp_path: Path, s3_bucket: s3_
     client = s3_infra.make_test_client(fault_proxy.url)
     with _uploader(root, s3_bucket, client) as up:
         up.upload_step(5)
-    sp = f"{s3_bucket.prefix}/{step_dir_name(5)}"
+    sp = save_prefix(s3_bucket, root, 5)
     # Simulate a crash after the shards were confirmed, before the commit: drop the commit and marker.
     s3_bucket.client.delete_object(Bucket=s3_bucket.bucket, Key=f"{sp}/upload_manifest.json")
     (root / step_dir_name(5) / UPLOADED_MARKER_NAME).unlink()
@@ -125,7 +125,7 @@ def test_two_nodes_commit_exactly_when_all_confirmed(tmp_path: Path, s3_bucket: 
     make_step(src, 7)
     a, b = tmp_path / "nodeA", tmp_path / "nodeB"
     split_nodes(src, a, b, 7, ranks_a=[0, 1])
-    sp = f"{s3_bucket.prefix}/{step_dir_name(7)}"
+    sp = save_prefix(s3_bucket, src, 7)
     with _uploader(a, s3_bucket) as up_a, _uploader(b, s3_bucket) as up_b:
         with pytest.raises(StepIncompleteError) as ei:
             up_a.upload_step(7)
@@ -174,7 +174,7 @@ def test_two_nodes_racing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> Non
         assert u.pending_steps() == []
         u.close()
     for s in (1, 2):
-        um = UploadManifest.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/{step_dir_name(s)}/upload_manifest.json"))
+        um = UploadManifest.from_json(remote_bytes(s3_bucket, f"{save_prefix(s3_bucket, src, s)}/upload_manifest.json"))
         assert [r.rank for r in um.shards] == [0, 1, 2, 3]
     assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).step == 2
 
@@ -205,7 +205,7 @@ def test_upload_manifest_deleted_first_on_retention(tmp_path: Path, s3_bucket: s
         real = up.store.delete
         up.store.delete = lambda keys: (calls.append(list(keys)), real(calls[-1]))[1]  # type: ignore[method-assign]
         up.run(once=True, poll_interval_s=0.01)
-    d1 = step_dir_name(1)
+    d1 = save_entry(root, 1)
     calls = [c for c in calls if any(k.startswith("step_") for k in c)]
     assert calls[0] == [f"{d1}/upload_manifest.json"]  # un-committed before anything else goes
     assert any(f"{d1}/rank_00000.safetensors" in c for c in calls[1:])

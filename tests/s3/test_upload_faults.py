@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import s3_infra
-from _upload_util import SMALL, list_keys, make_step, remote_bytes
+from _upload_util import SMALL, list_keys, make_step, remote_bytes, save_prefix
 from tiered_ckpt import ShardCorruptedError, UploadError, Uploader
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest
@@ -23,7 +23,7 @@ def _no_mpu(loc: s3_infra.S3Location) -> bool:
 
 
 def _check_remote_equals_local(loc: s3_infra.S3Location, root: Path, step: int) -> None:
-    sp = f"{loc.prefix}/{step_dir_name(step)}"
+    sp = save_prefix(loc, root, step)
     for rec in read_manifest(root, step).shards:
         assert remote_bytes(loc, f"{sp}/{rec.path}") == (root / step_dir_name(step) / rec.path).read_bytes()
 

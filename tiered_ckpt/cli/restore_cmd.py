@@ -32,13 +32,16 @@ def add_s3_args(p: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "restore", help="restore a remotely committed step from S3 to local disk",
-        description="Download the newest step that has an upload manifest (or --step N) from "
-                    "s3://bucket/prefix into ROOT: every shard verified against the manifest's sha256, "
-                    "committed locally with manifest.json last and marked as uploaded. A step that is "
-                    "broken in the bucket fails with nothing committed locally, unless --fallback.")
+        description="Download the newest current step (one with an upload manifest that no later attempt "
+                    "of the run supersedes), or the current save of --step N, from s3://bucket/prefix into "
+                    "ROOT: every shard verified against the manifest's sha256, committed locally with "
+                    "manifest.json last and marked as uploaded; a ROOT without run.json gets the bucket's. "
+                    "A step that is broken in the bucket fails with nothing committed locally, unless "
+                    "--fallback.")
     p.add_argument("--remote", required=True, type=s3_url, help="s3://bucket/prefix the sidecar uploaded to")
     p.add_argument("--local", required=True, type=Path, help="local run directory to restore into")
-    p.add_argument("--step", type=step_number, default=None, help="restore this step (default: the newest)")
+    p.add_argument("--step", type=step_number, default=None,
+                   help="restore the current save of this step (default: the newest current step)")
     p.add_argument("--ranks", default=None, help="restore only these ranks' shards, e.g. 0-1 or 2,3 "
                                                  "(a replaced node); default: all")
     p.add_argument("--fallback", action="store_true",
@@ -170,8 +173,9 @@ def cmd_ls_remote(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no steps under {args.remote}")
         return EXIT_OK
-    print_table(["step", "state", "world_size", "size", "latest", "note"],
+    print_table(["step", "state", "world_size", "size", "latest", "attempt", "save", "note"],
                 [[s.step, s.state, s.world_size if s.world_size is not None else "-",
                   human_bytes(s.size_bytes) if s.ok else f"{s.objects} object(s)", "*" if s.latest else "",
-                  s.reason] for s in rows])
+                  s.attempt if s.attempt is not None else "-", s.save_id or "-",
+                  s.reason or ("" if s.status in ("", "current") else s.status)] for s in rows])
     return EXIT_OK

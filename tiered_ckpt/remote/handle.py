@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.store.base import ObjectStore
+from tiered_ckpt.store.base import ObjectStore, RemoteNotFoundError
 
 if TYPE_CHECKING:
     from tiered_ckpt.store import TransferSettings
@@ -57,4 +57,13 @@ def object_url(store: ObjectStore, key: str) -> str:
     return f"{store.url}/{key}"
 
 
-__all__ = ["StoreHandle", "object_url"]
+def get_or_none(store: ObjectStore, key: str) -> bytes | None:
+    """GET ``key`` (relative to the store prefix); ``None`` when it does not exist (S3 404). Other
+    failures raise :class:`~tiered_ckpt.errors.UploadError` after the store's retries."""
+    try:
+        return store.get_bytes(key)
+    except RemoteNotFoundError:
+        return None
+
+
+__all__ = ["StoreHandle", "get_or_none", "object_url"]

@@ -16,8 +16,14 @@ Lifecycle of one :func:`restore` (made by one process: the CLI, an operator's sc
    the step's writer lock is claimed with the remote ``save_id`` (so a live local writer of the same step
    is refused, I4), verified shards are published (fsynced, renamed into place, the directory fsynced),
    then the exact ``manifest.json`` bytes that were uploaded are committed last (exclusive link, fsync
-   the directory). Finally the ``uploaded.json`` marker (:mod:`tiered_ckpt.local.markers`) tells the
-   sidecar and upload-gated rotation that the step is already in the bucket.
+   the directory). Finally the ``uploaded.json`` marker (:mod:`tiered_ckpt.local.markers`, naming the
+   manifest's sha256) tells the sidecar and upload-gated rotation that the step is already in the bucket.
+
+**The run is carried** (SPEC §11): candidates are the *current* saves under the bucket's ``run.json``
+(merged with the root's when both name one run, so a restore never picks what the root's record
+supersedes). Before the shards are published, a root without a run record gets the bucket's (the run
+continues there after cluster loss), a root of the same run gets it when it is newer; a root of another
+run keeps its own (fine tuning from another run's checkpoint is allowed).
 
 If the chosen step fails (an object missing, a size or sha256 mismatch, a bad upload manifest), the
 error (:class:`~tiered_ckpt.errors.MissingShardError`, :class:`~tiered_ckpt.errors.ShardCorruptedError`,
@@ -33,6 +39,7 @@ rank verifies it like any other.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -42,11 +49,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
+from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.layout import shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import read_manifest_bytes, resolve_root
+from tiered_ckpt.local.catalogue import read_manifest_bytes, read_run_record, resolve_root
 from tiered_ckpt.local.commit import LocalStepCommit
+from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.local.markers import write_uploaded_marker
 from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST,
                                           REMOTE_VANISHED, RemoteStep, list_remote_steps, read_latest_pointer,
@@ -136,9 +145,32 @@ def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, m
         raise first
 
 
+def record_to_carry(local: RunLineage | None, remote: RunLineage | None) -> RunLineage | None:
+    """The run record a restore writes into the root (``None``: keep the root's as it is): the bucket's
+    lineage into a root without one, the newer record of the same run, nothing into a root of another
+    run (fine tuning) or when the two records of one run diverge (a warning; the manager decides)."""
+    if remote is None:
+        return None
+    if local is None:
+        return remote
+    if local.run_id != remote.run_id:
+        log.info("restoring from run %s into a root of run %s: the root keeps its run record", remote.run_id,
+                 local.run_id)
+        return None
+    if remote.extends(local) and remote != local:
+        return remote
+    if not local.extends(remote):
+        log.warning("run %s: the root's run.json and the bucket's disagree about the attempts; the root keeps "
+                    "its own", local.run_id)
+    return None
+
+
 def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_manifest: bool) -> bool:
     """Step 4 after a successful download; returns whether the local manifest was kept (ours, or an
     identical one another restorer committed meanwhile). Raises ConcurrentSaveError, OSError."""
+    carry = record_to_carry(read_run_record(lsc.root), plan.lineage)
+    if carry is not None:
+        write_run_record(lsc.root, carry)  # before the step commits: it is judged under this record
     if uncommit:
         lsc.uncommit()  # I2: un-commit before any file of the step changes
         log.warning("step %d: un-committed the local step to replace it with the bucket's copy", plan.step)
@@ -153,8 +185,10 @@ def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_ma
                                           f"into {lsc.step_dir} meanwhile") from None
             keep_manifest = True
     lsc.release_lock()
+    now = read_manifest_bytes(lsc.step_dir)
     write_uploaded_marker(lsc.step_dir, UploadedMarker(step=plan.step, remote=plan.remote_url, restored=True,
-                                                       upload_manifest_sha256=plan.upload_manifest_sha256))
+                                                       upload_manifest_sha256=plan.upload_manifest_sha256),
+                          manifest_sha256=hashlib.sha256(now if now is not None else plan.manifest_bytes).hexdigest())
     return keep_manifest
 
 
@@ -239,7 +273,7 @@ def restore_detailed(
                          transfer=transfer)
     with handle as st:
         skipped: list[tuple[int, str]] = []
-        plans = iter_plans(st, step, ranks, fallback, skipped)
+        plans = iter_plans(st, step, ranks, fallback, skipped, local_lineage=read_run_record(root))
         while True:
             plan = next(plans)
             if on_plan is not None:

@@ -1,17 +1,17 @@
-"""Restore planning (SPEC §5): which remotely committed step to restore and what to fetch for it.
+"""Restore planning (SPEC §5, §11): which remotely committed save to restore and what to fetch for it.
 
 Lifecycle steps 1-2 of :mod:`tiered_ckpt.remote.restore` (nothing local is touched; ``--dry-run`` and
 ``tiered-ckpt verify --remote`` stop here):
 
-1. **Candidates** (:func:`~tiered_ckpt.remote.catalogue.committed_step_candidates`): the ``latest``
-   pointer's step plus those whose upload manifest LIST shows, newest first (or the requested ``step``,
-   then, with ``fallback``, the older candidates). A candidate counts only once GET reads its upload
-   manifest.
-2. **Plan** (:func:`plan_step`): GET the upload manifest and the mirrored ``manifest.json``; check the
-   latter's sha256 against ``manifest_sha256`` and that both agree rank by rank; HEAD every shard to fetch
-   and compare its size.
+1. **Candidates** (:func:`~tiered_ckpt.remote.catalogue.read_catalogue`): the current save of every step
+   (superseded saves, replaced saves and saves of another run are never candidates), newest step first,
+   or the current save of the requested ``step`` (then, with ``fallback``, the older ones). A save
+   whose upload manifest is present but unreadable is a candidate at its step (it fails there).
+2. **Plan** (:func:`plan_step`): GET the mirrored ``manifest.json``; check its sha256 against the upload
+   manifest's ``manifest_sha256`` and that both agree rank by rank; HEAD every shard to fetch and
+   compare its size.
 
-Fallback order (:func:`iter_plans`): a step whose planning fails with one of :data:`STEP_FAULTS` is
+Fallback order (:func:`iter_plans`): a candidate whose planning fails with one of :data:`STEP_FAULTS` is
 skipped with a warning when ``fallback=True`` (and recorded in ``RestorePlan.skipped``), otherwise raised.
 ``UploadError`` (bucket unreachable) is never a fallback: it would fail older steps the same way.
 """
@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from tiered_ckpt.errors import ManifestError, MissingShardError, NoCheckpointError, ShardCorruptedError
+from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME, UPLOAD_MANIFEST_NAME, shard_file_name
-from tiered_ckpt.remote.catalogue import committed_step_candidates, get_or_none, read_upload_manifest, step_key
-from tiered_ckpt.remote.handle import StoreHandle, object_url
+from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_VANISHED, RemoteCatalogue, RemoteSave,
+                                          SaveFault, read_catalogue)
+from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class RestorePlan:
     """What a restore will fetch (the result of steps 1-2 of the lifecycle; ``--dry-run`` prints it).
 
     ``skipped``: ``(step, reason)`` of newer candidates passed over (with ``fallback=True``).
+    ``lineage``: the run record the choice was made under (the bucket's, merged with the root's when both
+    name one run; ``None``: no claim); restore carries it into a root without one (SPEC §11).
     """
 
     remote_url: str
@@ -64,14 +68,17 @@ class RestorePlan:
     from_pointer: bool
     upload_manifest_sha256: str
     skipped: tuple[tuple[int, str], ...] = ()
+    lineage: RunLineage | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(o.size_bytes for o in self.objects)
 
     def to_dict(self) -> dict[str, Any]:
+        um = self.upload_manifest
         return {"remote_url": self.remote_url, "step": self.step, "ranks": list(self.ranks),
                 "world_size": self.manifest.world_size, "save_id": self.manifest.save_id,
+                "attempt": um.attempt, "run_id": um.run_id,
                 "total_bytes": self.total_bytes, "from_pointer": self.from_pointer,
                 "upload_manifest_sha256": self.upload_manifest_sha256,
                 "objects": [{"rank": o.rank, "key": o.key, "size_bytes": o.size_bytes, "sha256": o.sha256}
@@ -92,9 +99,10 @@ def check_ranks(ranks: Iterable[int] | None, world_size: int, step: int) -> tupl
     return out
 
 
-def _read_mirrored_manifest(store: ObjectStore, step: int, um: UploadManifest) -> tuple[ShardManifest, bytes]:
+def _read_mirrored_manifest(store: ObjectStore, save: RemoteSave) -> tuple[ShardManifest, bytes]:
     """GET ``manifest.json`` and check it against the upload manifest (sha256, step, save, per rank)."""
-    mkey = step_key(step, MANIFEST_NAME)
+    step, um = save.step, save.um
+    mkey = save.key(MANIFEST_NAME)
     raw = get_or_none(store, mkey)
     if raw is None:
         raise MissingShardError(f"step {step}: {object_url(store, mkey)} is missing (the upload manifest "
@@ -117,25 +125,19 @@ def _read_mirrored_manifest(store: ObjectStore, step: int, um: UploadManifest) -
     return m, raw
 
 
-def plan_step(store: ObjectStore, step: int, ranks: Iterable[int] | None, *, from_pointer: bool,
-              um_pair: tuple[UploadManifest, bytes] | None = None) -> RestorePlan:
-    """Step 2 of the lifecycle for one step (``um_pair``: its upload manifest when already read).
-    Raises NoCheckpointError (no upload manifest), ManifestError, MissingShardError, ShardCorruptedError,
-    UploadError."""
-    if um_pair is None:
-        um_pair = read_upload_manifest(store, step)
-    if um_pair is None:
-        raise NoCheckpointError(f"step {step} has no {UPLOAD_MANIFEST_NAME} under {store.url}: it was never "
-                                "fully uploaded, so it does not exist for restore")
-    um, um_raw = um_pair
+def plan_step(store: ObjectStore, save: RemoteSave, ranks: Iterable[int] | None, *, from_pointer: bool,
+              lineage: RunLineage | None = None) -> RestorePlan:
+    """Step 2 of the lifecycle for one committed save. Raises ManifestError, MissingShardError,
+    ShardCorruptedError, UploadError."""
+    step, um = save.step, save.um
     if um.prefix.strip("/") != store.prefix.strip("/"):
         log.warning("step %d: upload manifest was written under prefix %r, restoring from %s (a copied "
                     "bucket?)", step, um.prefix, store.url)
-    m, raw = _read_mirrored_manifest(store, step, um)
+    m, raw = _read_mirrored_manifest(store, save)
     chosen = check_ranks(ranks, m.world_size, step)
     objects = []
     for rank in chosen:
-        key = step_key(step, shard_file_name(rank))
+        key = save.key(shard_file_name(rank))
         info = store.head(key)
         rec = m.shards[rank]
         if info is None:
@@ -146,45 +148,65 @@ def plan_step(store: ObjectStore, step: int, ranks: Iterable[int] | None, *, fro
                                       f"bytes, the manifest says {rec.size_bytes}")
         objects.append(RemoteObject(rank, key, rec.size_bytes, rec.sha256))
     return RestorePlan(store.url, step, chosen, um, m, raw, tuple(objects), from_pointer,
-                       hashlib.sha256(um_raw).hexdigest())
+                       save.upload_manifest_sha256, lineage=lineage)
+
+
+def _no_current_save(cat: RemoteCatalogue, store: ObjectStore, step: int) -> NoCheckpointError:
+    others = [s for s in cat.saves if s.step == step]
+    if others:
+        why = "; ".join(f"save {s.save_id} (attempt {s.attempt}): {cat.status(s)}" for s in others[:4])
+        return NoCheckpointError(f"step {step} has no current save under {store.url} ({why}): it is not "
+                                 "restored (SPEC §11)")
+    return NoCheckpointError(f"step {step} has no {UPLOAD_MANIFEST_NAME} under {store.url}: it was never "
+                             "fully uploaded, so it does not exist for restore")
+
+
+def candidates(cat: RemoteCatalogue, store: ObjectStore, step: int | None,
+               fallback: bool) -> list[RemoteSave | SaveFault]:
+    """Step 1: the saves to try, in order (a :class:`SaveFault` fails where it stands). Raises
+    ``NoCheckpointError`` when there is none, or when ``step`` has no current save."""
+    current = cat.current()[::-1]
+    bad = [f for f in cat.faults if f.state == REMOTE_BAD_UPLOAD_MANIFEST]
+    if step is not None:
+        first = cat.current_save(step)
+        if first is None:
+            broken = [f for f in bad if f.step == step]
+            if broken:
+                return [broken[0]]
+            raise _no_current_save(cat, store, step)
+        return [first] + ([c for c in current if c.step < step] if fallback else [])
+    order: list[RemoteSave | SaveFault] = sorted(current + bad, key=lambda c: (-c.step, isinstance(c, SaveFault)))
+    if not order:
+        raise NoCheckpointError(f"no remotely committed step under {store.url} (no latest pointer and "
+                                f"no current {UPLOAD_MANIFEST_NAME} found)")
+    return order
 
 
 def iter_plans(store: ObjectStore, step: int | None, ranks: Iterable[int] | None, fallback: bool,
-               skipped: list[tuple[int, str]] | None = None) -> Iterator[RestorePlan]:
-    """Candidate plans, newest first; faults of a step are raised, or (``fallback``) logged, appended to
-    ``skipped`` (shared with the caller, which adds the steps that fail later) and passed over. Raises
-    ``NoCheckpointError`` when the candidates run out."""
-    ascending, pointer = committed_step_candidates(store)
-    candidates = ascending[::-1]
-    if step is not None:
-        order = [step] + ([s for s in candidates if s < step] if fallback else [])
-    else:
-        if not candidates:
-            raise NoCheckpointError(f"no remotely committed step under {store.url} (no latest pointer and "
-                                    f"no {UPLOAD_MANIFEST_NAME} found)")
-        order = candidates
+               skipped: list[tuple[int, str]] | None = None, *,
+               local_lineage: RunLineage | None = None) -> Iterator[RestorePlan]:
+    """Candidate plans, newest first; faults of a save are raised, or (``fallback``) logged, appended to
+    ``skipped`` (shared with the caller, which adds the steps that fail later) and passed over.
+    ``local_lineage``: the restoring root's record (merged with the bucket's when they name one run).
+    Raises ``NoCheckpointError`` when the candidates run out."""
+    cat = read_catalogue(store, lineage=local_lineage)
+    for f in cat.faults:
+        if f.state == REMOTE_VANISHED:  # LIST (or an old pointer) named a commit point GET does not find
+            log.warning("step %d (save %s): %s; skipping it", f.step, f.key_save_id, f.reason)
     if skipped is None:
         skipped = []
-    for s in order:
+    for c in candidates(cat, store, step, fallback):
         try:
-            got = read_upload_manifest(store, s)
-            if got is None:
-                if step is not None and s == step:
-                    raise NoCheckpointError(f"step {s} has no {UPLOAD_MANIFEST_NAME} under {store.url}: it "
-                                            "was never fully uploaded, so it does not exist for restore")
-                # LIST (or an old pointer) named a commit point that GET does not find: not a candidate.
-                log.warning("step %d: %s not found by GET although %s; skipping it", s,
-                            object_url(store, step_key(s, UPLOAD_MANIFEST_NAME)),
-                            "the latest pointer names it" if pointer and pointer.step == s else "LIST showed it")
-                skipped.append((s, "upload manifest not found"))
-                continue
-            plan = plan_step(store, s, ranks, from_pointer=pointer is not None and pointer.step == s, um_pair=got)
+            if isinstance(c, SaveFault):
+                raise ManifestError(c.reason)
+            plan = plan_step(store, c, ranks, from_pointer=cat.is_latest(c.step, c.key_save_id),
+                             lineage=cat.lineage)
         except STEP_FAULTS as exc:
             if not fallback:
                 raise
-            log.warning("step %d cannot be restored (%s: %s); falling back to the next older step", s,
+            log.warning("step %d cannot be restored (%s: %s); falling back to the next older step", c.step,
                         type(exc).__name__, exc)
-            skipped.append((s, f"{type(exc).__name__}: {exc}"))
+            skipped.append((c.step, f"{type(exc).__name__}: {exc}"))
             continue
         yield RestorePlan(**{**plan.__dict__, "skipped": tuple(skipped)})
     raise NoCheckpointError(f"no restorable step under {store.url}"
@@ -194,10 +216,11 @@ def iter_plans(store: ObjectStore, step: int | None, ranks: Iterable[int] | None
 def plan_restore(remote_url: str, *, step: int | None = None, ranks: Iterable[int] | None = None,
                  fallback: bool = False, s3_client: Any = None, store: ObjectStore | None = None,
                  endpoint_url: str | None = None) -> RestorePlan:
-    """What :func:`~tiered_ckpt.remote.restore.restore` would fetch (``--dry-run``): choose the step and
-    confirm its objects with HEAD, downloading nothing but the two small manifests. Errors as restore."""
+    """What :func:`~tiered_ckpt.remote.restore.restore` would fetch (``--dry-run``): choose the save and
+    confirm its objects with HEAD, downloading nothing but the small manifests. Errors as restore."""
     with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
         return next(iter_plans(st, step, ranks, fallback))
 
 
-__all__ = ["STEP_FAULTS", "RemoteObject", "RestorePlan", "check_ranks", "iter_plans", "plan_restore", "plan_step"]
+__all__ = ["STEP_FAULTS", "RemoteObject", "RestorePlan", "candidates", "check_ranks", "iter_plans", "plan_restore",
+           "plan_step"]

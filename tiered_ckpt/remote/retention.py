@@ -1,11 +1,14 @@
-"""Remote cleanup (SPEC §4): rotation of remotely committed steps, and the sweep of abandoned multipart
+"""Remote cleanup (SPEC §4, §11): rotation of remotely committed saves, and the sweep of abandoned multipart
 uploads. Both are called by the sidecar (:class:`tiered_ckpt.remote.upload.Uploader`): the sweep once at
 start, retention after each step it commits.
 
-- :func:`apply_remote_retention` keeps the newest ``keep_last`` committed steps (plus every
-  ``keep_every_n_steps``-th, the step ``latest`` names, and anything newer than the newest kept step) and
-  un-commits the others: ``upload_manifest.json`` is deleted FIRST (the step stops existing for restore
-  at once), then the step's other objects.
+- :func:`apply_remote_retention` keeps the newest ``keep_last`` *current* steps (their winning save;
+  plus every ``keep_every_n_steps``-th, the save ``latest`` names, anything newer than the newest kept
+  step, and every pinned save: ``pinned.json`` in its prefix) and un-commits the other current ones.
+  Saves that are not current (superseded by a later attempt, or replaced by a newer save of their step)
+  are removed only once ``keep_last`` current steps exist, and never when pinned. Saves of another run
+  (a prefix adopted from it) are never removed here. Un-commit deletes ``upload_manifest.json`` FIRST
+  (the save stops existing for restore at once), then the save's other objects.
 - :func:`abort_abandoned_uploads` aborts multipart uploads under the prefix left by an earlier (crashed)
   sidecar of this node: those of shard keys whose rank this node holds locally, and any older than
   ``stale_age_s`` whoever started them (other nodes' live uploads are left alone).
@@ -18,8 +21,8 @@ import os
 import time
 from pathlib import Path
 
-from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, parse_shard_file_name, parse_step_dir_name, step_dir_name
-from tiered_ckpt.remote.catalogue import committed_step_candidates, step_key
+from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, parse_shard_file_name, parse_step_dir_name, save_entry_name
+from tiered_ckpt.remote.catalogue import CURRENT, RemoteCatalogue, RemoteSave, read_catalogue
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -30,7 +33,8 @@ DEFAULT_STALE_MULTIPART_AGE_S = 24 * 3600.0
 
 def retention_victims(steps: list[int], latest: int | None, keep_last: int,
                       keep_every_n_steps: int | None) -> list[int]:
-    """Of the committed ``steps`` (ascending), those the policy deletes (pure; see the module docstring)."""
+    """Of the current committed ``steps`` (ascending), those the policy deletes (pure; see the module
+    docstring)."""
     keep = set(steps[-keep_last:])
     if latest is not None:
         keep.add(latest)
@@ -39,20 +43,42 @@ def retention_victims(steps: list[int], latest: int | None, keep_last: int,
             and not (keep_every_n_steps is not None and s % keep_every_n_steps == 0)]
 
 
+def retention_victim_saves(cat: RemoteCatalogue, keep_last: int,
+                           keep_every_n_steps: int | None = None) -> list[RemoteSave]:
+    """The saves of ``cat`` that :func:`apply_remote_retention` deletes (pure; module docstring)."""
+    current = cat.current()
+    ptr = cat.pointer
+    latest = next((s.step for s in current if cat.is_latest(s.step, s.key_save_id)), None)
+    doomed = set(retention_victims([s.step for s in current], latest, keep_last, keep_every_n_steps))
+    out = [s for s in current if s.step in doomed and not s.pinned]
+    if len(current) >= keep_last:
+        for s in cat.saves:
+            status = cat.status(s)
+            if status == CURRENT or s.pinned or status.startswith("run "):
+                continue
+            if ptr is not None and cat.is_latest(s.step, s.key_save_id):
+                continue
+            out.append(s)
+    return sorted(out, key=lambda s: (s.step, s.save_id))
+
+
 def apply_remote_retention(store: ObjectStore, keep_last: int | None,
                            keep_every_n_steps: int | None = None) -> list[int]:
-    """Delete remotely committed steps beyond the policy (upload manifest first). Returns them.
-    ``keep_last=None`` keeps everything. Raises ``UploadError`` (the bucket cannot be listed or written)."""
+    """Delete remotely committed saves beyond the policy (upload manifest first). Returns their steps
+    (a step twice when two of its saves went). ``keep_last=None`` keeps everything. Raises
+    ``UploadError`` (the bucket cannot be listed or written), ``ManifestError`` (an unreadable
+    ``run.json``: nothing is deleted)."""
     if keep_last is None:
         return []
-    steps, pointer = committed_step_candidates(store)
+    cat = read_catalogue(store)
     deleted = []
-    for s in retention_victims(steps, pointer.step if pointer is not None else None, keep_last,
-                               keep_every_n_steps):
-        store.delete([step_key(s, UPLOAD_MANIFEST_NAME)])  # un-commit first
-        store.delete(list(store.list_keys(step_dir_name(s) + "/")))
-        deleted.append(s)
-        log.info("step %d: deleted remotely (retention keeps the last %d)", s, keep_last)
+    for s in retention_victim_saves(cat, keep_last, keep_every_n_steps):
+        why = cat.status(s)
+        store.delete([s.key(UPLOAD_MANIFEST_NAME)])  # un-commit first
+        store.delete(list(store.list_keys(save_entry_name(s.step, s.key_save_id) + "/")))
+        deleted.append(s.step)
+        log.info("step %d: save %s (%s) deleted remotely (retention keeps the last %d current steps)", s.step,
+                 s.save_id, why, keep_last)
     return deleted
 
 

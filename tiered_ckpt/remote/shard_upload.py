@@ -3,13 +3,13 @@
 Called by :mod:`tiered_ckpt.remote.step_upload` on the shard executor, one call per local shard:
 
 1. Skip the shard if :meth:`RemoteStepCommit.confirmed` finds its record for this save and the object
-   with the manifest's size (a restart never re-sends a confirmed shard).
+   with the recorded ETag and size (a restart never re-sends a confirmed shard).
 2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed).
 3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates, else
    read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
    (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local rot
    (:class:`~tiered_ckpt.remote.transfer.LocalShardError`) is not, and keeps its own type.
-4. PUT its confirmation record (:meth:`RemoteStepCommit.record_confirmation`).
+4. PUT its confirmation record with the confirmed object's ETag (:meth:`RemoteStepCommit.record_confirmation`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Callable
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.layout import shard_file_name
-from tiered_ckpt.remote.catalogue import step_key
 from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError
-from tiered_ckpt.remote.transfer import LocalShardError, SentShard, TransitCorruptionError, confirm_shard, send_shard
+from tiered_ckpt.remote.transfer import (LocalShardError, SentShard, ShardConfirmation, TransitCorruptionError,
+                                         confirm_shard, send_shard)
 from tiered_ckpt.retry import RetryPolicy, call_with_retries, is_retryable_s3_error, s3_error_code_and_status
 from tiered_ckpt.store.base import ObjectStore
 
@@ -77,7 +77,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
     :class:`LocalStepGoneError` (file gone), ``LocalShardError`` (local rot), ``UploadError`` (after
     retries; ``OperationInterruptedError`` on stop)."""
     step, store = commit.step, sender.store
-    key = step_key(step, shard_file_name(rec.rank))
+    key = commit.key(shard_file_name(rec.rank))
     done = commit.confirmed(rec)
     if done is not None:
         log.info("step %d rank %d: already confirmed (%s), not re-sent", step, rec.rank, done.confirmed_by)
@@ -88,7 +88,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
             log.info("step %d rank %d: aborted leftover multipart upload %s", step, rec.rank, mpu.upload_id)
     validates = sender.server_validates()
 
-    def attempt() -> tuple[SentShard, str]:
+    def attempt() -> tuple[SentShard, ShardConfirmation]:
         try:
             sent = send_shard(store, key, sdir / rec.path, expected_size=rec.size_bytes,
                               expected_sha256=rec.sha256, part_executor=sender.part_executor,
@@ -100,7 +100,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
         t = time.monotonic()
         how = confirm_shard(store, key, sent, server_validates=validates, expected_sha256=rec.sha256,
                             force_read_back=sender.force_read_back, stop_event=sender.stop_event)
-        if how == "read-back":
+        if how.confirmed_by == "read-back":
             with stats.lock:
                 stats.read_back_s += time.monotonic() - t
         return sent, how
@@ -113,13 +113,14 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
         if isinstance(e.last_exception, LocalShardError):  # local rot: keep its own type
             raise e.last_exception from None
         raise
-    commit.record_confirmation(rec, size_bytes=sent.size_bytes, sha256=sent.sha256_hex, confirmed_by=how,
-                               checksum_algorithm=sent.checksum_algorithm, checksum=sent.checksum_b64)
+    commit.record_confirmation(rec, size_bytes=sent.size_bytes, sha256=sent.sha256_hex, confirmed_by=how.confirmed_by,
+                               checksum_algorithm=sent.checksum_algorithm, checksum=sent.checksum_b64,
+                               etag=how.etag)
     with stats.lock:
         stats.bytes_sent += sent.size_bytes
     if sender.on_sent is not None:
         sender.on_sent(sent.size_bytes)
-    log.info("step %d rank %d: confirmed (%s)", step, rec.rank, how)
+    log.info("step %d rank %d: confirmed (%s, ETag %s)", step, rec.rank, how.confirmed_by, how.etag)
 
 
 __all__ = ["ShardSender", "StepStats", "upload_shard"]

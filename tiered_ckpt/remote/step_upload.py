@@ -1,4 +1,4 @@
-"""Uploading one step from this node: the local half around the remote commit protocol (SPEC §4).
+"""Uploading one step from this node: the local half around the remote commit protocol (SPEC §4, §11).
 
 :func:`upload_step` is what :meth:`tiered_ckpt.remote.upload.Uploader.upload_step` runs for step ``S``
 (every node's sidecar, for the shards on its own disk):
@@ -6,11 +6,21 @@
 1. Hold ``hold_step_lock(step_dir, "upload")`` (rotation skips the step) and read ``manifest.json``.
    A step directory that is gone raises :class:`~tiered_ckpt.remote.errors.LocalStepGoneError` (nothing
    committed remotely); a step without a manifest is not committed locally (``NoCheckpointError``).
-2. Run :class:`~tiered_ckpt.remote.commit.RemoteStepCommit`: already committed -> straight to ``latest``;
-   otherwise PUT the manifest, upload the local shards concurrently (:mod:`tiered_ckpt.remote.shard_upload`),
-   gather every rank's confirmation, re-check the local step, write the upload manifest.
-3. Move ``latest`` and write ``<step_dir>/uploaded.json`` (:mod:`tiered_ckpt.local.markers`); upload-gated
-   rotation relies on it.
+2. **Lineage** (once per step, not per poll): the root's ``run.json`` and the bucket's are reconciled by
+   :func:`tiered_ckpt.remote.lineage.claim_or_check` (one GET in the steady state; a claim, a newer
+   attempt published, or ``RunMismatchError`` for a prefix of another run unless ``adopt_prefix``). A
+   step that either record supersedes raises :class:`~tiered_ckpt.remote.errors.StepSupersededError`:
+   never uploaded, no ``uploaded.json``.
+3. Run :class:`~tiered_ckpt.remote.commit.RemoteStepCommit` on the save's own keys: already committed ->
+   straight to ``latest``; otherwise mirror the manifest, upload the local shards concurrently
+   (:mod:`tiered_ckpt.remote.shard_upload`), gather every rank's confirmation, re-check the local step,
+   fence and write the upload manifest. Waiting for other nodes raises ``StepIncompleteError`` carrying
+   the commit object; passed back as ``resume`` it makes the next poll one LIST.
+4. Move ``latest``, mirror the step's pin (``pinned.json``) to the save's prefix, and write
+   ``<step_dir>/uploaded.json`` with the manifest's sha256 (:mod:`tiered_ckpt.local.markers`);
+   upload-gated rotation relies on it.
+
+:func:`mirror_pins` mirrors the pins of steps uploaded earlier (one HEAD per pinned step not mirrored yet).
 """
 
 from __future__ import annotations
@@ -21,20 +31,28 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tiered_ckpt.errors import ManifestError, NoCheckpointError
+from tiered_ckpt.errors import CheckpointError, ManifestError, NoCheckpointError
+from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
-from tiered_ckpt.layout import MANIFEST_NAME
-from tiered_ckpt.local.catalogue import read_manifest_bytes
-from tiered_ckpt.local.markers import write_uploaded_marker
+from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest_bytes, read_run_record, step_path
+from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
+from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.locks import hold_step_lock
+from tiered_ckpt.remote.catalogue import save_key
 from tiered_ckpt.remote.commit import RemoteStepCommit
-from tiered_ckpt.remote.errors import LocalStepGoneError
+from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
+from tiered_ckpt.remote.lineage import claim_or_check
 from tiered_ckpt.remote.shard_upload import ShardSender, StepStats, upload_shard
 from tiered_ckpt.retry import OperationInterruptedError
+from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
+
+#: Bytes of a local ``pinned.json`` the sidecar mirrors at most (it is informational JSON).
+MAX_PIN_BYTES = 64 * 1024
 
 
 def read_local_manifest(local_root: Path, step: int, sdir: Path) -> tuple[bytes, ShardManifest]:
@@ -53,6 +71,20 @@ def read_local_manifest(local_root: Path, step: int, sdir: Path) -> tuple[bytes,
     return data, m
 
 
+def check_lineage(store: ObjectStore, local_root: Path, m: ShardManifest, *,
+                  adopt_prefix: bool = False) -> RunLineage | None:
+    """Step 2 of the module docstring: reconcile the root's and the bucket's run records and refuse a
+    superseded step. Returns the record in effect. Raises :class:`StepSupersededError`,
+    ``RunMismatchError``, ``LineageError``, ``ManifestError`` (an unreadable record), ``UploadError``."""
+    local = read_run_record(local_root)
+    lineage = claim_or_check(store, local, adopt=adopt_prefix)
+    for rec, where in ((local, f"{local_root}/run.json"), (lineage, f"{store.url}/run.json")):
+        sup = rec.superseded_by(m.attempt, m.step) if rec is not None else None
+        if sup is not None:
+            raise StepSupersededError(m.step, sup, where=where)
+    return lineage
+
+
 def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, commit: RemoteStepCommit,
                          sdir: Path, stats: StepStats) -> None:
     """Step 3 of the commit protocol for every shard of the step present in ``sdir``; raises the first
@@ -61,8 +93,8 @@ def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, comm
     local = [rec for rec in m.shards if (sdir / rec.path).is_file()]
     if not local and not sdir.is_dir():
         raise LocalStepGoneError(f"step {step}: {sdir} disappeared")
-    log.info("step %d: %d of %d shard(s) on this node, %d bytes", step, len(local), m.world_size,
-             sum(r.size_bytes for r in local))
+    log.debug("step %d: %d of %d shard(s) on this node, %d bytes", step, len(local), m.world_size,
+              sum(r.size_bytes for r in local))
     futures = [executor.submit(upload_shard, sender, commit, sdir, rec, stats) for rec in local]
     errors = []
     for f in futures:
@@ -79,40 +111,117 @@ def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, comm
         raise errors[0]
 
 
+def mirror_pin(store: ObjectStore, step: int, key_save_id: str | None, sdir: Path) -> bool:
+    """PUT ``sdir/pinned.json`` to the save's prefix unless HEAD finds it there (SPEC §11: a pin holds in
+    the bucket too; retention never removes a pinned save). Returns whether the save is pinned remotely
+    now. A local pin that vanished meanwhile, or one over :data:`MAX_PIN_BYTES`, is not mirrored."""
+    if not has_pin(sdir):
+        return False
+    key = save_key(step, key_save_id, PINNED_MARKER_NAME)
+    if store.head(key) is not None:
+        return True
+    try:
+        with open(sdir / PINNED_MARKER_NAME, "rb") as f:
+            body = f.read(MAX_PIN_BYTES + 1)
+    except OSError:
+        return False
+    if len(body) > MAX_PIN_BYTES:
+        log.warning("step %d: %s is over %d bytes; not mirrored", step, sdir / PINNED_MARKER_NAME, MAX_PIN_BYTES)
+        return False
+    store.put_bytes(key, body)
+    log.info("step %d: pin mirrored to %s/%s", step, store.url, key)
+    return True
+
+
+def mirror_pins(store: ObjectStore, local_root: Path, done: set[tuple[int, str]] | None = None) -> list[int]:
+    """Mirror the pins of local steps already uploaded to ``store`` (their ``uploaded.json`` names it):
+    one HEAD per pinned step not in ``done`` (``(step, save_id)`` pairs mirrored earlier, kept by the
+    caller across passes and updated here), a PUT when missing. A step uploaded by a round-1 sidecar
+    (its save has no upload manifest under the per-save keys) gets the pin in its round-1 prefix.
+    Returns the steps pinned remotely by this call. Raises ``UploadError``."""
+    done = set() if done is None else done
+    out = []
+    for step in committed_steps(local_root):
+        sdir = step_path(local_root, step)
+        if not has_pin(sdir):
+            continue
+        marker = read_uploaded_marker(sdir)
+        if marker is None or marker.skipped or not marker.names_remote(store.url):
+            continue
+        try:
+            _, m = read_local_manifest(local_root, step, sdir)
+        except (CheckpointError, OSError):
+            continue
+        if (step, m.save_id) in done:
+            continue
+        sid: str | None = m.save_id
+        if store.head(save_key(step, sid, PINNED_MARKER_NAME)) is None and \
+                store.head(save_key(step, sid, UPLOAD_MANIFEST_NAME)) is None:
+            sid = None  # a round-1 upload of this step
+        if mirror_pin(store, step, sid, sdir):
+            done.add((step, m.save_id))
+            out.append(step)
+    return out
+
+
 def _commit_locked(sender: ShardSender, executor: ThreadPoolExecutor, prefix: str, local_root: Path,
-                   step: int, sdir: Path, stats: StepStats) -> tuple[UploadManifest, ShardManifest]:
+                   step: int, sdir: Path, stats: StepStats, adopt_prefix: bool,
+                   resume: RemoteStepCommit | None) -> tuple[UploadManifest, ShardManifest]:
     mbytes, m = read_local_manifest(local_root, step, sdir)
-    commit = RemoteStepCommit(sender.store, prefix, step, mbytes, m)
-    done = commit.committed()
+    store = sender.store
+    commit = resume if resume is not None and resume.matches(step, mbytes) else None
+    done = None
+    if commit is None:
+        check_lineage(store, local_root, m, adopt_prefix=adopt_prefix)
+        commit = RemoteStepCommit(store, prefix, step, mbytes, m)
+        done = commit.committed()
     if done is not None:
         log.info("step %d: already committed remotely", step)
         um, body = done
     else:
         commit.put_manifest()
         _upload_local_shards(sender, executor, commit, sdir, stats)
-        um = commit.gather()
-        if not (sdir / MANIFEST_NAME).is_file():
-            raise LocalStepGoneError(f"step {step}: {sdir} was deleted during the upload; not committing it")
-        body = commit.write_upload_manifest(um)
+        try:
+            um = commit.gather()
+        except StepIncompleteError as e:
+            e.commit = commit
+            raise
+        done = commit.committed()  # another node may have committed while we waited: no fence needed
+        if done is not None:
+            um, body = done
+        else:
+            if not (sdir / MANIFEST_NAME).is_file():
+                raise LocalStepGoneError(f"step {step}: {sdir} was deleted during the upload; not committing it")
+            body = commit.write_upload_manifest(um)
+            if body != um.to_json().encode():  # another node of this save committed first
+                um = UploadManifest.from_json(body)
     commit.move_latest(body)
+    mirror_pin(store, step, commit.save_id, sdir)
     try:
-        write_uploaded_marker(sdir, UploadedMarker(step=step, remote=sender.store.url,
-                                                   upload_manifest_sha256=hashlib.sha256(body).hexdigest()))
+        write_uploaded_marker(sdir, UploadedMarker(step=step, remote=store.url,
+                                                   upload_manifest_sha256=hashlib.sha256(body).hexdigest()),
+                              manifest_sha256=commit.manifest_sha256)
     except FileNotFoundError:
         log.warning("step %d: local step vanished after the remote commit; no marker written", step)
     return um, m
 
 
 def upload_step(sender: ShardSender, executor: ThreadPoolExecutor, prefix: str, local_root: Path, step: int,
-                sdir: Path, stats: StepStats) -> tuple[UploadManifest, ShardManifest]:
-    """Steps 1-3 of the module docstring. Returns the committed upload manifest and the local manifest.
-    Errors: see :meth:`tiered_ckpt.remote.upload.Uploader.upload_step`."""
+                sdir: Path, stats: StepStats, *, adopt_prefix: bool = False,
+                resume: RemoteStepCommit | None = None) -> tuple[UploadManifest, ShardManifest]:
+    """Steps 1-4 of the module docstring. Returns the committed upload manifest and the local manifest.
+    ``adopt_prefix``: take over a prefix claimed by another run (``--adopt-prefix``). ``resume``: the
+    commit object of an earlier ``StepIncompleteError`` for this step (used when the local manifest is
+    still the same bytes). Errors: see :meth:`tiered_ckpt.remote.upload.Uploader.upload_step`, plus
+    :class:`StepSupersededError`, ``RunMismatchError``, ``LineageError`` and
+    :class:`~tiered_ckpt.remote.errors.FencingError` (an object changed since it was confirmed; nothing
+    committed, no marker)."""
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(hold_step_lock(sdir, "upload"))
         except FileNotFoundError as e:
             raise LocalStepGoneError(f"step {step}: {sdir} does not exist", last_exception=e) from None
-        return _commit_locked(sender, executor, prefix, local_root, step, sdir, stats)
+        return _commit_locked(sender, executor, prefix, local_root, step, sdir, stats, adopt_prefix, resume)
 
 
-__all__ = ["read_local_manifest", "upload_step"]
+__all__ = ["MAX_PIN_BYTES", "check_lineage", "mirror_pin", "mirror_pins", "read_local_manifest", "upload_step"]

@@ -25,7 +25,8 @@ byte is hashed as it is read for sending, on one thread, in file order:
    succeeded answers ``NoSuchUploadError``: then HEAD decides (size, and the confirmation below). A part
    whose upload vanished (``NoSuchUploadError``: aborted by a cleanup) is a :class:`TransitCorruptionError`:
    the caller sends the shard again.
-5. Confirmation (:func:`confirm_shard`): ``store.head`` (``ChecksumMode=ENABLED``); the size must match. Where
+5. Confirmation (:func:`confirm_shard`): ``store.head`` (``ChecksumMode=ENABLED``); the size must match, and
+   its ETag is what the confirmation record keeps (the commit's fence compares it, SPEC §11). Where
    the server validates checksums (probed once per bucket), the checksum it reports for the algorithm
    sent (``ChecksumSHA256`` of a single PUT, ``ChecksumCRC32C`` of a multipart upload) must equal the
    locally computed one (composite ``base64(crc32c(c1..cn))-n`` for multipart) -> ``server-checksum``.
@@ -273,10 +274,19 @@ def read_back_sha256(store: ObjectStore, key: str, stop_event: threading.Event |
     return store.read_sha256(key, stop_event=stop_event)
 
 
+@dataclass(frozen=True)
+class ShardConfirmation:
+    """How a sent shard was confirmed: ``confirmed_by`` (``server-checksum`` or ``read-back``) and the
+    object's ``etag`` as the confirming HEAD reported it (the commit re-checks it, SPEC §11)."""
+
+    confirmed_by: str
+    etag: str
+
+
 def confirm_shard(store: ObjectStore, key: str, sent: SentShard, *, server_validates: bool, expected_sha256: str,
-                  force_read_back: bool = False, stop_event: threading.Event | None = None) -> str:
-    """Confirm the object at ``key`` holds the bytes of ``sent``; returns the method (``server-checksum``
-    or ``read-back``). Raises :class:`TransitCorruptionError` when it does not."""
+                  force_read_back: bool = False, stop_event: threading.Event | None = None) -> ShardConfirmation:
+    """Confirm the object at ``key`` holds the bytes of ``sent``; returns the method and the ETag of the
+    object confirmed. Raises :class:`TransitCorruptionError` when it does not."""
     what = f"{store.url}/{key}"
     info = store.head(key)
     if info is None:
@@ -288,13 +298,13 @@ def confirm_shard(store: ObjectStore, key: str, sent: SentShard, *, server_valid
         if not checksums_match(reported, sent.checksum_b64):
             raise TransitCorruptionError(f"{what}: server reports Checksum{sent.checksum_algorithm} {reported}, "
                                          f"sent {sent.checksum_b64}")
-        return "server-checksum"
+        return ShardConfirmation("server-checksum", info.etag)
     size, sha = read_back_sha256(store, key, stop_event)
     if size != sent.size_bytes or sha != expected_sha256:
         raise TransitCorruptionError(f"{what}: read back {size} bytes with sha256 {sha}, expected "
                                      f"{sent.size_bytes} bytes with {expected_sha256}")
-    return "read-back"
+    return ShardConfirmation("read-back", info.etag)
 
 
-__all__ = ["LocalShardError", "TransitCorruptionError", "SentShard", "send_shard", "confirm_shard",
+__all__ = ["LocalShardError", "TransitCorruptionError", "SentShard", "ShardConfirmation", "send_shard", "confirm_shard",
            "read_back_sha256", "PART_CHECKSUM_ALGORITHM"]
