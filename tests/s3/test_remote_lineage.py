@@ -335,3 +335,43 @@ def test_changed_remote_manifest_is_never_committed(tmp_path: Path, s3_bucket: s
         um = up.upload_step(8)  # the next pass mirrors the manifest again and commits
     assert remote_bytes(s3_bucket, mkey) == (src / step_dir_name(8) / MANIFEST_NAME).read_bytes()
     assert UploadManifest.from_json(remote_bytes(s3_bucket, f"{sp}/upload_manifest.json")) == um
+
+
+def test_claim_decisions_on_the_server(s3_bucket: s3_infra.S3Location) -> None:
+    """claim_or_check / publish_lineage directly: claim, steady state (one GET), move forward, a record
+    that already extends ours, diverged records (LineageError, nothing written), an unreadable record
+    (ManifestError unless adopting)."""
+    from tiered_ckpt.errors import LineageError, ManifestError
+    from tiered_ckpt.remote.lineage import claim_or_check, publish_lineage, read_remote_lineage
+    from tiered_ckpt.store import S3Store
+
+    lin1 = RunLineage.first(RUN_A, T0)
+    lin2 = lin1.new_attempt(supersedes_from=11, resumed_from=10, started_at=T0)
+    other2 = lin1.new_attempt(supersedes_from=21, resumed_from=20, started_at=T0)
+    key = f"{s3_bucket.prefix}/{RUN_RECORD_NAME}"
+    with S3Store.from_url(s3_bucket.url, client=s3_bucket.client) as st:
+        assert read_remote_lineage(st) == (None, None)
+        assert claim_or_check(st, None) is None  # a root without a record claims nothing
+        assert bucket_keys(s3_bucket) == []
+        assert claim_or_check(st, lin1) == lin1 and remote_record(s3_bucket) == lin1
+        assert publish_lineage(st, lin2) == lin2 and remote_record(s3_bucket) == lin2
+        assert claim_or_check(st, lin1) == lin2  # the bucket's extends the root's: fine, unchanged
+        etag = read_remote_lineage(st)[1]
+        with pytest.raises(LineageError, match="diverged"):
+            claim_or_check(st, other2)
+        assert read_remote_lineage(st) == (lin2, etag)  # nothing written
+        s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=key, Body=b"{not json")
+        with pytest.raises(ManifestError, match="run.json"):
+            claim_or_check(st, lin1)
+        assert claim_or_check(st, lin1, adopt=True) == lin1 and remote_record(s3_bucket) == lin1
+
+
+def test_an_empty_run_record_is_a_manifest_error(s3_bucket: s3_infra.S3Location) -> None:
+    from tiered_ckpt.errors import ManifestError
+    from tiered_ckpt.remote.lineage import read_remote_record
+    from tiered_ckpt.store import S3Store
+
+    s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{RUN_RECORD_NAME}", Body=b"")
+    with S3Store.from_url(s3_bucket.url, client=s3_bucket.client) as st:
+        with pytest.raises(ManifestError, match="run.json"):
+            read_remote_record(st)

@@ -32,6 +32,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME
 from tiered_ckpt.local.catalogue import MAX_RUN_RECORD_BYTES
 from tiered_ckpt.remote.handle import get_or_none, object_url
+from tiered_ckpt.retry import s3_error_code_and_status
 from tiered_ckpt.store.base import ObjectStore, PreconditionFailedError, RemoteNotFoundError
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def read_remote_record(store: ObjectStore) -> RunLineage | None:
         raw = store.get_bytes(RUN_RECORD_NAME, byte_range=(0, MAX_RUN_RECORD_BYTES + 1))
     except RemoteNotFoundError:
         return None
+    except UploadError as exc:  # 416 InvalidRange: an empty object (a range needs one byte)
+        if exc.last_exception is None or s3_error_code_and_status(exc.last_exception)[1] != 416:
+            raise
+        raw = b""
     return _parse(store, raw)
 
 

@@ -111,14 +111,16 @@ def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, comm
         raise errors[0]
 
 
-def mirror_pin(store: ObjectStore, step: int, key_save_id: str | None, sdir: Path) -> bool:
-    """PUT ``sdir/pinned.json`` to the save's prefix unless HEAD finds it there (SPEC §11: a pin holds in
-    the bucket too; retention never removes a pinned save). Returns whether the save is pinned remotely
-    now. A local pin that vanished meanwhile, or one over :data:`MAX_PIN_BYTES`, is not mirrored."""
+def mirror_pin(store: ObjectStore, step: int, key_save_id: str | None, sdir: Path, *,
+               known_absent: bool = False) -> bool:
+    """PUT ``sdir/pinned.json`` to the save's prefix unless HEAD finds it there (``known_absent``: the
+    caller's HEAD just did not; SPEC §11: a pin holds in the bucket too; retention never removes a pinned
+    save). Returns whether the save is pinned remotely now. A local pin that vanished meanwhile, or one
+    over :data:`MAX_PIN_BYTES`, is not mirrored."""
     if not has_pin(sdir):
         return False
     key = save_key(step, key_save_id, PINNED_MARKER_NAME)
-    if store.head(key) is not None:
+    if not known_absent and store.head(key) is not None:
         return True
     try:
         with open(sdir / PINNED_MARKER_NAME, "rb") as f:
@@ -155,10 +157,12 @@ def mirror_pins(store: ObjectStore, local_root: Path, done: set[tuple[int, str]]
         if (step, m.save_id) in done:
             continue
         sid: str | None = m.save_id
-        if store.head(save_key(step, sid, PINNED_MARKER_NAME)) is None and \
-                store.head(save_key(step, sid, UPLOAD_MANIFEST_NAME)) is None:
+        if store.head(save_key(step, sid, PINNED_MARKER_NAME)) is not None:
+            done.add((step, m.save_id))
+            continue
+        if store.head(save_key(step, sid, UPLOAD_MANIFEST_NAME)) is None:
             sid = None  # a round-1 upload of this step
-        if mirror_pin(store, step, sid, sdir):
+        if mirror_pin(store, step, sid, sdir, known_absent=sid is not None):
             done.add((step, m.save_id))
             out.append(step)
     return out
