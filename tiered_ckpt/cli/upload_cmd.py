@@ -6,7 +6,11 @@ metadata); flags override it. Each flag also has a ``TIERED_CKPT_*`` environment
 so that a container can be configured without a command line: ``TIERED_CKPT_LOCAL``,
 ``TIERED_CKPT_REMOTE``, ``TIERED_CKPT_METRICS_PORT``, ``TIERED_CKPT_PATH_STYLE`` (1/true),
 ``TIERED_CKPT_SSE``, ``TIERED_CKPT_SSE_KMS_KEY_ID``, ``TIERED_CKPT_STORAGE_CLASS``,
-``TIERED_CKPT_KEEP_REMOTE``, ``TIERED_CKPT_POLL_INTERVAL_S``.
+``TIERED_CKPT_KEEP_REMOTE``, ``TIERED_CKPT_POLL_INTERVAL_S``, ``TIERED_CKPT_MAX_POLL_INTERVAL_S``,
+``TIERED_CKPT_STALL_DEADLINE_S``.
+
+A prefix claimed by another run (``RunMismatchError``) ends the command with one line and exit 1, in both
+modes (the sidecar stops); ``--adopt-prefix`` takes the prefix over instead (SPEC §11 fencing).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ if TYPE_CHECKING:
     from tiered_ckpt.remote.upload import Uploader
 
 MiB = 1024 * 1024
+#: UploadPolicy's default (tiered_ckpt.remote.upload.DEFAULT_STALL_DEADLINE_S; not imported: the CLI
+#: registers its parsers without importing the upload tier).
+DEFAULT_STALL_DEADLINE_S = 1800.0
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -71,6 +78,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="auto: server checksums where the bucket validates them, else read-back")
     p.add_argument("--poll-interval-s", type=positive_float, default=_env("TIERED_CKPT_POLL_INTERVAL_S"),
                    help="--watch poll interval (default 2; env TIERED_CKPT_POLL_INTERVAL_S)")
+    p.add_argument("--max-poll-interval-s", type=positive_float, default=_env("TIERED_CKPT_MAX_POLL_INTERVAL_S", "60"),
+                   help="a step waiting for other nodes is polled with exponential backoff up to this "
+                        "(default 60; env TIERED_CKPT_MAX_POLL_INTERVAL_S)")
+    p.add_argument("--stall-deadline-s", type=positive_float,
+                   default=_env("TIERED_CKPT_STALL_DEADLINE_S", str(int(DEFAULT_STALL_DEADLINE_S))),
+                   help="a step the other nodes have not confirmed after this long is reported stalled, "
+                        "kept locally outside max_pending_uploads, and still committed if they confirm later "
+                        "(default 1800: set 2-4x your save interval; env TIERED_CKPT_STALL_DEADLINE_S)")
+    p.add_argument("--adopt-prefix", action="store_true",
+                   help="take over a prefix whose run.json names another run (default: refuse, exit 1)")
     p.add_argument("--part-size-mib", type=positive_int, default=16, help="multipart part size (MiB, default 16)")
     p.add_argument("--multipart-threshold-mib", type=positive_int, default=64, help="default 64")
     p.add_argument("--max-concurrency", type=positive_int, default=10, help="parts in flight (default 10)")
@@ -105,14 +122,16 @@ def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | No
                               sse_kms_key_id=args.sse_kms_key_id or _env("TIERED_CKPT_SSE_KMS_KEY_ID"),
                               storage_class=args.storage_class or _env("TIERED_CKPT_STORAGE_CLASS"))
         policy = UploadPolicy(skip_intermediate=args.skip_intermediate, keep_remote_last=keep,
-                              keep_remote_every_n_steps=args.keep_remote_every, verify=args.verify)
+                              keep_remote_every_n_steps=args.keep_remote_every, verify=args.verify,
+                              stall_deadline_s=args.stall_deadline_s)
         client = make_s3_client(endpoint_url=args.endpoint_url, region_name=args.region,
                                 profile_name=args.profile, path_style=path_style,
                                 max_pool_connections=max(32, args.max_concurrency + 12))
         return Uploader(args.local, args.remote, s3_client=client, max_concurrency=args.max_concurrency,
                         multipart_threshold_bytes=args.multipart_threshold_mib * MiB,
                         part_size_bytes=args.part_size_mib * MiB, policy=policy, write=write,
-                        stop_event=stop_event, on_progress=on_progress, metrics=metrics)
+                        stop_event=stop_event, on_progress=on_progress, metrics=metrics,
+                        adopt_prefix=args.adopt_prefix)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
 
@@ -120,6 +139,8 @@ def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | No
 def cmd_upload(args: argparse.Namespace) -> int:
     from tiered_ckpt.remote.daemon import run_sidecar
     from tiered_ckpt.remote.metrics import UploadMetrics
+    from tiered_ckpt.errors import RunMismatchError
+    from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, save_entry_name
     from tiered_ckpt.remote.upload import StepIncompleteError
 
     port = args.metrics_port
@@ -127,7 +148,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
     if args.watch:
         up = build_uploader(args, metrics=metrics)
         poll = args.poll_interval_s if args.poll_interval_s is not None else 2.0
-        return run_sidecar(up, poll_interval_s=poll, metrics_port=port, shutdown_timeout_s=args.shutdown_timeout_s)
+        return run_sidecar(up, poll_interval_s=poll, metrics_port=port, shutdown_timeout_s=args.shutdown_timeout_s,
+                           max_poll_interval_s=args.max_poll_interval_s)
 
     bar = None
     if not args.no_progress and not args.json and sys.stderr.isatty():
@@ -158,7 +180,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
                 um = up.upload_step(s)
                 t = up.last_timing
                 results.append({"step": s, "state": "committed", "bytes": um.total_bytes,
-                                "upload_manifest": f"{up.store.url}/step_{s:010d}/upload_manifest.json",
+                                "upload_manifest": f"{up.store.url}/{save_entry_name(s, um.key_save_id)}/{UPLOAD_MANIFEST_NAME}",
                                 "seconds": round(t.total_s, 3) if t else None})
                 if not args.json:
                     print(f"step {s}: committed remotely ({human_bytes(um.total_bytes)})", file=sys.stdout)
@@ -166,6 +188,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
                 results.append({"step": s, "state": "waiting-for-other-nodes", "missing_ranks": list(e.missing_ranks)})
                 if not args.json:
                     print(f"step {s}: this node's shards confirmed; waiting for ranks {list(e.missing_ranks)}")
+            except RunMismatchError:
+                raise  # another run's prefix: no step of this root goes there (one line, exit 1)
             except Exception as e:  # CheckpointError, OSError: reported per step, exit 1
                 if args.step is not None:
                     raise

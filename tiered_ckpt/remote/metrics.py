@@ -13,7 +13,15 @@ name                                                   type     meaning
 ``tiered_ckpt_upload_newest_remote_step``              gauge    newest remotely committed step (-1: none)
 ``tiered_ckpt_upload_seconds_since_newest_remote``     gauge    now minus the local commit time of that step:
                                                                 the training time at risk (NaN: none yet)
+``tiered_ckpt_upload_waiting_steps``                   gauge    steps whose local shards are confirmed while
+                                                                other nodes' are not (stalled ones included)
+``tiered_ckpt_upload_stalled_steps``                   gauge    of those, steps past the stall deadline
+``tiered_ckpt_upload_stalls_total``                    counter  steps that passed the stall deadline
+``tiered_ckpt_upload_waiting_polls_total``             counter  polls of waiting steps (each one LIST)
 =====================================================  =======  ==============================================
+
+Alert on ``tiered_ckpt_upload_stalled_steps > 0``: another node's sidecar is down or its disk is gone
+(docs/sidecar.md, "Waiting for other nodes").
 """
 
 from __future__ import annotations
@@ -41,6 +49,13 @@ class UploadMetrics:
         self.newest_remote_step = Gauge("tiered_ckpt_upload_newest_remote_step",
                                         "Newest remotely committed step (-1: none)", registry=r)
         self.newest_remote_step.set(-1)
+        self.waiting_steps = Gauge("tiered_ckpt_upload_waiting_steps",
+                                   "Steps waiting for other nodes' confirmations", registry=r)
+        self.stalled_steps = Gauge("tiered_ckpt_upload_stalled_steps",
+                                   "Steps not confirmed by the other nodes within the stall deadline", registry=r)
+        self.stalls = Counter("tiered_ckpt_upload_stalls", "Steps that passed the stall deadline", registry=r)
+        self.waiting_polls = Counter("tiered_ckpt_upload_waiting_polls", "Polls of steps waiting for other nodes",
+                                     registry=r)
         self._lock = threading.Lock()
         self._newest_commit_time: float | None = None
         age = Gauge("tiered_ckpt_upload_seconds_since_newest_remote",

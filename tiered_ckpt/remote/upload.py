@@ -9,7 +9,8 @@ The work is done by one module per job:
   manifest with ``If-None-Match``, ``latest``), with its numbered lifecycle;
 - :mod:`tiered_ckpt.remote.shard_upload` - one shard (skip if confirmed, send, confirm, retries);
 - :mod:`tiered_ckpt.remote.retention` - remote rotation and the abandoned-multipart sweep;
-- :mod:`tiered_ckpt.remote.catalogue` - what the bucket holds (one meaning of "committed").
+- :mod:`tiered_ckpt.remote.catalogue` - what the bucket holds (one meaning of "committed");
+- :mod:`tiered_ckpt.remote.daemon` - the loop's timing: backoff of waiting steps, the stall deadline.
 
 Memory stays bounded: no file is buffered whole (single PUTs are below the multipart threshold), at most
 ``max_concurrency + max_concurrent_shards`` parts are in memory, and the backlog is a sorted list of step
@@ -33,20 +34,24 @@ from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marke
 from tiered_ckpt.local.catalogue import committed_steps, resolve_root, step_path
 from tiered_ckpt.remote import retention
 from tiered_ckpt.remote.catalogue import committed_step_candidates
-from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError
+from tiered_ckpt.remote.daemon import UploadLoop
+from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
 from tiered_ckpt.remote.retention import DEFAULT_STALE_MULTIPART_AGE_S
 from tiered_ckpt.remote.shard_upload import ShardSender, StepStats
-from tiered_ckpt.remote.step_upload import read_local_manifest, upload_step
+from tiered_ckpt.remote.step_upload import mirror_pins, read_local_manifest, upload_step
 from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
 from tiered_ckpt.store.base import ObjectStore, parse_s3_url
 
 if TYPE_CHECKING:
+    from tiered_ckpt.remote.commit import RemoteStepCommit
     from tiered_ckpt.remote.metrics import UploadMetrics
     from tiered_ckpt.store import WriteSettings
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
+#: ``UploadPolicy.stall_deadline_s`` by default (seconds): see there.
+DEFAULT_STALL_DEADLINE_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -59,12 +64,18 @@ class UploadPolicy:
     ``keep_remote_every_n_steps``: additionally keep steps with ``step % N == 0``.
     ``verify``: ``"auto"`` (server checksum where the bucket validates, else read-back) or
     ``"read-back"`` (always read back).
+    ``stall_deadline_s``: seconds a step may wait for other nodes' confirmations (counted from this
+    sidecar's first wait) before it is reported stalled, kept locally outside ``max_pending_uploads``
+    and polled at the cap (:mod:`tiered_ckpt.remote.daemon`); ``None``: never. The default, 30 minutes,
+    is meant as a few save intervals of a typical job (the sidecar does not know the interval: set it to
+    2-4x yours); it must exceed how long the slowest node takes to upload one step.
     """
 
     skip_intermediate: bool = False
     keep_remote_last: int | None = None
     keep_remote_every_n_steps: int | None = None
     verify: str = "auto"
+    stall_deadline_s: float | None = DEFAULT_STALL_DEADLINE_S
 
     def __post_init__(self) -> None:
         if self.keep_remote_last is not None and self.keep_remote_last < 1:
@@ -74,6 +85,8 @@ class UploadPolicy:
                              f"{self.keep_remote_every_n_steps}")
         if self.verify not in ("auto", "read-back"):
             raise ValueError(f"verify must be 'auto' or 'read-back', got {self.verify!r}")
+        if self.stall_deadline_s is not None and not self.stall_deadline_s > 0:
+            raise ValueError(f"stall_deadline_s must be > 0 or None, got {self.stall_deadline_s}")
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,9 @@ class Uploader:
     memory every time), and 10 in flight matches ``aws s3 cp``. ``retry``: whole-operation retries on top
     of botocore's (see ``tiered_ckpt.retry``). ``write``: SSE / storage class
     (``tiered_ckpt.store.WriteSettings``). ``metrics``: a :class:`tiered_ckpt.remote.metrics.UploadMetrics`.
-    ``stop_event``: cuts retries short and aborts in-flight multipart uploads.
+    ``stop_event``: cuts retries short and aborts in-flight multipart uploads. ``adopt_prefix``: take over
+    a prefix whose ``run.json`` names another run (``--adopt-prefix``; otherwise ``RunMismatchError``,
+    SPEC §11 fencing).
 
     Thread-safety: one :meth:`upload_step` at a time per instance (``run`` does that).
     """
@@ -122,6 +137,7 @@ class Uploader:
         stop_event: threading.Event | None = None,
         stale_multipart_age_s: float = DEFAULT_STALE_MULTIPART_AGE_S,
         on_progress: Callable[[int], None] | None = None,
+        adopt_prefix: bool = False,
     ) -> None:
         from tiered_ckpt.store import S3Store, TransferSettings, WriteSettings, make_s3_client
 
@@ -137,6 +153,7 @@ class Uploader:
         self.metrics = metrics
         self.stale_multipart_age_s = stale_multipart_age_s
         self.on_progress = on_progress
+        self.adopt_prefix = adopt_prefix
         transfer = TransferSettings(multipart_threshold_bytes=multipart_threshold_bytes,
                                     part_size_bytes=part_size_bytes, max_concurrency=max_concurrency)
         client = s3_client if s3_client is not None else make_s3_client(
@@ -154,7 +171,10 @@ class Uploader:
         #: The probe's cached answer; tests and benches set it to act as a validating server would.
         self._server_validates: bool | None = None
         self._probe_lock = threading.Lock()
-        self._failed_at: dict[int, float] = {}
+        #: step -> the commit object of its last StepIncompleteError (the next poll is one LIST).
+        self._resume: dict[int, RemoteStepCommit] = {}
+        self._loop: UploadLoop | None = None
+        self._pins_mirrored: set[tuple[int, str]] = set()  # (step, save_id) pinned remotely already
         self.last_timing: StepTiming | None = None
         self.newest_remote_commit: tuple[int, float] | None = None  # (step, local commit epoch seconds)
 
@@ -212,7 +232,8 @@ class Uploader:
 
         Returns the step's :class:`UploadManifest` once it is remotely committed (by this node or, for a
         step already committed, by anyone). Raises :class:`StepIncompleteError` (other nodes' ranks not
-        confirmed yet), :class:`LocalStepGoneError`, :class:`~tiered_ckpt.errors.NoCheckpointError`
+        confirmed yet; the next call for the step costs one LIST), ``RunMismatchError`` (the prefix
+        belongs to another run and ``adopt_prefix`` is off), ``StepSupersededError``, :class:`LocalStepGoneError`, :class:`~tiered_ckpt.errors.NoCheckpointError`
         (not committed locally), ``ShardCorruptedError`` (local shard differs from its manifest),
         ``UploadError`` (remote failures after retries; ``OperationInterruptedError`` on stop).
         """
@@ -220,9 +241,14 @@ class Uploader:
         stats = StepStats()
         try:
             um, m = upload_step(self._sender, self._shard_executor, self.prefix, self.local_root, step,
-                                step_path(self.local_root, step), stats)
+                                step_path(self.local_root, step), stats, adopt_prefix=self.adopt_prefix,
+                                resume=self._resume.pop(step, None))
+        except StepIncompleteError as e:
+            if e.commit is not None:
+                self._resume[step] = e.commit
+            raise
         except BaseException as e:
-            if self.metrics is not None and not isinstance(e, (StepIncompleteError, OperationInterruptedError)):
+            if self.metrics is not None and not isinstance(e, (OperationInterruptedError, StepSupersededError)):
                 self.metrics.failures.inc()
             raise
         if self.metrics is not None:
@@ -231,6 +257,12 @@ class Uploader:
         total = time.monotonic() - t0
         self.last_timing = StepTiming(step, stats.bytes_sent, total - stats.read_back_s, stats.read_back_s, total)
         return um
+
+    def mirror_pins(self) -> list[int]:
+        """Mirror the pins of local steps uploaded earlier to this remote (``mgr.pin`` after the upload;
+        :func:`tiered_ckpt.remote.step_upload.mirror_pins`): local reads, plus one HEAD per pinned step
+        not mirrored yet by this uploader. Returns the steps pinned remotely now. Raises ``UploadError``."""
+        return mirror_pins(self.store, self.local_root, self._pins_mirrored)
 
     def _note_remote_commit(self, step: int, created_at: str) -> None:
         """Feed the time-at-risk gauge with the newest remotely committed step's local commit time."""
@@ -254,64 +286,37 @@ class Uploader:
     # ------------------------------------------------------------------------------------ loop
 
     def run(self, stop_event: threading.Event | None = None, *, poll_interval_s: float = 2.0,
-            once: bool = False, failure_backoff_s: float = 10.0) -> list[int]:
-        """The sidecar loop: abort abandoned multipart uploads, then repeatedly upload pending steps
-        (newest first) until ``stop_event`` is set (or, with ``once``, until nothing is left that can be
-        done now). Failed steps are retried after ``failure_backoff_s``. Returns the steps committed."""
+            once: bool = False, failure_backoff_s: float = 10.0, max_poll_interval_s: float = 60.0) -> list[int]:
+        """The sidecar loop (:class:`tiered_ckpt.remote.daemon.UploadLoop`): abort abandoned multipart
+        uploads, then repeatedly upload pending steps (newest first) until ``stop_event`` is set (or, with
+        ``once``, until nothing is left that can be done now). Steps waiting for other nodes back off
+        from ``poll_interval_s`` to ``max_poll_interval_s`` (seconds, jittered) and stall after
+        ``policy.stall_deadline_s``; failed steps are retried after ``failure_backoff_s``. Returns the
+        steps committed. Raises ``RunMismatchError`` (the prefix belongs to another run: the loop stops)."""
         stop = stop_event if stop_event is not None else self.stop_event
         if stop is not self.stop_event:
             # Propagate an external stop event to the store's (which cuts retries and transfers short).
             threading.Thread(target=lambda: (stop.wait(), self.stop_event.set()), daemon=True).start()
-        done: list[int] = []
+        if self._loop is None:
+            self._loop = UploadLoop(self)
+        self._loop.configure(poll_interval_s=poll_interval_s, max_poll_interval_s=max_poll_interval_s,
+                             failure_backoff_s=failure_backoff_s)
         self._learn_newest_remote()
         try:
             self.abort_abandoned_uploads()
         except UploadError as e:
             log.error("could not sweep abandoned multipart uploads under %s: %s", self.store.url, e)
-        while not stop.is_set():
-            step = self._run_once(stop, failure_backoff_s)
-            if step is not None:
-                done.append(step)
-            elif once:
-                break
-            else:
-                stop.wait(poll_interval_s)
-        return done
+        return self._loop.run(stop, once=once)
 
-    def _run_once(self, stop: threading.Event, failure_backoff_s: float) -> int | None:
-        """One pass over the backlog: commit the first pending step that can be, then apply retention.
-        Returns it, or ``None`` when no step was committed in this pass."""
-        try:
-            pending = self.select_pending()
-        except OSError as e:
-            log.error("cannot list %s: %s", self.local_root, e)
-            pending = []
-        for step in pending:
-            if stop.is_set():
-                return None
-            if time.monotonic() - self._failed_at.get(step, -1e18) < failure_backoff_s:
-                continue
-            try:
-                self.upload_step(step)
-            except StepIncompleteError as e:
-                log.info("step %d: waiting for other nodes (ranks %s)", step, list(e.missing_ranks)[:8])
-                continue
-            except OperationInterruptedError:
-                log.info("step %d: upload interrupted by stop", step)
-                return None
-            except (CheckpointError, OSError) as e:
-                log.error("step %d: upload failed: %s: %s", step, type(e).__name__, e)
-                self._failed_at[step] = time.monotonic()
-                continue
-            self._failed_at.pop(step, None)
-            try:
-                self.apply_remote_retention()
-            except UploadError as e:
-                log.error("remote retention failed: %s", e)
-            return step  # re-scan: a newer step may have been committed meanwhile
-        return None
+    @property
+    def stalled_steps(self) -> list[int]:
+        """Steps the loop reported stalled and still keeps (ascending)."""
+        return sorted(s for s, w in (self._loop.waiting.items() if self._loop else ()) if w.stalled)
 
     def close(self) -> None:
+        """Release the loop's stalled locks, stop the executors, close the store."""
+        if self._loop is not None:
+            self._loop.close()
         self._shard_executor.shutdown(wait=True, cancel_futures=True)
         self._part_executor.shutdown(wait=True, cancel_futures=True)
         self.store.close()
@@ -349,5 +354,5 @@ def _parse_time(text: str) -> float:
         return time.time()
 
 
-__all__ = ["Uploader", "UploadPolicy", "UploadManifest", "StepTiming", "LocalStepGoneError",
-           "StepIncompleteError"]
+__all__ = ["DEFAULT_STALL_DEADLINE_S", "Uploader", "UploadPolicy", "UploadManifest", "StepTiming",
+           "LocalStepGoneError", "StepIncompleteError"]
