@@ -190,7 +190,10 @@ def _commit_locked(sender: ShardSender, executor: ThreadPoolExecutor, prefix: st
         except StepIncompleteError as e:
             e.commit = commit
             raise
-        done = commit.committed()  # another node may have committed while we waited: no fence needed
+        # Another node may have committed while we waited (one GET instead of a fence); not asked when
+        # this root holds every shard and this is the first pass (nobody else uploads this save).
+        waited = resume is not None or not all((sdir / rec.path).is_file() for rec in m.shards)
+        done = commit.committed() if waited else None
         if done is not None:
             um, body = done
         else:
