@@ -43,6 +43,11 @@ def main() -> None:
             res["loaded"] = {"step": int(st["step"]), "w": st["w"].tolist()}
             res["outcomes"] = [{"step": o.step, "committed_here": o.committed_here, "error": o.error}
                                for o in mgr.save_outcomes]
+            coord = mgr._coord  # the SaveCoordinator: close() removes this rank's token (idempotent)
+            own = set(coord._tokens.values())
+            coord.close()
+            coord.close()
+            res["own_token_left_after_close"] = sorted(own & set(os.listdir(root)))
     except CheckpointError as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         res["failures"] = {str(k): str(v)[:500] for k, v in (getattr(exc, "failures", None) or {}).items()}

@@ -97,6 +97,7 @@ def test_equal_host_names_and_root_paths_on_different_disks(namespaces: None, tm
         assert r["loaded"] == {"step": 2, "w": [20 + r["rank"]] * 3}
         assert [(o["step"], o["committed_here"], o["error"]) for o in r["outcomes"]] == \
             [(1, r["rank"] in (0, 2), None), (2, r["rank"] in (0, 2), None)]
+        assert r["own_token_left_after_close"] == []
     for step in (1, 2):
         a, b = disk_a / step_dir_name(step), disk_b / step_dir_name(step)
         assert _files(a) == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]

@@ -221,6 +221,8 @@ class SaveCoordinator:
         Two collectives on the save group; every rank calls it at the same point. Raises
         ``DistributedSaveError`` when a rank cannot write its token or a collective fails."""
         key = str(root)
+        if not self._finalizer.alive:  # used again after close()
+            self._finalizer = weakref.finalize(self, _remove_tokens, self._tokens)
         mine: dict[str, Any] = {"rank": self.rank}
         failure: BaseException | None = None
         try:
