@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError, UploadError
@@ -136,8 +137,8 @@ class RemoteCatalogue:
         sup = lin.superseded_by(save.attempt, save.step)
         return CURRENT if sup is None else f"superseded by attempt {sup.attempt} from step {sup.from_step}"
 
-    def current(self) -> list[RemoteSave]:
-        """The winning current save of every step that has one, ascending by step."""
+    @cached_property
+    def _winners(self) -> dict[int, RemoteSave]:
         best: dict[int, RemoteSave] = {}
         for s in self.saves:
             if self._eligible(s) != CURRENT:
@@ -145,11 +146,15 @@ class RemoteCatalogue:
             b = best.get(s.step)
             if b is None or _rank(s) > _rank(b):
                 best[s.step] = s
-        return [best[k] for k in sorted(best)]
+        return {k: best[k] for k in sorted(best)}
+
+    def current(self) -> list[RemoteSave]:
+        """The winning current save of every step that has one, ascending by step."""
+        return list(self._winners.values())
 
     def current_save(self, step: int) -> RemoteSave | None:
         """The save a restore of ``step`` chooses, or ``None`` when no save of it is current."""
-        return next((s for s in self.current() if s.step == step), None)
+        return self._winners.get(step)
 
     def status(self, save: RemoteSave) -> str:
         """``current``, ``superseded by attempt K from step S``, ``replaced by save X (attempt K)`` (a
