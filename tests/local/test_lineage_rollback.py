@@ -261,3 +261,17 @@ def test_replace_removes_the_stale_uploaded_marker_first(tmp_path: Path) -> None
     assert (sdir / MANIFEST_NAME).read_bytes() != old_manifest
     assert not (sdir / UPLOADED_MARKER_NAME).exists()  # before issue 10: the old marker stayed
     assert load_sharded(root, 1, 5)[0]["w"].tolist() == [0.0] * 8
+
+
+def test_manager_pin_and_keep_every_steps(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=1, keep_every_steps=100, async_save=True) as mgr:
+        mgr.save(1, state(1))
+        mgr.pin(1)  # waits for the in-flight save of 1 first
+        for s in (2, 3, 100, 101, 102):
+            mgr.save(s, state(s))
+        mgr.wait()
+        assert committed_steps(root) == [1, 100, 102]  # pinned, every 100th, the newest
+        with pytest.raises(NoCheckpointError):
+            mgr.pin(3)  # rotated out: not committed here any more
+    assert (root / step_dir_name(1) / "pinned.json").is_file()

@@ -222,6 +222,8 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
     r, step = resolve_root(root, step)
     if step is None:
         r, step = pick_step(r, None)
+    elif not is_committed(r / step_dir_name(step)):
+        raise NoCheckpointError(f"step {step} is not committed under {r}")
     sdir = r / step_dir_name(step)
     if not is_real_dir(sdir):
         raise ManifestError(f"{sdir} is not a directory (symlinked step directories are refused)")

@@ -15,6 +15,7 @@ Lifecycle of one save of step ``S`` by ``world_size`` ranks (who makes each call
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,13 +23,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
-                                MissingShardError, ShardCorruptedError)
+                                ManifestError, MissingShardError, ShardCorruptedError)
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.fs import is_real_dir, new_save_id, unlink_quietly, utc_now
-from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
+from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local.catalogue import read_run_record, resolve_root
-from tiered_ckpt.local.commit import LocalStepCommit, unlink_durable
+from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.writer import superseded_hint, write_shard
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,8 @@ def commit_step(
     ``run_id``/``attempt``: the lineage to record in the manifest (SPEC §11); each defaults to the root's
     ``run.json`` (its run id and current attempt; ``None`` and 1 without a record). Recorded as given:
     this call never supersedes anything (only ``CheckpointManager`` and ``restore`` decide lineage).
-    Any ``uploaded.json`` left in the step directory is removed before the manifest is linked (it was
-    written for another manifest).
+    With ``replace``, the old step's ``uploaded.json`` is removed (durably, before its manifest) by the
+    un-commit: the re-saved step is uploaded again.
 
     Raises :class:`MissingShardError` (a rank missing, duplicated, or its file absent),
     :class:`ShardCorruptedError` (a file's size or header disagrees with its record),
@@ -101,10 +102,6 @@ def commit_step(
             if not replace:
                 raise CheckpointExistsError(f"step {step} is already committed under {r}{superseded_hint(r, step)}")
             hold.uncommit()
-        try:
-            unlink_durable(sdir / UPLOADED_MARKER_NAME)  # a marker names another manifest: it must not count
-        except OSError as e:
-            raise CheckpointWriteError.from_os_error(e, f"step {step}: removing a stale marker failed") from e
         hold.commit_manifest(manifest.to_json().encode())
         hold.release_lock()
     log.info("step %d: committed %d shard(s), %d bytes, save %s, run %s attempt %d", step, world_size,
@@ -115,10 +112,17 @@ def commit_step(
 def default_lineage(root: Path, run_id: str | None, attempt: int | None) -> tuple[str | None, int]:
     """``(run_id, attempt)`` to record for a save into ``root`` (SPEC §11): what is given, the rest from
     the root's ``run.json`` (a given ``run_id`` of another run takes attempt 1), else ``(None, 1)``.
-    Raises :class:`ManifestError` for a malformed ``run.json`` (only read when something is missing)."""
+    Raises :class:`ManifestError` for a malformed ``run.json`` (only read when something is missing),
+    :class:`CheckpointWriteError` when reading it fails with an I/O error."""
     if run_id is not None and attempt is not None:
         return run_id, attempt
-    rec = read_run_record(root)
+    try:
+        rec = read_run_record(root)
+    except ManifestError as e:  # an I/O error of the read is the save's I/O error (CheckpointWriteError)
+        cause = e.__cause__
+        if isinstance(cause, OSError) and cause.errno != errno.ELOOP:
+            raise CheckpointWriteError.from_os_error(cause, f"reading {root}/run.json failed") from cause
+        raise
     if rec is not None and run_id in (None, rec.run_id):
         return rec.run_id, rec.attempt if attempt is None else attempt
     return run_id, 1 if attempt is None else attempt
