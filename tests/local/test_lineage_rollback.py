@@ -275,3 +275,20 @@ def test_manager_pin_and_keep_every_steps(tmp_path: Path) -> None:
         with pytest.raises(NoCheckpointError):
             mgr.pin(3)  # rotated out: not committed here any more
     assert (root / step_dir_name(1) / "pinned.json").is_file()
+
+
+def test_a_run_record_only_grows(tmp_path: Path) -> None:
+    from tiered_ckpt.format.lineage import RunLineage
+    from tiered_ckpt.local import read_run_record, write_run_record
+
+    root = tmp_path / "run"
+    one = RunLineage.first("r1", "t0")
+    two = one.new_attempt(supersedes_from=5, resumed_from=4, started_at="t1")
+    assert write_run_record(root, two) is True
+    with pytest.raises(LineageError):
+        write_run_record(root, one)  # would forget attempt 2
+    with pytest.raises(LineageError):
+        write_run_record(root, RunLineage.first("other", "t2"))  # another run
+    assert read_run_record(root) == two
+    assert write_run_record(root, RunLineage.first("other", "t2"), force=True) is True
+    assert read_run_record(root).run_id == "other"

@@ -47,11 +47,14 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def write_run_record(root: PathLike, lineage: RunLineage) -> bool:
+def write_run_record(root: PathLike, lineage: RunLineage, *, force: bool = False) -> bool:
     """Write ``<root>/run.json`` with the local commit protocol (temp name, fsync, rename, directory
     fsync). Idempotent: several ranks sharing a root may write the same record at once (unique temp
-    names; the bytes are identical). Returns whether the file changed (``False``: it already held these
-    bytes). Raises :class:`CheckpointWriteError` on I/O (the old record, if any, stays)."""
+    names; the bytes are identical). A record only ever grows: one that ``lineage`` does not extend (an
+    attempt it lacks or contradicts, another run) is not replaced unless ``force`` (an unreadable one is).
+    Returns whether the file changed (``False``: it already held these bytes). Raises
+    :class:`LineageError` (it would not extend the root's record), :class:`CheckpointWriteError` on I/O
+    (the old record, if any, stays)."""
     r, _ = resolve_root(root)
     data = lineage.to_json().encode()
     try:
@@ -60,6 +63,9 @@ def write_run_record(root: PathLike, lineage: RunLineage) -> bool:
         cur = None  # a broken record is replaced by the decided one
     if cur is not None and cur.to_json().encode() == data:
         return False
+    if cur is not None and not force and not lineage.extends(cur):
+        raise LineageError(f"{r / RUN_RECORD_NAME} records run {cur.run_id} with {len(cur.attempts)} attempt(s); "
+                           f"attempt {lineage.attempt} of run {lineage.run_id} does not extend it")
     try:
         os.makedirs(r, exist_ok=True)
         durable_write_bytes(r / RUN_RECORD_NAME, data)
