@@ -105,8 +105,9 @@ def read_run_record(root: PathLike) -> RunLineage | None:
 
 def step_lineage(step_dir: Path) -> tuple[str | None, int, str | None] | None:
     """``(run_id, attempt, save_id)`` that the committed step's manifest records (schema 1-2: attempt 1 of
-    no run; an empty save id as ``None``), or ``None`` when there is no readable, well-formed manifest (such a step counts as current,
-    so that loading it fails loudly). Reads only the manifest's top-level keys, without validating it."""
+    no run; an empty save id as ``None``), or ``None`` when there is no readable, well-formed manifest
+    (such a step counts as current, so that loading it fails loudly). Reads only the manifest's top-level
+    keys, without validating it."""
     try:
         data = read_manifest_bytes(step_dir) if is_real_dir(step_dir) else None
         obj = json.loads(data) if data is not None else None

@@ -66,11 +66,11 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 def durable_write(path: str | os.PathLike[str], writer: Callable[[int], None], *, exclusive: bool = False,
                   dir_fsync: bool = True) -> None:
-    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes: temp file in the same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, then
-    ``rename`` over ``path`` (or, with ``exclusive=True``, ``link`` + ``unlink`` so that an existing
-    ``path`` makes it fail with ``FileExistsError``), then fsync the directory. On any error the temp
-    file is removed and the ``OSError`` propagates; with ``exclusive=True`` an error of the directory
-    fsync also removes ``path`` again, so that an error always means "not created"."""
+    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes: a temp file in the same
+    directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, ``rename`` over ``path`` (or,
+    with ``exclusive=True``, ``link`` + ``unlink``: an existing ``path`` fails with ``FileExistsError``),
+    then fsync the directory. On any error the temp file is removed and the ``OSError`` propagates; with
+    ``exclusive=True`` an error of the directory fsync removes ``path`` again: an error means "not created"."""
     path = Path(path)
     tmp = path.with_name(temp_name_for(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)

@@ -96,8 +96,9 @@ def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
         if hold.is_committed():
             if not replace:
                 hold.release_lock()
-                raise CheckpointExistsError(f"step {hold.step} is already committed under {hold.root}"
-                                            f"{superseded_hint(hold.root, hold.step)}; pass replace=True to overwrite it")
+                hint = superseded_hint(hold.root, hold.step)
+                raise CheckpointExistsError(f"step {hold.step} is already committed under {hold.root}{hint}; "
+                                            "pass replace=True to overwrite it")
             hold.uncommit()
     except CheckpointError:  # CheckpointExistsError is an OSError too: keep its type
         raise

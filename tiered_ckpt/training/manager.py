@@ -345,9 +345,9 @@ class CheckpointManager:
         """Load and verify this rank's state of ``step`` (``None``: the newest current step every rank can
         load; with ``remote_url`` the bucket's too, restored first). A collective; waits for an in-flight
         save first. The manager's first load (before any save) decides the lineage (SPEC §11): loading a
-        step older than a visible current step starts a new attempt and sets the newer steps aside. Raises ``NoCheckpointError`` (nothing, or not that
-        step, available to every rank; on every rank alike), ``LineageError``, and the errors of
-        :func:`tiered_ckpt.local.load_shard`."""
+        step older than a visible current step starts a new attempt and sets the newer steps aside.
+        Raises ``NoCheckpointError`` (nothing, or not that step, available to every rank; on every rank
+        alike), ``LineageError``, and the errors of :func:`tiered_ckpt.local.load_shard`."""
         self.wait()
         step, self._lineage = self._decider.at_load(step, decided=self._lineage)
         return load_shard(self.root, self.rank, self.world_size, step)
