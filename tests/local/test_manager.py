@@ -212,9 +212,10 @@ def test_background_fsync_eio_surfaces_at_wait(tmp_path):
         out["final"] = m.latest_step()
         print(json.dumps(out))
     """)
-    # fsync #1 is the writer lock's; #2 the shard's. Only the 2nd fails.
+    # fsyncs #1 and #2 write the new run's run.json (temp file, then the root directory: SPEC §11);
+    # #3 is the writer lock's; #4 the shard's. Only the 4th fails.
     cmd = ["/usr/bin/strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync", "-e",
-           "inject=fsync:error=EIO:when=2", *python_cmd("-c", code, tmp_path)]
+           "inject=fsync:error=EIO:when=4", *python_cmd("-c", code, tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if p.returncode != 0 and "ptrace" in p.stderr:
         pytest.skip("ptrace not permitted here")
@@ -286,7 +287,7 @@ def test_upload_gated_rotation_and_pending_cap(tmp_path, caplog):
     policy = RotationPolicy(keep_last=1, upload_gated=True, max_pending_uploads=2)
     for s in (1, 2, 3, 4, 5):
         _commit(tmp_path, s)
-    (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text("{}")
+    (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text('{"step": 2, "remote": "s3://b/p"}')
     plan = plan_rotation(tmp_path, policy)
     assert plan.delete == (1, 2) and plan.dropped_pending == (1,) and plan.kept_pending == (3, 4)
     with caplog.at_level(logging.ERROR, logger="tiered_ckpt.local.rotation"):
@@ -300,7 +301,7 @@ def test_manager_upload_gated(tmp_path):
         for s in (1, 2, 3):
             m.save(s, {"x": np.full(2, s)})
         assert committed_steps(tmp_path) == [1, 2, 3]  # nothing uploaded yet: all kept (cap 2)
-        (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text("{}")
+        (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text('{"step": 2, "remote": "s3://b/p"}')
         m.save(4, {"x": np.full(2, 4)})
         assert committed_steps(tmp_path) == [1, 3, 4]  # 2 was uploaded: rotated; 1 and 3 pending
         m.save(5, {"x": np.full(2, 5)})
