@@ -36,7 +36,7 @@ from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 pytestmark = pytest.mark.slow
 
 LOCAL = [0, 1]
-POLL_S = 0.25
+POLL_S = 0.5
 #: Requests of one poll of a waiting step (one LIST of the save's .confirm/ prefix), at any world size.
 PER_POLL = 1
 
@@ -52,16 +52,17 @@ def _polls(port: int) -> float:
 
 
 def _snapshot(proxy: s3_infra.FaultProxy, port: int, min_polls: int, timeout_s: float = 60.0) -> tuple[int, int]:
-    """``(polls, requests so far)`` taken between two polls: the request count is quiet for 60 ms
-    before and after the scrape (polls are at least ``POLL_S / 2`` apart)."""
+    """``(polls, requests so far)`` taken between two polls: the request count is quiet for 100 ms
+    before and after the scrape (polls are at least ``POLL_S / 2`` = 250 ms apart, and a poll's counter
+    moves a few ms after its LIST)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         n0 = len(proxy.requests)
-        time.sleep(0.06)
+        time.sleep(0.1)
         if len(proxy.requests) != n0:
             continue
         polls = int(_polls(port))
-        time.sleep(0.06)
+        time.sleep(0.1)
         if len(proxy.requests) == n0 and polls >= min_polls:
             return polls, n0
     raise AssertionError(f"no quiet moment with >= {min_polls} polls within {timeout_s} s")
