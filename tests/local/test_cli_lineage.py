@@ -246,3 +246,31 @@ def test_malformed_run_record_is_one_line(tmp_path: Path) -> None:
         assert lines(proc) == [lines(proc)[0]] and lines(proc)[0].startswith(
             f"tiered-ckpt: error: ManifestError: {root / 'run.json'}: run record is not valid JSON")
     assert run("gc", root).returncode == 0  # plain gc does not need the record
+
+
+def test_lost_shard_of_the_only_step_is_not_mistaken_for_a_node_local_root(tmp_path: Path) -> None:
+    """A root holding one step of every rank that loses a shard: verify exits 1 (before node_ranks.json,
+    the node-local guess from the root's other steps had none to go by and reported the step committed)."""
+    tc.save_sharded([{"a": np.arange(4.0)}, {"a": np.arange(3.0)}], tmp_path, 1)
+    os.unlink(tmp_path / step_dir_name(1) / "rank_00001.safetensors")
+    proc = run("verify", tmp_path)
+    assert proc.returncode == 1
+    assert lines(proc) == ["step 1: incomplete: step 1 rank 1 (rank_00001.safetensors): shard file is missing"]
+
+
+def test_node_local_commit_records_its_ranks_and_a_full_resave_clears_them(tmp_path: Path) -> None:
+    a, b = tmp_path / "nodeA", tmp_path / "nodeB"
+    node_local_save({a: [0, 1], b: [2, 3]}, 40, 4)
+    assert json.loads((b / step_dir_name(40) / "node_ranks.json").read_text()) == {"ranks": [2, 3], "world_size": 4}
+    # one of node B's own shards lost: still found, although no other step of B says which ranks it holds
+    os.unlink(b / step_dir_name(40) / "rank_00002.safetensors")
+    proc = run("verify", b)
+    assert proc.returncode == 1 and "rank 2" in lines(proc)[0] and lines(proc)[0].startswith("step 40: incomplete")
+    # a hostile node_ranks.json is a corrupt step, not a pass
+    (a / step_dir_name(40) / "node_ranks.json").write_text('{"ranks": [0, 9], "world_size": 4}')
+    proc = run("verify", a)
+    assert proc.returncode == 1 and lines(proc)[0].startswith("step 40: corrupt"), lines(proc)
+    # re-saved there with every rank: the record is gone, the whole step is checked
+    tc.save_sharded([{"a": np.zeros(2)}] * 4, a, 40, replace=True)
+    assert not (a / step_dir_name(40) / "node_ranks.json").exists()
+    assert run("verify", a).returncode == 0

@@ -203,6 +203,24 @@ def _read_regular(path: Path, cap: int) -> bytes | None:
         os.close(fd)
 
 
+def read_small_regular_file(path: Path, cap: int) -> bytes | None:
+    """The bytes of the regular file ``path`` (at most ``cap`` bytes), ``None`` when it does not exist.
+    Never follows a symlink and never blocks on a FIFO; raises :class:`ManifestError` for a symlink, a
+    non-regular, oversized or unreadable file. For the small per-step records (``node_ranks.json``)."""
+    return _read_regular(path, cap)
+
+
+def stored_schema_version(step_dir: Path) -> int | None:
+    """The ``schema_version`` the committed manifest of ``step_dir`` was written with (before migration),
+    or ``None`` when it cannot be read. Never raises."""
+    try:
+        data = read_manifest_bytes(step_dir) if is_real_dir(step_dir) else None
+        v = json.loads(data).get("schema_version") if data is not None else None
+    except (ManifestError, ValueError, AttributeError):
+        return None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def read_manifest_bytes(step_dir: Path) -> bytes | None:
     """The raw bytes of ``<step_dir>/manifest.json``, or ``None`` when there is none (not committed).
 
@@ -239,4 +257,5 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_RUN_RECORD_BYTES", "all_committed_steps", "all_step_dirs", "committed_steps",
            "is_committed", "latest_step", "pick_step", "read_manifest", "read_manifest_bytes", "read_run_record",
+           "read_small_regular_file", "stored_schema_version",
            "resolve_root", "step_lineage", "step_path", "superseded_in", "symlinked_step_entries"]

@@ -30,6 +30,7 @@ from tiered_ckpt.fs import is_real_dir, new_save_id, unlink_quietly, utc_now
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local.catalogue import read_run_record, resolve_root
 from tiered_ckpt.local.commit import LocalStepCommit
+from tiered_ckpt.local.node_ranks import clear_node_ranks, record_node_ranks
 from tiered_ckpt.local.writer import superseded_hint, write_shard
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,11 @@ def commit_step(
                              extra=dict(extra) if extra is not None else None, run_id=run_id, attempt=attempt)
     # Registered as save_id's: no other thread of this process can rename a shard of another save
     # between the checks and the manifest link.
+    present = set(range(world_size)) if local_ranks is None else set(local_ranks)
+    if not present <= set(range(world_size)):
+        raise ValueError(f"step {step}: local_ranks {sorted(present)[:8]} are not ranks of world size {world_size}")
     with LocalStepCommit.open(r, step, save_id, claim=False, create=False) as hold:
         hold.check_lock()
-        present = set(range(world_size)) if local_ranks is None else set(local_ranks)
         for rec in manifest.shards:
             if rec.rank in present:
                 check_written_shard(sdir, rec, step, save_id)
@@ -102,6 +105,13 @@ def commit_step(
             if not replace:
                 raise CheckpointExistsError(f"step {step} is already committed under {r}{superseded_hint(r, step)}")
             hold.uncommit()
+        try:  # node-local: say which ranks this root holds (verify); durable with the manifest's dir fsync
+            if present and present != set(range(world_size)):
+                record_node_ranks(sdir, present, world_size, dir_fsync=False)
+            else:
+                clear_node_ranks(sdir)
+        except OSError as e:
+            raise CheckpointWriteError.from_os_error(e, f"step {step}: cannot record the node's ranks") from e
         hold.commit_manifest(manifest.to_json().encode())
         hold.release_lock()
     log.info("step %d: committed %d shard(s), %d bytes, save %s, run %s attempt %d", step, world_size,

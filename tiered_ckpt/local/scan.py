@@ -4,9 +4,11 @@ exactly one that loads.
 
 Node-local roots (issue 10, Build 5): with node-local disks a root holds the global manifest of each step
 and only its node's shards. With ``require_all=False`` a step is checked for *the ranks this root holds*:
-those of the step's world size whose shard is present in any committed step of that world size under
-the root (so a shard lost from one step of a root that holds every rank elsewhere is still found). A step
-of a root that holds no shard of its world size at all is ``incomplete``. With ``require_all=True`` (the
+those its ``node_ranks.json`` names (:mod:`tiered_ckpt.local.node_ranks`: written by a node-local commit
+and by a partial restore), so that a lost shard is still found; a schema-3 step without that file holds
+every rank; only for steps of earlier releases is the set guessed from the root's other steps (a shard
+present in any committed step of that world size). A step of a root that holds no shard of it at all
+is ``incomplete``. With ``require_all=True`` (the
 API default, ``verify --require-all``) every rank's shard must be here.
 
 Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside under
@@ -29,7 +31,9 @@ from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
+from tiered_ckpt.local.node_ranks import read_node_ranks
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
+                                        stored_schema_version,
                                          resolve_root, symlinked_step_entries)
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
@@ -205,7 +209,10 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     elif _present_ranks(sdir, m) == set(range(m.world_size)):
         wanted = None  # every shard is here: nothing outside this step needs reading
     else:
-        mine = (held_ranks(r) if held is None else held).get(m.world_size, frozenset())
+        try:
+            mine = _ranks_held(r, sdir, m, held)
+        except ManifestError as e:
+            return StepStatus(step, CORRUPT, str(e), m.world_size, size, m.save_id, pinned=pinned)
         if not mine:
             return StepStatus(step, INCOMPLETE, f"no shard of step {step} (world size {m.world_size}) is in "
                               "this root", m.world_size, size, m.save_id, pinned=pinned)
@@ -213,6 +220,19 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
         node = None if wanted is None else tuple(sorted(mine))
     state, reason = _check_shards(sdir, m, wanted, verify, fast)
     return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned)
+
+
+def _ranks_held(r: Path, sdir: Path, m: ShardManifest, held: Mapping[int, frozenset[int]] | None) -> frozenset[int]:
+    """The ranks ``sdir`` should hold: its ``node_ranks.json`` (written by a node-local commit or a partial
+    restore); without one, every rank for a step of schema 3 or later (so a lost shard is reported), and
+    for older steps the guess from the root's other steps (:func:`held_ranks`). Raises ManifestError."""
+    declared = read_node_ranks(sdir, m.world_size)
+    if declared is not None:
+        return declared
+    version = stored_schema_version(sdir)
+    if version is None or version >= 3:
+        return frozenset(range(m.world_size)) if _present_ranks(sdir, m) else frozenset()
+    return (held_ranks(r) if held is None else held).get(m.world_size, frozenset())
 
 
 def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, verify: bool,

@@ -54,6 +54,7 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.layout import shard_file_name, step_dir_name
 from tiered_ckpt.local.catalogue import read_manifest_bytes, read_run_record, resolve_root
+from tiered_ckpt.local.node_ranks import record_node_ranks
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.local.markers import write_uploaded_marker
@@ -165,6 +166,15 @@ def record_to_carry(local: RunLineage | None, remote: RunLineage | None) -> RunL
     return None
 
 
+def _record_held_ranks(step_dir: Path, manifest: ShardManifest) -> None:
+    """After a restore of some ranks only (a replaced node): record the ranks the step directory now
+    holds (``node_ranks.json``), so that ``verify`` checks them and still reports a missing one. After the
+    manifest: a crash in between leaves verify strict (it reports the step incomplete), never lenient."""
+    held = {rec.rank for rec in manifest.shards if os.path.lexists(step_dir / rec.path)}
+    if held and held != set(range(manifest.world_size)):
+        record_node_ranks(step_dir, held, manifest.world_size)
+
+
 def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_manifest: bool) -> bool:
     """Step 4 after a successful download; returns whether the local manifest was kept (ours, or an
     identical one another restorer committed meanwhile). Raises ConcurrentSaveError, OSError."""
@@ -184,6 +194,7 @@ def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_ma
                 raise ConcurrentSaveError(f"step {plan.step}: another writer committed a different save "
                                           f"into {lsc.step_dir} meanwhile") from None
             keep_manifest = True
+    _record_held_ranks(lsc.step_dir, plan.manifest)
     lsc.release_lock()
     now = read_manifest_bytes(lsc.step_dir)
     write_uploaded_marker(lsc.step_dir, UploadedMarker(step=plan.step, remote=plan.remote_url, restored=True,
