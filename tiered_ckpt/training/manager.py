@@ -372,7 +372,8 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Wait for the last save (raising its failure) and stop the background thread. Idempotent."""
+        """Wait for the last save (raising its failure), stop the background thread and remove this rank's
+        node token file from the root (training/dist.py). Idempotent."""
         if self._closed:
             return
         try:
@@ -381,6 +382,8 @@ class CheckpointManager:
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            if self._coord is not None:
+                self._coord.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
