@@ -6,7 +6,8 @@ temp name, fsync, rename, directory fsync, manifest last), ``writer`` (one rank'
 (the coordinator's commit, single-process saves), ``load``, ``reader`` (verified partial reads),
 ``shard_io`` (streaming write/read with a hashing thread), ``reshard_plan`` + ``reshard``, ``rotation``,
 ``trash``, ``scan`` (ls / verify / gc), ``markers`` (the uploader's ``uploaded.json``), ``lineage`` (the
-root's ``run.json`` and its superseded steps, SPEC §11).
+root's ``run.json`` and its superseded steps, SPEC §11), ``pins`` (``pinned.json``), ``node_ranks`` (the
+ranks a node-local step holds).
 """
 
 from tiered_ckpt.fs import new_save_id, utc_now
