@@ -329,8 +329,8 @@ def test_two_ranks_node_local_roots(tmp_path):
     for rank, r in enumerate(res):
         assert r["latest"] == 6
         assert r["w"] == [float(rank) + 6] * 5
-        # Each node's root holds its own shard plus the same global manifest.
-        assert r["files"] == ["manifest.json", f"rank_{rank:05d}.safetensors"]
+        # Each node's root holds its own shard plus the same global manifest, and says which rank it holds.
+        assert r["files"] == ["manifest.json", "node_ranks.json", f"rank_{rank:05d}.safetensors"]
     m0, m1 = (read_manifest(tmp_path / f"node{r}", 6) for r in (0, 1))
     # Same global manifest (commit_step stamps its own created_at on each node; the rest is identical).
     d0, d1 = m0.to_dict(), m1.to_dict()

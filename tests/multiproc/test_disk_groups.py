@@ -100,8 +100,8 @@ def test_equal_host_names_and_root_paths_on_different_disks(namespaces: None, tm
         assert r["own_token_left_after_close"] == []
     for step in (1, 2):
         a, b = disk_a / step_dir_name(step), disk_b / step_dir_name(step)
-        assert _files(a) == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]
-        assert _files(b) == ["manifest.json", "rank_00002.safetensors", "rank_00003.safetensors"]
+        assert _files(a) == ["manifest.json", "node_ranks.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+        assert _files(b) == ["manifest.json", "node_ranks.json", "rank_00002.safetensors", "rank_00003.safetensors"]
         assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
     # While open, each disk held its own node's two tokens (plus the foreign one on A: never swept).
     assert len(res[0]["tokens_open"]) == 3 and foreign in res[0]["tokens_open"]
@@ -121,7 +121,8 @@ def test_one_root_per_rank(namespaces: None, tmp_path: Path) -> None:
         assert [o["committed_here"] for o in r["outcomes"]] == [True, True]
         assert r["loaded"] == {"step": 2, "w": [20 + r["rank"]] * 3}
     for rank, p in enumerate(roots):
-        assert _files(p / step_dir_name(2)) == ["manifest.json", f"rank_{rank:05d}.safetensors"]
+        assert _files(p / step_dir_name(2)) == ["manifest.json", "node_ranks.json", f"rank_{rank:05d}.safetensors"]
+        assert json.loads((p / step_dir_name(2) / "node_ranks.json").read_text()) == {"ranks": [rank], "world_size": 2}
         assert _tokens(p) == []
 
 

@@ -71,7 +71,7 @@ def test_replaced_node_restores_its_ranks_through_the_manager(s3_bucket: S3Locat
         # Node 0 still has step 6, but node 1's ranks can only get step 4 (the newest uploaded): 4 wins.
         assert res["step"] == 4 and res["w"] == [rank * 100 + 4] * 5
         assert f"rank_{rank:05d}.safetensors" in res["files"]
-    assert results[2]["files"] == ["manifest.json", "rank_00002.safetensors", "rank_00003.safetensors",
+    assert results[2]["files"] == ["manifest.json", "node_ranks.json", "rank_00002.safetensors", "rank_00003.safetensors",
                                    UPLOADED_MARKER_NAME]
     assert results[2]["committed"] == ["step_0000000004"]
     assert read_manifest(tmp_path / "node1", 4).world_size == 4
