@@ -8,6 +8,7 @@ Local layout (SPEC §2)::
     <root>/step_0000001234/uploaded.json            the sidecar's marker (after the remote commit)
     <root>/step_0000001234/pinned.json              pin: rotation never removes the step
     <root>/step_0000001234/node_ranks.json          the ranks a node-local step holds (SPEC §11)
+    <root>/step_0000001234/adopted.json             another run's step restored here: the root's attempt
     <root>/run.json                                 run id and lineage (format/lineage.py, SPEC §11)
     <root>/superseded/step_0000001234.<save_id>/    a step set aside by a newer attempt (SPEC §11)
     <root>/.node.<token>                            node discovery token of a live rank (SPEC §11)
@@ -62,6 +63,8 @@ SUPERSEDED_DIR = "superseded"
 PINNED_MARKER_NAME = "pinned.json"
 #: The ranks a node-local step directory holds (local/node_ranks.py).
 NODE_RANKS_NAME = "node_ranks.json"
+#: A step restored from another run: the root's run and attempt it entered in (local/catalogue.py).
+ADOPTED_MARKER_NAME = "adopted.json"
 #: Prefix of the node discovery tokens in a root (which ranks share this disk; training/dist.py).
 NODE_TOKEN_PREFIX = ".node."
 
@@ -158,6 +161,7 @@ __all__ = [
     "LATEST_POINTER_NAME", "UPLOADED_MARKER_NAME", "SAVE_LOCK_NAME", "LOCK_PREFIX", "TMP_SUFFIX",
     "step_dir_name", "parse_step_dir_name", "shard_file_name", "parse_shard_file_name",
     "remote_step_prefix", "remote_key", "remote_latest_key", "RUN_RECORD_NAME", "SUPERSEDED_DIR",
-    "PINNED_MARKER_NAME", "NODE_TOKEN_PREFIX", "NODE_RANKS_NAME", "remote_run_key", "save_entry_name", "parse_remote_step_entry",
+    "PINNED_MARKER_NAME", "ADOPTED_MARKER_NAME", "NODE_TOKEN_PREFIX", "NODE_RANKS_NAME", "remote_run_key",
+    "save_entry_name", "parse_remote_step_entry",
     "remote_save_prefix", "remote_save_key",
 ]

@@ -11,6 +11,13 @@ yet set aside by :mod:`tiered_ckpt.local.lineage`) is never loaded, uploaded or 
 decide, only the manifests of steps at or above the smallest ``supersedes_from`` are read (their
 ``attempt``); a root whose record has one attempt reads nothing extra. :func:`all_committed_steps` is the
 unfiltered view.
+
+A **foreign** step (its manifest names another run than the root's record, or no run while the root has a
+record: restored from another run's bucket for fine tuning, or copied in) is judged by the attempt of the
+root's run in which it entered the root, never by the attempt number it carries from the other run:
+``<step>/adopted.json`` (written by restore before the step's manifest commits; :func:`read_adopted`)
+names it; without a sound one the step counts as attempt 1 of the root's run (conservative: a later
+rollback of the root supersedes it).
 """
 
 from __future__ import annotations
@@ -22,15 +29,17 @@ import stat
 from pathlib import Path
 
 from tiered_ckpt.errors import ManifestError, NoCheckpointError
-from tiered_ckpt.format.lineage import RunLineage, Superseded
+from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE, RunLineage, Superseded
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.layout import ADOPTED_MARKER_NAME, MANIFEST_NAME, RUN_RECORD_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.fs import is_real_dir
 
 #: Largest manifest we read (bytes).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 #: Largest ``run.json`` we read (bytes): 100,000 attempts of about 120 bytes each fit.
 MAX_RUN_RECORD_BYTES = 16 * 1024 * 1024
+#: Largest ``adopted.json`` we read (bytes); a larger one is ignored (the step is judged conservatively).
+MAX_ADOPTED_BYTES = 64 * 1024
 
 PathLike = str | os.PathLike[str]
 
@@ -104,10 +113,12 @@ def read_run_record(root: PathLike) -> RunLineage | None:
 
 
 def step_lineage(step_dir: Path) -> tuple[str | None, int, str | None] | None:
-    """``(run_id, attempt, save_id)`` that the committed step's manifest records (schema 1-2: attempt 1 of
-    no run; an empty save id as ``None``), or ``None`` when there is no readable, well-formed manifest
-    (such a step counts as current, so that loading it fails loudly). Reads only the manifest's top-level
-    keys, without validating it."""
+    """``(run_id, attempt, save_id)`` of the committed step in ``step_dir`` (SPEC §11): what its manifest
+    records (schema 1-2: attempt 1 of no run; an empty save id as ``None``), unless the step holds a sound
+    ``adopted.json`` for this save (:func:`read_adopted`): then the run and attempt it names (the root's,
+    when the step entered it). ``None`` when there is no readable, well-formed manifest (such a step counts
+    as current, so that loading it fails loudly). Reads only the manifest's top-level keys, without
+    validating it; never follows a symlink, never blocks on a FIFO. Raises nothing."""
     try:
         data = read_manifest_bytes(step_dir) if is_real_dir(step_dir) else None
         obj = json.loads(data) if data is not None else None
@@ -121,17 +132,62 @@ def step_lineage(step_dir: Path) -> tuple[str | None, int, str | None] | None:
     if not (isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 1 and isinstance(sid, str)
             and (run_id is None or isinstance(run_id, str))):
         return None
+    adopted = read_adopted(step_dir, sid or None)
+    if adopted is not None:
+        return adopted[0], adopted[1], sid or None
     return run_id, attempt, sid or None
 
 
+def adopted_bytes(run_id: str, attempt: int, save_id: str | None) -> bytes:
+    """The canonical bytes of ``adopted.json`` (sorted-key JSON, trailing newline)::
+
+        {"attempt": 2, "run_id": "<the root's run>", "save_id": "<the step's save id, or null>"}
+
+    Pure. Raises ``ValueError`` for a run id outside ``format.lineage.RUN_ID_RE`` or a bad attempt."""
+    if not (isinstance(run_id, str) and RUN_ID_RE.fullmatch(run_id)):
+        raise ValueError(f"bad run id {run_id!r}")
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or not 1 <= attempt <= MAX_ATTEMPTS:
+        raise ValueError(f"bad attempt {attempt!r}")
+    return (json.dumps({"run_id": run_id, "attempt": attempt, "save_id": save_id}, sort_keys=True) + "\n").encode()
+
+
+def read_adopted(step_dir: Path, save_id: str | None) -> tuple[str, int] | None:
+    """``(run_id, attempt)`` that ``<step_dir>/adopted.json`` records for the save ``save_id`` (SPEC §11:
+    the root's run and attempt in which a foreign step entered the root), or ``None`` when there is none
+    or it is not sound: a symlink (never followed), a FIFO/device/directory (opened non-blocking), over
+    :data:`MAX_ADOPTED_BYTES`, malformed, or written for another save (a stale record). Raises nothing:
+    ``None`` makes a foreign step attempt 1 of the root's run (conservative)."""
+    try:
+        data = _read_regular(step_dir / ADOPTED_MARKER_NAME, MAX_ADOPTED_BYTES)
+        obj = json.loads(data) if data is not None else None
+    except (ManifestError, ValueError):
+        return None
+    if not isinstance(obj, dict) or set(obj) != {"run_id", "attempt", "save_id"}:
+        return None
+    run_id, attempt, sid = obj["run_id"], obj["attempt"], obj["save_id"]
+    if not (isinstance(run_id, str) and RUN_ID_RE.fullmatch(run_id) and isinstance(attempt, int)
+            and not isinstance(attempt, bool) and 1 <= attempt <= MAX_ATTEMPTS
+            and (sid is None or isinstance(sid, str))):
+        return None
+    return (run_id, attempt) if (sid or None) == save_id else None
+
+
+def judged_attempt(info: tuple[str | None, int, str | None], lineage: RunLineage) -> int:
+    """The attempt of ``lineage``'s run by which a step with :func:`step_lineage` ``info`` is judged: its
+    own attempt when it is a step of that run (or adopted into it), else 1 (a foreign step without a sound
+    ``adopted.json``: conservative, any later attempt of the root's run that reaches it supersedes it)."""
+    return info[1] if info[0] == lineage.run_id else 1
+
+
 def superseded_in(root: PathLike, step: int, lineage: RunLineage | None) -> Superseded | None:
-    """Why the committed ``step`` under ``root`` is superseded by ``lineage`` (SPEC §11), or ``None`` when it
-    is current (no record, no later attempt reaching it, or no readable manifest). The step's own run id
-    is not compared: a step restored from another run (fine tuning) is judged by its attempt number."""
+    """Why the committed ``step`` under ``root`` is superseded by ``lineage`` (the root's run record, or the
+    run's merged one; SPEC §11), or ``None`` when it is current (no record, no later attempt reaching it,
+    or no readable manifest). A foreign step (another run's, or none while ``lineage`` names one) is judged
+    by :func:`judged_attempt`: the root's attempt it entered in (``adopted.json``), else attempt 1."""
     if lineage is None or not _may_be_superseded(lineage, step):
         return None
     info = step_lineage(Path(root) / step_dir_name(step))
-    return None if info is None else lineage.superseded_by(info[1], step)
+    return None if info is None else lineage.superseded_by(judged_attempt(info, lineage), step)
 
 
 def _may_be_superseded(lineage: RunLineage, step: int) -> bool:
@@ -255,7 +311,8 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
     return m
 
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_RUN_RECORD_BYTES", "all_committed_steps", "all_step_dirs", "committed_steps",
+__all__ = ["MAX_ADOPTED_BYTES", "MAX_MANIFEST_BYTES", "MAX_RUN_RECORD_BYTES", "adopted_bytes", "all_committed_steps",
+           "all_step_dirs", "committed_steps",
            "is_committed", "latest_step", "pick_step", "read_manifest", "read_manifest_bytes", "read_run_record",
-           "read_small_regular_file", "stored_schema_version",
+           "judged_attempt", "read_adopted", "read_small_regular_file", "stored_schema_version",
            "resolve_root", "step_lineage", "step_path", "superseded_in", "symlinked_step_entries"]

@@ -23,7 +23,13 @@ Lifecycle of one :func:`restore` (made by one process: the CLI, an operator's sc
 (merged with the root's when both name one run, so a restore never picks what the root's record
 supersedes). Before the shards are published, a root without a run record gets the bucket's (the run
 continues there after cluster loss), a root of the same run gets it when it is newer; a root of another
-run keeps its own (fine tuning from another run's checkpoint is allowed).
+run keeps its own (fine tuning from another run's checkpoint is allowed). Such a **foreign** step (its
+manifest names another run than the root's record, or none) keeps its exact manifest bytes, so it carries
+the other run's attempt number; it is judged by the root's instead: ``<step>/adopted.json`` =
+``{"run_id": <the root's run>, "attempt": <the root's current attempt>, "save_id": ...}``
+(:func:`tiered_ckpt.local.catalogue.read_adopted`) is written durably after the shards are published and
+before the manifest commits, so a crash leaves either no committed step or one judged by the root's
+attempt (a later rollback of the root supersedes it; SPEC §11).
 
 If the chosen step fails (an object missing, a size or sha256 mismatch, a bad upload manifest), the
 error (:class:`~tiered_ckpt.errors.MissingShardError`, :class:`~tiered_ckpt.errors.ShardCorruptedError`,
@@ -52,8 +58,10 @@ from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, Checkpoin
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
-from tiered_ckpt.layout import shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import read_manifest_bytes, read_run_record, resolve_root
+from tiered_ckpt.fs import write_all
+from tiered_ckpt.layout import ADOPTED_MARKER_NAME, shard_file_name, step_dir_name
+from tiered_ckpt.local.catalogue import (adopted_bytes, read_adopted, read_manifest_bytes, read_run_record,
+                                         resolve_root)
 from tiered_ckpt.local.node_ranks import record_node_ranks
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.lineage import write_run_record
@@ -175,6 +183,23 @@ def _record_held_ranks(step_dir: Path, manifest: ShardManifest) -> None:
         record_node_ranks(step_dir, held, manifest.world_size)
 
 
+def _record_adoption(lsc: LocalStepCommit, manifest: ShardManifest) -> None:
+    """A foreign step (its manifest names another run than the root's record, or none) entering a root with
+    a record: write ``adopted.json`` naming the root's run and current attempt (SPEC §11), durably, unless
+    the step already holds exactly that for this save. Before the manifest commits (the caller's order).
+    Raises ``OSError``."""
+    rec = read_run_record(lsc.root)
+    if rec is None or manifest.run_id == rec.run_id:
+        return
+    sid = manifest.save_id or None
+    if read_adopted(lsc.step_dir, sid) == (rec.run_id, rec.attempt):
+        return
+    body = adopted_bytes(rec.run_id, rec.attempt, sid)
+    lsc.write_file(ADOPTED_MARKER_NAME, lambda fd: write_all(fd, body))
+    log.info("step %d (run %s, attempt %d) entered run %s at its attempt %d: judged by that attempt",
+             manifest.step, manifest.run_id, manifest.attempt, rec.run_id, rec.attempt)
+
+
 def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_manifest: bool) -> bool:
     """Step 4 after a successful download; returns whether the local manifest was kept (ours, or an
     identical one another restorer committed meanwhile). Raises ConcurrentSaveError, OSError."""
@@ -185,6 +210,7 @@ def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_ma
         lsc.uncommit()  # I2: un-commit before any file of the step changes
         log.warning("step %d: un-committed the local step to replace it with the bucket's copy", plan.step)
     lsc.publish()
+    _record_adoption(lsc, plan.manifest)  # before the manifest: a foreign step is never judged by its own attempt
     if not keep_manifest:
         try:
             lsc.commit_manifest(plan.manifest_bytes)
@@ -244,6 +270,18 @@ def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
 # ------------------------------------------------------------------------------------------ API
 
 
+def not_a_directory(local_root: PathLike) -> Path | None:
+    """The path that keeps ``local_root`` from being a run directory: ``local_root`` itself, or its nearest
+    existing ancestor, when that exists and is not a directory (a regular file, a dangling symlink); ``None``
+    when ``local_root`` is a directory or can be made. ``lstat``/``stat`` only."""
+    p = Path(local_root).absolute()
+    for q in (p, *p.parents):
+        if os.path.lexists(q):
+            return None if os.path.isdir(q) else q
+    return None
+
+
+
 def _transfer_settings(part_size: int | None, concurrency: int | None) -> TransferSettings | None:
     if part_size is None and concurrency is None:
         return None
@@ -280,6 +318,10 @@ def restore_detailed(
     if max_parallel_shards < 1:
         raise ValueError(f"max_parallel_shards must be >= 1, got {max_parallel_shards}")
     root, _ = resolve_root(local_root)
+    bad = not_a_directory(root)
+    if bad is not None:
+        raise CheckpointWriteError(f"{root} is not a directory" + ("" if bad == root else f" ({bad} is not one)")
+                                   + ": nothing restored")
     handle = StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url,
                          transfer=transfer)
     with handle as st:
@@ -333,7 +375,8 @@ def restore(
     manifest), :class:`MissingShardError` / :class:`ShardCorruptedError` / :class:`ManifestError` (the
     chosen step is broken remotely; nothing committed locally), :class:`CheckpointExistsError`,
     :class:`ConcurrentSaveError` (a live local writer of the same step), :class:`CheckpointWriteError`
-    (local disk), :class:`UploadError` (the bucket cannot be read), ``ValueError`` (bad URL or ranks).
+    (local disk; ``local_root``, or an ancestor of it, exists and is not a directory: nothing fetched),
+    :class:`UploadError` (the bucket cannot be read), ``ValueError`` (bad URL or ranks).
     """
     return restore_detailed(remote_url, local_root, step=step, ranks=ranks, s3_client=s3_client,
                             fallback=fallback, replace=replace, endpoint_url=endpoint_url,
@@ -345,6 +388,6 @@ def restore(
 __all__ = [
     "REMOTE_COMMITTED", "REMOTE_NO_UPLOAD_MANIFEST", "REMOTE_BAD_UPLOAD_MANIFEST", "REMOTE_VANISHED",
     "RemoteObject", "RestorePlan", "RestoreResult", "RemoteStep",
-    "restore", "restore_detailed", "plan_restore", "list_remote_steps", "remote_committed_steps",
+    "not_a_directory", "restore", "restore_detailed", "plan_restore", "list_remote_steps", "remote_committed_steps",
     "read_latest_pointer",
 ]
