@@ -12,8 +12,8 @@ Lifecycle (who calls what):
    run and is at least as new as the root's). No record and no steps: the prefix is claimed. No record
    but steps (a round-1 prefix): adopted with a warning, by the same conditional PUT. The root's record
    extends the bucket's (a newer attempt started): the bucket's is moved forward (``If-Match``) before
-   any step of the new attempt is uploaded. Another run: :class:`~tiered_ckpt.errors.RunMismatchError`,
-   unless ``adopt=True``.
+   any step of the new attempt is uploaded. Another run, or a root without a record on a claimed prefix:
+   :class:`~tiered_ckpt.errors.RunMismatchError`, unless ``adopt=True``.
 2. the manager (through the local lineage decision), before the first step of a new attempt commits:
    :func:`publish_lineage` (the same rules, without adoption).
 3. restore and the catalogue: :func:`read_remote_record` (one bounded GET) to tell current saves from
@@ -97,6 +97,14 @@ def _mismatch(store: ObjectStore, remote: RunLineage, local: RunLineage) -> RunM
         claimed_by=remote.run_id, ours=local.run_id)
 
 
+def _unrecorded(store: ObjectStore, remote: RunLineage) -> RunMismatchError:
+    return RunMismatchError(
+        f"this root has no {RUN_RECORD_NAME} (save_sharded, or an older tiered_ckpt) but {store.url} is claimed "
+        f"by run {remote.run_id}: nothing uploaded. Use another prefix, or pass --adopt-prefix "
+        f"(adopt_prefix=True) to upload into run {remote.run_id}'s prefix anyway",
+        claimed_by=remote.run_id, ours="")
+
+
 def _decide(store: ObjectStore, remote: RunLineage | None, bad: ManifestError | None, local: RunLineage,
             adopt: bool) -> RunLineage | None:
     """What the record must become: ``None`` when the bucket's (``remote``) already covers ``local``;
@@ -128,12 +136,16 @@ def _decide(store: ObjectStore, remote: RunLineage | None, bad: ManifestError | 
 def claim_or_check(store: ObjectStore, local: RunLineage | None, *, adopt: bool = False) -> RunLineage | None:
     """Make the prefix's run record agree with the root's ``local`` record (see the module docstring)
     and return the record in effect for the prefix afterwards (the newer of the two; ``None`` only when
-    neither exists). ``local=None`` (a root without a run record) claims nothing and checks nothing.
+    neither exists). ``local=None`` (a root without a run record: ``save_sharded``, an older tiered_ckpt)
+    claims nothing; an unclaimed prefix (none, or round 1) takes it as before, a claimed one refuses it
+    (:class:`~tiered_ckpt.errors.RunMismatchError` naming the claim and ``--adopt-prefix``) unless
+    ``adopt`` (then the claim stays as it is, with a warning).
 
-    Steady state: one GET. Raises :class:`~tiered_ckpt.errors.RunMismatchError` (another run's claim,
-    ``adopt`` false), :class:`~tiered_ckpt.errors.LineageError` (diverged records of one run),
-    ``ManifestError`` (the bucket's record is unreadable and ``adopt`` is false), ``UploadError``
-    (the bucket cannot be read or written; conditional writes lost :data:`CLAIM_ATTEMPTS` times)."""
+    Steady state: one GET. Raises :class:`~tiered_ckpt.errors.RunMismatchError` (another run's claim, or
+    any claim for ``local=None``; ``adopt`` false), :class:`~tiered_ckpt.errors.LineageError` (diverged
+    records of one run), ``ManifestError`` (the bucket's record is unreadable and ``adopt`` is false),
+    ``UploadError`` (the bucket cannot be read or written; conditional writes lost :data:`CLAIM_ATTEMPTS`
+    times)."""
     bad: ManifestError | None = None
     try:
         remote = read_remote_record(store)
@@ -142,6 +154,12 @@ def claim_or_check(store: ObjectStore, local: RunLineage | None, *, adopt: bool 
     if local is None:
         if bad is not None:
             raise bad
+        if remote is not None:
+            if not adopt:
+                raise _unrecorded(store, remote)
+            log.warning("%s is claimed by run %s; uploading a root without a run record into it "
+                        "(adopt_prefix): its steps are judged under run %s's record", store.url, remote.run_id,
+                        remote.run_id)
         return remote
     if bad is None and remote is not None and _decide(store, remote, None, local, adopt) is None:
         return remote
