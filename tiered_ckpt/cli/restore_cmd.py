@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.cli._common import (EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks, positive_int, print_json,
-                      print_table, s3_url, step_number)
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks,
+                                     positive_int, print_json, print_table, s3_url, step_number)
 
 MiB = 1024 * 1024
 
@@ -114,10 +114,21 @@ class _Progress:
             self.bar.close()
 
 
+def _check_local(local: Path) -> None:
+    """``--local`` must be a directory or a path one can make (exit 1, one line, nothing fetched)."""
+    from tiered_ckpt.remote.restore import not_a_directory
+
+    bad = not_a_directory(local)
+    if bad is not None:
+        why = "" if bad == Path(local).absolute() else f" ({bad} is not one)"
+        raise CliError(f"--local {local} is not a directory{why}", EXIT_FAULT)
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
     from tiered_ckpt.remote.restore import plan_restore, restore_detailed
 
     _check_url(args.remote)
+    _check_local(args.local)
     ranks = parse_ranks(args.ranks) if args.ranks else None
     client = make_client(args)
     if args.dry_run:

@@ -9,8 +9,10 @@ pin either exists whole or not at all after a crash. Its content (sorted-key JSO
 
     {"pinned_at": "2026-01-01T00:00:00.000000Z", "step": 1234}
 
-A step counts as pinned iff the entry is a regular file; what it says is not checked (a hand-made empty
-``pinned.json`` pins too).
+A step counts as pinned iff an entry named ``pinned.json`` exists, of any kind (safe side: a regular
+file, empty or garbage, a symlink, dangling or not, a FIFO, a directory); what it says is not checked.
+The entry is only ``lstat``-ed: never followed, never opened. :func:`pin_bytes` is what a mirror of the pin
+may upload (the regular file's bytes, read without following or blocking; a placeholder otherwise).
 
 Rotation renames a step into trash before removing it and looks for a pin inside the trash, as it does for
 locks: a pin written while rotation deletes the step either fails (:class:`NoCheckpointError`, the step is
@@ -21,13 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
-from tiered_ckpt.errors import NoCheckpointError
+from tiered_ckpt.errors import ManifestError, NoCheckpointError
 from tiered_ckpt.fs import is_real_dir, utc_now
-from tiered_ckpt.layout import PINNED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local.catalogue import all_step_dirs, is_committed, resolve_root
+from tiered_ckpt.layout import PINNED_MARKER_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.local.catalogue import all_step_dirs, is_committed, read_small_regular_file, resolve_root
 from tiered_ckpt.local.commit import durable_write_bytes, unlink_durable
 
 PathLike = str | os.PathLike[str]
@@ -38,12 +39,42 @@ def _step_dir(root: PathLike, step: int) -> Path:
     return r / step_dir_name(step)  # ValueError for a bad step number
 
 
+#: Bytes of a ``pinned.json`` that :func:`pin_bytes` returns as they are (larger: the placeholder).
+MAX_PIN_BYTES = 64 * 1024
+
+
 def has_pin(step_dir: PathLike) -> bool:
-    """Whether ``<step_dir>/pinned.json`` is a regular file (not followed if a symlink). Never raises."""
+    """Whether an entry named ``<step_dir>/pinned.json`` exists, of any kind (``lstat``: a symlink is not
+    followed, a FIFO not opened). Never raises: an error other than "no such entry" counts as pinned (safe
+    side: rotation keeps the step)."""
     try:
-        return stat.S_ISREG(os.lstat(Path(step_dir) / PINNED_MARKER_NAME).st_mode)
-    except OSError:
+        os.lstat(Path(step_dir) / PINNED_MARKER_NAME)
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except OSError:
+        return True
+    return True
+
+
+def pin_bytes(step_dir: PathLike, *, cap: int = MAX_PIN_BYTES) -> bytes | None:
+    """What a mirror of the pin of ``step_dir`` uploads (SPEC §11: a pin holds in the bucket too), or
+    ``None`` when the step is not pinned. A regular ``pinned.json`` of at most ``cap`` bytes: its bytes
+    (opened with ``O_NOFOLLOW | O_NONBLOCK``). Any other pinning entry (a symlink, never followed; a FIFO,
+    never read; a directory; an oversized or unreadable file): the placeholder
+    ``{"pinned_at": null, "step": <step or null>}``. Never raises for the entry's kind."""
+    path = Path(step_dir) / PINNED_MARKER_NAME
+    if not has_pin(step_dir):
+        return None
+    try:
+        data = read_small_regular_file(path, cap)
+    except ManifestError:
+        data = None
+    if data is not None:
+        return data
+    if not os.path.lexists(path):
+        return None  # removed meanwhile: unpinned
+    step = parse_step_dir_name(Path(step_dir).name)
+    return (json.dumps({"step": step, "pinned_at": None}, sort_keys=True) + "\n").encode()
 
 
 def pin_step(root: PathLike, step: int) -> None:
@@ -87,4 +118,4 @@ def pinned_steps(root: PathLike) -> list[int]:
     return [s for s in all_step_dirs(r) if is_committed(r / step_dir_name(s)) and has_pin(r / step_dir_name(s))]
 
 
-__all__ = ["has_pin", "is_pinned", "pin_step", "pinned_steps", "unpin_step"]
+__all__ = ["MAX_PIN_BYTES", "has_pin", "is_pinned", "pin_bytes", "pin_step", "pinned_steps", "unpin_step"]

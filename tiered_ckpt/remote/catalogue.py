@@ -294,7 +294,8 @@ class RemoteStep:
     but no commit point: an upload in progress or abandoned; never restored), ``bad upload manifest``
     (present but unreadable), ``vanished`` (LIST showed the upload manifest but GET did not find it: a
     save being deleted by retention). ``objects``: keys LIST showed directly under the save
-    (confirmation records not counted). ``latest``: the ``latest`` pointer names this save.
+    (confirmation records not counted). ``latest``: the ``latest`` pointer names this save and it is the
+    current save of its step (a pointer left on a superseded or broken save marks nothing).
     ``save_id``: of the save (``None`` when unknown); ``attempt``/``run_id``: its lineage (committed
     saves). ``status`` (committed saves): ``current`` (what a restore of the step chooses),
     ``superseded by attempt K from step S``, ``replaced by save X (attempt K)``, or
@@ -329,16 +330,15 @@ class RemoteStep:
 
 def remote_steps_of(cat: RemoteCatalogue) -> list[RemoteStep]:
     """:class:`RemoteStep` rows of a catalogue: every save and fault, by step; within a step the current
-    save first."""
+    save first. Only a current save is marked ``latest``."""
     rows = []
     for s in cat.saves:
         status = cat.status(s)
+        latest = status == CURRENT and cat.is_latest(s.step, s.key_save_id)
         rows.append(RemoteStep(s.step, REMOTE_COMMITTED, "", s.um.world_size, s.um.total_bytes, s.save_id,
-                               cat.objects.get((s.step, s.key_save_id), 0), cat.is_latest(s.step, s.key_save_id),
-                               s.attempt, s.run_id, status))
-    for f in cat.faults:
-        rows.append(RemoteStep(f.step, f.state, f.reason, save_id=f.key_save_id, objects=f.objects,
-                               latest=cat.is_latest(f.step, f.key_save_id)))
+                               cat.objects.get((s.step, s.key_save_id), 0), latest, s.attempt, s.run_id, status))
+    for f in cat.faults:  # never marked latest: not a usable commit, whatever the pointer names
+        rows.append(RemoteStep(f.step, f.state, f.reason, save_id=f.key_save_id, objects=f.objects))
     return sorted(rows, key=lambda r: (r.step, not r.current, r.state != REMOTE_COMMITTED, r.save_id or ""))
 
 
