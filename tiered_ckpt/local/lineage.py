@@ -32,8 +32,8 @@ from tiered_ckpt.errors import CheckpointWriteError, LineageError, ManifestError
 from tiered_ckpt.format.lineage import RunLineage, Superseded
 from tiered_ckpt.layout import RUN_RECORD_NAME, SUPERSEDED_DIR, parse_remote_step_entry, step_dir_name
 from tiered_ckpt.fs import is_real_dir
-from tiered_ckpt.local.catalogue import (all_committed_steps, read_run_record, resolve_root, step_lineage,
-                                         superseded_in)
+from tiered_ckpt.local.catalogue import (all_committed_steps, judged_attempt, read_run_record, resolve_root,
+                                         step_lineage, superseded_in)
 from tiered_ckpt.local.commit import durable_write_bytes, set_aside_step
 from tiered_ckpt.local.trash import move_to_trash, put_back, remove_trash
 
@@ -118,7 +118,7 @@ def superseded_local_steps(root: PathLike) -> list[SupersededStep]:
         if parsed is None or info is None:
             continue
         step = parsed[0]
-        why = lineage.superseded_by(info[1], step) if lineage is not None else None
+        why = lineage.superseded_by(judged_attempt(info, lineage), step) if lineage is not None else None
         out.append(SupersededStep(step, info[2], info[1], info[0], why, into / name, True))
     return sorted(out, key=lambda e: (e.step, e.set_aside, e.save_id or ""))
 

@@ -36,10 +36,11 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
-from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME
-from tiered_ckpt.local.catalogue import committed_steps, read_manifest_bytes, read_run_record, step_path
+from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME, step_dir_name
+from tiered_ckpt.local.catalogue import (committed_steps, judged_attempt, read_manifest_bytes, read_run_record,
+                                         step_lineage, step_path)
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
-from tiered_ckpt.local.pins import has_pin
+from tiered_ckpt.local.pins import MAX_PIN_BYTES, has_pin, pin_bytes
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.remote.catalogue import save_key
 from tiered_ckpt.remote.commit import RemoteStepCommit
@@ -50,9 +51,6 @@ from tiered_ckpt.retry import OperationInterruptedError
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
-
-#: Bytes of a local ``pinned.json`` the sidecar mirrors at most (it is informational JSON).
-MAX_PIN_BYTES = 64 * 1024
 
 
 def read_local_manifest(local_root: Path, step: int, sdir: Path) -> tuple[bytes, ShardManifest]:
@@ -78,8 +76,10 @@ def check_lineage(store: ObjectStore, local_root: Path, m: ShardManifest, *,
     ``RunMismatchError``, ``LineageError``, ``ManifestError`` (an unreadable record), ``UploadError``."""
     local = read_run_record(local_root)
     lineage = claim_or_check(store, local, adopt=adopt_prefix)
+    info = step_lineage(local_root / step_dir_name(m.step)) or (m.run_id, m.attempt, m.save_id)
     for rec, where in ((local, f"{local_root}/run.json"), (lineage, f"{store.url}/run.json")):
-        sup = rec.superseded_by(m.attempt, m.step) if rec is not None else None
+        # a step restored from another run is judged by the attempt it entered this run in (adopted.json)
+        sup = rec.superseded_by(judged_attempt(info, rec), m.step) if rec is not None else None
         if sup is not None:
             raise StepSupersededError(m.step, sup, where=where)
     return lineage
@@ -122,13 +122,8 @@ def mirror_pin(store: ObjectStore, step: int, key_save_id: str | None, sdir: Pat
     key = save_key(step, key_save_id, PINNED_MARKER_NAME)
     if not known_absent and store.head(key) is not None:
         return True
-    try:
-        with open(sdir / PINNED_MARKER_NAME, "rb") as f:
-            body = f.read(MAX_PIN_BYTES + 1)
-    except OSError:
-        return False
-    if len(body) > MAX_PIN_BYTES:
-        log.warning("step %d: %s is over %d bytes; not mirrored", step, sdir / PINNED_MARKER_NAME, MAX_PIN_BYTES)
+    body = pin_bytes(sdir)  # never follows a symlink or opens a FIFO; a placeholder for those
+    if body is None:  # unpinned meanwhile
         return False
     store.put_bytes(key, body)
     log.info("step %d: pin mirrored to %s/%s", step, store.url, key)
