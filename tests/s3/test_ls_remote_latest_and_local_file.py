@@ -58,6 +58,10 @@ def test_ls_remote_marks_only_a_current_save_latest(rolled_back: S3Location,
     assert main(["ls", "--remote", loc.url, *_s3(loc)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert not any("*" in line for line in lines[1:]), lines  # before: '*' on superseded 700
+    # the state column says superseded, as the local ls does (before: "committed" with a note)
+    assert [line.split()[:2] for line in lines[1:]] == [["500", "committed"], ["600", "superseded"],
+                                                        ["700", "superseded"]]
+    assert [r["shown_state"] for r in rows] == ["committed", "superseded", "superseded"]
 
 
 def test_ls_remote_still_marks_the_current_latest(tmp_path: Path, s3_bucket: S3Location,

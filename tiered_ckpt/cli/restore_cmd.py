@@ -185,7 +185,7 @@ def cmd_ls_remote(args: argparse.Namespace) -> int:
         print(f"no steps under {args.remote}")
         return EXIT_OK
     print_table(["step", "state", "world_size", "size", "latest", "attempt", "save", "note"],
-                [[s.step, s.state, s.world_size if s.world_size is not None else "-",
+                [[s.step, s.shown_state, s.world_size if s.world_size is not None else "-",
                   human_bytes(s.size_bytes) if s.ok else f"{s.objects} object(s)", "*" if s.latest else "",
                   s.attempt if s.attempt is not None else "-", s.save_id or "-",
                   s.reason or ("" if s.status in ("", "current") else s.status)] for s in rows])

@@ -322,10 +322,22 @@ class RemoteStep:
     def current(self) -> bool:
         return self.status == CURRENT
 
+    @property
+    def shown_state(self) -> str:
+        """``state`` for a listing, in one word: a committed save that is not current shows why
+        (``superseded``, ``replaced``, ``other run``), as the local ``ls`` does."""
+        if not self.ok or self.status in ("", CURRENT):
+            return self.state
+        for head, word in (("superseded", "superseded"), ("replaced", "replaced"), ("run ", "other run")):
+            if self.status.startswith(head):
+                return word
+        return self.state
+
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "state": self.state, "reason": self.reason, "world_size": self.world_size,
                 "size_bytes": self.size_bytes, "save_id": self.save_id, "objects": self.objects,
-                "latest": self.latest, "attempt": self.attempt, "run_id": self.run_id, "status": self.status}
+                "latest": self.latest, "attempt": self.attempt, "run_id": self.run_id, "status": self.status,
+                "shown_state": self.shown_state}
 
 
 def remote_steps_of(cat: RemoteCatalogue) -> list[RemoteStep]:
