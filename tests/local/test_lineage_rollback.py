@@ -130,15 +130,113 @@ def test_run_id_is_created_once_and_recorded_in_every_manifest(tmp_path: Path) -
     assert json.loads((root / "run.json").read_text())["run_id"] == run
 
 
-def test_a_second_load_inspects_without_deciding(tmp_path: Path) -> None:
-    """Only the manager's first load (or save) decides: loading an older step later is a read."""
+def attempts(root: Path) -> list[tuple]:
+    """``(attempt, supersedes_from, resumed_from)`` of every attempt in ``root``'s run.json."""
+    rec = json.loads((root / "run.json").read_text())
+    return [(a["attempt"], a["supersedes_from"], a["resumed_from"]) for a in rec["attempts"]]
+
+
+def set_aside(root: Path) -> list[tuple]:
+    """``(step, attempt saved in, superseding attempt, from step, set aside)`` of the superseded steps."""
+    from tiered_ckpt.local import superseded_local_steps
+
+    return sorted((e.step, e.attempt, e.superseded.attempt if e.superseded else None,
+                   e.superseded.from_step if e.superseded else None, e.set_aside) for e in superseded_local_steps(root))
+
+
+def test_in_process_rollback_starts_a_new_attempt_at_every_load(tmp_path: Path) -> None:
+    """A load of an older step in a manager that already saved (or loaded) is a rollback too: before the
+    fix only the manager's first load or save decided, so load(500) kept attempt 1, the next save of 600
+    raised CheckpointExistsError, 510 was committed as attempt 1 and the next restart loaded 700, the
+    abandoned branch."""
     root = tmp_path / "run"
     with CheckpointManager(root, keep_last=5, async_save=False) as mgr:
-        for s in (1, 2, 3):
+        for s in (500, 600, 700):
             mgr.save(s, state(s))
-        assert [mgr.load(s)["step"] for s in (1, 2, 3)] == [1, 2, 3]
         assert mgr.attempt == 1
-    assert committed_steps(root) == [1, 2, 3]
+        assert mgr.load(500)["step"] == 500
+        assert mgr.attempt == 2  # before the fix: 1
+        assert attempts(root) == [(1, None, None), (2, 501, 500)]
+        assert set_aside(root) == [(600, 1, 2, 501, True), (700, 1, 2, 501, True)]
+        mgr.save(600, state(600))  # before the fix: CheckpointExistsError
+        mgr.save(510, state(510))
+        assert [(read_manifest(root, s).attempt) for s in (500, 510, 600)] == [1, 2, 2]
+        assert mgr.load()["step"] == 600 and mgr.attempt == 2  # the newest current step again: no attempt
+        assert mgr.load(600)["step"] == 600 and mgr.attempt == 2
+        # Rollback twice in one manager.
+        assert mgr.load(510)["step"] == 510 and mgr.attempt == 3
+        assert attempts(root) == [(1, None, None), (2, 501, 500), (3, 511, 510)]
+        mgr.save(520, state(520))
+        assert committed_steps(root) == [500, 510, 520]
+        assert set_aside(root) == [(600, 1, 2, 501, True), (600, 2, 3, 511, True), (700, 1, 2, 501, True)]
+    with CheckpointManager(root, keep_last=5, async_save=False) as mgr:
+        got = mgr.load()
+        assert got["step"] == 520 and got["w"].tolist() == [520.0] * 8  # before the fix: 700
+        assert mgr.attempt == 3
+    assert read_manifest(root, 520).attempt == 3
+
+
+def test_in_process_load_of_an_older_newest_common_step(tmp_path: Path) -> None:
+    """load() in a running manager whose newest step lost its shard (a node loss): the newest step it
+    can load is older than a current committed step, so the load starts a new attempt from there."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=5, async_save=False) as mgr:
+        for s in (10, 20, 30):
+            mgr.save(s, state(s))
+        (root / step_dir_name(30) / "rank_00000.safetensors").unlink()
+        assert mgr.load()["step"] == 20
+        assert mgr.attempt == 2  # before the fix: 1 (and the next save of 30 raised CheckpointExistsError)
+        assert attempts(root) == [(1, None, None), (2, 21, 20)]
+        assert set_aside(root) == [(30, 1, 2, 21, True)]
+        mgr.save(30, state(30))
+        assert committed_steps(root) == [10, 20, 30] and read_manifest(root, 30).attempt == 2
+    with CheckpointManager(root, keep_last=5, async_save=False) as mgr:
+        assert mgr.load()["step"] == 30 and mgr.attempt == 2
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_lost_shard_is_never_a_fresh_start(tmp_path: Path) -> None:
+    """The only step lost this rank's shard: load() raises MissingShardError (a committed step exists),
+    never NoCheckpointError (a caller's 'start fresh'), and nothing is recorded."""
+    from tiered_ckpt.errors import MissingShardError
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(10, state(10))
+    (root / step_dir_name(10) / "rank_00000.safetensors").unlink()
+    before = tree(root)
+    with CheckpointManager(root, async_save=False) as mgr:
+        with pytest.raises(MissingShardError, match=r"no current step \(the newest: 10\) is loadable by every rank"):
+            mgr.load()
+        with pytest.raises(MissingShardError, match=r"step 10 is not loadable by every rank: rank\(s\) \[0\]"):
+            mgr.load(10)
+        with pytest.raises(NoCheckpointError, match="step 20 is not a current committed step"):
+            mgr.load(20)
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize("step", [None, 10])
+def test_world_size_mismatch_is_checked_before_anything_is_recorded(tmp_path: Path, step: int | None) -> None:
+    """A 1-rank load of a 2-rank step raises WorldSizeMismatchError with the root untouched: before the
+    fix load(10) first started attempt 2 (run.json written, step 20 set aside), then failed."""
+    from tiered_ckpt.errors import WorldSizeMismatchError
+
+    root = tmp_path / "run"
+    save_sharded([state(10), state(10)], root, 10)  # saved by 2 ranks
+    if step == 10:
+        save_sharded([state(20)], root, 20)
+    before = tree(root)
+    with CheckpointManager(root, keep_last=5, async_save=False) as mgr:
+        with pytest.raises(WorldSizeMismatchError, match="step 10 was saved by 2 ranks, but 1"):
+            mgr.load(step)
+        assert mgr.attempt is None
+    assert tree(root) == before
+    assert committed_steps(root) == ([10, 20] if step == 10 else [10])
 
 
 # ------------------------------------------------------------------------------- the local tier underneath

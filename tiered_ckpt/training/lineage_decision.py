@@ -3,10 +3,17 @@
 The rule (``N``: the newest attempt any visible record names; visible: every rank's root and, with a
 ``remote_url``, the bucket):
 
-- loading step ``S`` while a current committed step ``> S`` is visible starts attempt ``N+1`` with
-  ``supersedes_from = S + 1`` (a rollback, or a node replacement that lost the newest step);
+- every load of step ``S`` (the manager's first or a later one, ``load(S)`` or ``load()``) while a
+  current committed step ``> S`` is visible starts attempt ``N+1`` with ``supersedes_from = S + 1`` (a
+  rollback, or a node replacement that lost the newest step); loading the newest current step again
+  starts none;
 - a first save of step ``T`` without a load while a current step ``>= T`` is visible starts attempt
   ``N+1`` with ``supersedes_from = T``;
+- a bucket that cannot be read (``UploadError``: an outage) may hold newer current steps: the decision
+  goes on from the local tier (a warning) as if it did, so a load (or first save) starts a new attempt
+  that supersedes whatever newer the bucket holds once the record reaches it (the sidecar publishes the
+  root's record before any step of the new attempt); a load that finds no step locally then raises
+  ``UploadError``, never :class:`NoCheckpointError` (the bucket may hold one);
 - otherwise the run goes on in attempt ``N``; with no record anywhere a run is created (attempt 1, a new
   run id, rank 0's choice).
 
@@ -17,7 +24,10 @@ Lifecycle of one decision (every rank, in the caller's thread; collectives on th
    records (:meth:`RunLineage.merge`; :class:`LineageError` on divergence) to the same result;
 2. steps: every rank reports its root's committed steps current under the merged record (and, to load,
    the steps it can offer: holding its own shard, or restorable from the bucket). All-gathered; the step
-   to load is the newest every rank offers; the decision above is made (identically on every rank);
+   to load is the newest every rank offers; every rank reports the world size of the step as it would
+   load it (its root's manifest, else the bucket's save), all-gathered: a mismatch raises
+   :class:`WorldSizeMismatchError` on every rank before anything is written or downloaded; the decision
+   above is made (identically on every rank);
 3. record: every rank writes the decided record into its root (:func:`write_run_record`: idempotent, so
    ranks sharing a root may all write it) and sets the superseded steps aside
    (:func:`set_aside_superseded`, race-tolerant); rank 0 publishes it to the bucket; an all-gather of the
@@ -26,6 +36,8 @@ Lifecycle of one decision (every rank, in the caller's thread; collectives on th
 A crash anywhere repeats the decision on restart: once a root holds the record, its superseded steps are
 filtered by every catalogue read, so the same step is loaded and no newer current step is seen (no third
 attempt). ``run_id`` and ``attempt`` of the decided record go into every manifest the manager commits.
+An error on one rank in phases 1-2 is raised on every rank with its own type (``ManifestError`` for an
+unreadable ``run.json``, local or the bucket's).
 """
 
 from __future__ import annotations
@@ -35,10 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.errors import CheckpointError, DistributedSaveError, LineageError, ManifestError, NoCheckpointError
+from tiered_ckpt.errors import (CheckpointError, DistributedSaveError, LineageError, ManifestError, MissingShardError,
+                                NoCheckpointError, RunMismatchError, UploadError, WorldSizeMismatchError)
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import utc_now
-from tiered_ckpt.local import new_run_id, read_run_record, set_aside_superseded, write_run_record
+from tiered_ckpt.local import new_run_id, read_manifest, read_run_record, set_aside_superseded, write_run_record
 from tiered_ckpt.training.resume import (RemoteView, current_local_steps, ensure_local, local_ranks_present,
                                          offer_steps, publish_remote_lineage, read_remote_view)
 
@@ -47,12 +60,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Error types a rank's failure in phases 1-2 is raised as on every rank (others: CheckpointError).
+_GATHERED_ERRORS = {c.__name__: c for c in (ManifestError, LineageError, UploadError, RunMismatchError,
+                                             NoCheckpointError, WorldSizeMismatchError)}
+
+
+def _error_entry(exc: BaseException, where: str) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": f"{where}{type(exc).__name__}: {exc}"}
+
+
+def _raise_gathered(got: list[dict[str, Any]], what: str) -> None:
+    """Raise the lowest failing rank's error (``got[i]["error"]``, see :func:`_error_entry`) with its
+    type, on every rank alike."""
+    errors = {g["rank"]: g["error"] for g in got if "error" in g}
+    if errors:
+        first = errors[min(errors)]
+        cls = _GATHERED_ERRORS.get(first["type"], CheckpointError)
+        raise cls(f"{what} on rank(s) {sorted(errors)}: {first['message']}")
+
 
 @dataclass(frozen=True)
 class Survey:
     """Phase 1 on every rank: the merged record (``None``: no record anywhere), rank 0's candidate run id
-    and timestamp, the bucket's view (``None`` without a remote) and whether the bucket is this run's (a
-    bucket of another run is read for restoring, never written)."""
+    and timestamp, the bucket's view (``None`` without a remote; ``readable=False`` when it could not be
+    read) and whether the bucket is this run's (a bucket of another run is read for restoring, never
+    written)."""
 
     merged: RunLineage | None
     run_id: str
@@ -61,19 +93,32 @@ class Survey:
     remote_ours: bool
 
     @property
+    def remote_lineage(self) -> RunLineage | None:
+        """The record the bucket's saves are judged under: the run's merged one, or the bucket's own when
+        it is another run's."""
+        return self.merged if self.remote_ours or self.remote is None else self.remote.lineage
+
+    @property
     def remote_current(self) -> list[int]:
         if self.remote is None:
             return []
-        return self.remote.current_steps(self.merged if self.remote_ours else self.remote.lineage)
+        return self.remote.current_steps(self.remote_lineage)
+
+    @property
+    def remote_unknown(self) -> bool:
+        """The manager has a bucket and it could not be read: it may hold newer current steps."""
+        return self.remote is not None and not self.remote.readable
 
 
 def decide(survey: Survey, visible: set[int], *, loaded: int | None = None,
            first_save: int | None = None) -> RunLineage:
-    """The record the run continues in (see the module docstring); pure."""
+    """The record the run continues in (see the module docstring); pure. An unreadable bucket counts as
+    holding a current step newer than any."""
     base = survey.merged if survey.merged is not None else RunLineage.first(survey.run_id, survey.started_at)
-    if loaded is not None and any(s > loaded for s in visible):
+    unknown = survey.remote_unknown
+    if loaded is not None and (unknown or any(s > loaded for s in visible)):
         return base.new_attempt(supersedes_from=loaded + 1, resumed_from=loaded, started_at=survey.started_at)
-    if first_save is not None and any(s >= first_save for s in visible):
+    if first_save is not None and (unknown or any(s >= first_save for s in visible)):
         return base.new_attempt(supersedes_from=first_save, resumed_from=None, started_at=survey.started_at)
     return base
 
@@ -84,8 +129,8 @@ class LineageDecider:
     gathers from every rank on the policy group), ``None`` for one process."""
 
     def __init__(self, root: Path, rank: int, coord: "SaveCoordinator | None", *, remote_url: str | None = None,
-                 s3_client: Any = None) -> None:
-        self.root, self.rank = root, rank
+                 s3_client: Any = None, world_size: int = 1) -> None:
+        self.root, self.rank, self.world_size = root, rank, world_size
         self._coord = coord
         self.remote_url, self._s3_client = remote_url, s3_client
 
@@ -100,27 +145,26 @@ class LineageDecider:
 
     # ------------------------------------------------------------------------------ phases
 
-    def survey(self) -> Survey:
-        """Phase 1. Raises :class:`LineageError` (records that diverge or cannot be read, on any rank)."""
+    def survey(self, known: RunLineage | None = None) -> Survey:
+        """Phase 1. ``known``: the record the manager already runs in (merged with the roots'). Raises
+        :class:`LineageError` (records that diverge), ``ManifestError`` (a ``run.json`` that cannot be read,
+        on any rank or in the bucket), and whatever else reading the bucket raised, with its type."""
         mine: dict[str, Any] = {"rank": self.rank}
         try:
             rec = read_run_record(self.root)
             mine["record"] = None if rec is None else rec.to_dict()
         except ManifestError as exc:
-            mine["error"] = str(exc)
+            mine["error"] = _error_entry(exc, f"{self.root}: ")
         if self.rank == 0:
             mine.update(run_id=new_run_id(), started_at=utc_now())
             if self.remote_url is not None:
                 try:  # whatever fails here must reach every rank, not leave them waiting in the gather
                     mine["remote"] = read_remote_view(self.remote_url, s3_client=self._s3_client).to_json()
                 except Exception as exc:
-                    mine["error"] = f"reading {self.remote_url}: {type(exc).__name__}: {exc}"
+                    mine["error"] = _error_entry(exc, f"reading {self.remote_url}: ")
         got = self._gather(mine, "gathering run records")
-        errors = {g["rank"]: g["error"] for g in got if "error" in g}
-        if errors:
-            raise LineageError(f"the run's records cannot be read on rank(s) {sorted(errors)}: "
-                               f"{next(iter(errors.values()))}")
-        merged: RunLineage | None = None
+        _raise_gathered(got, "the run's records cannot be read")
+        merged = known
         for g in got:
             if g["record"] is not None:
                 rec = RunLineage.from_dict(g["record"])
@@ -136,6 +180,9 @@ class LineageDecider:
                 log.warning("rank %d: %s belongs to run %s, this root to run %s: its steps may be restored, "
                             "its record is left alone", self.rank, self.remote_url, remote.lineage.run_id,
                             merged.run_id)
+        if remote is not None and not remote.readable:
+            log.warning("rank %d: %s could not be read (%s): deciding from the local tier, as if it held "
+                        "newer current steps", self.rank, self.remote_url, remote.error)
         return Survey(merged, head["run_id"], head["started_at"], remote, ours)
 
     def _steps(self, sv: Survey, *, offers: bool) -> tuple[set[int], list[set[int]]]:
@@ -144,8 +191,7 @@ class LineageDecider:
         local = current_local_steps(self.root, sv.merged)
         mine: dict[str, Any] = {"current": local}
         if offers:
-            mine["offer"] = (offer_steps(self.root, self.rank, local, sv.remote_current)
-                             if self.remote_url is not None else local)
+            mine["offer"] = offer_steps(self.root, self.rank, local, sv.remote_current)
         got = self._gather(mine, "gathering the current steps")
         visible = set(sv.remote_current).union(*(g["current"] for g in got))
         return visible, [set(g["offer"]) for g in got] if offers else []
@@ -161,8 +207,8 @@ class LineageDecider:
         except (CheckpointError, OSError) as exc:
             failure, mine["error"] = exc, f"{type(exc).__name__}: {exc}"
         if self.rank == 0 and failure is None and self.remote_url is not None and sv.remote_ours \
-                and (sv.remote is None or sv.remote.lineage != lineage):
-            self._publish(lineage)
+                and not sv.remote_unknown and (sv.remote is None or sv.remote.lineage != lineage):
+            self._publish(lineage)  # an unreadable bucket is left to the sidecar (no retries here)
         got = self._gather(mine, "recording the run's lineage")
         errors = {g["rank"]: g["error"] for g in got if "error" in g}
         if errors:
@@ -191,29 +237,68 @@ class LineageDecider:
 
     # ------------------------------------------------------------------------------ decisions
 
-    def at_load(self, step: int | None, *, decided: RunLineage | None = None) -> tuple[int, RunLineage]:
+    def _choose(self, sv: Survey, step: int | None, visible: set[int], offers: list[set[int]]) -> int:
+        """The step to load: ``step``, or the newest every rank offers. Raises (on every rank alike)
+        ``UploadError`` when none is found and the bucket could not be read (it may hold one),
+        :class:`MissingShardError` when current committed steps exist (``visible``) but none that every
+        rank can load (a lost shard: never a silent fresh start over them), else
+        :class:`NoCheckpointError`."""
+        common = set.intersection(*offers) if offers else set()
+        if step is not None and step in common or step is None and common:
+            return step if step is not None else max(common)
+        where = f"rank {self.rank}: {self.root}"
+        if sv.remote_unknown:
+            assert sv.remote is not None
+            what = "no current step" if step is None else f"step {step} is not a current committed step that"
+            raise UploadError(f"{what} every rank holds locally ({where}), and {self.remote_url} could not be "
+                              f"read ({sv.remote.error}): it may hold one; not deciding without it")
+        wanted = step if step is not None else max(visible, default=None)
+        if wanted is not None and wanted in visible:
+            lacking = [r for r, o in enumerate(offers) if wanted not in o]
+            what = f"step {step} is not" if step is not None else f"no current step (the newest: {wanted}) is"
+            raise MissingShardError(f"{what} loadable by every rank: rank(s) {lacking} lack their shard of "
+                                    f"{wanted} ({where}); restore it from the bucket or load an older step")
+        if step is None:
+            remote = f" or in {self.remote_url}" if self.remote_url is not None else ""
+            raise NoCheckpointError(f"no current step is available to every rank, locally ({where}){remote}")
+        raise NoCheckpointError(f"step {step} is not a current committed step every rank can load ({where})")
+
+    def _check_world_size(self, sv: Survey, step: int) -> None:
+        """Phase 2, after choosing: every rank's world size of ``step`` as it would load it (its root's
+        manifest when its shard is here, else the bucket's save), gathered. Raises
+        :class:`WorldSizeMismatchError` on every rank before anything is written or downloaded."""
+        mine: dict[str, Any] = {"rank": self.rank}
+        try:
+            if step in current_local_steps(self.root, sv.merged) and local_ranks_present(self.root, step, [self.rank]):
+                mine["world_size"] = read_manifest(self.root, step).world_size
+            elif sv.remote is not None:
+                mine["world_size"] = sv.remote.world_size_of(step, sv.remote_lineage)
+        except CheckpointError as exc:
+            mine["error"] = _error_entry(exc, f"{self.root}: ")
+        got = self._gather(mine, "checking the world size")
+        _raise_gathered(got, f"step {step} cannot be read")
+        for g in got:
+            ws = g.get("world_size")
+            if ws is not None and ws != self.world_size:
+                raise WorldSizeMismatchError(f"step {step} was saved by {ws} ranks, but {self.world_size} are "
+                                             f"loading it (resharding was not asked for)")
+
+    def at_load(self, step: int | None, *, known: RunLineage | None = None) -> tuple[int, RunLineage]:
         """The step to load (``None``: the newest current step every rank can load) and the record the run
         continues in, recorded everywhere; this rank's shard of the step is made local from the bucket if
-        missing. ``decided``: the manager's lineage is already decided (a later load, e.g. to inspect an
-        older step): it is kept and nothing is recorded. Raises :class:`NoCheckpointError` (nothing, or not
-        that step, is available to every rank: nothing is decided then), :class:`LineageError`, restore's
-        errors."""
-        sv = self.survey()
+        missing. Every load decides, the manager's first and any later one (``known``: the record the
+        manager runs in so far): loading a step older than a visible current step starts a new attempt.
+        Raises :class:`NoCheckpointError` (nothing, or not that step, is committed and current),
+        :class:`MissingShardError` (it is, but not every rank can load it), ``UploadError`` (either, with a
+        bucket that could not be read), :class:`WorldSizeMismatchError` (nothing is decided or downloaded
+        then), ``ManifestError``, :class:`LineageError`, restore's errors."""
+        sv = self.survey(known)
         visible, offers = self._steps(sv, offers=True)
-        common = set.intersection(*offers) if offers else set()
-        if step is None:
-            if not common:
-                where = f" or in {self.remote_url}" if self.remote_url is not None else ""
-                raise NoCheckpointError(f"no current step is available to every rank, locally (rank {self.rank}: "
-                                        f"{self.root}){where}")
-            step = max(common)
-        elif step not in common:
-            raise NoCheckpointError(f"step {step} is not a current committed step every rank can load (rank "
-                                    f"{self.rank}: {self.root})")
-        lineage = decided if decided is not None else decide(sv, visible, loaded=step)
-        if decided is None:
-            self._announce(sv, lineage, visible)
-            self._record(sv, lineage)
+        step = self._choose(sv, step, visible, offers)
+        self._check_world_size(sv, step)
+        lineage = decide(sv, visible, loaded=step)
+        self._announce(sv, lineage, visible)
+        self._record(sv, lineage)
         if self.remote_url is not None and not local_ranks_present(self.root, step, [self.rank]):
             ensure_local(self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client)
         return step, lineage

@@ -171,7 +171,6 @@ class CheckpointManager:
         self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads, keep_every_steps=keep_every_steps)
         self.async_save = async_save
         self.remote_url = remote_url
-        self._remote_s3_client = remote_s3_client
         self.root.mkdir(parents=True, exist_ok=True)
         self._coord = None
         if world_size > 1 or process_group is not None:
@@ -180,7 +179,8 @@ class CheckpointManager:
             self._coord = SaveCoordinator(rank, world_size, process_group, timeout_s=collective_timeout_s,
                                           shared_filesystem=shared_filesystem)
         self._lineage: RunLineage | None = None
-        self._decider = LineageDecider(self.root, rank, self._coord, remote_url=remote_url, s3_client=remote_s3_client)
+        self._decider = LineageDecider(self.root, rank, self._coord, remote_url=remote_url,
+                                       s3_client=remote_s3_client, world_size=world_size)
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiered-ckpt-save-r{rank}")
                           if async_save else None)
         self._future: Future[None] | None = None
@@ -344,12 +344,13 @@ class CheckpointManager:
     def load(self, step: int | None = None) -> dict[str, Any]:
         """Load and verify this rank's state of ``step`` (``None``: the newest current step every rank can
         load; with ``remote_url`` the bucket's too, restored first). A collective; waits for an in-flight
-        save first. The manager's first load (before any save) decides the lineage (SPEC §11): loading a
-        step older than a visible current step starts a new attempt and sets the newer steps aside.
-        Raises ``NoCheckpointError`` (nothing, or not that step, available to every rank; on every rank
-        alike), ``LineageError``, and the errors of :func:`tiered_ckpt.local.load_shard`."""
+        save first. Every load decides the lineage (SPEC §11): loading a step older than a visible current
+        step (or with an unreadable bucket) starts a new attempt and sets the newer steps aside. Raises
+        ``NoCheckpointError`` (nothing, or not that step, available to every rank), ``UploadError`` (that,
+        with an unreadable bucket), ``WorldSizeMismatchError`` (checked first), ``ManifestError``,
+        ``LineageError``, :func:`tiered_ckpt.local.load_shard`'s; every rank alike."""
         self.wait()
-        step, self._lineage = self._decider.at_load(step, decided=self._lineage)
+        step, self._lineage = self._decider.at_load(step, known=self._lineage)
         return load_shard(self.root, self.rank, self.world_size, step)
 
     @property

@@ -35,42 +35,61 @@ PathLike = str | os.PathLike[str]
 @dataclass(frozen=True)
 class RemoteView:
     """What the bucket shows a lineage decision (read by one rank): its run record (``None``: none, or
-    the bucket could not be read), its remotely committed saves as ``(step, attempt)`` (``attempt``
-    ``None``: unknown, judged current), and whether it could be read at all."""
+    the bucket could not be read), its remotely committed saves as ``(step, attempt, world_size)``
+    (``attempt`` ``None``: unknown, judged current; ascending by step, then in the order a restore ranks
+    them, the winner of a step last), whether it could be read at all and, if not, why (``error``)."""
 
     lineage: RunLineage | None
-    steps: tuple[tuple[int, int | None], ...]
+    steps: tuple[tuple[int, int | None, int], ...]
     readable: bool = True
+    error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"lineage": None if self.lineage is None else self.lineage.to_dict(),
-                "steps": [list(s) for s in self.steps], "readable": self.readable}
+                "steps": [list(s) for s in self.steps], "readable": self.readable, "error": self.error}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "RemoteView":
         lin = obj["lineage"]
         return cls(None if lin is None else RunLineage.from_dict(lin),
-                   tuple((int(s), None if a is None else int(a)) for s, a in obj["steps"]), bool(obj["readable"]))
+                   tuple((int(s), None if a is None else int(a), int(w)) for s, a, w in obj["steps"]),
+                   bool(obj["readable"]), obj.get("error"))
+
+    def _current(self, lineage: RunLineage | None) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s, a, w in self.steps:  # the last current save of a step is the one a restore picks
+            if lineage is None or a is None or lineage.is_current(a, s):
+                out[s] = w
+        return out
 
     def current_steps(self, lineage: RunLineage | None) -> list[int]:
         """The bucket's steps with a save current under ``lineage`` (the run's merged record), ascending."""
-        return sorted({s for s, a in self.steps if lineage is None or a is None or lineage.is_current(a, s)})
+        return sorted(self._current(lineage))
+
+    def world_size_of(self, step: int, lineage: RunLineage | None) -> int | None:
+        """The world size of the save of ``step`` a restore under ``lineage`` picks (``None``: no
+        current save of it)."""
+        return self._current(lineage).get(step)
 
 
 def read_remote_view(remote_url: str, *, s3_client: Any = None, endpoint_url: str | None = None,
                      store: ObjectStore | None = None) -> RemoteView:
     """Read the bucket's run record and committed saves for a lineage decision: one look at the prefix
     (:func:`~tiered_ckpt.remote.catalogue.read_catalogue`). Saves of another run than the bucket's record
-    names are left out. Never raises for an unreadable bucket: logged, and ``readable=False`` (the
-    decision then sees the local tier only)."""
+    names are left out. A bucket that cannot be read (``UploadError``: an outage, refused credentials)
+    is logged and returned as ``readable=False`` with the cause in ``error``: the decision must then
+    assume it may hold newer current steps (SPEC §11). Raises ``ManifestError`` for a malformed, empty
+    or oversized ``<prefix>/run.json`` (never read around: it decides what is superseded)."""
     try:
         with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
             cat = read_catalogue(st)
-    except (UploadError, ManifestError) as exc:
-        log.warning("cannot read %s (%s); the lineage decision sees the local tier only", remote_url, exc)
-        return RemoteView(None, (), False)
+    except ManifestError:
+        raise
+    except UploadError as exc:
+        log.warning("cannot read %s (%s)", remote_url, exc)
+        return RemoteView(None, (), False, f"{type(exc).__name__}: {exc}")
     run = cat.lineage.run_id if cat.lineage is not None else None
-    steps = sorted({(s.step, s.attempt) for s in cat.saves if run is None or s.run_id in (None, run)})
+    steps = [(s.step, s.attempt, s.um.world_size) for s in cat.saves if run is None or s.run_id in (None, run)]
     return RemoteView(cat.lineage, tuple(steps))
 
 
@@ -142,8 +161,10 @@ def prepare_load_from_remote(root: PathLike, remote_url: str, rank: int, step: i
     ``step=None``: every rank offers the current steps it can provide (:func:`offer_steps`, under
     ``lineage``, default the root's ``run.json`` merged with the bucket's) and the newest step every rank
     can provide wins (``common_steps``, a collective over the ranks; ``None`` for one process). Raises
-    :class:`NoCheckpointError` when no step is available to every rank, :class:`LineageError` when the
-    root's and the bucket's records disagree, and :func:`~tiered_ckpt.remote.restore.restore`'s errors.
+    :class:`NoCheckpointError` when no step is available to every rank (``UploadError`` instead when the
+    bucket could not be read: it may hold one), ``ManifestError`` (the bucket's ``run.json``),
+    :class:`LineageError` when the root's and the bucket's records disagree, and
+    :func:`~tiered_ckpt.remote.restore.restore`'s errors.
     """
     view = read_remote_view(remote_url, s3_client=s3_client, endpoint_url=endpoint_url)
     if lineage is None:
@@ -154,6 +175,9 @@ def prepare_load_from_remote(root: PathLike, remote_url: str, rank: int, step: i
     if step is None:
         offer = offer_steps(root, rank, local, view.current_steps(lineage))
         avail = common_steps(offer) if common_steps is not None else offer
+        if not avail and not view.readable:
+            raise UploadError(f"no step is available to every rank locally ({root}), and {remote_url} could "
+                              f"not be read ({view.error})")
         if not avail:
             raise NoCheckpointError(f"no step is available to every rank, locally ({root}) or in {remote_url}")
         step = avail[-1]
