@@ -64,8 +64,8 @@ class StepStatus:
     shard files present on disk. ``node_ranks``: the ranks checked when the root holds fewer than the
     step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
     ``superseded_by`` / ``superseded_from``: the attempt that superseded the step and the step number it
-    supersedes from (state ``superseded`` only); ``attempt``: the step's own attempt, ``path``: its
-    directory (set for superseded steps)."""
+    supersedes from (state ``superseded`` only); ``attempt``: the step's own attempt (any step whose manifest
+    reads); ``path``: its directory (set for superseded steps)."""
 
     step: int
     state: str
@@ -219,7 +219,7 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
         wanted = None if len(mine) == m.world_size else mine
         node = None if wanted is None else tuple(sorted(mine))
     state, reason = _check_shards(sdir, m, wanted, verify, fast)
-    return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned)
+    return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned, attempt=m.attempt)
 
 
 def _ranks_held(r: Path, sdir: Path, m: ShardManifest, held: Mapping[int, frozenset[int]] | None) -> frozenset[int]:
