@@ -375,3 +375,17 @@ def test_an_empty_run_record_is_a_manifest_error(s3_bucket: s3_infra.S3Location)
     with S3Store.from_url(s3_bucket.url, client=s3_bucket.client) as st:
         with pytest.raises(ManifestError, match="run.json"):
             read_remote_record(st)
+
+
+def test_a_latest_pointer_naming_no_commit_does_not_hold_latest(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+    """A hostile or hand-edited ``latest`` far ahead ((attempt 9, step 10**9), naming no save) would
+    have stopped ``latest`` from ever moving again; it is replaced by the next real commit."""
+    root = tmp_path / "node"
+    new_run(root, RUN_A)
+    step(root, 10)
+    bogus = LatestPointer(10**9, "ab" * 32, attempt=9, save_id="nosuchsave")
+    client = s3_infra.make_test_client(s3_bucket.endpoint_url)
+    client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/latest", Body=bogus.to_json().encode())
+    with uploader(root, s3_bucket) as up:
+        up.upload_step(10)
+    assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).order == (1, 10)

@@ -290,15 +290,22 @@ class RemoteStepCommit:
         return other
 
     # -- 6
+    def _names_a_commit(self, cur: LatestPointer) -> bool:
+        return _pointer_names_a_commit(self.store, cur)
+
     def move_latest(self, upload_manifest_bytes: bytes) -> None:
-        """Move ``latest`` to this save unless it already names a greater or equal ``(attempt, step)``.
-        Raises ``UploadError`` after :data:`LATEST_MOVE_ATTEMPTS` lost conditional writes."""
+        """Move ``latest`` to this save unless it already names a greater or equal ``(attempt, step)`` of
+        a save that exists (one GET, only when the pointer is ahead: a pointer naming no committed save
+        is replaced). Raises ``UploadError`` after :data:`LATEST_MOVE_ATTEMPTS` lost conditional writes."""
         ptr = LatestPointer(self.step, hashlib.sha256(upload_manifest_bytes).hexdigest(), self.manifest.attempt,
                             self.save_id)
         body = ptr.to_json().encode()
         for _ in range(LATEST_MOVE_ATTEMPTS):
             cur, etag = read_latest_pointer_versioned(self.store)
-            if cur is not None and cur.order >= ptr.order:
+            if cur is not None and cur.order > ptr.order and not self._names_a_commit(cur):
+                log.warning("step %d: latest names (attempt, step) %s, but no such committed save exists; "
+                            "replacing it", self.step, cur.order)
+            elif cur is not None and cur.order >= ptr.order:
                 if cur.order > ptr.order:
                     log.info("step %d: latest names (attempt, step) %s, newer than this save's %s; not moved",
                              self.step, cur.order, ptr.order)
@@ -314,6 +321,16 @@ class RemoteStepCommit:
                 continue  # someone moved it meanwhile: look again
         raise UploadError(f"step {self.step}: could not move {self.store.url}/latest after "
                           f"{LATEST_MOVE_ATTEMPTS} conditional attempts")
+
+
+def _pointer_names_a_commit(store: ObjectStore, cur: LatestPointer) -> bool:
+    """Whether ``cur`` names an existing upload manifest with the sha256 it records (a pointer ahead of us
+    that names nothing, e.g. a hostile or hand-edited one, must not hold ``latest`` forever)."""
+    try:
+        found = read_upload_manifest(store, cur.step, cur.save_id)
+    except (ManifestError, UploadError):
+        return True  # cannot tell: keep it (the catalogue, not latest, decides what restore picks)
+    return found is not None and hashlib.sha256(found[1]).hexdigest() == cur.upload_manifest_sha256
 
 
 def confirmed_ranks(keys: Iterable[str]) -> set[int]:
