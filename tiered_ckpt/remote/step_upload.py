@@ -36,9 +36,9 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
-from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME, step_dir_name
-from tiered_ckpt.local.catalogue import (committed_steps, judged_attempt, read_manifest_bytes, read_run_record,
-                                         step_lineage, step_path)
+from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME
+from tiered_ckpt.local.catalogue import (committed_steps, read_manifest_bytes, read_run_record, step_path,
+                                         superseded_in)
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
 from tiered_ckpt.local.pins import MAX_PIN_BYTES, has_pin, pin_bytes
 from tiered_ckpt.locks import hold_step_lock
@@ -76,10 +76,9 @@ def check_lineage(store: ObjectStore, local_root: Path, m: ShardManifest, *,
     ``RunMismatchError``, ``LineageError``, ``ManifestError`` (an unreadable record), ``UploadError``."""
     local = read_run_record(local_root)
     lineage = claim_or_check(store, local, adopt=adopt_prefix)
-    info = step_lineage(local_root / step_dir_name(m.step)) or (m.run_id, m.attempt, m.save_id)
     for rec, where in ((local, f"{local_root}/run.json"), (lineage, f"{store.url}/run.json")):
-        # a step restored from another run is judged by the attempt it entered this run in (adopted.json)
-        sup = rec.superseded_by(judged_attempt(info, rec), m.step) if rec is not None else None
+        # the catalogue's rule: a step restored from another run is judged by its adopted attempt
+        sup = superseded_in(local_root, m.step, rec)
         if sup is not None:
             raise StepSupersededError(m.step, sup, where=where)
     return lineage
