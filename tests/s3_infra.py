@@ -257,6 +257,37 @@ def all_of(*predicates: Predicate) -> Predicate:
     return lambda req: all(p(req) for p in predicates)
 
 
+def is_list_multipart_uploads(req: Request) -> bool:
+    """ListMultipartUploads: ``GET /bucket?uploads``."""
+    return req.method == "GET" and not req.key and "uploads" in req.query
+
+
+def is_abort_multipart(req: Request) -> bool:
+    """AbortMultipartUpload: ``DELETE /bucket/key?uploadId=U``."""
+    return req.method == "DELETE" and bool(req.key) and "uploadId" in req.query
+
+
+def is_delete_objects(req: Request) -> bool:
+    """DeleteObjects: ``POST /bucket?delete``."""
+    return req.method == "POST" and not req.key and "delete" in req.query
+
+
+def after_first(n: int, match: Predicate) -> Predicate:
+    """Requests matching ``match`` except the first ``n`` of them (those are let through): e.g. every
+    UploadPart after the first one. Thread-safe (the proxy serves each connection on its own thread)."""
+    lock = threading.Lock()
+    seen = [0]
+
+    def pred(req: Request) -> bool:
+        if not match(req):
+            return False
+        with lock:
+            seen[0] += 1
+            return seen[0] > n
+
+    return pred
+
+
 @dataclass
 class Rule:
     """One fault. ``seen``: matching requests so far; ``applied``: how many got the fault.

@@ -92,6 +92,8 @@ class Uploader(Protocol):
 
     def mirror_pins(self) -> list[int]: ...
 
+    def sweep_pending_aborts(self) -> int: ...
+
     def run(self, stop_event: threading.Event | None = None, *, poll_interval_s: float = 2.0, once: bool = False,
             failure_backoff_s: float = 10.0, max_poll_interval_s: float = 60.0) -> list[int]: ...
 
@@ -171,6 +173,10 @@ class UploadLoop:
             up.mirror_pins()  # pins made after their step was uploaded (no request once mirrored)
         except (CheckpointError, OSError) as e:
             log.error("mirroring pins to %s failed: %s: %s", up.store.url, type(e).__name__, e)
+        try:
+            up.sweep_pending_aborts()  # uploads recorded as not abortable (no request without a record)
+        except (CheckpointError, OSError) as e:
+            log.error("sweeping recorded multipart uploads of %s failed: %s: %s", up.store.url, type(e).__name__, e)
         for step in pending:
             if stop.is_set():
                 return None

@@ -11,7 +11,11 @@ start, retention after each step it commits.
   (the save stops existing for restore at once), then the save's other objects.
 - :func:`abort_abandoned_uploads` aborts multipart uploads under the prefix left by an earlier (crashed)
   sidecar of this node: those of shard keys whose rank this node holds locally, and any older than
-  ``stale_age_s`` whoever started them (other nodes' live uploads are left alone).
+  ``stale_age_s`` whoever started them (other nodes' live uploads are left alone). It first aborts the
+  uploads this root recorded as not abortable (:mod:`tiered_ckpt.remote.pending_aborts`). A server
+  without ListMultipartUploads or AbortMultipartUpload (501; :mod:`tiered_ckpt.store.optional_apis`,
+  warned once per store) ends the listing sweep quietly instead of failing it. Retention deletes through
+  ``store.delete``, which falls back to one DeleteObject per key where DeleteObjects is missing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from pathlib import Path
 
 from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, parse_shard_file_name, parse_step_dir_name, save_entry_name
 from tiered_ckpt.remote.catalogue import CURRENT, RemoteCatalogue, RemoteSave, read_catalogue
+from tiered_ckpt.remote.pending_aborts import sweep_pending_aborts
 from tiered_ckpt.store.base import ObjectStore
+from tiered_ckpt.store.optional_apis import OperationNotSupportedError
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +110,25 @@ def local_shard_ranks(local_root: Path) -> set[int]:
 
 def abort_abandoned_uploads(store: ObjectStore, local_root: Path,
                             stale_age_s: float = DEFAULT_STALE_MULTIPART_AGE_S) -> int:
-    """See the module docstring. Returns how many multipart uploads were aborted."""
+    """See the module docstring. Returns how many multipart uploads were aborted (recorded ones
+    included). Raises ``UploadError`` (listing or an abort failed), ``OSError`` (the pending-abort record
+    cannot be rewritten)."""
+    n = sweep_pending_aborts(store, local_root)
     local_ranks = local_shard_ranks(local_root)
     now = time.time()
-    n = 0
-    for mpu in list(store.list_multipart_uploads("step_")):
+    try:
+        listed = list(store.list_multipart_uploads("step_"))
+    except OperationNotSupportedError:
+        return n  # the store warned once; the recorded uploads above are all this server lets us find
+    for mpu in listed:
         rank = parse_shard_file_name(mpu.key.rsplit("/", 1)[-1])
         age = now - mpu.initiated.timestamp() if mpu.initiated is not None else 0.0
         if (rank is not None and rank in local_ranks) or age > stale_age_s:
-            if store.abort_multipart_upload(mpu.key, mpu.upload_id):
+            try:
+                aborted = store.abort_multipart_upload(mpu.key, mpu.upload_id)
+            except OperationNotSupportedError:
+                return n  # the store warned once; nothing here can abort
+            if aborted:
                 n += 1
                 log.info("aborted abandoned multipart upload %s of %s/%s", mpu.upload_id, store.url, mpu.key)
     return n

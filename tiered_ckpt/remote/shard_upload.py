@@ -4,7 +4,10 @@ Called by :mod:`tiered_ckpt.remote.step_upload` on the shard executor, one call 
 
 1. Skip the shard if :meth:`RemoteStepCommit.confirmed` finds its record for this save and the object
    with the recorded ETag and size (a restart never re-sends a confirmed shard).
-2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed).
+2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed). A server
+   without ListMultipartUploads or AbortMultipartUpload (501, warned once per store:
+   :mod:`tiered_ckpt.store.optional_apis`) skips this step; a leftover that cannot be aborted (403) is
+   recorded for a later sweep (:mod:`tiered_ckpt.remote.pending_aborts`); the upload proceeds either way.
 3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates, else
    read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
    (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local rot
@@ -29,8 +32,10 @@ from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError
 from tiered_ckpt.remote.transfer import (LocalShardError, SentShard, ShardConfirmation, TransitCorruptionError,
                                          confirm_shard, send_shard)
-from tiered_ckpt.retry import RetryPolicy, call_with_retries, is_retryable_s3_error, s3_error_code_and_status
+from tiered_ckpt.retry import (OperationInterruptedError, RetryPolicy, call_with_retries, is_retryable_s3_error,
+                               s3_error_code_and_status)
 from tiered_ckpt.store.base import ObjectStore
+from tiered_ckpt.store.optional_apis import OperationNotSupportedError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +55,8 @@ class ShardSender:
     """What every shard upload of one uploader shares: the store, the part executor and the semaphore
     bounding the parts in memory (all shards together), the retry policy, ``server_validates`` (a cached
     probe), ``force_read_back`` (``UploadPolicy.verify``), the stop event, ``on_progress(delta_bytes)``
-    and the ``on_sent(bytes)`` metrics hook."""
+    the ``on_sent(bytes)`` metrics hook, and ``on_abort_failed(key, upload_id, exc)`` for a multipart upload
+    that could not be aborted (the uploader records it: :mod:`tiered_ckpt.remote.pending_aborts`)."""
 
     store: ObjectStore
     part_executor: ThreadPoolExecutor
@@ -61,6 +67,7 @@ class ShardSender:
     stop_event: threading.Event
     on_progress: Callable[[int], None] | None = None
     on_sent: Callable[[int], None] | None = None
+    on_abort_failed: Callable[[str, str, BaseException], None] | None = None
 
 
 def _retryable(e: BaseException) -> bool:
@@ -69,6 +76,31 @@ def _retryable(e: BaseException) -> bool:
     if isinstance(e, TransitCorruptionError):
         return True
     return s3_error_code_and_status(e)[0] == "NoSuchUpload" or is_retryable_s3_error(e)
+
+
+def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
+    """Step 2 of the module docstring. Raises ``OperationInterruptedError`` (stop); other remote failures
+    are logged (and a leftover that cannot be aborted is recorded), never raised."""
+    store = sender.store
+    try:
+        leftovers = [mpu for mpu in store.list_multipart_uploads(key) if mpu.key == key]
+    except OperationNotSupportedError:
+        return  # warned once per store by the store
+    for mpu in leftovers:
+        try:
+            store.abort_multipart_upload(mpu.key, mpu.upload_id)
+        except OperationNotSupportedError as e:
+            if sender.on_abort_failed is not None:
+                sender.on_abort_failed(mpu.key, mpu.upload_id, e)
+            return
+        except OperationInterruptedError:
+            raise
+        except UploadError as e:
+            log.warning("%s: could not abort leftover multipart upload %s: %s", what, mpu.upload_id, e)
+            if sender.on_abort_failed is not None:
+                sender.on_abort_failed(mpu.key, mpu.upload_id, e)
+            continue
+        log.info("%s: aborted leftover multipart upload %s", what, mpu.upload_id)
 
 
 def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec: ShardRecord,
@@ -82,10 +114,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
     if done is not None:
         log.info("step %d rank %d: already confirmed (%s), not re-sent", step, rec.rank, done.confirmed_by)
         return
-    for mpu in list(store.list_multipart_uploads(key)):
-        if mpu.key == key:
-            store.abort_multipart_upload(mpu.key, mpu.upload_id)
-            log.info("step %d rank %d: aborted leftover multipart upload %s", step, rec.rank, mpu.upload_id)
+    _abort_leftovers(sender, key, f"step {step} rank {rec.rank}")
     validates = sender.server_validates()
 
     def attempt() -> tuple[SentShard, ShardConfirmation]:
@@ -93,7 +122,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
             sent = send_shard(store, key, sdir / rec.path, expected_size=rec.size_bytes,
                               expected_sha256=rec.sha256, part_executor=sender.part_executor,
                               part_slots=sender.part_slots, stop_event=sender.stop_event,
-                              on_progress=sender.on_progress)
+                              on_progress=sender.on_progress, on_abort_failed=sender.on_abort_failed)
         except FileNotFoundError as e:
             raise LocalStepGoneError(f"step {step} rank {rec.rank}: {sdir / rec.path} disappeared",
                                      last_exception=e) from e

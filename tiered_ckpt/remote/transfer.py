@@ -33,7 +33,9 @@ byte is hashed as it is read for sending, on one thread, in file order:
    Elsewhere (moto) or when the server reports none, the object is streamed back and hashed
    (``store.read_sha256``) -> ``read-back``. A mismatch is a :class:`TransitCorruptionError`: the caller uploads again.
 
-Any failure after ``CreateMultipartUpload`` aborts that upload (best effort, logged); a crash leaves it for
+Any failure after ``CreateMultipartUpload`` aborts that upload (best effort, logged); an abort that fails
+too (expired credentials, a server without AbortMultipartUpload) is handed to ``on_abort_failed`` (the
+uploader records it for a later sweep: :mod:`tiered_ckpt.remote.pending_aborts`); a crash leaves it for
 the next sidecar start (``Uploader.abort_abandoned_uploads``). Retries stack as ``tiered_ckpt.retry``
 describes: botocore's per HTTP request (503 SlowDown, resets), the store's per call (each create, part,
 complete, HEAD and read-back is one retried store operation), and the caller's per shard (a fresh upload
@@ -111,6 +113,7 @@ def send_shard(
     part_slots: threading.Semaphore,
     stop_event: threading.Event | None = None,
     on_progress: Callable[[int], None] | None = None,
+    on_abort_failed: Callable[[str, str, BaseException], None] | None = None,
 ) -> SentShard:
     """Send ``path`` to ``key`` (relative to the store prefix) hashing it as it is read; see the module
     docstring. The store applies its own write settings (SSE, storage class) to the objects it creates.
@@ -118,7 +121,8 @@ def send_shard(
     :class:`LocalShardError` (file differs from the manifest; nothing committed), ``FileNotFoundError``
     (file gone), :class:`OperationInterruptedError` (stop event; upload aborted),
     :class:`TransitCorruptionError` (the multipart upload vanished), ``UploadError`` (the store's retries
-    ran out; the caller's retry decides)."""
+    ran out; the caller's retry decides). ``on_abort_failed(key, upload_id, exc)``: called when a failed
+    multipart upload cannot be aborted either (recorded for a later sweep, ``remote/pending_aborts.py``)."""
     what = f"{store.url}/{key}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -136,7 +140,7 @@ def send_shard(
         plan = store.plan_parts(size)
         if plan is None:
             return _send_single(store, key, fd, size, expected_sha256, what, stop_event, on_progress)
-        upload = _MultipartSend(store, key, what, part_slots, on_progress)
+        upload = _MultipartSend(store, key, what, part_slots, on_progress, on_abort_failed)
         return upload.run(fd, plan, expected_sha256, part_executor, stop_event)
     finally:
         os.close(fd)
@@ -164,9 +168,10 @@ class _MultipartSend:
     before the completion is confirmed cancels the queued parts, takes back their progress and aborts."""
 
     def __init__(self, store: ObjectStore, key: str, what: str, part_slots: threading.Semaphore,
-                 on_progress: Callable[[int], None] | None) -> None:
+                 on_progress: Callable[[int], None] | None,
+                 on_abort_failed: Callable[[str, str, BaseException], None] | None = None) -> None:
         self.store, self.key, self.what = store, key, what
-        self.part_slots, self.on_progress = part_slots, on_progress
+        self.part_slots, self.on_progress, self.on_abort_failed = part_slots, on_progress, on_abort_failed
         self.upload_id = ""
         self.futures: list[Future[tuple[UploadedPart, bytes]]] = []
         self._sent = 0
@@ -253,9 +258,10 @@ class _MultipartSend:
         try:
             self.store.abort_multipart_upload(self.key, self.upload_id)
             log.info("%s: aborted multipart upload %s", self.what, self.upload_id)
-        except Exception as e:  # noqa: BLE001 - already failing; a restart sweeps leftovers
-            log.warning("%s: could not abort multipart upload %s (%s); a restart will sweep it", self.what,
-                        self.upload_id, e)
+        except Exception as e:  # noqa: BLE001 - already failing: recorded for a later sweep
+            log.warning("%s: could not abort multipart upload %s (%s)", self.what, self.upload_id, e)
+            if self.on_abort_failed is not None:
+                self.on_abort_failed(self.key, self.upload_id, e)
 
 
 def _check(futures: list[Future[tuple[UploadedPart, bytes]]], stop_event: threading.Event | None,

@@ -32,7 +32,7 @@ from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
 from tiered_ckpt.local.catalogue import committed_steps, resolve_root, step_path
-from tiered_ckpt.remote import retention
+from tiered_ckpt.remote import pending_aborts, retention
 from tiered_ckpt.remote.catalogue import committed_step_candidates
 from tiered_ckpt.remote.daemon import UploadLoop
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
@@ -167,7 +167,7 @@ class Uploader:
             part_slots=threading.BoundedSemaphore(max_concurrency),
             retry=self.retry, server_validates=self.server_validates_checksums,
             force_read_back=self.policy.verify == "read-back", stop_event=self.stop_event,
-            on_progress=on_progress, on_sent=self._count_sent)
+            on_progress=on_progress, on_sent=self._count_sent, on_abort_failed=self._record_failed_abort)
         #: The probe's cached answer; tests and benches set it to act as a validating server would.
         self._server_validates: bool | None = None
         self._probe_lock = threading.Lock()
@@ -330,10 +330,20 @@ class Uploader:
     # ------------------------------------------------------------------------------ cleanup / retention
 
     def abort_abandoned_uploads(self) -> int:
-        """Abort multipart uploads under the prefix left by an earlier (crashed) sidecar of this node:
-        those of shard keys whose rank this node holds locally, and any older than
-        ``stale_multipart_age_s`` (other nodes' live uploads are left alone). Returns how many."""
+        """Abort the uploads recorded as not abortable (:meth:`sweep_pending_aborts`), then multipart
+        uploads under the prefix left by an earlier (crashed) sidecar of this node: those of shard keys
+        whose rank this node holds locally, and any older than ``stale_multipart_age_s`` (other nodes'
+        live uploads are left alone). Returns how many."""
         return retention.abort_abandoned_uploads(self.store, self.local_root, self.stale_multipart_age_s)
+
+    def _record_failed_abort(self, key: str, upload_id: str, exc: BaseException) -> None:
+        pending_aborts.record_failed_abort(self.local_root, self.store.url, key, upload_id, exc)
+
+    def sweep_pending_aborts(self) -> int:
+        """Abort (a bounded number of) the uploads this root recorded as not abortable
+        (:func:`~tiered_ckpt.remote.pending_aborts.sweep_pending_aborts`); the sidecar calls it on every
+        poll. Returns how many were settled. Raises ``OSError`` (the record cannot be rewritten)."""
+        return pending_aborts.sweep_pending_aborts(self.store, self.local_root)
 
     def remote_committed_steps(self) -> list[int]:
         """:func:`~tiered_ckpt.remote.catalogue.committed_step_candidates` of this remote (ascending): the

@@ -1,7 +1,9 @@
 """Single-attempt S3 multipart calls for :class:`~tiered_ckpt.store.s3.S3Store` (the operations of
 :class:`~tiered_ckpt.store.base.ObjectStore`'s lifecycle step 2b). One request each; the store wraps them
 in its retries and maps keys. ``NoSuchUpload`` becomes :class:`~tiered_ckpt.store.base.NoSuchUploadError`
-(never retried: the upload is gone). No boto import (errors classified as in ``store/objects.py``).
+(never retried: the upload is gone); a server without ListMultipartUploads or AbortMultipartUpload
+(501/405) raises :class:`~tiered_ckpt.store.optional_apis.OperationNotSupportedError`. No boto import
+(errors classified as in ``store/objects.py``).
 
 Source: S3 API reference (CreateMultipartUpload with ``ChecksumAlgorithm``, UploadPart with
 ``Checksum<ALG>``, CompleteMultipartUpload, AbortMultipartUpload, ListMultipartUploads).
@@ -17,6 +19,7 @@ from tiered_ckpt.errors import UploadError
 from tiered_ckpt.store.base import MultipartUploadInfo, NoSuchUploadError, UploadedPart, check_checksum_algorithm
 from tiered_ckpt.store.keys import PrefixKeys
 from tiered_ckpt.store.objects import RetriedCall, is_not_found
+from tiered_ckpt.store.optional_apis import ABORT_MULTIPART_UPLOAD, LIST_MULTIPART_UPLOADS, call_optional
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -100,27 +103,34 @@ def complete(
 
 
 def abort(client: BaseClient, bucket: str, full_key: str, upload_id: str) -> bool:
-    """AbortMultipartUpload; ``False`` if the upload no longer exists (``NoSuchUpload``/404)."""
-    try:
-        client.abort_multipart_upload(Bucket=bucket, Key=full_key, UploadId=upload_id)
-    except Exception as exc:
-        if is_no_such_upload(exc) or is_not_found(exc):
-            return False
-        raise
-    return True
+    """AbortMultipartUpload; ``False`` if the upload no longer exists (``NoSuchUpload``/404). Raises
+    :class:`~tiered_ckpt.store.optional_apis.OperationNotSupportedError` where the server lacks the
+    operation (501/405, learnt once per endpoint and bucket; no request once known)."""
+    def once() -> bool:
+        try:
+            client.abort_multipart_upload(Bucket=bucket, Key=full_key, UploadId=upload_id)
+        except Exception as exc:
+            if is_no_such_upload(exc) or is_not_found(exc):
+                return False
+            raise
+        return True
+
+    return call_optional(client, bucket, ABORT_MULTIPART_UPLOAD, f"abort multipart upload {upload_id}", once)
 
 
 def list_uploads_page(
     client: BaseClient, bucket: str, full_prefix: str, key_marker: str | None, upload_id_marker: str | None
 ) -> tuple[list[tuple[str, str, _dt.datetime | None]], bool, str | None, str | None]:
     """One ListMultipartUploads page: ``([(full key, upload id, initiated)], is_truncated, next key
-    marker, next upload id marker)``."""
+    marker, next upload id marker)``. Raises ``OperationNotSupportedError`` where the server lacks the
+    operation (501/405; no request once known)."""
     kwargs: dict[str, str] = {"Bucket": bucket, "Prefix": full_prefix}
     if key_marker is not None:
         kwargs["KeyMarker"] = key_marker
     if upload_id_marker is not None:
         kwargs["UploadIdMarker"] = upload_id_marker
-    resp = client.list_multipart_uploads(**kwargs)
+    resp = call_optional(client, bucket, LIST_MULTIPART_UPLOADS, f"list multipart uploads under {full_prefix!r}",
+                         lambda: client.list_multipart_uploads(**kwargs))
     uploads = [(item["Key"], item["UploadId"], item.get("Initiated")) for item in resp.get("Uploads", [])]
     return uploads, bool(resp.get("IsTruncated")), resp.get("NextKeyMarker"), resp.get("NextUploadIdMarker")
 
@@ -137,7 +147,9 @@ def iter_uploads(
 ) -> Iterator[MultipartUploadInfo]:
     """In-progress uploads under ``prefix`` (keys relative), page after page (a generator; each page one
     ``call``).
-    Raises ``UploadError`` on a truncated page without a marker."""
+    Raises ``UploadError`` on a truncated page without a marker,
+    :class:`~tiered_ckpt.store.optional_apis.OperationNotSupportedError` (an ``UploadError``) where the
+    server does not implement ListMultipartUploads (warned once per endpoint and bucket)."""
     full_prefix = keys.full_prefix(prefix)
     key_marker: str | None = None
     upload_id_marker: str | None = None
