@@ -67,6 +67,8 @@ NODE_RANKS_NAME = "node_ranks.json"
 ADOPTED_MARKER_NAME = "adopted.json"
 #: Prefix of the node discovery tokens in a root (which ranks share this disk; training/dist.py).
 NODE_TOKEN_PREFIX = ".node."
+#: Multipart uploads the sidecar started and could not abort, swept later (remote/pending_aborts.py).
+PENDING_ABORTS_NAME = ".pending_aborts.json"
 
 # ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$" would
 # also accept a trailing newline): one step number has exactly one directory name.
@@ -164,4 +166,5 @@ __all__ = [
     "PINNED_MARKER_NAME", "ADOPTED_MARKER_NAME", "NODE_TOKEN_PREFIX", "NODE_RANKS_NAME", "remote_run_key",
     "save_entry_name", "parse_remote_step_entry",
     "remote_save_prefix", "remote_save_key",
+    "PENDING_ABORTS_NAME",
 ]
