@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, T
 
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.retry import RetryPolicy, call_with_retries, is_retryable_s3_error
-from tiered_ckpt.store import multipart, objects
+from tiered_ckpt.store import multipart, objects, optional_apis
 from tiered_ckpt.store.base import (
     MultipartUploadInfo,
     ObjectInfo,
@@ -341,13 +341,14 @@ class S3Store:
 
     def delete(self, keys: Iterable[str]) -> None:
         """DeleteObjects in batches of 1000 (missing keys are not an error). Per-key errors that are
-        transient are retried for those keys only; others raise ``UploadError`` naming them."""
+        transient are retried for those keys only; others raise ``UploadError`` naming them. A server
+        without DeleteObjects (501/405) gets one DeleteObject per key (``store/optional_apis.py``)."""
         full_keys = [self._keys.full_key(k) for k in keys]
         for start in range(0, len(full_keys), _DELETE_BATCH):
-            batch = full_keys[start:start + _DELETE_BATCH]
-            self._call(f"delete {len(batch)} key(s) under {self.url}",
-                       lambda b=batch: objects.delete_batch(self._client, self._bucket, b),
-                       is_retryable=objects.is_retryable_delete_error)
+            batch = full_keys[start:start + _DELETE_BATCH]  # without DeleteObjects: one DELETE per key
+            optional_apis.delete_keys(self._call, self._client, self._bucket, batch, self.url,
+                                      lambda b: objects.delete_batch(self._client, self._bucket, b),
+                                      objects.is_retryable_delete_error)
 
     # ----------------------------------------------------------------- checksum probe, lifetime
 
