@@ -35,6 +35,8 @@ class FakeUploader:
         self.incomplete = set(pending)
         self.calls: list[int] = []
         self.error: BaseException | None = None
+        self.abort_sweeps = 0
+        self.sweep_error: BaseException | None = None
         for s in pending:
             (root / step_dir_name(s)).mkdir(parents=True)
 
@@ -54,6 +56,12 @@ class FakeUploader:
 
     def mirror_pins(self) -> list[int]:
         return []
+
+    def sweep_pending_aborts(self) -> int:
+        self.abort_sweeps += 1
+        if self.sweep_error is not None:
+            raise self.sweep_error
+        return 0
 
 
 def _loop(up: FakeUploader, poll: float = 0.1, cap: float = 0.8) -> UploadLoop:
@@ -146,6 +154,18 @@ def test_run_mismatch_stops_the_loop(tmp_path: Path) -> None:
     with pytest.raises(RunMismatchError):
         loop.run(threading.Event())
     assert up.calls == [7]
+
+
+def test_every_pass_sweeps_the_recorded_aborts_and_a_failing_sweep_blocks_nothing(tmp_path: Path) -> None:
+    up = FakeUploader(tmp_path, [7, 8])
+    up.incomplete = set()
+    loop = _loop(up)
+    stop = threading.Event()
+    up.sweep_error = OSError(28, "No space left on device")
+    assert loop.pass_once(stop) == 8 and up.abort_sweeps == 1
+    up.sweep_error = None
+    assert loop.pass_once(stop) == 7 and up.abort_sweeps == 2
+    assert loop.pass_once(stop) is None and up.abort_sweeps == 3
 
 
 def test_ranks_text() -> None:
