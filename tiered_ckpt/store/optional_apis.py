@@ -27,6 +27,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from tiered_ckpt.errors import UploadError
+from tiered_ckpt.redact import redact_url
 from tiered_ckpt.retry import s3_error_code_and_status
 
 if TYPE_CHECKING:
@@ -85,8 +86,8 @@ def mark_missing(client: BaseClient, bucket: str, operation: str, exc: BaseExcep
     if first:
         code, status = s3_error_code_and_status(exc) if exc is not None else (None, None)
         logger.warning("S3 server %s does not implement %s for bucket %s (%s, HTTP %s); carrying on without it "
-                       "(see docs/sidecar.md, 'Servers without optional S3 APIs')", key[0], operation, bucket,
-                       code, status)
+                       "(see docs/sidecar.md, 'Servers without optional S3 APIs')", redact_url(key[0]), operation,
+                       bucket, code, status)
 
 
 def forget_missing() -> None:
