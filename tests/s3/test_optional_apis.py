@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 import s3_infra
 from _upload_util import MiB, SMALL, list_keys, save_entry, save_prefix
+from spawn import python_cmd
 from tiered_ckpt import UploadError, Uploader, restore
 from tiered_ckpt.layout import PENDING_ABORTS_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest, save_sharded
@@ -203,3 +205,25 @@ def test_pending_abort_sweep_is_bounded_and_keeps_refused_entries(
         assert sweep_pending_aborts(up.store, root, max_aborts=2) == 1
     assert [e["upload_id"] for e in _record(root)] == ["gone-elsewhere"]
     assert _open_uploads(s3_bucket) == []
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(python_cmd("-m", "tiered_ckpt.cli", *args), capture_output=True, text=True, timeout=120)
+
+
+def test_cli_upload_once_and_restore_against_a_server_without_list_multipart_uploads(
+        tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+    root = tmp_path / "node"
+    _mixed_step(root, 1)
+    rule = fault_proxy.fail_first(None, s3_infra.is_list_multipart_uploads, **NOT_IMPLEMENTED)
+    remote = ("--remote", s3_bucket.url, "--endpoint-url", fault_proxy.url, "--path-style", "--no-progress")
+    up = _cli("upload", "--once", "--local", root, *remote, "--part-size-mib", "5", "--multipart-threshold-mib", "6")
+    assert up.returncode == 0, up.stderr
+    assert up.stdout.startswith("step 1: committed remotely"), up.stdout
+    assert up.stderr.count("does not implement ListMultipartUploads") == 1, up.stderr
+    assert rule.applied == 1
+    creates = fault_proxy.count(lambda r: r.method == "POST" and r.target.endswith("?uploads"))
+    assert creates == 1  # rank 1 went multipart, rank 0 was one PUT
+    out = _cli("restore", "--local", tmp_path / "restored", *remote)
+    assert out.returncode == 0, out.stderr
+    assert _local_shards(tmp_path / "restored", 1) == _local_shards(root, 1)

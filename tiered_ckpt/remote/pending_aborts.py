@@ -69,25 +69,29 @@ def _valid(e: Any) -> bool:
                                         for f in ("url", "key", "upload_id")))
 
 
-def read_pending_aborts(root: Path) -> list[dict[str, Any]]:
-    """The recorded uploads (oldest first); ``[]`` without a file. A file that is not a valid record
-    (oversized, a symlink, bad JSON, another format) is logged and read as empty (it is replaced at the
-    next write). Malformed entries are skipped. Never raises for the file's content; ``OSError`` only
-    from the root itself."""
+def _read(root: Path) -> tuple[list[dict[str, Any]], bool]:
+    """``(entries, invalid)``: ``invalid`` when a file is there but is no valid record (logged)."""
     path = pending_aborts_path(root)
     try:
         data = read_small_regular_file(path, MAX_PENDING_ABORTS_BYTES)
         if data is None:
-            return []
+            return [], False
         doc = json.loads(data)
     except (CheckpointError, ValueError) as e:
-        log.warning("%s is not a valid pending-abort record (%s); ignoring it", path, e)
-        return []
+        log.warning("%s is not a valid pending-abort record (%s); replacing it", path, e)
+        return [], True
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION \
             or not isinstance(doc.get("uploads"), list):
-        log.warning("%s is not a version-%d pending-abort record; ignoring it", path, VERSION)
-        return []
-    return [e for e in doc["uploads"] if _valid(e)]
+        log.warning("%s is not a version-%d pending-abort record; replacing it", path, VERSION)
+        return [], True
+    return [e for e in doc["uploads"] if _valid(e)], False
+
+
+def read_pending_aborts(root: Path) -> list[dict[str, Any]]:
+    """The recorded uploads (oldest first); ``[]`` without a file. A file that is not a valid record
+    (oversized, a symlink, a FIFO, bad JSON, another format) is logged and read as empty (the next
+    write or sweep replaces it). Malformed entries are skipped. Never raises for the file's content."""
+    return _read(root)[0]
 
 
 def _write(root: Path, entries: list[dict[str, Any]]) -> None:
@@ -157,7 +161,10 @@ def sweep_pending_aborts(store: ObjectStore, root: Path, *, max_aborts: int = DE
     entries were settled (aborted or found gone). Never raises for a remote failure; ``OSError`` if the
     updated record cannot be written."""
     with _LOCK:
-        todo = [e for e in read_pending_aborts(root) if e["url"] == store.url][:max_aborts]
+        entries, invalid = _read(root)
+        if invalid:
+            _write(root, [])  # once: later polls read an empty record quietly
+        todo = [e for e in entries if e["url"] == store.url][:max_aborts]
     if not todo:
         return 0
     done, failed = _abort_some(store, todo)

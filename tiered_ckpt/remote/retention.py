@@ -111,9 +111,13 @@ def local_shard_ranks(local_root: Path) -> set[int]:
 def abort_abandoned_uploads(store: ObjectStore, local_root: Path,
                             stale_age_s: float = DEFAULT_STALE_MULTIPART_AGE_S) -> int:
     """See the module docstring. Returns how many multipart uploads were aborted (recorded ones
-    included). Raises ``UploadError`` (listing or an abort failed), ``OSError`` (the pending-abort record
-    cannot be rewritten)."""
-    n = sweep_pending_aborts(store, local_root)
+    included). Raises ``UploadError`` (listing or an abort failed); a pending-abort record that cannot
+    be rewritten is logged."""
+    try:
+        n = sweep_pending_aborts(store, local_root)
+    except OSError as e:  # the record cannot be rewritten: the listing sweep below still runs
+        log.warning("could not update the pending-abort record of %s: %s", local_root, e)
+        n = 0
     local_ranks = local_shard_ranks(local_root)
     now = time.time()
     try:

@@ -67,7 +67,7 @@ def is_not_implemented(exc: BaseException) -> bool:
 
 
 def _store_key(client: BaseClient, bucket: str) -> tuple[str, str]:
-    return str(getattr(client.meta, "endpoint_url", "")), bucket
+    return str(getattr(getattr(client, "meta", None), "endpoint_url", "")), bucket
 
 
 def is_missing(client: BaseClient, bucket: str, operation: str) -> bool:
