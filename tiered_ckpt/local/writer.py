@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
