@@ -7,15 +7,20 @@ Pure text functions and one :class:`logging.Filter`; no I/O, imports nothing of 
   ``X-Amz-Security-Token``, ``AWSAccessKeyId``, ``Signature``) replaced by ``***``.
 * :func:`redact_text`: every URL inside a free text through :func:`redact_url`, plus the credential
   fragments botocore's wire logging prints (``Authorization: AWS4-HMAC-SHA256 Credential=...,
-  Signature=...``, ``x-amz-security-token: ...``, ``aws_secret_access_key=...``) and any literal secret
-  value registered with :func:`register_secret` (the CLI registers the ``AWS_*`` credentials it finds in
-  the environment, so that a secret echoed in some library's message is caught as well).
+  Signature=...`` and its ``'Authorization': b'...'`` form in ``Sending http request: <AWSPreparedRequest
+  ... headers={...}>``; ``x-amz-security-token:...`` in ``CanonicalRequest:``; the bare hex after
+  ``Signature:``; the SSE-C key headers; ``aws_secret_access_key=...`` of config files; the
+  ``SecretAccessKey`` / ``SessionToken`` / ``AccessKeyId`` / ``Token`` fields of STS and instance-metadata
+  responses, XML or JSON) and any literal secret value registered with :func:`register_secret`, raw or
+  percent-encoded (the CLI registers the ``AWS_*`` credentials it finds in the environment and the user
+  info of an endpoint URL, so that a secret echoed in some library's message is caught as well).
 * :class:`RedactingFilter`: a handler filter that renders each record's message (and exception text)
   and passes it through :func:`redact_text`. The CLI attaches it to its handler; library code configures
   no handler at all.
 
-Source: AWS Signature Version 4 (``Authorization`` header, presigned query parameters), RFC 3986 §3.2.1
-(user information in a URI).
+Source: AWS Signature Version 4 (``Authorization`` header, presigned query parameters, canonical
+request), botocore's DEBUG output (``botocore.auth``, ``botocore.endpoint``, ``botocore.parsers``),
+RFC 3986 §3.2.1 (user information in a URI: everything before the last ``@`` of the authority).
 """
 
 from __future__ import annotations
@@ -23,22 +28,37 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 MASK = "***"
 
 _URL_RE = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
-_USERINFO_RE = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#@]*)@")
+# The authority ends at the first "/", "?" or "#"; its user info runs to the LAST "@" before that.
+_USERINFO_RE = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
 _SECRET_QUERY_RE = re.compile(
-    r"(?P<name>(?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|AWSAccessKeyId|Signature|"
-    r"x-amz-signature|x-amz-credential|x-amz-security-token)=)(?P<value>[^&#\s'\"]*)")
+    r"(?i)(?<![\w-])(?P<name>(?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|AWSAccessKeyId|Signature)=)"
+    r"(?P<value>[^&#\s'\"]*)")
+#: value characters of a header / parameter: up to a quote, comma, brace, ``&`` or white space
+_VALUE = r"(?P<value>[^'\",\s}&]+)"
 _TEXT_PATTERNS: tuple[re.Pattern[str], ...] = (
     # Authorization: AWS4-HMAC-SHA256 Credential=AKIA.../20260101/us-east-1/s3/aws4_request, SignedHeaders=..., Signature=...
-    re.compile(r"(?i)(?P<name>Credential=)(?P<value>[^,\s'\"]+)"),
-    re.compile(r"(?i)(?P<name>Signature=)(?P<value>[0-9a-f]+)"),
-    re.compile(r"(?i)(?P<name>\bAuthorization['\"]?\s*[:=]\s*['\"]?)(?P<value>[^'\"\n]+)"),
-    re.compile(r"(?i)(?P<name>x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)(?P<value>[^'\",\s}]+)"),
-    re.compile(r"(?i)(?P<name>aws_(?:secret_access_key|session_token|access_key_id)['\"]?\s*[:=]\s*['\"]?)"
-               r"(?P<value>[^'\",\s}]+)"),
+    # and the dict form of botocore's "Sending http request": 'Authorization': b'AWS4-HMAC-SHA256 ...'
+    re.compile(r"(?i)(?P<name>\b(?:Proxy-)?Authorization['\"]?\s*[:=]\s*b?['\"]?)(?P<value>[^'\"\n]+)"),
+    re.compile(r"(?i)(?<![\w-])(?P<name>(?:X-Amz-)?Credential=)" + _VALUE),
+    re.compile(r"(?i)(?<![\w-])(?P<name>(?:X-Amz-)?Signature=)" + _VALUE),
+    # botocore.auth: "Signature:\n<64 hex digits>"
+    re.compile(r"(?i)(?P<name>\bSignature:\s*)(?P<value>[0-9a-f]{16,})"),
+    # canonical request "x-amz-security-token:...", headers dict "'X-Amz-Security-Token': b'...'", SSE-C keys
+    re.compile(r"(?i)(?P<name>\b(?:x-amz-security-token|x-amz-(?:copy-source-)?server-side-encryption-customer-key)"
+               r"['\"]?\s*[:=]\s*b?['\"]?)" + _VALUE),
+    # config files / keyword arguments: aws_secret_access_key = ..., aws_session_token=...
+    re.compile(r"(?i)(?P<name>\baws_(?:secret_access_key|session_token|security_token|access_key_id)['\"]?\s*[:=]\s*"
+               r"b?['\"]?)" + _VALUE),
+    # STS responses (XML): <SecretAccessKey>...</SecretAccessKey>, <SessionToken>, <AccessKeyId>
+    re.compile(r"(?P<name><(?:SecretAccessKey|SessionToken|AccessKeyId|SecurityToken)>)(?P<value>[^<]*)"),
+    # container / instance-metadata / SSO credentials (JSON): "SecretAccessKey": "...", "Token": "..."
+    re.compile(r"(?P<name>['\"](?:SecretAccessKey|SessionToken|AccessKeyId|Token|secretAccessKey|sessionToken|"
+               r"accessKeyId)['\"]\s*:\s*['\"])(?P<value>[^'\"]*)"),
 )
 #: Literal values shorter than this are not registered (they would mask ordinary words).
 MIN_SECRET_LEN = 4
@@ -48,11 +68,36 @@ _secrets_lock = threading.Lock()
 
 
 def register_secret(value: str | None) -> None:
-    """Mask ``value`` wherever :func:`redact_text` sees it from now on (process-wide). Values shorter than
-    :data:`MIN_SECRET_LEN` characters are ignored."""
-    if value and len(value) >= MIN_SECRET_LEN:
-        with _secrets_lock:
-            _secrets.add(value)
+    """Mask ``value`` wherever :func:`redact_text` sees it from now on (process-wide), raw and
+    percent-encoded (``quote(value, safe="")``, ``quote(value)``, ``quote_plus(value)``: the forms a URL
+    or a query string carries). Values shorter than :data:`MIN_SECRET_LEN` characters are ignored."""
+    if not value or len(value) < MIN_SECRET_LEN:
+        return
+    forms = {value, quote(value, safe=""), quote(value), quote_plus(value)}
+    with _secrets_lock:
+        _secrets.update(forms)
+
+
+def register_url_credentials(url: str | None) -> None:
+    """Register the user name and password of ``url``'s user info (``http://user:password@host``) with
+    :func:`register_secret`, as written and percent-decoded. A URL without user info, or a string that is
+    not a URL, registers nothing."""
+    if not url:
+        return
+    m = _USERINFO_RE.match(url.strip())
+    if m is None:
+        return
+    userinfo = m.group("userinfo")
+    user, _, password = userinfo.partition(":")
+    for part in (userinfo, user, password):
+        register_secret(part)
+        register_secret(unquote(part))
+    try:  # what urllib (and so botocore / urllib3) makes of it, if it parses differently
+        parts = urlsplit(url.strip())
+        register_secret(parts.username)
+        register_secret(parts.password)
+    except ValueError:
+        pass
 
 
 def _mask_group(m: re.Match[str]) -> str:
@@ -70,6 +115,7 @@ def redact_text(text: str) -> str:
     """``text`` with every URL passed through :func:`redact_url`, credential fragments masked and every
     registered secret value replaced by ``***``."""
     out = _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
+    out = _SECRET_QUERY_RE.sub(_mask_group, out)  # a query string outside a URL ("GET /b/k?X-Amz-...")
     for pattern in _TEXT_PATTERNS:
         out = pattern.sub(_mask_group, out)
     with _secrets_lock:
@@ -102,4 +148,5 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-__all__ = ["MASK", "MIN_SECRET_LEN", "RedactingFilter", "redact_text", "redact_url", "register_secret"]
+__all__ = ["MASK", "MIN_SECRET_LEN", "RedactingFilter", "redact_text", "redact_url", "register_secret",
+           "register_url_credentials"]
