@@ -33,8 +33,7 @@ from urllib.parse import quote, quote_plus, unquote, urlsplit
 MASK = "***"
 
 _URL_RE = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
-# The authority ends at the first "/", "?" or "#"; its user info runs to the LAST "@" before that.
-_USERINFO_RE = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
+_SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _SECRET_QUERY_RE = re.compile(
     r"(?i)(?<![\w-])(?P<name>(?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|AWSAccessKeyId|Signature)=)"
     r"(?P<value>[^&#\s'\"]*)")
@@ -84,16 +83,17 @@ def register_url_credentials(url: str | None) -> None:
     not a URL, registers nothing."""
     if not url:
         return
-    m = _USERINFO_RE.match(url.strip())
-    if m is None:
+    url = url.strip()
+    span = _userinfo_span(url)
+    if span is None:
         return
-    userinfo = m.group("userinfo")
+    userinfo = url[span[0]:span[1]]
     user, _, password = userinfo.partition(":")
     for part in (userinfo, user, password):
         register_secret(part)
         register_secret(unquote(part))
     try:  # what urllib (and so botocore / urllib3) makes of it, if it parses differently
-        parts = urlsplit(url.strip())
+        parts = urlsplit(url)
         register_secret(parts.username)
         register_secret(parts.password)
     except ValueError:
@@ -104,10 +104,39 @@ def _mask_group(m: re.Match[str]) -> str:
     return m.group("name") + MASK
 
 
+def _userinfo_span(url: str) -> tuple[int, int] | None:
+    """``(start, end)`` of the user info in ``url`` (``url[end]`` is its ``@``), or ``None``.
+
+    RFC 3986: the authority ends at the first ``/``, ``?`` or ``#`` and its user info runs to the last
+    ``@`` in it. A password with an unencoded ``/`` (``http://user:pa/ss@host``, common with AWS secret
+    keys pasted into a URL) ends that authority early at ``user:pa``, which is no ``host:port`` (the
+    "port" is not a number): then the user info runs to the first ``@`` after it."""
+    m = _SCHEME_RE.match(url)
+    if m is None:
+        return None
+    start = m.end()
+    end = len(url)
+    for i in range(start, len(url)):
+        if url[i] in "/?#" or url[i].isspace():
+            end = i
+            break
+    at = url.rfind("@", start, end)
+    if at >= 0:
+        return start, at
+    _host, colon, port = url[start:end].partition(":")
+    if colon and not port.isdigit():
+        at = url.find("@", end)
+        stop = next((i for i in range(end, at) if url[i].isspace()), None) if at >= 0 else None
+        if at >= 0 and stop is None:
+            return start, at
+    return None
+
+
 def redact_url(url: str) -> str:
     """``url`` without user info or presigned-URL secrets (see the module docstring). Any string is
     accepted; one that is not a URL comes back unchanged."""
-    out = _USERINFO_RE.sub(lambda m: m.group("scheme") + MASK + "@", url, count=1)
+    span = _userinfo_span(url)
+    out = url if span is None else url[:span[0]] + MASK + url[span[1]:]
     return _SECRET_QUERY_RE.sub(_mask_group, out)
 
 

@@ -21,6 +21,7 @@ import pytest
 from restore_util import publish, save_step
 from s3_infra import S3Location
 from spawn import child_env, cli_cmd, free_port
+from tiered_ckpt.remote.metrics import UploadMetrics
 
 ACCESS_KEY = "AKIATESTSECRETKEY01"
 SECRET_KEY = "s3cr3tTESTsecretVALUE/abc+xyz"
@@ -153,3 +154,14 @@ def test_sidecar_metrics_bind(tmp_path: Path, s3_bucket: S3Location, extra: list
     assert bound == expected, text
     assert rc == 0, text
     assert f"metrics on http://{expected}:{port}/metrics" in text
+
+
+def test_metrics_serve_binds_loopback_by_default() -> None:
+    metrics = UploadMetrics()
+    try:
+        port = metrics.serve(0)
+        assert _listen_address(port) == "127.0.0.1"
+        assert metrics.url == f"http://127.0.0.1:{port}/metrics"
+    finally:
+        metrics.close()
+    assert metrics.url is None

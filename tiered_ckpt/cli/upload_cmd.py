@@ -4,8 +4,8 @@ S3 configuration follows boto3's chain first (``AWS_ENDPOINT_URL`` / ``AWS_ENDPO
 ``AWS_PROFILE``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` ..., config files, instance
 metadata); flags override it. Each flag also has a ``TIERED_CKPT_*`` environment default (read here only)
 so that a container can be configured without a command line: ``TIERED_CKPT_LOCAL``,
-``TIERED_CKPT_REMOTE``, ``TIERED_CKPT_METRICS_PORT``, ``TIERED_CKPT_METRICS_HOST``, ``TIERED_CKPT_PATH_STYLE`` (1/true),
-``TIERED_CKPT_SSE``, ``TIERED_CKPT_SSE_KMS_KEY_ID``, ``TIERED_CKPT_STORAGE_CLASS``,
+``TIERED_CKPT_REMOTE``, ``TIERED_CKPT_METRICS_PORT``, ``TIERED_CKPT_METRICS_HOST`` (default 127.0.0.1),
+``TIERED_CKPT_PATH_STYLE`` (1/true), ``TIERED_CKPT_SSE``, ``TIERED_CKPT_SSE_KMS_KEY_ID``, ``TIERED_CKPT_STORAGE_CLASS``,
 ``TIERED_CKPT_KEEP_REMOTE``, ``TIERED_CKPT_POLL_INTERVAL_S``, ``TIERED_CKPT_MAX_POLL_INTERVAL_S``,
 ``TIERED_CKPT_STALL_DEADLINE_S``.
 

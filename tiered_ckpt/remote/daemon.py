@@ -290,12 +290,17 @@ def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_por
         stop.set()
         uploader.stop_event.set()
 
-    if metrics_port is not None and uploader.metrics is not None:  # before the handlers: it may raise
-        uploader.metrics.serve(metrics_port, addr=metrics_host)
-        log.info("metrics on %s", uploader.metrics.url)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, on_signal)
+    if metrics_port is not None and uploader.metrics is not None:
+        try:
+            uploader.metrics.serve(metrics_port, addr=metrics_host)
+        except BaseException:  # e.g. the address is in use: put the signal handlers back
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            raise
+        log.info("metrics on %s", uploader.metrics.url)
     log.info("sidecar: %s -> %s (poll every %.1f s, waiting steps back off to %.1f s)", uploader.local_root,
              uploader.store.url, poll_interval_s, max_poll_interval_s)
     error: list[BaseException] = []
