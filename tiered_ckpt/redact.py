@@ -5,6 +5,7 @@ Pure text functions and one :class:`logging.Filter`; no I/O, imports nothing of 
 * :func:`redact_url`: the user info of a URL (``http://user:password@host`` -> ``http://***@host``) and
   the secret query parameters of a presigned URL (``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``AWSAccessKeyId``, ``Signature``) replaced by ``***``.
+* :func:`redact_urls`: every URL inside a free text through :func:`redact_url`, nothing else.
 * :func:`redact_text`: every URL inside a free text through :func:`redact_url`, plus the credential
   fragments botocore's wire logging prints (``Authorization: AWS4-HMAC-SHA256 Credential=...,
   Signature=...`` and its ``'Authorization': b'...'`` form in ``Sending http request: <AWSPreparedRequest
@@ -140,10 +141,16 @@ def redact_url(url: str) -> str:
     return _SECRET_QUERY_RE.sub(_mask_group, out)
 
 
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it passed through :func:`redact_url` and nothing else changed (for data
+    output, where only a URL's user info or presigned secrets are masked)."""
+    return _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
+
+
 def redact_text(text: str) -> str:
     """``text`` with every URL passed through :func:`redact_url`, credential fragments masked and every
     registered secret value replaced by ``***``."""
-    out = _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
+    out = redact_urls(text)
     out = _SECRET_QUERY_RE.sub(_mask_group, out)  # a query string outside a URL ("GET /b/k?X-Amz-...")
     for pattern in _TEXT_PATTERNS:
         out = pattern.sub(_mask_group, out)
@@ -177,5 +184,5 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-__all__ = ["MASK", "MIN_SECRET_LEN", "RedactingFilter", "redact_text", "redact_url", "register_secret",
+__all__ = ["MASK", "MIN_SECRET_LEN", "RedactingFilter", "redact_text", "redact_url", "redact_urls", "register_secret",
            "register_url_credentials"]

@@ -188,3 +188,14 @@ def test_real_botocore_debug_output_is_redacted(monkeypatch: pytest.MonkeyPatch)
     assert all(s not in safe for s in (AK, TOKEN, quote(TOKEN, safe=""), "pAsSw0rdUNIT")), safe
     assert safe.startswith("http://***@127.0.0.1:9/b/k?")
 
+
+
+def test_cli_stdout_masks_url_user_info(capsys: pytest.CaptureFixture) -> None:
+    """What a subcommand prints on stdout (a fault note, a skip reason) loses every URL's user info."""
+    from tiered_ckpt.cli._logs import redacted_stdout
+
+    with redacted_stdout():
+        print('step 3: UploadError: Could not connect to the endpoint URL: "http://u:pw@127.0.0.1:9/b/k"')
+        print("step 4: s3://bucket/p committed, 12 B")
+    assert capsys.readouterr().out == ('step 3: UploadError: Could not connect to the endpoint URL: '
+                                       '"http://***@127.0.0.1:9/b/k"\nstep 4: s3://bucket/p committed, 12 B\n')

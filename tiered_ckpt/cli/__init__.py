@@ -7,7 +7,8 @@ print one line (``tiered-ckpt: error: ...``) on stderr, never a traceback (``--d
 Logging (:mod:`tiered_ckpt.cli._logs`): the ``tiered_ckpt`` logger on stderr at ``--log-level``; the
 HTTP wire (botocore, urllib3, s3transfer) only with ``--log-wire``. Every log record, error line and
 traceback is redacted (:mod:`tiered_ckpt.redact`): URL user info, credentials, session tokens,
-signatures, presigned query strings, and the credential values of the environment.
+signatures, presigned query strings, and the credential values of the environment; on stdout every URL
+loses its user info.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import NoReturn, Sequence
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.redact import redact_text
 from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level, print_error
-from tiered_ckpt.cli._logs import cli_logging, register_credentials
+from tiered_ckpt.cli._logs import cli_logging, redacted_stdout, register_credentials
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
 _MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd"]
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     register_credentials(args)
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
-    with cli_logging(level, wire=args.log_wire):
+    with cli_logging(level, wire=args.log_wire), redacted_stdout():
         return _run(args)
 
 

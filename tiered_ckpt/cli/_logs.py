@@ -11,7 +11,9 @@ none and never touches the root logger).
   value :func:`register_credentials` found at startup.
 
 :func:`cli_logging` restores the loggers when the command returns (``main()`` may run many times in one
-process, e.g. in tests).
+process, e.g. in tests). :func:`redacted_stdout` masks the user info (and presigned secrets) of every URL
+a subcommand prints on stdout (a step's fault note or a skip reason may quote botocore's
+``Could not connect to the endpoint URL: "http://user:password@host/..."``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from tiered_ckpt.redact import RedactingFilter, register_secret, register_url_credentials
+from tiered_ckpt.redact import RedactingFilter, redact_urls, register_secret, register_url_credentials
 
 #: The libraries whose DEBUG output is the HTTP wire (``--log-wire``).
 WIRE_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
@@ -90,5 +92,33 @@ def cli_logging(level: int, *, wire: bool = False) -> Iterator[logging.Handler]:
             logger.propagate = propagate
 
 
+class _UrlRedactingWriter:
+    """A text stream whose writes pass :func:`tiered_ckpt.redact.redact_urls` first (``print`` writes each
+    formatted line in one call, ``json.dump`` each string value in one chunk); everything else is the
+    wrapped stream's."""
+
+    def __init__(self, stream) -> None:  # type: ignore[no-untyped-def]
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact_urls(text))
+        return len(text)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def redacted_stdout() -> Iterator[None]:
+    """``sys.stdout`` through :class:`_UrlRedactingWriter` for the duration of the block."""
+    original = sys.stdout
+    sys.stdout = _UrlRedactingWriter(original)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if isinstance(sys.stdout, _UrlRedactingWriter):
+            sys.stdout = original
+
+
 __all__ = ["CREDENTIAL_ENV", "ENDPOINT_ENV", "LOG_FORMAT", "WIRE_LOGGERS", "cli_logging", "make_handler",
-           "register_credentials"]
+           "redacted_stdout", "register_credentials"]
