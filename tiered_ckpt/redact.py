@@ -60,8 +60,12 @@ _TEXT_PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"(?P<name>['\"](?:SecretAccessKey|SessionToken|AccessKeyId|Token|secretAccessKey|sessionToken|"
                r"accessKeyId)['\"]\s*:\s*['\"])(?P<value>[^'\"]*)"),
 )
-#: Literal values shorter than this are not registered (they would mask ordinary words).
-MIN_SECRET_LEN = 4
+#: Literal values shorter than this are not registered: they would mask ordinary words (a demo's
+#: ``AWS_ACCESS_KEY_ID=demo`` would turn every ``tiered-ckpt-demo`` path into ``tiered-ckpt-***``). Real
+#: AWS keys are 20 (id) and 40 (secret) characters, MinIO secrets at least 8; a shorter credential is
+#: still masked where botocore prints it (``Credential=``, tokens, ``Authorization``), only not as a bare
+#: word elsewhere.
+MIN_SECRET_LEN = 8
 
 _secrets: set[str] = set()
 _secrets_lock = threading.Lock()

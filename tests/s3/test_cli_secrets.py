@@ -102,6 +102,21 @@ def test_log_wire_shows_botocore_redacted(uploaded: S3Location, tmp_path: Path) 
     assert _leaks(out, ACCESS_KEY, SECRET_KEY, SESSION_TOKEN) == {}
 
 
+def test_log_wire_redacts_credentials_of_a_profile_file(uploaded: S3Location, tmp_path: Path) -> None:
+    """Credentials the CLI never saw in its environment (boto3 resolves them from a credentials file) are
+    masked where botocore prints them all the same."""
+    cred = tmp_path / "credentials"
+    cred.write_text(f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+                    f"aws_session_token = {SESSION_TOKEN}\n")
+    env = child_env(AWS_SHARED_CREDENTIALS_FILE=str(cred))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        env.pop(name, None)
+    rc, out = _cli("--log-level", "DEBUG", "--log-wire", "ls", "--remote", uploaded.url, *_s3(uploaded), env=env)
+    assert _leaks(out, ACCESS_KEY, SECRET_KEY, SESSION_TOKEN) == {}
+    assert rc == 0 and "Found credentials in shared credentials file" in out, out
+    assert "x-amz-security-token:***" in out and "'Authorization': b'***'" in out
+
+
 @pytest.mark.slow  # the closed port is retried (about 10 s of backoff)
 def test_endpoint_url_password_never_printed(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
