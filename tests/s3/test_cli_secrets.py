@@ -117,6 +117,19 @@ def test_log_wire_redacts_credentials_of_a_profile_file(uploaded: S3Location, tm
     assert "x-amz-security-token:***" in out and "'Authorization': b'***'" in out
 
 
+def test_endpoint_url_user_info_masked_in_debug_logs(uploaded: S3Location) -> None:
+    """An endpoint URL with user:password that works: every line that names it (the store's own DEBUG
+    line, botocore's endpoint and request lines) shows ``http://***@host:port``."""
+    host = uploaded.endpoint_url.removeprefix("http://")
+    endpoint = f"http://{quote(URL_USER, safe='')}:{quote(URL_PASSWORD, safe='')}@{host}"
+    rc, out = _cli("--log-level", "DEBUG", "--log-wire", "ls", "--remote", uploaded.url, "--endpoint-url", endpoint,
+                   "--path-style")
+    assert _leaks(out, URL_USER, URL_PASSWORD, ACCESS_KEY, SECRET_KEY, SESSION_TOKEN) == {}
+    assert rc == 0, out
+    assert f"DEBUG tiered_ckpt.store.client: created S3 client: endpoint=http://***@{host} " in out
+    assert f"Sending http request: <AWSPreparedRequest stream_output=True, method=GET, url=http://***@{host}/" in out
+
+
 @pytest.mark.slow  # the closed port is retried (about 10 s of backoff)
 def test_endpoint_url_password_never_printed(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
