@@ -3,6 +3,12 @@
 
 Exit codes: 0 fine, 1 a checkpoint fault was found or an operation failed, 2 usage error. Failures
 print one line (``tiered-ckpt: error: ...``) on stderr, never a traceback (``--debug`` shows it).
+
+Logging (:mod:`tiered_ckpt.cli._logs`): the ``tiered_ckpt`` logger on stderr at ``--log-level``; the
+HTTP wire (botocore, urllib3, s3transfer) only with ``--log-wire``. Every log record, error line and
+traceback is redacted (:mod:`tiered_ckpt.redact`): URL user info, credentials, session tokens,
+signatures, presigned query strings, and the credential values of the environment; on stdout every URL
+loses its user info.
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 from typing import NoReturn, Sequence
 
 from tiered_ckpt.errors import CheckpointError
-from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level
+from tiered_ckpt.redact import redact_text
+from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level, print_error
+from tiered_ckpt.cli._logs import cli_logging, redacted_stdout, register_credentials
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
 _MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd"]
@@ -25,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
     every other failure, instead of the usage block followed by the error."""
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
-        msg = " ".join(str(message).split())
+        msg = redact_text(" ".join(str(message).split()))
         self.exit(EXIT_USAGE, f"tiered-ckpt: error: {msg} (see '{self.prog} --help')\n")
 
 
@@ -33,9 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tiered-ckpt",
         description="Tiered checkpoints: local per-rank shards, S3 upload sidecar, restore.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (the same as "
+                   "--log-level DEBUG, plus tracebacks; secrets redacted)")
     p.add_argument("--log-level", default="WARNING", type=log_level,
-                   help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default WARNING)")
+                   help="level of tiered_ckpt's own log on stderr: DEBUG, INFO, WARNING, ERROR or CRITICAL "
+                        "(default WARNING)")
+    p.add_argument("--log-wire", action="store_true",
+                   help="also log botocore/urllib3/s3transfer at DEBUG (every HTTP request; credentials, "
+                        "session tokens, signatures and URL user info redacted)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for mod in _MODULES:
@@ -55,38 +69,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
+    register_credentials(args)
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with cli_logging(level, wire=args.log_wire), redacted_stdout():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the subcommand; every failure becomes one redacted error line (``--debug``: after the
+    traceback, redacted as well) and its exit code."""
     try:
         return int(args.func(args) or EXIT_OK)
     except CliError as e:
-        print(f"tiered-ckpt: error: {e}", file=sys.stderr)
+        print_error(str(e))
         return e.code
-    except CheckpointError as e:
-        if args.debug:
-            raise
-        print(f"tiered-ckpt: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
-        return EXIT_FAULT
     except KeyboardInterrupt:
         print("tiered-ckpt: interrupted", file=sys.stderr)
         return 130
-    except (OSError, ValueError) as e:
+    except (CheckpointError, OSError, ValueError) as e:
         if args.debug:
-            raise
-        print(f"tiered-ckpt: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+            _print_traceback()
+        print_error(f"{type(e).__name__}: {e}")
+        return EXIT_FAULT
+    except Exception as e:  # a bug: its traceback, but never a secret in it
+        _print_traceback()
+        print_error(f"{type(e).__name__}: {e}")
         return EXIT_FAULT
 
 
-#: An error line longer than this keeps its start and end (e.g. a rank list of ``--ranks 0-99999``).
-MAX_ERROR_CHARS = 400
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    if len(text) > MAX_ERROR_CHARS:
-        half = MAX_ERROR_CHARS // 2
-        text = f"{text[:half]} ... {text[-half:]}"
-    return text
+def _print_traceback() -> None:
+    sys.stderr.write(redact_text(traceback.format_exc()))
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,4 @@
-"""Shared pieces of the subcommands: exit codes, JSON output, table printing."""
+"""Shared pieces of the subcommands: exit codes, error lines, JSON output, table printing."""
 
 from __future__ import annotations
 
@@ -18,6 +18,27 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = EXIT_FAULT) -> None:
         super().__init__(message)
         self.code = code
+
+
+#: An error line longer than this keeps its start and end (e.g. a rank list of ``--ranks 0-99999``).
+MAX_ERROR_CHARS = 400
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, secrets redacted (:func:`tiered_ckpt.redact.redact_text`: URL user info,
+    credentials, registered secret values), then cut to :data:`MAX_ERROR_CHARS` keeping start and end."""
+    from tiered_ckpt.redact import redact_text
+
+    text = redact_text(" ".join(str(text).split()))
+    if len(text) > MAX_ERROR_CHARS:
+        half = MAX_ERROR_CHARS // 2
+        text = f"{text[:half]} ... {text[-half:]}"
+    return text
+
+
+def print_error(message: str) -> None:
+    """Print ``tiered-ckpt: error: <message>`` (one line, redacted: :func:`one_line`) on stderr."""
+    print(f"tiered-ckpt: error: {one_line(message)}", file=sys.stderr)
 
 
 def print_json(obj: Any) -> None:

@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from tiered_ckpt.cli.demo import DemoConfig, DemoError, format_report, run_demo
+    from tiered_ckpt.redact import redact_text
 
     try:  # settings checked before anything is made on disk
         cfg = DemoConfig(workdir=args.workdir or Path("."), steps=args.steps, ckpt_every=args.ckpt_every,
@@ -42,7 +43,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(str(e), EXIT_USAGE) from None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-ckpt-demo-"))
     cfg = dataclasses.replace(cfg, workdir=workdir)
-    say = (lambda _msg: None) if args.json else (lambda msg: print(msg, flush=True))
+    say = (lambda _msg: None) if args.json else (lambda msg: print(redact_text(msg), flush=True))
     say(f"tiered-ckpt demo in {workdir}")
     try:
         report = run_demo(cfg, say)
@@ -51,5 +52,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.to_dict())
     else:
-        print(format_report(report))
+        print(redact_text(format_report(report)))
     return EXIT_OK

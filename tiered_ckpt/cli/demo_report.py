@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiered_ckpt.redact import redact_url
+
 MiB = 1024 * 1024
 
 __all__ = ["DemoReport", "format_report", "plot_curves", "MiB"]
@@ -48,6 +50,7 @@ class DemoReport:
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("baseline", "resumed", "phase_of_step")}
         d["plot_path"] = str(self.plot_path) if self.plot_path else None
+        d["endpoint"] = redact_url(self.endpoint)
         d["curves"] = [{"step": s, "baseline": self.baseline.get(s), "resumed": self.resumed.get(s),
                         "phase": self.phase_of_step.get(s)} for s in sorted(self.baseline)]
         return d
@@ -92,7 +95,7 @@ def format_report(r: DemoReport) -> str:
         "tiered-ckpt demo report",
         f"  steps                  {r.steps} (4 ranks, ZeRO-1, gloo); crash at step {r.crash_at}, resumed from "
         f"local step {r.resumed_from_local}; cluster loss at step {r.loss_at}, restored step {r.restored_step}",
-        f"  bucket                 {r.remote_url} ({r.endpoint})",
+        f"  bucket                 {r.remote_url} ({redact_url(r.endpoint)})",
         f"  bytes written locally  {r.bytes_written / MiB:.1f} MiB in {r.steps_saved} checkpoints",
         f"  bytes uploaded         {r.bytes_uploaded / MiB:.1f} MiB in {r.steps_uploaded} remotely committed steps",
         f"  save time (background write+hash+commit)  {stats(r.save_s)}",

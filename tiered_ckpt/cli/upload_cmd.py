@@ -4,8 +4,8 @@ S3 configuration follows boto3's chain first (``AWS_ENDPOINT_URL`` / ``AWS_ENDPO
 ``AWS_PROFILE``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` ..., config files, instance
 metadata); flags override it. Each flag also has a ``TIERED_CKPT_*`` environment default (read here only)
 so that a container can be configured without a command line: ``TIERED_CKPT_LOCAL``,
-``TIERED_CKPT_REMOTE``, ``TIERED_CKPT_METRICS_PORT``, ``TIERED_CKPT_PATH_STYLE`` (1/true),
-``TIERED_CKPT_SSE``, ``TIERED_CKPT_SSE_KMS_KEY_ID``, ``TIERED_CKPT_STORAGE_CLASS``,
+``TIERED_CKPT_REMOTE``, ``TIERED_CKPT_METRICS_PORT``, ``TIERED_CKPT_METRICS_HOST`` (default 127.0.0.1),
+``TIERED_CKPT_PATH_STYLE`` (1/true), ``TIERED_CKPT_SSE``, ``TIERED_CKPT_SSE_KMS_KEY_ID``, ``TIERED_CKPT_STORAGE_CLASS``,
 ``TIERED_CKPT_KEEP_REMOTE``, ``TIERED_CKPT_POLL_INTERVAL_S``, ``TIERED_CKPT_MAX_POLL_INTERVAL_S``,
 ``TIERED_CKPT_STALL_DEADLINE_S``.
 
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, port, positive_float,
-                      positive_int, print_json, s3_url, step_number)
+                      positive_int, print_error, print_json, s3_url, step_number)
+from tiered_ckpt.redact import redact_text
 
 if TYPE_CHECKING:
     from tiered_ckpt.remote.metrics import UploadMetrics
@@ -33,6 +34,8 @@ MiB = 1024 * 1024
 #: UploadPolicy's default (tiered_ckpt.remote.upload.DEFAULT_STALL_DEADLINE_S; not imported: the CLI
 #: registers its parsers without importing the upload tier).
 DEFAULT_STALL_DEADLINE_S = 1800.0
+#: tiered_ckpt.remote.metrics.DEFAULT_METRICS_HOST (not imported, as above): loopback only.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -60,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     # argparse applies ``type`` to a string default too: a bad TIERED_CKPT_* value is a usage error as well
     p.add_argument("--metrics-port", type=port, default=_env("TIERED_CKPT_METRICS_PORT"),
                    help="serve Prometheus /metrics on this port (env TIERED_CKPT_METRICS_PORT)")
+    p.add_argument("--metrics-host", default=_env("TIERED_CKPT_METRICS_HOST", DEFAULT_METRICS_HOST),
+                   help="address /metrics binds (default 127.0.0.1: this machine only; 0.0.0.0 or :: opens it "
+                        "to the network, e.g. in a container; env TIERED_CKPT_METRICS_HOST)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL / AWS)")
     p.add_argument("--region", default=None, help="region (default: AWS_REGION / profile)")
     p.add_argument("--profile", default=None, help="AWS profile (default: AWS_PROFILE)")
@@ -148,8 +154,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
     if args.watch:
         up = build_uploader(args, metrics=metrics)
         poll = args.poll_interval_s if args.poll_interval_s is not None else 2.0
-        return run_sidecar(up, poll_interval_s=poll, metrics_port=port, shutdown_timeout_s=args.shutdown_timeout_s,
-                           max_poll_interval_s=args.max_poll_interval_s)
+        return run_sidecar(up, poll_interval_s=poll, metrics_port=port, metrics_host=args.metrics_host,
+                           shutdown_timeout_s=args.shutdown_timeout_s, max_poll_interval_s=args.max_poll_interval_s)
 
     bar = None
     if not args.no_progress and not args.json and sys.stderr.isatty():
@@ -157,7 +163,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="upload", file=sys.stderr)
     up = build_uploader(args, metrics=metrics, on_progress=(bar.update if bar is not None else None))
     if port is not None:
-        metrics.serve(port)
+        metrics.serve(port, addr=args.metrics_host)
     results: list[dict[str, Any]] = []
     rc = EXIT_OK
     try:
@@ -194,9 +200,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
                 if args.step is not None:
                     raise
                 rc = EXIT_FAULT
-                results.append({"step": s, "state": "failed", "error": f"{type(e).__name__}: {e}"})
-                print(f"tiered-ckpt: error: step {s}: {type(e).__name__}: {' '.join(str(e).split())}",
-                      file=sys.stderr)
+                results.append({"step": s, "state": "failed", "error": redact_text(f"{type(e).__name__}: {e}")})
+                print_error(f"step {s}: {type(e).__name__}: {e}")
         if up.policy.keep_remote_last is not None:
             up.apply_remote_retention()
     finally:

@@ -274,8 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     rank, world = _init_dist()
-    logging.basicConfig(level=os.environ.get("TRAIN_ZERO_LOG", "WARNING"),
-                        format=f"%(asctime)s r{rank} %(name)s %(levelname)s %(message)s")
     cfg = ModelConfig()
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = TinyGPT(cfg)
@@ -342,5 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a script configures logging; main() may be called from a program that does
+    logging.basicConfig(level=os.environ.get("TRAIN_ZERO_LOG", "WARNING"),
+                        format=f"%(asctime)s r{os.environ.get('RANK', '0')} %(name)s %(levelname)s %(message)s")
     sys.exit(main())

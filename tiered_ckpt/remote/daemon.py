@@ -283,9 +283,11 @@ class UploadLoop:
 
 def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_port: int | None = None,
                 shutdown_timeout_s: float = 30.0, stop_event: threading.Event | None = None,
-                once: bool = False, max_poll_interval_s: float = 60.0) -> int:
-    """Run the upload loop until SIGTERM/SIGINT (or ``stop_event``). Returns the exit code (0). Raises
-    what stopped the loop (``RunMismatchError``: the prefix belongs to another run)."""
+                once: bool = False, max_poll_interval_s: float = 60.0, metrics_host: str = "127.0.0.1") -> int:
+    """Run the upload loop until SIGTERM/SIGINT (or ``stop_event``). ``metrics_port``: serve
+    ``/metrics`` there, bound to ``metrics_host`` (default loopback only). Returns the exit code (0).
+    Raises what stopped the loop (``RunMismatchError``: the prefix belongs to another run), ``OSError``
+    when the metrics address cannot be bound."""
     stop = stop_event if stop_event is not None else uploader.stop_event
     previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
@@ -298,8 +300,13 @@ def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_por
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, on_signal)
     if metrics_port is not None and uploader.metrics is not None:
-        port = uploader.metrics.serve(metrics_port)
-        log.info("metrics on http://0.0.0.0:%d/metrics", port)
+        try:
+            uploader.metrics.serve(metrics_port, addr=metrics_host)
+        except BaseException:  # e.g. the address is in use: put the signal handlers back
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            raise
+        log.info("metrics on %s", uploader.metrics.url)
     log.info("sidecar: %s -> %s (poll every %.1f s, waiting steps back off to %.1f s)", uploader.local_root,
              uploader.store.url, poll_interval_s, max_poll_interval_s)
     error: list[BaseException] = []

@@ -1,7 +1,8 @@
 """Prometheus metrics of the uploader sidecar (SPEC §4 "Observable").
 
 Each :class:`UploadMetrics` owns its own ``CollectorRegistry`` (several uploaders in one process, e.g.
-tests, never collide). :meth:`UploadMetrics.serve` exposes it over HTTP at ``/metrics``.
+tests, never collide). :meth:`UploadMetrics.serve` exposes it over HTTP at ``/metrics``, on 127.0.0.1
+unless an address is given (``tiered-ckpt upload --metrics-host``): the endpoint has no authentication.
 
 =====================================================  =======  ==============================================
 name                                                   type     meaning
@@ -32,6 +33,9 @@ import time
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+#: Where :meth:`UploadMetrics.serve` binds by default: loopback, this machine only.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 class UploadMetrics:
@@ -74,12 +78,24 @@ class UploadMetrics:
             t = self._newest_commit_time
         return math.nan if t is None else max(0.0, time.time() - t)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` on ``addr:port`` in a daemon thread (``port=0``: any free port).
-        Returns the port."""
+    def serve(self, port: int, addr: str = DEFAULT_METRICS_HOST) -> int:
+        """Serve ``/metrics`` on ``addr:port`` in a daemon thread (``port=0``: any free port). ``addr``:
+        an IP address or host name; the default 127.0.0.1 keeps it on this machine, ``0.0.0.0`` / ``::``
+        opens it to the network. Returns the bound port (:attr:`url` names the bound address). Raises
+        ``OSError`` when the address cannot be bound (in use, unknown host)."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server
         return int(server.server_address[1])
+
+    @property
+    def url(self) -> str | None:
+        """``http://HOST:PORT/metrics`` of the bound socket (IPv6 in brackets), or ``None`` when not
+        serving."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        host = f"[{host}]" if ":" in str(host) else str(host)
+        return f"http://{host}:{port}/metrics"
 
     def close(self) -> None:
         if self._server is not None:
@@ -88,4 +104,4 @@ class UploadMetrics:
             self._server = None
 
 
-__all__ = ["UploadMetrics"]
+__all__ = ["DEFAULT_METRICS_HOST", "UploadMetrics"]
