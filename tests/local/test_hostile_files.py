@@ -98,8 +98,6 @@ def make_hostile(entry: Path, case: Case, outside: Path) -> Path:
     if case.target == "step-dir":
         shutil.copytree(entry, outside / "stepcopy")
         secret = outside / "stepcopy"
-    elif entry.exists():
-        secret.write_bytes(outside_bytes(case, entry))
     else:
         secret.write_bytes(outside_bytes(case, entry))
     if os.path.isdir(entry) and not os.path.islink(entry):
@@ -234,7 +232,7 @@ def expected(case: Case, w: dict) -> dict[str, object]:
         out.update(load="ok", verify=[0, "step 1: committed (pinned)\n", ""], ls_state="committed")
     elif case.target == NODE_RANKS_NAME:
         msg = refusal(entry, case.kind)
-        out.update(load=["MissingShardError", f"step 1 rank 1 (rank_00001.safetensors): shard file is missing"],
+        out.update(load=["MissingShardError", "step 1 rank 1 (rank_00001.safetensors): shard file is missing"],
                    verify=[1, f"step 1: corrupt: {msg}\n", ""], ls_state="corrupt")
     elif case.target == RUN_RECORD_NAME:
         msg = refusal(entry, case.kind)
