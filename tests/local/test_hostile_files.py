@@ -276,3 +276,40 @@ def test_hostile_entry(world: dict[str, dict], case: Case) -> None:
 def test_table_covers_every_target_and_kind() -> None:
     assert {c.target for c in CASES} == set(TARGETS) and {c.kind for c in CASES} == set(KINDS)
     assert len(CASES) == len(TARGETS) * len(KINDS) - 1
+
+
+def test_a_symlinked_root_is_followed_once(tmp_path: Path) -> None:
+    """The root itself may be a symlink (``/nvme -> /mnt/disk0``): resolved, everything below it refused."""
+    real = tmp_path / "disk0" / "run"
+    tc.save_sharded(states(1), real, STEP)
+    link = tmp_path / "nvme"
+    os.symlink(tmp_path / "disk0", link)
+    assert tc.load_sharded(link / "run", WORLD)[1]["r"] == 1
+    from tiered_ckpt.local.scan import scan
+    assert [(s.step, s.state) for s in scan(link / "run")] == [(STEP, "committed")]
+
+
+def test_safe_read_api(tmp_path: Path) -> None:
+    from tiered_ckpt.errors import ManifestError, ShardCorruptedError
+    from tiered_ckpt.safe_read import locate, open_in_root, read_file, read_in_root
+
+    root = tmp_path / "run"
+    (root / "step_0000000001").mkdir(parents=True)
+    (root / "step_0000000001" / "a.json").write_bytes(b"12345")
+    assert read_in_root(root, "step_0000000001/a.json", 5) == b"12345"
+    assert read_in_root(root, "step_0000000001/none.json", 5) is None  # absent
+    assert read_in_root(root, "step_0000000002/a.json", 5) is None  # absent directory on the way
+    assert read_in_root(tmp_path / "nowhere", "x", 5) is None  # absent root
+    with pytest.raises(ManifestError, match=r"a\.json is 5 bytes, over the 4-byte cap"):
+        read_in_root(root, "step_0000000001/a.json", 4)
+    with pytest.raises(FileNotFoundError):
+        open_in_root(root, "step_0000000001/none.json")
+    with pytest.raises(ValueError):
+        read_in_root(root, "step_0000000001/../../x", 5)
+    os.symlink(root / "step_0000000001", root / "step_0000000003")
+    with pytest.raises(ShardCorruptedError, match=r"step_0000000003 is a symlink, not a directory; refusing to follow"):
+        read_in_root(root, "step_0000000003/a.json", 5, error=ShardCorruptedError)
+    assert locate(root / "step_0000000001" / "a.json") == (root, "step_0000000001/a.json")
+    assert locate(root / "superseded" / "step_0000000001.abc" / "m.json") == (root, "superseded/step_0000000001.abc/m.json")
+    assert locate(root / "run.json") == (root, "run.json")
+    assert read_file(root / "step_0000000001" / "a.json", 5) == b"12345"
