@@ -27,6 +27,8 @@ absent directory on the way, or a root that does not exist or is not a directory
 Callers that hold a path rather than ``(root, relpath)`` use :func:`locate`: a file of
 ``<root>/step_XXXXXXXXXX/`` (or of a trash or temp directory beside it) has that directory's parent as its
 root; one of ``<root>/superseded/<entry>/`` has ``<root>`` (so that ``superseded`` is not followed either).
+Only names decide, so a root that is itself named ``superseded`` must be a real directory. Error classes
+passed as ``error``/``io_error`` must not derive from ``FileNotFoundError`` (that means "absent" here).
 """
 
 from __future__ import annotations
@@ -40,19 +42,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tiered_ckpt.errors import CheckpointError, ManifestError
-from tiered_ckpt.layout import SUPERSEDED_DIR
+from tiered_ckpt.layout import SUPERSEDED_DIR, TRASH_PREFIX, parse_remote_step_entry
 
 PathLike = str | os.PathLike[str]
-ErrorType = type[CheckpointError] | type[Exception]
+ErrorType = type[Exception]  #: the caller's error class: called with one message
 
 #: Flags of the final open of a file (POSIX ``open(2)``; ``O_NOCTTY``: a terminal never becomes ours).
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 #: Flags of every directory opened below the root.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-#: Default cap of a small record read whole (a writer lock, a marker): bytes.
-MAX_RECORD_BYTES = 64 * 1024
 #: Flags of the root itself (symlinks followed: the root may be one).
 ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+#: Default cap of a small record read whole (a writer lock, a marker): bytes.
+MAX_RECORD_BYTES = 64 * 1024
 
 
 def kind_of(mode: int) -> str:
@@ -213,8 +215,9 @@ def locate(path: PathLike) -> tuple[Path, str]:
 
 
 def _is_step_level(name: str) -> bool:
-    """A directory name of the step level of a root: a step directory, a trash directory (``.trash.``)."""
-    return name.startswith(("step_", ".trash."))
+    """A directory name of the step level of a root: a step directory (``step_XXXXXXXXXX``, or with a save
+    id as in ``superseded/``), a trash directory (``.trash.``)."""
+    return parse_remote_step_entry(name) is not None or name.startswith(TRASH_PREFIX)
 
 
 def open_file(path: PathLike, *, error: ErrorType = ManifestError, io_error: ErrorType | None = None) -> int:
