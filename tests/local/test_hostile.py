@@ -618,7 +618,8 @@ def _parse_strace(log: str, marks: str) -> dict[str, dict[str, list[tuple[str, b
     pid."""
     import re
 
-    call = re.compile(r'^(\d+)\s+(?:open|openat|openat2)\((?:[^,"]+, )?"((?:[^"\\]|\\.)*)"(.*)$')
+    # ``strace -y``: a dirfd is printed with its path (``3</run>``); a relative name is joined to it
+    call = re.compile(r'^(\d+)\s+(?:open|openat|openat2)\((?:[^,"<]*(?:<([^>]*)>)?, )?"((?:[^"\\]|\\.)*)"(.*)$')
     resumed = re.compile(r'^(\d+)\s+<\.\.\. (?:open|openat|openat2) resumed>(.*)$')
     result = re.compile(r'\)\s+=\s+(-?\d+)')
     segs: dict[str, dict[str, list[tuple[str, bool]]]] = {}
@@ -634,8 +635,10 @@ def _parse_strace(log: str, marks: str) -> dict[str, dict[str, list[tuple[str, b
     for line in log.splitlines():
         m = call.match(line)
         if m:
-            pid, raw, rest = m.groups()
+            pid, dirpath, raw, rest = m.groups()
             path = raw.encode("latin-1", "backslashreplace").decode("unicode_escape")
+            if dirpath and not path.startswith("/"):
+                path = os.path.join(dirpath, path)
             if path.startswith(marks + "/"):
                 kind, _, cid = path[len(marks) + 1 :].partition("-")
                 cur = None if kind == "END" else segs.setdefault(cid, {}).setdefault(kind, [])
@@ -666,7 +669,7 @@ def traced(world: World, tmp_path_factory) -> dict[str, Any]:
     (d / "driver.py").write_text(DRIVER)
     log = d / "strace.log"
     # python_cmd checks that the interpreter is a binary (strace must trace Python, not a shim script)
-    cmd = [STRACE, "-f", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
+    cmd = [STRACE, "-f", "-y", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
            *python_cmd(d / "driver.py", d / "spec.json", d / "out.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0 and "ptrace" in proc.stderr:
@@ -684,9 +687,11 @@ def _library_path(p: str) -> bool:
 
 
 def _other_step_manifest(root: Path, p: str) -> bool:
-    """``p`` is ``<root>/step_XXXXXXXXXX/manifest.json``."""
+    """``p`` is ``<root>/step_XXXXXXXXXX/manifest.json`` or the step directory on the way to it (opened
+    ``O_NOFOLLOW`` by tiered_ckpt.safe_read)."""
     rel = os.path.relpath(p, root).split("/")
-    return len(rel) == 2 and rel[1] == "manifest.json" and re.fullmatch(r"step_[0-9]{10}", rel[0]) is not None
+    return len(rel) in (1, 2) and rel[1:] in ([], ["manifest.json"]) and \
+        re.fullmatch(r"step_[0-9]{10}", rel[0]) is not None
 
 
 def _check_opens(world: World, case: Case, opens: list[tuple[str, bool]]) -> None:
@@ -707,7 +712,8 @@ def _check_opens(world: World, case: Case, opens: list[tuple[str, bool]]) -> Non
             if case.id == "step-dir-symlink-outside":
                 raise AssertionError(f"opened {p} through the symlinked step directory")
             continue
-        if _library_path(p) or p in (str(world.root), str(world.root / "run.json")) or p == sdir \
+        if _library_path(p) or p in (str(world.root), str(world.root / "run.json"), str(world.root / "superseded")) \
+                or p == sdir \
                 or p.startswith(sdir + "/"):
             continue
         if _other_step_manifest(world.root, p):

@@ -22,10 +22,8 @@ rollback of the root supersedes it).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from pathlib import Path
 
 from tiered_ckpt.errors import ManifestError, NoCheckpointError
@@ -33,6 +31,7 @@ from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE, RunLineage, Supe
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import ADOPTED_MARKER_NAME, MANIFEST_NAME, RUN_RECORD_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.fs import is_real_dir
+from tiered_ckpt.safe_read import read_file, read_in_root
 
 #: Largest manifest we read (bytes).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
@@ -108,7 +107,7 @@ def read_run_record(root: PathLike) -> RunLineage | None:
     Bounded read: never follows a symlink, refuses FIFOs, devices and directories (opened non-blocking,
     checked with ``fstat``), and records over :data:`MAX_RUN_RECORD_BYTES`. Raises :class:`ManifestError`
     for any of these and for a malformed record (:meth:`RunLineage.from_json`)."""
-    data = _read_regular(Path(root) / RUN_RECORD_NAME, MAX_RUN_RECORD_BYTES)
+    data = read_in_root(root, RUN_RECORD_NAME, MAX_RUN_RECORD_BYTES)
     return None if data is None else RunLineage.from_json(data)
 
 
@@ -234,29 +233,11 @@ def pick_step(root: PathLike, step: int | None) -> tuple[Path, int]:
 
 
 def _read_regular(path: Path, cap: int) -> bytes | None:
-    """The bytes of the regular file ``path`` (at most ``cap``), or ``None`` when it does not exist.
-    Raises :class:`ManifestError` for a symlink, a non-regular file, an oversized or unreadable one."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:
-        what = "is a symlink" if e.errno == errno.ELOOP else f"cannot be opened: {e.strerror or e}"
-        raise ManifestError(f"{path} {what}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"{path} is not a regular file")
-        if st.st_size > cap:
-            raise ManifestError(f"{path} is {st.st_size} bytes, over the {cap}-byte cap")
-        data = os.pread(fd, st.st_size + 1, 0)
-        if len(data) > cap:
-            raise ManifestError(f"{path} grew over the {cap}-byte cap while being read")
-        return data
-    except OSError as e:
-        raise ManifestError(f"cannot read {path}: {e.strerror or e}") from e
-    finally:
-        os.close(fd)
+    """The bytes of the regular file ``path`` inside a checkpoint directory (at most ``cap``), or ``None``
+    when it does not exist; read through :func:`tiered_ckpt.safe_read.read_file` (no component below the
+    root followed, non-blocking). Raises :class:`ManifestError` for a symlink, a non-regular file, an
+    oversized or unreadable one."""
+    return read_file(path, cap)
 
 
 def read_small_regular_file(path: Path, cap: int) -> bytes | None:

@@ -38,6 +38,7 @@ from tiered_ckpt.fs import (is_real_dir, new_save_id, owner_alive, owner_token, 
                             write_all)
 from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, SUPERSEDED_DIR, UPLOADED_MARKER_NAME as UPLOADED
 from tiered_ckpt.layout import save_entry_name, step_dir_name
+from tiered_ckpt.safe_read import read_existing, read_json_record
 from tiered_ckpt.local.catalogue import is_committed
 
 log = logging.getLogger(__name__)
@@ -161,10 +162,7 @@ def set_aside_step(root: Path, step: int, save_id: str | None) -> Path | None:
 
 def lock_holder(step_dir: Path) -> str | None:
     """The ``save_id`` named by the step's writer lock, or ``None`` (no lock, or unreadable)."""
-    try:
-        sid = json.loads((step_dir / SAVE_LOCK_NAME).read_bytes()).get("save_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+    sid = (read_json_record(step_dir / SAVE_LOCK_NAME) or {}).get("save_id")  # never follows or blocks
     return sid if isinstance(sid, str) else None
 
 
@@ -179,7 +177,7 @@ def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> tuple[str
     me = owner_token()
     for _ in range(8):
         try:
-            cur = json.loads(path.read_bytes())
+            cur = json.loads(read_existing(path))  # never follows, never blocks on a FIFO, capped
             cur_id, cur_owner = str(cur["save_id"]), str(cur["owner"])
         except FileNotFoundError:
             cur = None

@@ -31,11 +31,11 @@ from pathlib import Path
 from tiered_ckpt.errors import CheckpointWriteError, LineageError, ManifestError
 from tiered_ckpt.format.lineage import RunLineage, Superseded
 from tiered_ckpt.layout import RUN_RECORD_NAME, SUPERSEDED_DIR, parse_remote_step_entry, step_dir_name
-from tiered_ckpt.fs import is_real_dir
 from tiered_ckpt.local.catalogue import (all_committed_steps, judged_attempt, read_run_record, resolve_root,
                                          step_lineage, superseded_in)
 from tiered_ckpt.local.commit import durable_write_bytes, set_aside_step
 from tiered_ckpt.local.trash import move_to_trash, put_back, remove_trash
+from tiered_ckpt.safe_read import list_in_root
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,7 @@ def superseded_local_steps(root: PathLike) -> list[SupersededStep]:
             if why is not None and info is not None:
                 out.append(SupersededStep(s, info[2], info[1], info[0], why, r / step_dir_name(s), False))
     into = r / SUPERSEDED_DIR
-    try:
-        names = os.listdir(into) if is_real_dir(into) else []
-    except OSError:
-        names = []
-    for name in names:
+    for name in list_in_root(r, SUPERSEDED_DIR):  # superseded/ opened O_NOFOLLOW: [] for a symlink
         parsed = parse_remote_step_entry(name)
         info = step_lineage(into / name) if parsed is not None else None
         if parsed is None or info is None:

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 
 from tiered_ckpt.errors import ManifestError
@@ -26,12 +27,15 @@ from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME
 from tiered_ckpt.local.catalogue import read_manifest_bytes
 from tiered_ckpt.local.commit import durable_write_bytes
+from tiered_ckpt.safe_read import lstat_in_dir, read_file
 
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+#: Largest ``uploaded.json`` read (bytes); a larger one is treated as absent.
+MAX_MARKER_BYTES = 64 * 1024
 
 
 def manifest_sha256_of(step_dir: PathLike) -> str | None:
@@ -71,14 +75,13 @@ def write_uploaded_marker(step_dir: PathLike, marker: UploadedMarker, *,
 def read_uploaded_marker(step_dir: PathLike) -> UploadedMarker | None:
     """The step's marker, or ``None`` when there is none or it cannot be read or parsed (the sidecar then
     treats the step as not uploaded and checks it remotely again). Never raises. The marker is returned
-    whether or not it matches the step's manifest: see :func:`has_uploaded_marker`."""
+    whether or not it matches the step's manifest: see :func:`has_uploaded_marker`. Read through
+    :func:`tiered_ckpt.safe_read.read_file`: a symlink, FIFO, device or directory, or a marker over
+    :data:`MAX_MARKER_BYTES`, is treated as absent (never followed, never blocking)."""
     path = Path(step_dir) / UPLOADED_MARKER_NAME
     try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    try:
-        return UploadedMarker.from_json(data)
+        data = read_file(path, MAX_MARKER_BYTES)  # never through a symlink, never blocking on a FIFO
+        return None if data is None else UploadedMarker.from_json(data)
     except ManifestError as exc:
         log.debug("%s is unreadable (%s); treated as absent", path, exc)
         return None
@@ -100,17 +103,16 @@ def has_uploaded_marker(step_dir: PathLike) -> bool:
     that upload-gated rotation waits for. A stale marker (the step was re-saved with ``replace=True``
     since) or an unreadable one does not count (issue 10, Why case 4). Never raises."""
     ok = marker_matches_manifest(step_dir, read_uploaded_marker(step_dir))
-    if not ok and (Path(step_dir) / UPLOADED_MARKER_NAME).is_file():
+    if not ok and os.path.lexists(Path(step_dir) / UPLOADED_MARKER_NAME):
         log.debug("%s: uploaded.json does not match manifest.json (or is unreadable); not uploaded", step_dir)
     return ok
 
 
 def uploaded_marker_time(step_dir: PathLike) -> float | None:
-    """When the marker was written (its mtime, seconds since the epoch), or ``None`` when there is none."""
-    try:
-        return (Path(step_dir) / UPLOADED_MARKER_NAME).stat().st_mtime
-    except OSError:
-        return None
+    """When the marker was written (its mtime, seconds since the epoch), or ``None`` when there is none
+    (or it is not a regular file: ``lstat`` without following anything below the root)."""
+    st = lstat_in_dir(step_dir, UPLOADED_MARKER_NAME)
+    return st.st_mtime if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
 __all__ = ["has_uploaded_marker", "manifest_sha256_of", "marker_matches_manifest", "read_uploaded_marker",

@@ -22,11 +22,9 @@ Every failure raises :class:`MissingShardError`, :class:`ShardCorruptedError` or
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from tiered_ckpt.format.crc32c import Crc32c, crc32c_extend, crc_hex
 from tiered_ckpt.errors import ManifestError, MissingShardError, ShardCorruptedError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
 from tiered_ckpt.locks import hold_step_lock
+from tiered_ckpt.safe_read import open_file
 
 #: Buffer size of streaming verification (bytes): fits in L2/L3 so that the hash reads what pread
 #: has just written there.
@@ -69,22 +68,20 @@ def check_verify_mode(verify: str) -> str:
 
 
 def open_shard(sdir: Path, rec: ShardRecord, where: str) -> int:
-    """Open a shard read-only without following symlinks; check it is a regular file of the recorded
-    size. Returns the fd (caller closes)."""
+    """Open a shard read-only through :func:`tiered_ckpt.safe_read.open_file` (no symlink followed below
+    the root, never blocking, regular files only); check it is of the recorded size. Returns the fd
+    (caller closes). Raises :class:`MissingShardError` (absent), :class:`ManifestError` (a symlink, FIFO,
+    device or directory), :class:`ShardCorruptedError` (another open error, or the wrong size)."""
     try:
-        fd = os.open(sdir / rec.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_file(sdir / rec.path, error=ManifestError, io_error=ShardCorruptedError)
     except FileNotFoundError:
         raise MissingShardError(f"{where}: shard file is missing") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ManifestError(f"{where}: shard file is a symlink; refusing to follow it") from None
-        raise ShardCorruptedError(f"{where}: cannot open: {e.strerror or e}") from e
+    except (ManifestError, ShardCorruptedError) as e:
+        raise type(e)(f"{where}: {e}") from e.__cause__
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"{where}: not a regular file")
-        if st.st_size != rec.size_bytes:
-            raise ShardCorruptedError(f"{where}: {st.st_size} bytes on disk, manifest says {rec.size_bytes} "
+        size = os.fstat(fd).st_size
+        if size != rec.size_bytes:
+            raise ShardCorruptedError(f"{where}: {size} bytes on disk, manifest says {rec.size_bytes} "
                                       "(partial or corrupt write)")
     except BaseException:
         os.close(fd)

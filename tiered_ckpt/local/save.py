@@ -32,6 +32,7 @@ from tiered_ckpt.local.catalogue import read_run_record, resolve_root
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.node_ranks import clear_node_ranks, record_node_ranks
 from tiered_ckpt.local.writer import superseded_hint, write_shard
+from tiered_ckpt.safe_read import open_file
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +141,18 @@ def default_lineage(root: Path, run_id: str | None, attempt: int | None) -> tupl
 
 def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -> None:
     """Cheap pre-commit check: file present, size right, header names this save, rank and step.
-    Raises MissingShardError, ShardCorruptedError, ConcurrentSaveError (another save's file, I4)."""
+    Raises MissingShardError, ShardCorruptedError (also a symlink, FIFO, device or directory there),
+    ConcurrentSaveError (another save's file, I4), CheckpointWriteError (the open failed on I/O)."""
     path = sdir / rec.path
     where = f"step {step} rank {rec.rank} ({rec.path})"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # never through a symlink, never blocking on a FIFO, regular files only
+        fd = open_file(path, error=ShardCorruptedError, io_error=CheckpointWriteError)
     except FileNotFoundError:
         raise MissingShardError(f"{where}: shard file is missing") from None
-    except OSError as e:
-        raise CheckpointWriteError.from_os_error(e, f"{where}: cannot open") from e
+    except CheckpointError as e:
+        if isinstance(e.__cause__, OSError):
+            raise CheckpointWriteError.from_os_error(e.__cause__, f"{where}: cannot open") from e.__cause__
+        raise ShardCorruptedError(f"{where}: {e}") from None
     try:
         size = os.fstat(fd).st_size
         if size != rec.size_bytes:

@@ -39,6 +39,7 @@ from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
 from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
+from tiered_ckpt.safe_read import list_dir, read_json_record, regular_files
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +113,7 @@ class StepStatus:
 
 def _dir_bytes(sdir: Path) -> int:
     """Bytes of the shard files in ``sdir``; 0 for a symlinked step directory (never followed)."""
-    total = 0
-    if sdir.is_symlink():
-        return 0
-    try:
-        with os.scandir(sdir) as it:
-            for e in it:
-                if e.is_file(follow_symlinks=False) and e.name.endswith(".safetensors"):
-                    total += e.stat(follow_symlinks=False).st_size
-    except OSError:
-        pass
-    return total
+    return sum(regular_files(sdir, ".safetensors").values())  # the step directory opened O_NOFOLLOW
 
 
 def _present_ranks(sdir: Path, m: ShardManifest) -> set[int]:
@@ -303,18 +294,10 @@ def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None 
 def _writer_alive(sdir: Path) -> bool:
     """Whether a live process may still be writing into ``sdir``: its save lock or a temp file names a
     live owner."""
-    import json
-
-    try:
-        owner = json.loads((sdir / SAVE_LOCK_NAME).read_bytes()).get("owner", "")
-        if owner and owner_alive(str(owner)):
-            return True
-    except (OSError, ValueError, AttributeError):
-        pass
-    try:
-        names = os.listdir(sdir)
-    except OSError:
-        return False
+    owner = (read_json_record(sdir / SAVE_LOCK_NAME) or {}).get("owner", "")  # never follows or blocks
+    if owner and owner_alive(str(owner)):
+        return True
+    names = list_dir(sdir)  # the step directory opened O_NOFOLLOW
     return any((o := temp_owner(n)) is not None and owner_alive(o) for n in names)
 
 

@@ -9,6 +9,7 @@ with the manifest's, and its safetensors header with the manifest's record, as l
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +18,7 @@ from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.local.reader import match_header
 from tiered_ckpt.remote.handle import object_url
 from tiered_ckpt.remote.restore_plan import RemoteObject, RestorePlan
+from tiered_ckpt.safe_read import opened
 from tiered_ckpt.store.base import ObjectStore, RemoteNotFoundError
 
 ProgressCallback = Callable[[int], None]
@@ -25,14 +27,17 @@ _HASH_CHUNK = 8 * 1024 * 1024
 
 
 def hash_file(path: Path) -> tuple[str, int]:
-    """``(sha256 hex, size in bytes)`` of a file, read in 8 MiB chunks."""
+    """``(sha256 hex, size in bytes)`` of a file, read in 8 MiB chunks through
+    :func:`tiered_ckpt.safe_read.opened` (no symlink followed below its root, never blocking, a regular
+    file only). Raises ``FileNotFoundError`` (absent), :class:`ShardCorruptedError` (a symlink, FIFO,
+    device or directory there; a read error)."""
     sha = hashlib.sha256()
     n = 0
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with opened(path, error=ShardCorruptedError) as fd:
         while True:
-            k = f.readinto(buf)
+            k = os.readv(fd, [buf])
             if not k:
                 break
             sha.update(view[:k])
@@ -43,9 +48,9 @@ def hash_file(path: Path) -> tuple[str, int]:
 def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
     """The downloaded file's safetensors header agrees with the manifest's record (as loading checks)."""
     rec = plan.manifest.shards[rank]
-    with open(path, "rb") as f:
-        n = fmt.parse_header_length(f.read(8), rec.size_bytes, where)
-        hdr = fmt.parse_header(f.read(n), rec.size_bytes, where)
+    with opened(path, error=ShardCorruptedError) as fd:
+        n = fmt.parse_header_length(os.pread(fd, 8, 0), rec.size_bytes, where)
+        hdr = fmt.parse_header(os.pread(fd, n, 8), rec.size_bytes, where)
     match_header(hdr, rec, plan.manifest, where)
 
 

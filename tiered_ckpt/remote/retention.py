@@ -28,6 +28,7 @@ from pathlib import Path
 from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, parse_shard_file_name, parse_step_dir_name, save_entry_name
 from tiered_ckpt.remote.catalogue import CURRENT, RemoteCatalogue, RemoteSave, read_catalogue
 from tiered_ckpt.remote.pending_aborts import sweep_pending_aborts
+from tiered_ckpt.safe_read import list_dir
 from tiered_ckpt.store.base import ObjectStore
 from tiered_ckpt.store.optional_apis import OperationNotSupportedError
 
@@ -101,7 +102,7 @@ def local_shard_ranks(local_root: Path) -> set[int]:
     for name in _listdir(local_root):
         if parse_step_dir_name(name) is None:
             continue
-        for f in _listdir(local_root / name):
+        for f in list_dir(local_root / name):  # a symlinked step directory is not followed
             r = parse_shard_file_name(f)
             if r is not None:
                 ranks.add(r)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
+from tiered_ckpt.fs import is_real_dir
 from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME
 from tiered_ckpt.local.catalogue import (committed_steps, read_manifest_bytes, read_run_record, step_path,
                                          superseded_in)
@@ -48,6 +50,7 @@ from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, S
 from tiered_ckpt.remote.lineage import claim_or_check
 from tiered_ckpt.remote.shard_upload import ShardSender, StepStats, upload_shard
 from tiered_ckpt.retry import OperationInterruptedError
+from tiered_ckpt.safe_read import is_regular_file
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ def read_local_manifest(local_root: Path, step: int, sdir: Path) -> tuple[bytes,
     another step's)."""
     data = read_manifest_bytes(sdir)
     if data is None:
-        if not sdir.is_dir():
+        if not is_real_dir(sdir):
             raise LocalStepGoneError(f"step {step}: {sdir} disappeared")
         raise NoCheckpointError(f"step {step} is not committed under {local_root}")
     m = ShardManifest.from_json(data)
@@ -89,8 +92,9 @@ def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, comm
     """Step 3 of the commit protocol for every shard of the step present in ``sdir``; raises the first
     failure after every transfer has ended (the others are logged)."""
     step, m = commit.step, commit.manifest
-    local = [rec for rec in m.shards if (sdir / rec.path).is_file()]
-    if not local and not sdir.is_dir():
+    # any entry counts (send_shard refuses a symlink, FIFO or directory loudly); absent: another node's
+    local = [rec for rec in m.shards if os.path.lexists(sdir / rec.path)]
+    if not local and not is_real_dir(sdir):
         raise LocalStepGoneError(f"step {step}: {sdir} disappeared")
     log.debug("step %d: %d of %d shard(s) on this node, %d bytes", step, len(local), m.world_size,
               sum(r.size_bytes for r in local))
@@ -186,12 +190,12 @@ def _commit_locked(sender: ShardSender, executor: ThreadPoolExecutor, prefix: st
             raise
         # Another node may have committed while we waited (one GET instead of a fence); not asked when
         # this root holds every shard and this is the first pass (nobody else uploads this save).
-        waited = resume is not None or not all((sdir / rec.path).is_file() for rec in m.shards)
+        waited = resume is not None or not all(os.path.lexists(sdir / rec.path) for rec in m.shards)
         done = commit.committed() if waited else None
         if done is not None:
             um, body = done
         else:
-            if not (sdir / MANIFEST_NAME).is_file():
+            if not is_regular_file(sdir / MANIFEST_NAME):  # never through a symlink
                 raise LocalStepGoneError(f"step {step}: {sdir} was deleted during the upload; not committing it")
             body = commit.write_upload_manifest(um)
             if body != um.to_json().encode():  # another node of this save committed first

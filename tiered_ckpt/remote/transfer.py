@@ -4,7 +4,8 @@ Why not ``S3Store.upload_file``: s3transfer reads the file itself, so the bytes 
 *second* read of the file and a shard that rots between the two reads would go unnoticed. Here every
 byte is hashed as it is read for sending, on one thread, in file order:
 
-1. ``open(O_NOFOLLOW)``; its size must equal the local manifest's (else :class:`LocalShardError`).
+1. :func:`tiered_ckpt.safe_read.open_file` (``O_NOFOLLOW`` on every component, non-blocking, a regular
+   file only); its size must equal the local manifest's (else :class:`LocalShardError`).
 2. A file below the multipart threshold is read whole (bounded by the threshold), hashed, compared with
    the manifest's sha256 *before* anything is sent, then written with one ``PutObject`` carrying its
    ``ChecksumSHA256`` (``S3Store.put_bytes``).
@@ -49,7 +50,6 @@ import base64
 import hashlib
 import logging
 import os
-import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +58,7 @@ from typing import Callable
 from tiered_ckpt.errors import ShardCorruptedError
 from tiered_ckpt.format.crc32c import crc32c_extend
 from tiered_ckpt.retry import OperationInterruptedError
+from tiered_ckpt.safe_read import open_file
 from tiered_ckpt.store import NoSuchUploadError, ObjectStore, UploadedPart, checksums_match
 from tiered_ckpt.store.checksums import composite_crc32c_b64
 
@@ -124,17 +125,12 @@ def send_shard(
     ran out; the caller's retry decides). ``on_abort_failed(key, upload_id, exc)``: called when a failed
     multipart upload cannot be aborted either (recorded for a later sweep, ``remote/pending_aborts.py``)."""
     what = f"{store.url}/{key}"
+    try:  # no symlink followed below the root, never blocking on a FIFO, regular files only
+        fd = open_file(path, error=LocalShardError)
+    except LocalShardError as e:
+        raise LocalShardError(f"{what}: {e}") from e.__cause__
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise LocalShardError(f"{what}: cannot open {os.fspath(path)}: {e.strerror or e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise LocalShardError(f"{what}: {os.fspath(path)} is not a regular file")
-        size = st.st_size
+        size = os.fstat(fd).st_size
         if size != expected_size:
             raise LocalShardError(f"{what}: local file is {size} bytes, the manifest says {expected_size}")
         plan = store.plan_parts(size)
