@@ -141,6 +141,8 @@ _RETRYABLE_EXCEPTION_CLASSES = frozenset(
         "urllib3.exceptions.ReadTimeoutError",
         "urllib3.exceptions.IncompleteRead",
         "s3transfer.exceptions.RetriesExceededError",
+        # our own per-request deadline / stall (store/deadline.py; matched by name: retry sits below store)
+        "tiered_ckpt.store.deadline.RequestDeadlineError",
     }
 )
 _CLIENT_ERROR_CLASS = "botocore.exceptions.ClientError"
@@ -173,7 +175,8 @@ def is_retryable_s3_error(exc: BaseException) -> bool:
     ``RequestTimeout``, HTTP 429/500/502/503/504), checksum mismatches reported by the server
     (``BadDigest``, ``InvalidDigest``, ``XAmzContentSHA256Mismatch``) or by botocore
     (``FlexibleChecksumError``), connection / read / endpoint errors of botocore and urllib3, the
-    builtin ``ConnectionError`` and ``TimeoutError``, and our own
+    builtin ``ConnectionError`` and ``TimeoutError``, a request that ran past its deadline or stalled
+    (``tiered_ckpt.store.deadline.RequestDeadlineError``), and our own
     :class:`~tiered_ckpt.errors.ShardCorruptedError` (a read-back or reported checksum that differs from
     what was sent).
 
