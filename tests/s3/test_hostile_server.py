@@ -150,3 +150,21 @@ def test_trickling_headers_fail_within_the_deadline(srv: HostileS3) -> None:
     assert isinstance(result.last_exception, RequestDeadlineError)
     assert "deadline of 1.5 s passed" in str(result), result
     assert elapsed < 3.5
+
+
+def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: Path) -> None:
+    """The ranged GETs of s3transfer run under the same deadlines (its worker threads, its body reads)."""
+    srv.set(f"{PREFIX}/shard", Behaviour("trickle", size=100_000, interval_s=0.3))
+    settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.5)
+    dest = tmp_path / "shard.tmp"
+    with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as st:
+        t0 = time.monotonic()
+        result = _bounded(lambda: st.download_file("shard", dest, expected_size=100_000), 15)
+        elapsed = time.monotonic() - t0
+    assert type(result) is UploadError, result
+    assert isinstance(result.last_exception, RequestDeadlineError)
+    # 1.5 s base + 100,000 bytes at the default 256 KiB/s = 1.9 s
+    assert "deadline of 1.9 s passed" in str(result), result
+    assert elapsed < 3.5
+    assert srv.requests[("GET", f"{PREFIX}/shard")] == 1  # s3transfer did not retry it on its own
+    assert not dest.exists()

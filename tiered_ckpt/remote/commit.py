@@ -150,10 +150,10 @@ class RemoteStepCommit:
 
     # -- 3
     def _read_confirmation(self, rank: int) -> ConfirmationRecord | None:
-        raw = get_or_none(self.store, confirm_key(self.step, rank, self.save_id), max_bytes=MAX_CONFIRMATION_BYTES)
-        if raw is None:
-            return None
-        try:
+        try:  # over its cap (ManifestError from the store) counts as unreadable too
+            raw = get_or_none(self.store, confirm_key(self.step, rank, self.save_id), max_bytes=MAX_CONFIRMATION_BYTES)
+            if raw is None:
+                return None
             return ConfirmationRecord.from_json(raw)
         except ManifestError as exc:
             log.warning("step %d rank %d: unreadable confirmation record (%s); the shard counts as unconfirmed",

@@ -8,9 +8,12 @@ one GET of ``latest``). Here every API call of the store's client runs under a :
   single-attempt helper go through it). Each API call gets a guard with the deadline
   ``deadline_base_s + bytes / min_rate_bytes_per_s`` (bytes: the request body plus the Range asked for);
   a streamed response (GetObject) keeps its guard while its body is read (:class:`GuardedBody`), the
-  deadline then counting the ``Content-Length`` announced (at most the Range asked for) and the stall
-  clock running: no body chunk for ``stall_timeout_s`` seconds is a stall. A request without a body
-  (GET, HEAD) is also a stall when no response comes for ``stall_timeout_s``.
+  deadline then counting the ``Content-Length`` announced (at most the Range asked for; the bytes
+  received, when more) and the stall clock running: no body chunk for ``stall_timeout_s`` seconds is a
+  stall. A GET or HEAD (:data:`STALL_FROM_START`) also stalls when no response comes for
+  ``stall_timeout_s``; calls the server may work on for minutes get a longer base (:data:`BASE_FACTORS`).
+  Non-streamed responses (HEAD, PUT, LIST, ...) are read by botocore inside the call: the deadline
+  bounds them in time, not in size.
 * ONE watchdog thread per process (:data:`_WATCHDOG`, started on first use, ticking every 0.1 s) checks the
   armed guards. When one expires it shuts down the sockets of the connections that request used
   (``socket.shutdown``, never ``close``: no descriptor is freed under a reading thread), so the blocked
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import socket
 import threading
@@ -45,6 +49,11 @@ logger = logging.getLogger(__name__)
 #: How often the watchdog looks at the armed guards (seconds): a deadline fires at most this late.
 TICK_S = 0.1
 _RANGE_RE = re.compile(r"^bytes=(\d+)-(\d+)$")
+#: Calls whose server side may take long without sending a byte back: their base deadline is multiplied
+#: (S3 CompleteMultipartUpload "could take several minutes"; AWS sends whitespace meanwhile).
+BASE_FACTORS = {"complete_multipart_upload": 5.0, "copy_object": 5.0, "upload_part_copy": 5.0}
+#: Calls with nothing for the server to work on: no response within the stall timeout is a stall.
+STALL_FROM_START = frozenset({"get_object", "head_object", "head_bucket"})
 
 
 class RequestDeadlineError(Exception):
@@ -60,7 +69,7 @@ class RequestGuard:
     """The deadline and stall clock of one request (thread-safe; armed in the watchdog until finished)."""
 
     def __init__(self, what: str, settings: DeadlineSettings, *, request_bytes: int, expect_bytes: int,
-                 stall_from_start: bool) -> None:
+                 stall_from_start: bool, base_factor: float = 1.0) -> None:
         self.what = what
         self._settings = settings
         self._lock = threading.Lock()
@@ -68,6 +77,7 @@ class RequestGuard:
         self._request_bytes = request_bytes
         self._expect_bytes = expect_bytes
         self._received = 0
+        self._extra_s = settings.deadline_base_s * (base_factor - 1.0)
         self._stall = stall_from_start
         self._connections: list[Any] = []
         self.reason: str | None = None
@@ -98,7 +108,8 @@ class RequestGuard:
         """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True`` once expired."""
         with self._lock:
             if self.reason is None:
-                deadline_s = self._settings.deadline_s(self._request_bytes + max(self._expect_bytes, self._received))
+                deadline_s = self._extra_s + self._settings.deadline_s(
+                    self._request_bytes + max(self._expect_bytes, self._received))
                 if now - self._started > deadline_s:
                     self.reason, self.limit_s = f"deadline of {deadline_s:.1f} s passed", deadline_s
                 elif self._stall and now - self._progress_at > self._settings.stall_timeout_s:
@@ -148,6 +159,12 @@ class _Watchdog:
         with self._cond:
             self._guards.discard(guard)
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread is gone and its lock may be held; start afresh."""
+        self._cond = threading.Condition()
+        self._guards = set()
+        self._thread = None
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -163,6 +180,8 @@ class _Watchdog:
 
 _WATCHDOG = _Watchdog()
 _current = threading.local()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
 
 
 def attach_connection(conn: Any) -> None:
@@ -188,6 +207,13 @@ def _body_len(body: Any) -> int:
     try:
         return max(len(body), 0)
     except TypeError:
+        pass
+    try:  # a seekable stream without len(): what is left of it (botocore sizes it the same way)
+        pos = body.tell()
+        end = body.seek(0, os.SEEK_END)
+        body.seek(pos)
+        return max(int(end) - int(pos), 0)
+    except (AttributeError, OSError, ValueError, TypeError):
         return 0
 
 
@@ -262,7 +288,7 @@ class GuardedClient:
         ranged = _range_len(kwargs.get("Range"))
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
-                             stall_from_start=request_bytes == 0)
+                             stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0))
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
@@ -290,5 +316,6 @@ class GuardedClient:
         return resp
 
 
-__all__ = ["GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard", "TICK_S",
+__all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard",
+           "STALL_FROM_START", "TICK_S",
            "attach_connection", "veto_expired_request"]

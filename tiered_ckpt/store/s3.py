@@ -85,7 +85,7 @@ class S3Store:
         self._retry = retry if retry is not None else RetryPolicy()
         self._write = write if write is not None else WriteSettings()
         self._stop_event = stop_event
-        self._files = FileTransfers(client, self._transfer, stop_event)
+        self._files = FileTransfers(self._client, self._transfer, stop_event)
         self._closed = False
 
     @classmethod

@@ -70,13 +70,16 @@ class DeadlineSettings:
     A request fails (retryably, :class:`~tiered_ckpt.store.deadline.RequestDeadlineError`) when it runs
     past ``deadline_base_s + bytes / min_rate_bytes_per_s`` seconds from its start, where ``bytes`` is the
     request body plus the response body expected (the Range asked for, else the ``Content-Length``
-    announced), or when it *stalls*: no chunk of the response body (and, for a request without a body,
-    no response at all) arrived for ``stall_timeout_s`` seconds. A chunk is 64 KiB for small objects,
-    256 KiB for s3transfer's downloads and 8 MiB for a read-back, so the stall timeout must cover one
-    chunk at the slowest rate allowed (8 MiB at 256 KiB/s: 32 s). The defaults (stall 120 s, base 120 s, 256 KiB/s) let a 64 MiB part through in
-    6 min and a 5 GiB one in 5.8 h: a safety net against a server that never finishes (an endless or
-    trickling body: one byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput
-    check. Raises ``ValueError`` on values that are not finite numbers > 0.
+    announced, or the bytes received when more), or when it *stalls*: no chunk of the response body
+    arrived for ``stall_timeout_s`` seconds (for a GET or HEAD, also no response headers). A chunk is
+    64 KiB for small objects, 256 KiB for s3transfer's downloads and 8 MiB for a read-back, so the stall
+    timeout must cover one chunk at the slowest rate allowed (8 MiB at 256 KiB/s: 32 s).
+    CompleteMultipartUpload (which S3 may work on for minutes) gets 5 x ``deadline_base_s``.
+
+    The defaults (stall 120 s, base 120 s, 256 KiB/s) let a 64 MiB part through in 6 min and a 5 GiB
+    one in 5.8 h: a safety net against a server that never finishes (an endless or trickling body: one
+    byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput check. Raises
+    ``ValueError`` on values that are not finite numbers > 0.
     """
 
     stall_timeout_s: float = 120.0
