@@ -33,9 +33,9 @@ Timeouts and deadlines (innermost first; each bounds what the one before cannot)
   botocore's standard mode retries (layer 1) and this module treats as retryable (layer 3).
 * **Per request, the store** (``store/deadline.py``, :class:`~tiered_ckpt.store.settings.DeadlineSettings`):
   every single HTTP request of a store (each GET, HEAD, PUT, part, LIST, also s3transfer's ranged GETs and
-  upload parts) must finish within ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 120 s +
-  bytes at 256 KiB/s; CompleteMultipartUpload 5 x the base) and must not *stall*: no body chunk (for
-  GET/HEAD, no response either) for ``stall_timeout_s`` (default 120 s). A watchdog thread shuts the
+  upload parts) must finish within ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 60 s +
+  bytes at 256 KiB/s; CompleteMultipartUpload 10 x the base) and must not *stall*: no body chunk (for
+  GET/HEAD, no response either) for ``stall_timeout_s`` (default 60 s). A watchdog thread shuts the
   request's socket down when either passes, so the blocked read returns at once, and botocore's remaining
   attempts of that request are not sent (its ``before-send`` hook). The request raises
   ``RequestDeadlineError`` ("deadline of N s passed" / "stalled: no bytes for N s"): not retried by
@@ -52,8 +52,8 @@ Timeouts and deadlines (innermost first; each bounds what the one before cannot)
 
 So one store call is bounded in wall time by about ``max_attempts x (request deadline + botocore's first
 backoff, <= 2 s) + sum of our waits``: with the defaults a GET of ``latest`` from a server that trickles
-gives up after 6 x 120 s = 12 min, and a silent server after 6 x 60 s (the read timeout, sooner than the
-stall); for a 64 MiB part 6 x 376 s. Callers that need a tighter bound lower ``DeadlineSettings`` and
+or stays silent gives up after about 6 x 60 s = 6 min (the stall; botocore's own read-timeout retries
+happen inside each request's deadline), a 64 MiB part after about 6 x 316 s. Callers that need a tighter bound lower ``DeadlineSettings`` and
 ``max_attempts``, or set the stop event, which prevents the next attempt, cuts a backoff short, cancels
 s3transfer transfers and ends a read-back between chunks (a single request already in flight runs to its
 deadline).

@@ -22,7 +22,7 @@ one GET of ``latest``). Here every API call of the store's client runs under a :
   ``before-send`` hook it registers (:func:`veto_expired_request`) stops botocore's own retries of an
   expired request before they are sent.
 * An expired request raises :class:`RequestDeadlineError` (``"deadline of 12.0 s passed"``, ``"stalled:
-  no bytes for 120.0 s"``), which :func:`tiered_ckpt.retry.is_retryable_s3_error` retries as a whole
+  no bytes for 60.0 s"``), which :func:`tiered_ckpt.retry.is_retryable_s3_error` retries as a whole
   operation; s3transfer does NOT retry it itself (it is none of its retryable download errors), so one
   ranged GET never outlives its deadline times s3transfer's five attempts.
 
@@ -51,7 +51,7 @@ TICK_S = 0.1
 _RANGE_RE = re.compile(r"^bytes=(\d+)-(\d+)$")
 #: Calls whose server side may take long without sending a byte back: their base deadline is multiplied
 #: (S3 CompleteMultipartUpload "could take several minutes"; AWS sends whitespace meanwhile).
-BASE_FACTORS = {"complete_multipart_upload": 5.0, "copy_object": 5.0, "upload_part_copy": 5.0}
+BASE_FACTORS = {"complete_multipart_upload": 10.0, "copy_object": 10.0, "upload_part_copy": 10.0}
 #: Calls with nothing for the server to work on: no response within the stall timeout is a stall.
 STALL_FROM_START = frozenset({"get_object", "head_object", "head_bucket"})
 

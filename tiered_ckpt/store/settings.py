@@ -74,16 +74,16 @@ class DeadlineSettings:
     arrived for ``stall_timeout_s`` seconds (for a GET or HEAD, also no response headers). A chunk is
     64 KiB for small objects, 256 KiB for s3transfer's downloads and 8 MiB for a read-back, so the stall
     timeout must cover one chunk at the slowest rate allowed (8 MiB at 256 KiB/s: 32 s).
-    CompleteMultipartUpload (which S3 may work on for minutes) gets 5 x ``deadline_base_s``.
+    CompleteMultipartUpload (which S3 may work on for minutes) gets 10 x ``deadline_base_s``.
 
-    The defaults (stall 120 s, base 120 s, 256 KiB/s) let a 64 MiB part through in 6 min and a 5 GiB
-    one in 5.8 h: a safety net against a server that never finishes (an endless or trickling body: one
+    The defaults (stall 60 s, base 60 s, 256 KiB/s) let a 64 MiB part through in 5.3 min and a 5 GiB
+    one in 5.7 h: a safety net against a server that never finishes (an endless or trickling body: one
     byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput check. Raises
     ``ValueError`` on values that are not finite numbers > 0.
     """
 
-    stall_timeout_s: float = 120.0
-    deadline_base_s: float = 120.0
+    stall_timeout_s: float = 60.0
+    deadline_base_s: float = 60.0
     min_rate_bytes_per_s: float = 256 * 1024
 
     def __post_init__(self) -> None:
