@@ -264,6 +264,9 @@ class GuardedBody:
         self._finish()
         self._body.close()
 
+    def __del__(self) -> None:  # a body dropped unread (s3transfer stops a failed transfer so) disarms too
+        self._finish()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._body, name)
 
