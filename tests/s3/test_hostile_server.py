@@ -79,9 +79,11 @@ def test_endless_latest_is_refused_with_bounded_memory(srv: HostileS3) -> None:
     assert srv.sent[f"{PREFIX}/latest"] < 64 * MiB
 
 
-def test_cli_ls_remote_refuses_an_endless_latest(srv: HostileS3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["ls", "restore"])
+def test_cli_refuses_an_endless_latest(srv: HostileS3, tmp_path: Path, command: str) -> None:
     srv.set(f"{PREFIX}/latest", Behaviour("endless", limit_bytes=300 * MiB))
-    cmd = [*cli_cmd(), "ls", "--remote", f"s3://{BUCKET}/{PREFIX}", "--endpoint-url", srv.endpoint_url,
+    local = ["--local", str(tmp_path / "run")] if command == "restore" else []
+    cmd = [*cli_cmd(), command, "--remote", f"s3://{BUCKET}/{PREFIX}", *local, "--endpoint-url", srv.endpoint_url,
            "--path-style"]
     err_path = tmp_path / "stderr"
     with open(err_path, "wb") as err:
