@@ -18,7 +18,7 @@ MiB = 1024 * KiB
 MAX_POINTER_BYTES = 1 * MiB
 #: ``<save>/confirm/rank_NNNNN.json``: one rank's confirmation record.
 MAX_CONFIRMATION_BYTES = 1 * MiB
-#: ``<save>/pinned.json``: a pin mirrored by the sidecar.
+#: ``<save>/pinned.json``: a pin mirrored by the sidecar (today only its presence in LIST is read).
 MAX_PIN_BYTES = 1 * MiB
 #: ``<save>/manifest.json`` (the mirrored local manifest): the local tier's cap.
 MAX_REMOTE_MANIFEST_BYTES = MAX_MANIFEST_BYTES
