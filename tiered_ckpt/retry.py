@@ -24,27 +24,39 @@ bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of 
 waits are at most ``max_wait_s`` each. Keep ``max_attempts`` small (the default is 6): the fine-grained
 retrying belongs to botocore.
 
-Timeouts and deadlines (what there is today; there is NO overall deadline on an operation):
+Timeouts and deadlines (innermost first; each bounds what the one before cannot):
 
-* **Per HTTP request, botocore**: ``connect_timeout_s`` (default 10 s) to open a connection and
-  ``read_timeout_s`` (default 60 s) as the socket timeout of each read while waiting for response bytes
-  (``make_s3_client`` -> botocore ``Config(connect_timeout=, read_timeout=)``). The read timeout is per
-  read, not per request: a slow transfer that keeps delivering bytes never times out. A timeout raises
-  ``ConnectTimeoutError`` / ``ReadTimeoutError``, which botocore's standard mode retries (layer 1) and
-  this module then treats as retryable (layer 3).
-* **s3transfer**: no timeout of its own; a transfer future waits as long as its requests do. The store
-  polls its stop event every 50 ms while it waits (``store/files.py``) and cancels the transfer.
-* **This module**: stops by attempt count (``stop_after_attempt``) or the stop event only, never by
-  elapsed time. Waits between attempts are bounded (``max_wait_s`` each).
+* **Per socket operation, botocore**: ``connect_timeout_s`` (default 10 s) to open a connection and
+  ``read_timeout_s`` (default 60 s) as the socket timeout of each read (``make_s3_client`` -> botocore
+  ``Config(connect_timeout=, read_timeout=)``). Per read, not per request: a server that sends one byte
+  every 20 s never trips it. A timeout raises ``ConnectTimeoutError`` / ``ReadTimeoutError``, which
+  botocore's standard mode retries (layer 1) and this module treats as retryable (layer 3).
+* **Per request, the store** (``store/deadline.py``, :class:`~tiered_ckpt.store.settings.DeadlineSettings`):
+  every single HTTP request of a store (each GET, HEAD, PUT, part, LIST, also s3transfer's ranged GETs and
+  upload parts) must finish within ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 60 s +
+  bytes at 256 KiB/s; CompleteMultipartUpload 10 x the base) and must not *stall*: no body chunk (for
+  GET/HEAD, no response either) for ``stall_timeout_s`` (default 60 s). A watchdog thread shuts the
+  request's socket down when either passes, so the blocked read returns at once, and botocore's remaining
+  attempts of that request are not sent (its ``before-send`` hook). The request raises
+  ``RequestDeadlineError`` ("deadline of N s passed" / "stalled: no bytes for N s"): not retried by
+  botocore nor by s3transfer, retried here as a whole operation (layer 3), which starts a fresh request
+  with a fresh deadline. With the retries exhausted the caller gets an ``UploadError`` whose message
+  names the deadline or stall and its seconds.
+* **s3transfer**: no timeout of its own; a transfer future waits as long as its requests do, now each
+  bounded by its deadline. The store polls its stop event every 50 ms while it waits
+  (``store/files.py``) and cancels the transfer.
+* **This module**: stops by attempt count (``stop_after_attempt``) or the stop event, never by elapsed
+  time. Waits between attempts are bounded (``max_wait_s`` each).
 * **Above the store**: the uploader retries a whole shard on top of the store's per-call retries (a
-  damaged or vanished upload), with the same policy; the stop event is the only way to end early.
+  damaged or vanished upload), with the same policy; the stop event ends it early.
 
-So the worst case of one store call against a server that accepts connections but never answers is about
-``max_attempts x B x read_timeout_s`` plus the backoffs (6 x 5 x 60 s = 30 min with the defaults), and
-the stop event does not interrupt a request already in flight: a single botocore call (``put_bytes``, one
-part, a HEAD) returns or times out on its own; the stop event only prevents the next attempt, cuts a
-backoff short, cancels s3transfer transfers and ends a read-back between 8 MiB chunks. Callers that need a
-bound in wall time must lower ``read_timeout_s``, ``B`` and ``max_attempts``, or set the stop event.
+So one store call is bounded in wall time by about ``max_attempts x (request deadline + botocore's first
+backoff, <= 2 s) + sum of our waits``: with the defaults a GET of ``latest`` from a server that trickles
+or stays silent gives up after about 6 x 60 s = 6 min (the stall; botocore's own read-timeout retries
+happen inside each request's deadline), a 64 MiB part after about 6 x 316 s. Callers that need a tighter bound lower ``DeadlineSettings`` and
+``max_attempts``, or set the stop event, which prevents the next attempt, cuts a backoff short, cancels
+s3transfer transfers and ends a read-back between chunks (a single request already in flight runs to its
+deadline).
 
 Every retry is logged at WARNING through ``logging.getLogger(__name__)`` before the wait. A
 ``threading.Event`` (the daemon's stop event) cuts a wait short: no further attempt is made once it is
@@ -141,6 +153,8 @@ _RETRYABLE_EXCEPTION_CLASSES = frozenset(
         "urllib3.exceptions.ReadTimeoutError",
         "urllib3.exceptions.IncompleteRead",
         "s3transfer.exceptions.RetriesExceededError",
+        # our own per-request deadline / stall (store/deadline.py; matched by name: retry sits below store)
+        "tiered_ckpt.store.deadline.RequestDeadlineError",
     }
 )
 _CLIENT_ERROR_CLASS = "botocore.exceptions.ClientError"
@@ -173,7 +187,8 @@ def is_retryable_s3_error(exc: BaseException) -> bool:
     ``RequestTimeout``, HTTP 429/500/502/503/504), checksum mismatches reported by the server
     (``BadDigest``, ``InvalidDigest``, ``XAmzContentSHA256Mismatch``) or by botocore
     (``FlexibleChecksumError``), connection / read / endpoint errors of botocore and urllib3, the
-    builtin ``ConnectionError`` and ``TimeoutError``, and our own
+    builtin ``ConnectionError`` and ``TimeoutError``, a request that ran past its deadline or stalled
+    (``tiered_ckpt.store.deadline.RequestDeadlineError``), and our own
     :class:`~tiered_ckpt.errors.ShardCorruptedError` (a read-back or reported checksum that differs from
     what was sent).
 

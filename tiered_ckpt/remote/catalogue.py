@@ -35,6 +35,7 @@ from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
 from tiered_ckpt.layout import (LATEST_POINTER_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME, parse_remote_step_entry,
                                 save_entry_name)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
+from tiered_ckpt.remote.limits import MAX_POINTER_BYTES, MAX_UPLOAD_MANIFEST_BYTES
 from tiered_ckpt.remote.lineage import read_remote_record
 from tiered_ckpt.store.base import ObjectStore
 
@@ -178,7 +179,7 @@ def _rank(s: RemoteSave) -> tuple[int, str, str]:
 
 def read_latest_pointer(store: ObjectStore) -> LatestPointer | None:
     """GET ``<prefix>/latest``; ``None`` when absent or unreadable (a warning: LIST is used then)."""
-    raw = get_or_none(store, LATEST_POINTER_NAME)
+    raw = get_or_none(store, LATEST_POINTER_NAME, max_bytes=MAX_POINTER_BYTES)
     if raw is None:
         return None
     try:
@@ -196,7 +197,9 @@ def read_latest_pointer_versioned(store: ObjectStore) -> tuple[LatestPointer | N
     info = store.head(LATEST_POINTER_NAME)
     if info is None:
         return None, None
-    raw = get_or_none(store, LATEST_POINTER_NAME)
+    if info.size_bytes > MAX_POINTER_BYTES:  # over its cap: replaced with If-Match, like a malformed one
+        return None, info.etag
+    raw = get_or_none(store, LATEST_POINTER_NAME, max_bytes=MAX_POINTER_BYTES)
     if raw is None:
         return None, None
     try:
@@ -225,7 +228,7 @@ def read_upload_manifest(store: ObjectStore, step: int,
     ``ManifestError`` (invalid, another step's or another save's) and ``UploadError`` (the bucket cannot
     be read)."""
     key = save_key(step, save_id, UPLOAD_MANIFEST_NAME)
-    raw = get_or_none(store, key)
+    raw = get_or_none(store, key, max_bytes=MAX_UPLOAD_MANIFEST_BYTES)
     if raw is None:
         return None
     try:

@@ -61,6 +61,7 @@ from tiered_ckpt.layout import (CONFIRM_DIR, LATEST_POINTER_NAME, MANIFEST_NAME,
 from tiered_ckpt.remote.catalogue import read_latest_pointer_versioned, read_upload_manifest, save_key
 from tiered_ckpt.remote.errors import FencingError, StepIncompleteError
 from tiered_ckpt.remote.handle import get_or_none, object_url
+from tiered_ckpt.remote.limits import MAX_CONFIRMATION_BYTES, MAX_REMOTE_MANIFEST_BYTES, MAX_UPLOAD_MANIFEST_BYTES
 from tiered_ckpt.store.base import ObjectStore, PreconditionFailedError
 
 log = logging.getLogger(__name__)
@@ -142,17 +143,17 @@ class RemoteStepCommit:
             if info.checksum_sha256 is not None and "-" not in info.checksum_sha256:
                 same = info.checksum_sha256 == b64
             else:
-                same = get_or_none(self.store, key) == self.manifest_bytes
+                same = get_or_none(self.store, key, max_bytes=MAX_REMOTE_MANIFEST_BYTES) == self.manifest_bytes
         if not same:
             self.store.put_bytes(key, self.manifest_bytes)
         self._manifest_mirrored = True
 
     # -- 3
     def _read_confirmation(self, rank: int) -> ConfirmationRecord | None:
-        raw = get_or_none(self.store, confirm_key(self.step, rank, self.save_id))
-        if raw is None:
-            return None
-        try:
+        try:  # over its cap (ManifestError from the store) counts as unreadable too
+            raw = get_or_none(self.store, confirm_key(self.step, rank, self.save_id), max_bytes=MAX_CONFIRMATION_BYTES)
+            if raw is None:
+                return None
             return ConfirmationRecord.from_json(raw)
         except ManifestError as exc:
             log.warning("step %d rank %d: unreadable confirmation record (%s); the shard counts as unconfirmed",
@@ -252,7 +253,7 @@ class RemoteStepCommit:
             for s in shards:
                 self._fence_shard(s)
         key = self.key(MANIFEST_NAME)
-        raw = get_or_none(self.store, key)
+        raw = get_or_none(self.store, key, max_bytes=MAX_REMOTE_MANIFEST_BYTES)
         sha = None if raw is None else hashlib.sha256(raw).hexdigest()
         if sha != self.manifest_sha256:
             self._manifest_mirrored = False  # mirrored again next time
@@ -273,7 +274,7 @@ class RemoteStepCommit:
             return body
         except PreconditionFailedError:
             pass
-        other = get_or_none(self.store, key)
+        other = get_or_none(self.store, key, max_bytes=MAX_UPLOAD_MANIFEST_BYTES)
         if other == body:
             log.info("step %d: upload manifest already written by another sidecar (identical)", self.step)
             return body

@@ -57,11 +57,12 @@ def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
 def fetch_shard(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: Path,
                 on_progress: ProgressCallback | None = None) -> None:
     """Download ``obj`` to ``dest`` and verify it against ``plan``'s manifest. Raises
-    ``MissingShardError`` (object gone), ``ShardCorruptedError`` (size, sha256 or header differs),
+    ``MissingShardError`` (object gone), ``ShardCorruptedError`` (size, sha256 or header differs; a HEAD
+    size other than the manifest's before any byte is fetched, a body past it within one part),
     ``UploadError`` (the bucket cannot be read), ``OSError`` (local disk)."""
     where = f"step {plan.step} rank {obj.rank}: {object_url(store, obj.key)}"
     try:
-        store.download_file(obj.key, dest, on_progress=on_progress)
+        store.download_file(obj.key, dest, on_progress=on_progress, expected_size=obj.size_bytes)
     except RemoteNotFoundError as exc:
         raise MissingShardError(f"{where} disappeared before it could be downloaded") from exc
     sha, size = hash_file(dest)

@@ -57,11 +57,13 @@ def object_url(store: ObjectStore, key: str) -> str:
     return f"{store.url}/{key}"
 
 
-def get_or_none(store: ObjectStore, key: str) -> bytes | None:
-    """GET ``key`` (relative to the store prefix); ``None`` when it does not exist (S3 404). Other
-    failures raise :class:`~tiered_ckpt.errors.UploadError` after the store's retries."""
+def get_or_none(store: ObjectStore, key: str, *, max_bytes: int) -> bytes | None:
+    """GET ``key`` (relative to the store prefix), at most ``max_bytes`` (its kind's cap from
+    :mod:`tiered_ckpt.remote.limits`); ``None`` when it does not exist (S3 404). Raises
+    :class:`~tiered_ckpt.errors.ManifestError` (over the cap), :class:`~tiered_ckpt.errors.UploadError`
+    (other failures, after the store's retries)."""
     try:
-        return store.get_bytes(key)
+        return store.get_bytes(key, max_bytes=max_bytes)
     except RemoteNotFoundError:
         return None
 

@@ -55,7 +55,8 @@ def read_remote_record(store: ObjectStore) -> RunLineage | None:
     of at most :data:`~tiered_ckpt.local.catalogue.MAX_RUN_RECORD_BYTES` + 1 bytes. Raises
     ``ManifestError`` (too large, malformed) and ``UploadError`` (the bucket cannot be read)."""
     try:
-        raw = store.get_bytes(RUN_RECORD_NAME, byte_range=(0, MAX_RUN_RECORD_BYTES + 1))
+        raw = store.get_bytes(RUN_RECORD_NAME, byte_range=(0, MAX_RUN_RECORD_BYTES + 1),
+                              max_bytes=MAX_RUN_RECORD_BYTES + 1)  # one over: _parse names the cap
     except RemoteNotFoundError:
         return None
     except UploadError as exc:  # 416 InvalidRange: an empty object (a range needs one byte)
@@ -71,7 +72,7 @@ def _read_raw_versioned(store: ObjectStore) -> tuple[bytes | None, str | None]:
         return None, None
     if info.size_bytes > MAX_RUN_RECORD_BYTES:
         return b"\0" * (MAX_RUN_RECORD_BYTES + 1), info.etag  # _parse refuses it; adopt may replace it
-    raw = get_or_none(store, RUN_RECORD_NAME)
+    raw = get_or_none(store, RUN_RECORD_NAME, max_bytes=MAX_RUN_RECORD_BYTES + 1)
     return (raw, info.etag) if raw is not None else (None, None)
 
 

@@ -31,6 +31,7 @@ from tiered_ckpt.layout import MANIFEST_NAME, UPLOAD_MANIFEST_NAME, shard_file_n
 from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_VANISHED, RemoteCatalogue, RemoteSave,
                                           SaveFault, read_catalogue)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
+from tiered_ckpt.remote.limits import MAX_REMOTE_MANIFEST_BYTES
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _read_mirrored_manifest(store: ObjectStore, save: RemoteSave) -> tuple[Shard
     """GET ``manifest.json`` and check it against the upload manifest (sha256, step, save, per rank)."""
     step, um = save.step, save.um
     mkey = save.key(MANIFEST_NAME)
-    raw = get_or_none(store, mkey)
+    raw = get_or_none(store, mkey, max_bytes=MAX_REMOTE_MANIFEST_BYTES)
     if raw is None:
         raise MissingShardError(f"step {step}: {object_url(store, mkey)} is missing (the upload manifest "
                                 "mirrors it)")

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit
 
-from tiered_ckpt.errors import UploadError
+from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.store.checksums import FileDigests
 
 #: ``on_progress(delta_bytes)``: called from transfer threads (must be thread-safe); ``delta_bytes`` may
@@ -74,6 +74,11 @@ class RemoteNotFoundError(UploadError, FileNotFoundError):
 
     def __str__(self) -> str:  # FileNotFoundError.__str__ would format errno/strerror
         return str(self.args[0]) if self.args else ""
+
+
+class ObjectSizeError(ShardCorruptedError):
+    """An object is not the size the caller planned (its HEAD says another, or its body runs past it:
+    replaced after the HEAD, or a lying server). Never retried by the store."""
 
 
 class NoSuchUploadError(UploadError):
@@ -173,8 +178,11 @@ class ObjectStore(Protocol):
         """Write a small object in one request; raises ``PreconditionFailedError`` on a lost condition."""
         ...
 
-    def get_bytes(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        """The object's bytes, or ``[start, stop)`` of them; raises ``RemoteNotFoundError``."""
+    def get_bytes(self, key: str, *, max_bytes: int = ..., byte_range: tuple[int, int] | None = None) -> bytes:
+        """The object's bytes, or ``[start, stop)`` of them, at most ``max_bytes`` (the cap of the
+        object's kind, ``tiered_ckpt.remote.limits``): a longer body is refused as it passes the cap
+        (:class:`~tiered_ckpt.errors.ManifestError` naming the object and the cap, not retried). Raises
+        ``RemoteNotFoundError``."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -211,11 +219,14 @@ class ObjectStore(Protocol):
         ...
 
     def download_file(
-        self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
+        self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
+        expected_size: int | None = None,
     ) -> int:
         """Write the object into ``dest_path`` (a temp name the caller chose: created or truncated per
         attempt, removed again on failure); returns its size in bytes. No fsync, no rename: the caller
-        commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here."""
+        commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here.
+        ``expected_size`` (bytes): a HEAD size other than it, or a body running past it, raises
+        :class:`ObjectSizeError` (before any byte, resp. within one part of it)."""
         ...
 
     # ------------------------------------------------------------------------------ multipart uploads
@@ -338,6 +349,7 @@ __all__ = [
     "MultipartUploadInfo",
     "NoSuchUploadError",
     "ObjectInfo",
+    "ObjectSizeError",
     "ObjectStore",
     "PreconditionFailedError",
     "ProgressCallback",

@@ -4,8 +4,13 @@ With :mod:`tiered_ckpt.store.files` (s3transfer) this is where the store touches
 import time; everything else in ``store/`` classifies botocore errors through
 :func:`tiered_ckpt.retry.s3_error_code_and_status` (structured ``response``, never the message text).
 
-Timeouts: ``connect_timeout_s`` / ``read_timeout_s`` are per HTTP request (botocore ``Config``); see
-``tiered_ckpt.retry`` for how they stack with botocore's and our retries (there is no overall deadline).
+Timeouts: ``connect_timeout_s`` / ``read_timeout_s`` are per socket operation of one HTTP request
+(botocore ``Config``). On top of them every request has a stall timeout and a deadline scaled by its
+bytes (:class:`~tiered_ckpt.store.settings.DeadlineSettings`, enforced by
+:mod:`tiered_ckpt.store.deadline`): :func:`install_request_hooks` gives a client the two botocore-side
+pieces that needs, a connection class that tells the watchdog which socket a request uses and a
+``before-send`` hook that stops botocore from retrying an expired request. ``tiered_ckpt.retry`` says
+how all of them stack with botocore's and our retries.
 
 Source: botocore ``config.py`` (``Config``: ``retries``, ``s3``, ``max_pool_connections``,
 ``connect_timeout``, ``read_timeout``, ``request_checksum_calculation``, ``response_checksum_validation``),
@@ -16,9 +21,19 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
 import boto3
 import botocore.client
+from botocore.awsrequest import (
+    AWSHTTPConnection,
+    AWSHTTPConnectionPool,
+    AWSHTTPSConnection,
+    AWSHTTPSConnectionPool,
+)
 from botocore.config import Config
+
+from tiered_ckpt.store.deadline import attach_connection, veto_expired_request
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +106,58 @@ def make_s3_client(
     return client
 
 
+class _GuardedHTTPConnection(AWSHTTPConnection):
+    """botocore's connection, attaching itself to the request guard of the thread that sends on it."""
+
+    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        attach_connection(self)
+        return super().request(method, url, *args, **kwargs)
+
+
+class _GuardedHTTPSConnection(AWSHTTPSConnection):
+    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        attach_connection(self)
+        return super().request(method, url, *args, **kwargs)
+
+
+class _GuardedHTTPConnectionPool(AWSHTTPConnectionPool):
+    ConnectionCls = _GuardedHTTPConnection
+
+
+class _GuardedHTTPSConnectionPool(AWSHTTPSConnectionPool):
+    ConnectionCls = _GuardedHTTPSConnection
+
+
+_HOOKED_ATTR = "_tiered_ckpt_request_hooks"
+
+
+def install_request_hooks(client: botocore.client.BaseClient) -> bool:
+    """Give ``client`` what the per-request deadlines need (idempotent; the store calls it for every
+    client, also an injected one): the ``before-send`` hook
+    :func:`~tiered_ckpt.store.deadline.veto_expired_request`, and connection pools whose connections
+    attach to the sending thread's guard, so that an expired request's socket can be shut down. The pools
+    are swapped in botocore's ``URLLib3Session`` (its ``_pool_classes_by_scheme``, the one place botocore
+    names them; existing idle pools are cleared so new ones use the class). Returns ``False`` (with a
+    warning) where this botocore has no such place: then a deadline is only noticed between body chunks."""
+    if getattr(client, _HOOKED_ATTR, None) is not None:
+        return bool(getattr(client, _HOOKED_ATTR))
+    client.meta.events.register("before-send.s3", veto_expired_request, unique_id="tiered-ckpt-deadline")
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    classes = getattr(session, "_pool_classes_by_scheme", None)
+    ok = isinstance(classes, dict)
+    if ok:
+        classes["http"] = _GuardedHTTPConnectionPool
+        classes["https"] = _GuardedHTTPSConnectionPool
+        for manager in [getattr(session, "_manager", None), *getattr(session, "_proxy_managers", {}).values()]:
+            if manager is not None:
+                manager.clear()
+    else:
+        logger.warning("this botocore has no URLLib3Session._pool_classes_by_scheme: request deadlines are "
+                       "checked between body chunks only")
+    setattr(client, _HOOKED_ATTR, ok)
+    return ok
+
+
 def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
     """Make sure ``bucket`` exists: HeadBucket, and CreateBucket when it is absent (S3 API). Returns
     whether it was created. For setting up a test or demo server; the :class:`ObjectStore` interface
@@ -112,4 +179,4 @@ def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
     return True
 
 
-__all__ = ["ensure_bucket", "make_s3_client"]
+__all__ = ["ensure_bucket", "install_request_hooks", "make_s3_client"]

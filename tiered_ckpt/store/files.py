@@ -27,7 +27,7 @@ from s3transfer.subscribers import BaseSubscriber
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.retry import OperationInterruptedError
-from tiered_ckpt.store.base import ObjectInfo, ProgressCallback, RemoteNotFoundError
+from tiered_ckpt.store.base import ObjectInfo, ObjectSizeError, ProgressCallback, RemoteNotFoundError
 from tiered_ckpt.store.checksums import checksums_match
 from tiered_ckpt.store.objects import head_object, is_not_found
 from tiered_ckpt.store.settings import TransferSettings
@@ -169,6 +169,39 @@ def upload_attempt(
     return info
 
 
+class BoundedWriter:
+    """The file object handed to s3transfer: writes at (seek offset + length) beyond ``limit`` bytes raise
+    :class:`ObjectSizeError` before anything is written, which fails the transfer (s3transfer stops its
+    GETs at the next chunk). Everything else passes through to the real file."""
+
+    def __init__(self, f: Any, limit: int, what: str) -> None:
+        self._f = f
+        self._limit = limit
+        self._what = what
+        self._pos = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._pos = self._f.seek(offset, whence)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: bytes) -> int:
+        if self._pos + len(data) > self._limit:
+            raise ObjectSizeError(f"{self._what}: the server sent more than the planned {self._limit} bytes "
+                                  f"(a write up to byte {self._pos + len(data)}); stopped")
+        n = self._f.write(data)
+        self._pos += n
+        return int(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 def download_attempt(
     transfers: FileTransfers,
     dest: str,
@@ -177,17 +210,28 @@ def download_attempt(
     full_key: str,
     what: str,
     on_progress: ProgressCallback | None,
+    expected_size: int | None = None,
 ) -> int:
-    """One s3transfer download into ``dest`` (created or truncated); returns its size in bytes. On any
-    failure the attempt's progress is taken back and ``dest`` removed (if this attempt opened it).
-    Raises :class:`RemoteNotFoundError` (404), ``OSError`` (local disk)."""
+    """One s3transfer download into ``dest`` (created or truncated); returns its size in bytes. With
+    ``expected_size`` the object is HEADed first (another size: :class:`ObjectSizeError` before any byte)
+    and written through a :class:`BoundedWriter` (a body past it: :class:`ObjectSizeError` within one
+    part). On any failure the attempt's progress is taken back and ``dest`` removed (if this attempt
+    opened it). Raises :class:`RemoteNotFoundError` (404), ``OSError`` (local disk)."""
+    if expected_size is not None:
+        info = head_object(transfers.client, bucket, full_key, full_key)
+        if info is None:
+            raise RemoteNotFoundError(f"{what} does not exist")
+        if info.size_bytes != expected_size:
+            raise ObjectSizeError(f"{what}: the server reports {info.size_bytes} bytes, planned {expected_size}; "
+                                  "not downloading it")
     _, download_manager = transfers.managers(what)
     progress = AttemptProgress(on_progress)
     opened = False
     try:
         with open(dest, "wb") as f:
             opened = True
-            future = download_manager.download(bucket, full_key, f, subscribers=[progress])
+            target = f if expected_size is None else BoundedWriter(f, expected_size, what)
+            future = download_manager.download(bucket, full_key, target, subscribers=[progress])
             try:
                 transfers.wait(future, f"download {what} -> {dest}")
             except Exception as exc:
@@ -207,4 +251,4 @@ def download_attempt(
     return size
 
 
-__all__ = ["AttemptProgress", "FileTransfers", "download_attempt", "upload_attempt"]
+__all__ = ["AttemptProgress", "BoundedWriter", "FileTransfers", "download_attempt", "upload_attempt"]

@@ -16,7 +16,7 @@ import hashlib
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from tiered_ckpt.errors import ShardCorruptedError, UploadError
+from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UploadError
 from tiered_ckpt.retry import OperationInterruptedError, is_retryable_s3_error, s3_error_code_and_status
 from tiered_ckpt.store.base import ObjectInfo, PreconditionFailedError, RemoteNotFoundError
 from tiered_ckpt.store.checksums import checksums_match
@@ -32,6 +32,8 @@ _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
 _TRANSIENT_DELETE_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable"})
 #: Streamed read-back: bytes per chunk of the GetObject body.
 READ_CHUNK_BYTES = 8 * 1024 * 1024
+#: Small objects (:func:`get_object`): bytes per chunk; also the stall granularity of those reads.
+GET_CHUNK_BYTES = 64 * 1024
 
 
 def is_not_found(exc: BaseException) -> bool:
@@ -107,18 +109,43 @@ def put_object(
     )
 
 
-def get_object(client: BaseClient, request: Mapping[str, str], what: str) -> bytes:
-    """GetObject with the prepared ``request`` (Bucket, Key, optional Range); the whole body in memory.
-    Raises :class:`RemoteNotFoundError` on 404."""
+def get_object(client: BaseClient, request: Mapping[str, str], what: str, max_bytes: int) -> bytes:
+    """GetObject with the prepared ``request`` (Bucket, Key, optional Range): the body, read in
+    :data:`GET_CHUNK_BYTES` chunks and refused with :class:`~tiered_ckpt.errors.ManifestError` naming
+    ``what`` and the cap as soon as it passes ``max_bytes`` (or announces more), so an endless body costs
+    at most one chunk over the cap in memory. Without a Range in ``request`` it asks for
+    ``bytes=0-<max_bytes>`` (one byte over the cap, to tell "at the cap" from "over it"; a server may
+    ignore the Range, the count still holds); an empty object (416 ``InvalidRange`` for that range) is
+    fetched again without one. Raises :class:`RemoteNotFoundError` on 404."""
+    ranged = dict(request) if "Range" in request else {**request, "Range": f"bytes=0-{max_bytes}"}
     try:
-        resp = client.get_object(**request)
+        resp = client.get_object(**ranged)
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
+        if "Range" not in request and s3_error_code_and_status(exc)[1] == 416:
+            return _read_capped(client.get_object(**request), what, max_bytes)
         raise
+    return _read_capped(resp, what, max_bytes)
+
+
+def _too_large(what: str, max_bytes: int, seen: str) -> ManifestError:
+    return ManifestError(f"{what} is larger than the {max_bytes}-byte cap for this kind of object ({seen}); "
+                         "refusing to read it")
+
+
+def _read_capped(resp: Mapping[str, Any], what: str, max_bytes: int) -> bytes:
     body = resp["Body"]
     try:
-        return bytes(body.read())
+        announced = resp.get("ContentLength")
+        if announced is not None and int(announced) > max_bytes + 1:
+            raise _too_large(what, max_bytes, f"Content-Length {int(announced)}")
+        buf = bytearray()
+        for chunk in body.iter_chunks(GET_CHUNK_BYTES):
+            buf += chunk
+            if len(buf) > max_bytes:
+                raise _too_large(what, max_bytes, f"more than {max_bytes} bytes received")
+        return bytes(buf)
     finally:
         body.close()
 
@@ -216,6 +243,7 @@ def delete_batch(client: BaseClient, bucket: str, batch: list[str]) -> None:
 
 
 __all__ = [
+    "GET_CHUNK_BYTES",
     "PartialDeleteError",
     "READ_CHUNK_BYTES",
     "delete_batch",

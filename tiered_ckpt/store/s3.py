@@ -26,23 +26,19 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from tiered_ckpt.errors import UploadError
+from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.retry import RetryPolicy, call_with_retries, is_retryable_s3_error
 from tiered_ckpt.store import multipart, objects, optional_apis
 from tiered_ckpt.store.base import (
-    MultipartUploadInfo,
-    ObjectInfo,
-    ProgressCallback,
-    UploadedPart,
-    format_s3_url,
-    parse_s3_url,
+    MultipartUploadInfo, ObjectInfo, ObjectSizeError, ProgressCallback, UploadedPart, format_s3_url, parse_s3_url,
 )
 from tiered_ckpt.store.checksums import FileDigests, compute_file_digests, plan_part_sizes, sha256_b64
-from tiered_ckpt.store.client import make_s3_client
+from tiered_ckpt.store.client import install_request_hooks, make_s3_client
+from tiered_ckpt.store.deadline import GuardedClient
 from tiered_ckpt.store.keys import PrefixKeys
 from tiered_ckpt.store.files import FileTransfers, download_attempt, upload_attempt
 from tiered_ckpt.store.probe import PROBE_KEY_PREFIX, probe_checksum_validation, probe_once
-from tiered_ckpt.store.settings import TransferSettings, WriteSettings
+from tiered_ckpt.store.settings import DeadlineSettings, TransferSettings, WriteSettings
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -51,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _DELETE_BATCH = 1000  # DeleteObjects accepts at most 1000 keys per request
+#: ``get_bytes`` without ``max_bytes``: callers of a known kind pass their own cap (``remote/limits.py``).
+DEFAULT_GET_MAX_BYTES = 16 * 1024 * 1024
 
 
 class S3Store:
@@ -60,7 +58,8 @@ class S3Store:
     call). ``prefix``: keys are stored as ``<prefix>/<key>`` (no leading or trailing ``/``; ``""`` for the
     bucket root). ``stop_event``: once set, retries stop, waits are cut short and in-flight transfers are
     cancelled (an interrupted multipart upload is aborted by s3transfer), raising
-    :class:`~tiered_ckpt.retry.OperationInterruptedError`.
+    :class:`~tiered_ckpt.retry.OperationInterruptedError`. ``deadlines``: the stall timeout and byte-scaled
+    deadline of every single request (:mod:`tiered_ckpt.store.deadline`; a hit is retried like a timeout).
 
     Every method is thread-safe and wrapped once in :func:`~tiered_ckpt.retry.call_with_retries`; errors
     that outlast the retries are :class:`~tiered_ckpt.errors.UploadError` with ``last_exception`` set.
@@ -68,20 +67,17 @@ class S3Store:
     """
 
     def __init__(
-        self,
-        client: BaseClient,
-        bucket: str,
-        prefix: str = "",
-        *,
-        transfer: TransferSettings | None = None,
-        retry: RetryPolicy | None = None,
-        write: WriteSettings | None = None,
-        stop_event: threading.Event | None = None,
+        self, client: BaseClient, bucket: str, prefix: str = "", *, transfer: TransferSettings | None = None,
+        retry: RetryPolicy | None = None, write: WriteSettings | None = None,
+        stop_event: threading.Event | None = None, deadlines: DeadlineSettings | None = None,
     ) -> None:
         parse_s3_url(format_s3_url(bucket, prefix))  # validates bucket and prefix
         if prefix != prefix.strip("/"):
             raise ValueError(f"prefix must not start or end with '/': {prefix!r}")
-        self._client = client
+        install_request_hooks(client)
+        self._raw_client = client
+        self._deadlines = deadlines if deadlines is not None else DeadlineSettings()
+        self._client: Any = GuardedClient(client, self._deadlines)  # every request under its deadline
         self._bucket = bucket
         self._prefix = prefix
         self._keys = PrefixKeys(prefix)
@@ -89,19 +85,14 @@ class S3Store:
         self._retry = retry if retry is not None else RetryPolicy()
         self._write = write if write is not None else WriteSettings()
         self._stop_event = stop_event
-        self._files = FileTransfers(client, self._transfer, stop_event)
+        self._files = FileTransfers(self._client, self._transfer, stop_event)
         self._closed = False
 
     @classmethod
     def from_url(
-        cls,
-        url: str,
-        *,
-        client: BaseClient | None = None,
-        transfer: TransferSettings | None = None,
-        retry: RetryPolicy | None = None,
-        write: WriteSettings | None = None,
-        stop_event: threading.Event | None = None,
+        cls, url: str, *, client: BaseClient | None = None, transfer: TransferSettings | None = None,
+        retry: RetryPolicy | None = None, write: WriteSettings | None = None,
+        stop_event: threading.Event | None = None, deadlines: DeadlineSettings | None = None,
         **client_kwargs: Any,
     ) -> S3Store:
         """Store for ``s3://bucket/prefix``; builds a client with ``make_s3_client(**client_kwargs)`` if
@@ -111,13 +102,14 @@ class S3Store:
             client = make_s3_client(**client_kwargs)
         elif client_kwargs:
             raise ValueError("client settings are ignored when a client is given")
-        return cls(client, bucket, prefix, transfer=transfer, retry=retry, write=write, stop_event=stop_event)
+        return cls(client, bucket, prefix, transfer=transfer, retry=retry, write=write, stop_event=stop_event,
+                   deadlines=deadlines)
 
     # ----------------------------------------------------------------- properties and helpers
 
     @property
     def client(self) -> BaseClient:  # for tools and tests; code above store/ never calls it
-        return self._client
+        return self._raw_client
 
     @property
     def bucket(self) -> str:
@@ -137,7 +129,7 @@ class S3Store:
 
     @property
     def endpoint_url(self) -> str:
-        return str(self._client.meta.endpoint_url)
+        return str(self._raw_client.meta.endpoint_url)
 
     def _describe(self, key: str) -> str:
         return f"{self.url}/{key}"
@@ -145,6 +137,7 @@ class S3Store:
     def _call(
         self, op_name: str, fn: Callable[[], T], *,
         is_retryable: Callable[[BaseException], bool] = is_retryable_s3_error,
+        passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
         if self._closed:
             raise UploadError(f"{op_name}: store is closed")
@@ -154,7 +147,7 @@ class S3Store:
             policy=self._retry,
             stop_event=self._stop_event,
             is_retryable=is_retryable,
-            passthrough=(OSError,),  # local I/O (source file gone, disk full) is not an UploadError
+            passthrough=(OSError, *passthrough),  # local I/O (source file gone, disk full) is not an UploadError
         )
 
     # ----------------------------------------------------------------- small objects
@@ -198,10 +191,16 @@ class S3Store:
             self._client, self._bucket, full_key, payload, checksum, self._write.extra_args(), key=key,
             what=what, if_none_match=if_none_match, if_match=if_match))
 
-    def get_bytes(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        """GetObject; ``byte_range=(start, stop)`` fetches ``[start, stop)`` (a range running past the end
-        is truncated by the server). Raises ``RemoteNotFoundError`` on 404, ``UploadError`` otherwise
-        (416 ``InvalidRange`` for a start past the end)."""
+    def get_bytes(self, key: str, *, max_bytes: int = DEFAULT_GET_MAX_BYTES,
+                  byte_range: tuple[int, int] | None = None) -> bytes:
+        """GetObject of at most ``max_bytes`` bytes (the cap of the object's kind): a ranged GET
+        (``bytes=0-<max_bytes>``, or ``byte_range=(start, stop)`` for ``[start, stop)``, truncated by the
+        server at the end) whose body is counted in 64 KiB chunks, so an endless body is refused as soon
+        as it passes the cap. Raises :class:`~tiered_ckpt.errors.ManifestError` naming the object and the
+        cap (not retried), ``RemoteNotFoundError`` on 404, ``UploadError`` otherwise (416
+        ``InvalidRange`` for a ``byte_range`` starting past the end; a deadline or stall after retries)."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         request: dict[str, str] = {"Bucket": self._bucket, "Key": self._keys.full_key(key)}
         if byte_range is not None:
             start, stop = byte_range
@@ -209,7 +208,8 @@ class S3Store:
                 raise ValueError(f"byte_range must be (start, stop) with 0 <= start < stop, got {byte_range!r}")
             request["Range"] = f"bytes={start}-{stop - 1}"
         what = self._describe(key)
-        return self._call(f"get {what}", lambda: objects.get_object(self._client, request, what))
+        return self._call(f"get {what}", lambda: objects.get_object(self._client, request, what, max_bytes),
+                          passthrough=(ManifestError,))
 
     def read_sha256(self, key: str, *, stop_event: threading.Event | None = None) -> tuple[int, str]:
         """Stream the object back (one GetObject per attempt, 8 MiB chunks): ``(size_bytes, sha256_hex)``.
@@ -271,20 +271,26 @@ class S3Store:
             on_progress=on_progress), is_retryable=multipart.is_retryable_upload_error)
 
     def download_file(
-        self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
+        self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
+        expected_size: int | None = None,
     ) -> int:
         """Download with s3transfer (ranged GETs per :class:`TransferSettings`) into ``dest_path`` itself:
-        a temp name the caller chose, created or truncated by each attempt and removed again on failure
-        (nothing left behind). No fsync and no rename: the caller commits the file through the local
-        commit protocol (``tiered_ckpt.local.commit``). Returns the size in bytes. The bytes are NOT
-        verified here (the caller compares them with its manifest). Raises ``RemoteNotFoundError`` (404),
-        ``UploadError``, ``OperationInterruptedError``, ``OSError`` (local disk, e.g. a missing
-        directory)."""
+        a temp name the caller chose, created or truncated by each attempt and removed again on failure.
+        No fsync, no rename (the caller commits the file, ``tiered_ckpt.local.commit``), no verification
+        of the bytes (the caller compares them with its manifest). Returns the size in bytes.
+
+        ``expected_size`` (bytes, the planned size): the object is HEADed first and a size other than it
+        raises :class:`~tiered_ckpt.store.base.ObjectSizeError` (a ``ShardCorruptedError``) before any
+        byte is fetched; a body running past it (the object replaced after the HEAD) stops at the first
+        write beyond, within one part. Not retried. Raises ``RemoteNotFoundError`` (404), ``UploadError``,
+        ``OperationInterruptedError``, ``OSError`` (local disk, e.g. a missing directory)."""
         full_key = self._keys.full_key(key)
         dest = os.path.abspath(os.fspath(dest_path))
         what = self._describe(key)
         return self._call(f"download {what} -> {dest}", lambda: download_attempt(
-            self._files, dest, bucket=self._bucket, full_key=full_key, what=what, on_progress=on_progress))
+            self._files, dest, bucket=self._bucket, full_key=full_key, what=what, on_progress=on_progress,
+            expected_size=expected_size), passthrough=(ObjectSizeError,),
+            is_retryable=lambda e: not isinstance(e, ObjectSizeError) and is_retryable_s3_error(e))
 
     # ----------------------------------------------------------------- multipart uploads
 
@@ -388,11 +394,5 @@ class S3Store:
 
 
 # Re-exported for callers importing them from here; their homes: settings.py, client.py, probe.py.
-__all__ = [
-    "PROBE_KEY_PREFIX",
-    "S3Store",
-    "TransferSettings",
-    "WriteSettings",
-    "make_s3_client",
-    "probe_checksum_validation",
-]
+__all__ = ["DEFAULT_GET_MAX_BYTES", "DeadlineSettings", "PROBE_KEY_PREFIX", "S3Store", "TransferSettings",
+           "WriteSettings", "make_s3_client", "probe_checksum_validation"]

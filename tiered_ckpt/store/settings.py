@@ -3,6 +3,7 @@ Pure: no boto3 import, so callers can build settings without loading the client.
 
 * :class:`TransferSettings`: part sizes and concurrency of uploads and downloads.
 * :class:`WriteSettings`: server-side encryption and storage class applied to every object written.
+* :class:`DeadlineSettings`: the stall timeout and the byte-scaled deadline of every single request.
 
 Source: S3 API reference (multipart limits: parts of 5 MiB .. 5 GiB, at most 10,000 parts, single PUT up
 to 5 GiB; PutObject / CreateMultipartUpload ``ServerSideEncryption``, ``SSEKMSKeyId``, ``StorageClass``).
@@ -62,6 +63,40 @@ class TransferSettings:
             raise ValueError(f"download_part_size_bytes must be >= 1 MiB, got {self.download_part_size_bytes}")
 
 
+@dataclass(frozen=True)
+class DeadlineSettings:
+    """Deadlines of each single S3 request (enforced by :mod:`tiered_ckpt.store.deadline`).
+
+    A request fails (retryably, :class:`~tiered_ckpt.store.deadline.RequestDeadlineError`) when it runs
+    past ``deadline_base_s + bytes / min_rate_bytes_per_s`` seconds from its start, where ``bytes`` is the
+    request body plus the response body expected (the Range asked for, else the ``Content-Length``
+    announced, or the bytes received when more), or when it *stalls*: no chunk of the response body
+    arrived for ``stall_timeout_s`` seconds (for a GET or HEAD, also no response headers). A chunk is
+    64 KiB for small objects, 256 KiB for s3transfer's downloads and 8 MiB for a read-back, so the stall
+    timeout must cover one chunk at the slowest rate allowed (8 MiB at 256 KiB/s: 32 s).
+    CompleteMultipartUpload (which S3 may work on for minutes) gets 10 x ``deadline_base_s``.
+
+    The defaults (stall 60 s, base 60 s, 256 KiB/s) let a 64 MiB part through in 5.3 min and a 5 GiB
+    one in 5.7 h: a safety net against a server that never finishes (an endless or trickling body: one
+    byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput check. Raises
+    ``ValueError`` on values that are not finite numbers > 0.
+    """
+
+    stall_timeout_s: float = 60.0
+    deadline_base_s: float = 60.0
+    min_rate_bytes_per_s: float = 256 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("stall_timeout_s", "deadline_base_s", "min_rate_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def deadline_s(self, n_bytes: int) -> float:
+        """Seconds a request moving ``n_bytes`` (body sent plus body expected back) may take in all."""
+        return self.deadline_base_s + max(n_bytes, 0) / self.min_rate_bytes_per_s
+
+
 _SSE_VALUES = frozenset({"AES256", "aws:kms", "aws:kms:dsse"})
 _STORAGE_CLASS_RE = re.compile(r"^[A-Z][A-Z_]*$")
 
@@ -104,4 +139,4 @@ class WriteSettings:
         return args
 
 
-__all__ = ["TransferSettings", "WriteSettings"]
+__all__ = ["DeadlineSettings", "TransferSettings", "WriteSettings"]

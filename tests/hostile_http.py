@@ -1,0 +1,202 @@
+"""A tiny hostile S3 server for tests: answers path-style GET/HEAD the way no real server does.
+
+Real servers (moto, SeaweedFS) never stream an endless body, trickle one byte at a time or send more bytes
+than HEAD announced, so the attacks on the store's bounds are served from here: a threaded
+``http.server`` on 127.0.0.1 whose behaviour is set per key (``/<bucket>/<key>``) with :meth:`HostileS3.set`.
+
+Behaviours (``Behaviour.kind``):
+
+- ``"endless"``: GET answers 200 without a Content-Length and streams zeros until ``limit_bytes`` (a
+  stand-in for "endless" that cannot hang the old code forever) or until the client goes away;
+- ``"trickle"``: GET answers 200 with ``Content-Length: size`` and sends one byte every ``interval_s``;
+- ``"trickle_headers"``: the status line and headers of GET/HEAD go out one byte every ``interval_s``;
+- ``"bigger"``: HEAD announces ``size`` bytes, GET ignores Range and streams ``big_size`` bytes (200);
+- ``"object"``: an honest object ``data`` (HEAD, GET, Range ignored: the whole body).
+
+Unknown keys answer 404 ``NoSuchKey``; a LIST (``GET /<bucket>?list-type=2``) answers an empty page.
+:attr:`HostileS3.sent` counts the body bytes each key's GETs actually handed to the socket and
+:attr:`HostileS3.requests` the requests per ``(method, key)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+_CHUNK = 256 * 1024
+_NOT_FOUND = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+              b"<Message>The specified key does not exist.</Message></Error>")
+
+
+@dataclass
+class Behaviour:
+    kind: str
+    size: int = 0
+    big_size: int = 0
+    limit_bytes: int = 0
+    interval_s: float = 1.0
+    data: bytes = b""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet
+        pass
+
+    def _key(self) -> tuple[str, str, str]:
+        parts = urlsplit(self.path)
+        bucket, _, key = parts.path.lstrip("/").partition("/")
+        return bucket, key, parts.query
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def _serve(self, *, head: bool) -> None:
+        self.connection.settimeout(30)
+        _, key, query = self._key()
+        owner = self.server.owner
+        with owner.lock:
+            owner.requests[(self.command, key)] += 1
+        if not key and "list-type=2" in query:
+            body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>false</IsTruncated>'
+                    b"<KeyCount>0</KeyCount></ListBucketResult>")
+            return self._simple(200, body, "application/xml")
+        b = owner.behaviours.get(key)
+        if b is None:
+            return self._simple(404, b"" if head else _NOT_FOUND, "application/xml")
+        try:
+            if b.kind == "trickle_headers":
+                self._trickle_headers(b)
+            elif head:
+                self._head(b)
+            elif b.kind == "endless":
+                self._stream(key, None, b.limit_bytes)
+            elif b.kind == "trickle":
+                self._trickle(key, b)
+            elif b.kind == "bigger":
+                self._stream(key, b.big_size, b.big_size)
+            else:
+                self._simple(200, b.data, "application/octet-stream")
+        except OSError:  # the client went away (or shut its socket down): that is the point
+            self.close_connection = True
+
+    def _simple(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _head(self, b: Behaviour) -> None:
+        size = len(b.data) if b.kind == "object" else b.size
+        self.send_response(200)
+        self.send_header("Content-Length", str(size))
+        self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+        self.end_headers()
+
+    def _count(self, key: str, n: int) -> None:
+        with self.server.owner.lock:
+            self.server.owner.sent[key] += n
+
+    def _stream(self, key: str, content_length: int | None, limit: int) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+        if content_length is not None:
+            self.send_header("Content-Length", str(content_length))
+        else:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        chunk = b"\0" * _CHUNK
+        sent = 0
+        while sent < limit and not self.server.owner.stopping.is_set():
+            piece = chunk[: min(_CHUNK, limit - sent)]
+            self.wfile.write(piece)
+            sent += len(piece)
+            self._count(key, len(piece))
+        self.close_connection = True
+
+    def _trickle(self, key: str, b: Behaviour) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(b.size))
+        self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+        self.end_headers()
+        for _ in range(b.size):
+            if self.server.owner.stopping.wait(b.interval_s):
+                break
+            self.wfile.write(b"{")
+            self._count(key, 1)
+        self.close_connection = True
+
+    def _trickle_headers(self, b: Behaviour) -> None:
+        head = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nETag: \"0123456789abcdef0123456789abcdef\"\r\n"
+                b"X-Padding: " + b"x" * 4096 + b"\r\n\r\n")
+        for i in range(len(head)):
+            if self.server.owner.stopping.wait(b.interval_s):
+                break
+            self.wfile.write(head[i:i + 1])
+        self.close_connection = True
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    owner: HostileS3
+
+
+class HostileS3:
+    """``with HostileS3() as srv:`` ``srv.endpoint_url``; ``srv.set(key, Behaviour(...))`` (key without
+    the bucket)."""
+
+    def __init__(self) -> None:
+        self.behaviours: dict[str, Behaviour] = {}
+        self.sent: Counter[str] = Counter()
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.owner = self
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True, name="hostile-s3")
+
+    @property
+    def endpoint_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def set(self, key: str, behaviour: Behaviour) -> None:
+        self.behaviours[key] = behaviour
+
+    def __enter__(self) -> HostileS3:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def wait_for(cond: object, timeout_s: float) -> bool:
+    """Poll ``cond()`` every 10 ms for up to ``timeout_s`` seconds."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+__all__ = ["Behaviour", "HostileS3", "wait_for"]

@@ -1,0 +1,172 @@
+"""Every remote read is bounded in size and time (issue 11, Why 1-3): a hostile S3 server (tests/hostile_http.py,
+a real HTTP server in a thread) streams an endless ``latest``, sends more than HEAD announced, or trickles
+one byte at a time. The store must refuse each within its cap / deadline, never grow without bound.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hostile_http import Behaviour, HostileS3, wait_for
+from spawn import child_env, cli_cmd
+from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UploadError
+from tiered_ckpt.remote.catalogue import read_latest_pointer
+from tiered_ckpt.remote.limits import MAX_POINTER_BYTES
+from tiered_ckpt.retry import RetryPolicy
+from tiered_ckpt.store.deadline import RequestDeadlineError
+from tiered_ckpt.store.s3 import S3Store, make_s3_client
+from tiered_ckpt.store.settings import DeadlineSettings, TransferSettings
+
+MiB = 1024 * 1024
+BUCKET = "hostile"
+PREFIX = "p"
+
+
+@pytest.fixture
+def srv() -> Any:
+    with HostileS3() as s:
+        yield s
+
+
+def _store(srv: HostileS3, **kwargs: Any) -> S3Store:
+    client = make_s3_client(endpoint_url=srv.endpoint_url, path_style=True, botocore_max_attempts=1)
+    return S3Store(client, BUCKET, PREFIX, **kwargs)
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float) -> BaseException | Any:
+    """Run ``fn`` in a thread; fail the test if it has not returned within ``timeout_s`` (old code hangs)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still running after {timeout_s} s"
+    return out.get("exc", out.get("value"))
+
+
+def _status_kib(field: str) -> int:
+    m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    assert m is not None
+    return int(m.group(1))
+
+
+def test_endless_latest_is_refused_with_bounded_memory(srv: HostileS3) -> None:
+    srv.set(f"{PREFIX}/latest", Behaviour("endless", limit_bytes=300 * MiB))
+    with _store(srv) as store:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
+        before = _status_kib("VmRSS")
+        result = _bounded(lambda: read_latest_pointer(store), 30)
+        growth_kib = _status_kib("VmHWM") - before
+    assert type(result) is ManifestError, result
+    assert f"s3://{BUCKET}/{PREFIX}/latest" in str(result) and str(MAX_POINTER_BYTES) in str(result)
+    assert growth_kib < 64 * 1024, f"RSS grew {growth_kib} KiB"
+    assert srv.requests[("GET", f"{PREFIX}/latest")] == 1  # not retried
+    assert srv.sent[f"{PREFIX}/latest"] < 64 * MiB
+
+
+@pytest.mark.parametrize("command", ["ls", "restore"])
+def test_cli_refuses_an_endless_latest(srv: HostileS3, tmp_path: Path, command: str) -> None:
+    srv.set(f"{PREFIX}/latest", Behaviour("endless", limit_bytes=300 * MiB))
+    local = ["--local", str(tmp_path / "run")] if command == "restore" else []
+    cmd = [*cli_cmd(), command, "--remote", f"s3://{BUCKET}/{PREFIX}", *local, "--endpoint-url", srv.endpoint_url,
+           "--path-style"]
+    err_path = tmp_path / "stderr"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=child_env())
+        killer = threading.Timer(60, os.kill, (proc.pid, signal.SIGKILL))
+        killer.start()
+        try:  # wait4 reaps the child itself and reports its peak RSS (ru_maxrss, KiB on Linux)
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+    rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    text = err_path.read_text(errors="replace")
+    assert rc == 1, text
+    assert "ManifestError" in text and f"s3://{BUCKET}/{PREFIX}/latest" in text, text
+    assert usage.ru_maxrss < 200 * 1024, f"peak RSS {usage.ru_maxrss} KiB"  # the body was 300 MiB
+    assert srv.sent[f"{PREFIX}/latest"] < 64 * MiB
+
+
+def test_download_stops_within_one_part_of_the_planned_size(srv: HostileS3, tmp_path: Path) -> None:
+    planned, big = 400 * 1024, 200 * MiB
+    srv.set(f"{PREFIX}/shard", Behaviour("bigger", size=planned, big_size=big))
+    dest = tmp_path / "shard.tmp"
+    part = TransferSettings().download_part_size_bytes
+    with _store(srv) as store:
+        result = _bounded(lambda: store.download_file("shard", dest, expected_size=planned), 60)
+    assert isinstance(result, ShardCorruptedError), result
+    assert "400" in str(result) or str(planned) in str(result)
+    assert not dest.exists()
+    wait_for(lambda: False, 0.5)  # let the server's writer settle (its socket buffers fill, then it fails)
+    assert 0 < srv.sent[f"{PREFIX}/shard"] < planned + part, srv.sent
+    assert srv.requests[("GET", f"{PREFIX}/shard")] == 1  # not retried
+
+
+def test_download_refuses_a_head_size_other_than_planned_before_any_byte(srv: HostileS3, tmp_path: Path) -> None:
+    srv.set(f"{PREFIX}/shard", Behaviour("object", data=b"x" * 1000))
+    dest = tmp_path / "shard.tmp"
+    with _store(srv) as store:
+        with pytest.raises(ShardCorruptedError, match=r"1000 bytes.*planned 999"):
+            store.download_file("shard", dest, expected_size=999)
+    assert srv.requests[("GET", f"{PREFIX}/shard")] == 0 and srv.requests[("HEAD", f"{PREFIX}/shard")] == 1
+    assert not dest.exists()
+
+
+def test_trickling_body_fails_within_the_stall_timeout(srv: HostileS3) -> None:
+    srv.set(f"{PREFIX}/latest", Behaviour("trickle", size=1000, interval_s=0.3))
+    settings = DeadlineSettings(stall_timeout_s=1.0, deadline_base_s=30.0)
+    with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.0, max_wait_s=0.0)) as st:
+        t0 = time.monotonic()
+        result = _bounded(lambda: st.get_bytes("latest", max_bytes=MAX_POINTER_BYTES), 15)
+        elapsed = time.monotonic() - t0
+    assert type(result) is UploadError, result
+    assert isinstance(result.last_exception, RequestDeadlineError)
+    assert "failed after 2 attempt(s)" in str(result) and "stalled: no bytes for 1.0 s" in str(result), result
+    assert elapsed < 4.0
+    assert srv.requests[("GET", f"{PREFIX}/latest")] == 2  # retried: a deadline hit is retryable
+
+
+def test_trickling_headers_fail_within_the_deadline(srv: HostileS3) -> None:
+    srv.set(f"{PREFIX}/slow", Behaviour("trickle_headers", interval_s=0.05))
+    settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.5)
+    with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as st:
+        t0 = time.monotonic()
+        result = _bounded(lambda: st.head("slow"), 15)
+        elapsed = time.monotonic() - t0
+    assert type(result) is UploadError, result
+    assert isinstance(result.last_exception, RequestDeadlineError)
+    assert "deadline of 1.5 s passed" in str(result), result
+    assert elapsed < 3.5
+
+
+def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: Path) -> None:
+    """The ranged GETs of s3transfer run under the same deadlines (its worker threads, its body reads)."""
+    srv.set(f"{PREFIX}/shard", Behaviour("trickle", size=100_000, interval_s=0.3))
+    settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.5)
+    dest = tmp_path / "shard.tmp"
+    with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as st:
+        t0 = time.monotonic()
+        result = _bounded(lambda: st.download_file("shard", dest, expected_size=100_000), 15)
+        elapsed = time.monotonic() - t0
+    assert type(result) is UploadError, result
+    assert isinstance(result.last_exception, RequestDeadlineError)
+    # 1.5 s base + 100,000 bytes at the default 256 KiB/s = 1.9 s
+    assert "deadline of 1.9 s passed" in str(result), result
+    assert elapsed < 3.5
+    assert srv.requests[("GET", f"{PREFIX}/shard")] == 1  # s3transfer did not retry it on its own
+    assert not dest.exists()
