@@ -82,6 +82,7 @@ from typing import Callable, TypeVar
 import tenacity
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
+from tiered_ckpt.redact import redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -259,12 +260,15 @@ class _StopRequested(Exception):
 
 
 def _describe(exc: BaseException | None) -> str:
+    """One line about ``exc`` for a retry WARNING or an ``UploadError`` message: the S3 error code and HTTP
+    status when there is one, else the exception's text with URL user info and credentials masked
+    (``tiered_ckpt.redact``: botocore's "Could not connect to the endpoint URL: ..." carries the URL)."""
     if exc is None:
         return "no exception"
     code, status = s3_error_code_and_status(exc)
     if code is not None:
         return f"{type(exc).__name__} {code} (HTTP {status})"
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {redact_text(str(exc))}"
 
 
 def call_with_retries(

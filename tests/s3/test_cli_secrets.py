@@ -193,3 +193,26 @@ def test_metrics_serve_binds_loopback_by_default() -> None:
     finally:
         metrics.close()
     assert metrics.url is None
+
+
+def test_library_messages_mask_endpoint_user_info_without_the_cli_filter(caplog: pytest.LogCaptureFixture) -> None:
+    """A library user with plain logging (no RedactingFilter): the retry WARNING, the client's DEBUG line
+    and the UploadError message name the endpoint without its user:password (botocore's own
+    "Could not connect to the endpoint URL" text carries it)."""
+    import logging
+
+    from tiered_ckpt.errors import UploadError
+    from tiered_ckpt.retry import RetryPolicy
+    from tiered_ckpt.store.s3 import S3Store, make_s3_client
+
+    password = "pa55w0rdNOTinLOGS"
+    caplog.set_level(logging.DEBUG, logger="tiered_ckpt")
+    client = make_s3_client(endpoint_url=f"http://user:{password}@127.0.0.1:{free_port()}", botocore_max_attempts=1,
+                            connect_timeout_s=0.5)
+    store = S3Store.from_url("s3://bucket-x/p", client=client, retry=RetryPolicy(max_attempts=2, max_wait_s=0.3))
+    with pytest.raises(UploadError) as info:
+        store.head("k")
+    assert "endpoint URL" in str(info.value) and "***@127.0.0.1" in str(info.value)
+    assert password not in str(info.value)
+    assert "retrying" in caplog.text and "created S3 client" in caplog.text
+    assert password not in caplog.text

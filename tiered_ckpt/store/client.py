@@ -33,6 +33,7 @@ from botocore.awsrequest import (
 )
 from botocore.config import Config
 
+from tiered_ckpt.redact import redact_url
 from tiered_ckpt.store.deadline import attach_connection, veto_expired_request
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def make_s3_client(
     client = session.client("s3", endpoint_url=endpoint_url, config=config)
     logger.debug(
         "created S3 client: endpoint=%s region=%s path_style=%s pool=%d botocore_max_attempts=%d",
-        client.meta.endpoint_url,
+        redact_url(str(client.meta.endpoint_url)),
         client.meta.region_name,
         path_style,
         max_pool_connections,
