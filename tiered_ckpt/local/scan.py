@@ -14,6 +14,11 @@ API default, ``verify --require-all``) every rank's shard must be here.
 Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside under
 ``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and step that
 superseded them; they are not verified and are never a fault. ``gc(superseded=True)`` removes them.
+
+Leftovers (issue 11): every row counts the bytes of temp files of dead writers in its step directory
+(``leftover_bytes``: a killed save's temps, a killed restore's downloads), and ``gc`` removes those files
+by the owner token in their names (:mod:`tiered_ckpt.local.leftovers`), also in the root itself. The
+ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held`.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ class StepStatus:
     superseded; ``reason``: one line for anything but a good committed step; ``size_bytes``: bytes of
     shard files present on disk; ``leftover_bytes``: bytes of temp files of dead writers in the step
     directory (a killed save or restore: what ``gc`` removes there, :mod:`tiered_ckpt.local.leftovers`;
-    counted for current steps, 0 for superseded ones). ``node_ranks``: the ranks checked when the root holds fewer than the
-    step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
+    counted for current steps, 0 for superseded ones). ``node_ranks``: the ranks checked when the root
+    holds fewer than the step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
     ``superseded_by`` / ``superseded_from``: the attempt that superseded the step and the step number it
     supersedes from (state ``superseded`` only); ``attempt``: the step's own attempt (any step whose manifest
     reads); ``path``: its directory (set for superseded steps)."""

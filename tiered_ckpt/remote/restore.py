@@ -37,7 +37,8 @@ error (:class:`~tiered_ckpt.errors.MissingShardError`, :class:`~tiered_ckpt.erro
 and nothing is committed locally. A failure after shards were renamed into place and before
 ``manifest.json`` commits (ENOSPC at the manifest write, Ctrl-C) removes the files this restore placed
 again; a restore that finds a dead restore's leftovers in the step removes them before it downloads
-(:mod:`tiered_ckpt.remote.restore_local`): a retry starts clean. ``fallback=True`` moves on to the next older candidate with a warning.
+(:mod:`tiered_ckpt.remote.restore_local`): a retry starts clean. ``fallback=True`` moves on to the next
+older candidate with a warning.
 Remote failures that outlast the retries are :class:`~tiered_ckpt.errors.UploadError` (never a fallback:
 an unreachable bucket fails older steps the same way).
 
@@ -143,7 +144,8 @@ def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, m
         raise first
 
 
-def _publish(lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommit: bool, keep_manifest: bool) -> bool:
+def _publish(lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommit: bool,
+             keep_manifest: bool) -> bool:
     """Step 4 after a successful download; returns whether the local manifest was kept (ours, or an
     identical one another restorer committed meanwhile). Raises ConcurrentSaveError, OSError."""
     carry = record_to_carry(read_run_record(lsc.root), plan.lineage)
@@ -153,7 +155,8 @@ def _publish(lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommi
         lsc.uncommit()  # I2: un-commit before any file of the step changes
         log.warning("step %d: un-committed the local step to replace it with the bucket's copy", plan.step)
     lsc.publish()
-    record_adoption(lsc, plan.manifest, placed)  # before the manifest: a foreign step is never judged by its own attempt
+    # before the manifest: a foreign step is never judged by its own attempt
+    record_adoption(lsc, plan.manifest, placed)
     if not keep_manifest:
         try:
             lsc.commit_manifest(plan.manifest_bytes)
