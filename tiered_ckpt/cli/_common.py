@@ -63,23 +63,35 @@ def human_bytes(n: int) -> str:
 
 
 def parse_ranks(text: str) -> list[int]:
-    """``"0-1,4"`` -> ``[0, 1, 4]``. Raises CliError (usage) on malformed input."""
-    out: set[int] = set()
+    """``"0-1,4"`` -> ``[0, 1, 4]``. Every rank and range end is checked against
+    :data:`~tiered_ckpt.layout.MAX_WORLD_SIZE` *before* a range is expanded, so that a flag such as
+    ``--ranks 0-10000000000`` is a usage error, not a list of ten billion ints (issue 11 case 8).
+    Raises CliError (usage, exit 2) on malformed or out-of-range input."""
+    from tiered_ckpt.layout import MAX_WORLD_SIZE
+
+    if len(text) > 1_000_000:  # every rank of the largest world size, written out one by one, is ~590 KB
+        raise CliError(f"bad rank list ({len(text)} characters; expected e.g. 0-1,4)", EXIT_USAGE)
+    shown = text if len(text) <= 80 else f"{text[:40]}...{text[-20:]}"
+    spans: list[tuple[int, int]] = []
     try:
         for part in text.split(","):
             part = part.strip()
-            if "-" in part:
-                a, b = part.split("-", 1)
-                lo, hi = int(a), int(b)
-                if lo > hi:
-                    raise ValueError
-                out.update(range(lo, hi + 1))
-            elif part:
-                out.add(int(part))
+            if not part:
+                continue
+            a, dash, b = part.partition("-")
+            lo, hi = int(a), int(b) if dash else int(a)
+            if lo < 0 or lo > hi:
+                raise ValueError
+            spans.append((lo, hi))
     except ValueError:
-        raise CliError(f"bad rank list {text!r} (expected e.g. 0-1,4)", EXIT_USAGE) from None
-    if any(r < 0 for r in out):
-        raise CliError(f"bad rank list {text!r}", EXIT_USAGE)
+        raise CliError(f"bad rank list {shown!r} (expected e.g. 0-1,4)", EXIT_USAGE) from None
+    too_big = [hi for _, hi in spans if hi >= MAX_WORLD_SIZE]
+    if too_big:
+        raise CliError(f"bad rank list {shown!r}: rank {max(too_big)} is out of range (ranks are 0 to "
+                       f"{MAX_WORLD_SIZE - 1})", EXIT_USAGE)
+    out: set[int] = set()
+    for lo, hi in spans:
+        out.update(range(lo, hi + 1))
     return sorted(out)
 
 

@@ -16,8 +16,10 @@ from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("ls", help="list the steps of a local run directory (or, with --remote, a bucket)",
-                       description="List every step directory under ROOT: committed or not, world size, bytes. "
-                                   "With --remote s3://bucket/prefix: the remote steps and their state.")
+                       description="List every step directory under ROOT: committed or not, world size, bytes "
+                                   "of shards, and leftover bytes (temp files of dead writers, e.g. a killed "
+                                   "save or restore: 'gc' removes them). With --remote s3://bucket/prefix: the "
+                                   "remote steps and their state.")
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory holding step_XXXXXXXXXX/")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--remote", default=None, metavar="S3_URL", type=s3_url, help="list s3://bucket/prefix instead")
@@ -53,9 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", help="remove leftovers of dead writers",
-                       description="Remove uncommitted step directories, temp files and stale locks whose "
-                                   "writer is dead. Committed steps are never touched; superseded ones only "
-                                   "with --superseded.")
+                       description="Remove uncommitted step directories, temp files (downloads of a killed "
+                                   "restore too) and stale locks whose writer is dead. Committed steps are "
+                                   "never touched; superseded ones only with --superseded.")
     p.add_argument("root", type=Path)
     p.add_argument("--force", action="store_true",
                    help="also remove leftovers of writers that cannot be checked (other hosts)")
@@ -83,9 +85,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no steps under {args.root}")
         return EXIT_OK
-    print_table(["step", "state", "world_size", "size", "note"],
+    print_table(["step", "state", "world_size", "size", "leftover", "note"],
                 [[s.step, s.state, s.world_size if s.world_size is not None else "-", human_bytes(s.size_bytes),
-                  s.note] for s in rows])
+                  human_bytes(s.leftover_bytes) if s.leftover_bytes else "-", s.note] for s in rows])
     return EXIT_OK
 
 

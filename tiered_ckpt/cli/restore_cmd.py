@@ -12,12 +12,29 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks,
                                      positive_int, print_json, print_table, s3_url, step_number)
 
 MiB = 1024 * 1024
+#: Bounds of the transfer flags, checked before anything is sized by them (issue 11 case 8: a bad flag
+#: must not allocate): S3's largest part is 5 GiB (a ranged GET larger than the object is one GET), and
+#: more threads than this only exhaust the machine.
+MAX_PART_SIZE_MIB = 5 * 1024
+MAX_CONCURRENCY = 1024
+
+
+def _bounded(hi: int) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in [1, ``hi``] (else exit 2 with one line)."""
+
+    def parse(text: str) -> int:
+        v = positive_int(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {v}")
+        return v
+
+    return parse
 
 
 def add_s3_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "A step that is broken in the bucket fails with nothing committed locally, unless "
                     "--fallback.")
     p.add_argument("--remote", required=True, type=s3_url, help="s3://bucket/prefix the sidecar uploaded to")
-    p.add_argument("--local", required=True, type=Path, help="local run directory to restore into")
+    p.add_argument("--local", required=True, type=Path,
+                   help="local run directory to restore into (always the run root, even when its name looks "
+                        "like a step directory: the step goes to LOCAL/step_XXXXXXXXXX)")
     p.add_argument("--step", type=step_number, default=None,
                    help="restore the current save of this step (default: the newest current step)")
     p.add_argument("--ranks", default=None, help="restore only these ranks' shards, e.g. 0-1 or 2,3 "
@@ -49,10 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--replace", action="store_true",
                    help="overwrite a different save of the same step committed locally")
     p.add_argument("--dry-run", action="store_true", help="say what would be fetched; download nothing")
-    p.add_argument("--part-size-mib", type=positive_int, default=None,
-                   help="ranged-GET size in MiB (default 64; use >= the shard size on moto)")
-    p.add_argument("--concurrency", type=positive_int, default=None, help="ranged GETs in flight (default 8)")
-    p.add_argument("--parallel-shards", type=positive_int, default=8, help="shards downloaded at once (default 8)")
+    p.add_argument("--part-size-mib", type=_bounded(MAX_PART_SIZE_MIB), default=None,
+                   help=f"ranged-GET size in MiB, 1 to {MAX_PART_SIZE_MIB} (default 64; use >= the shard size on moto)")
+    p.add_argument("--concurrency", type=_bounded(MAX_CONCURRENCY), default=None,
+                   help=f"ranged GETs in flight, 1 to {MAX_CONCURRENCY} (default 8)")
+    p.add_argument("--parallel-shards", type=_bounded(MAX_CONCURRENCY), default=8,
+                   help=f"shards downloaded at once, 1 to {MAX_CONCURRENCY} (default 8)")
     add_s3_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -127,9 +148,11 @@ def _check_local(local: Path) -> None:
 def cmd_restore(args: argparse.Namespace) -> int:
     from tiered_ckpt.remote.restore import plan_restore, restore_detailed
 
+    ranks = parse_ranks(args.ranks) if args.ranks is not None else None  # bounded before anything else
+    if ranks is not None and not ranks:
+        raise CliError(f"bad rank list {args.ranks!r} (expected e.g. 0-1,4)", EXIT_USAGE)
     _check_url(args.remote)
     _check_local(args.local)
-    ranks = parse_ranks(args.ranks) if args.ranks else None
     client = make_client(args)
     if args.dry_run:
         plan = plan_restore(args.remote, step=args.step, ranks=ranks, fallback=args.fallback, s3_client=client)

@@ -47,15 +47,16 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def write_run_record(root: PathLike, lineage: RunLineage, *, force: bool = False) -> bool:
+def write_run_record(root: PathLike, lineage: RunLineage, *, force: bool = False, exact_root: bool = False) -> bool:
     """Write ``<root>/run.json`` with the local commit protocol (temp name, fsync, rename, directory
     fsync). Idempotent: several ranks sharing a root may write the same record at once (unique temp
     names; the bytes are identical). A record only ever grows: one that ``lineage`` does not extend (an
     attempt it lacks or contradicts, another run) is not replaced unless ``force`` (an unreadable one is).
     Returns whether the file changed (``False``: it already held these bytes). Raises
     :class:`LineageError` (it would not extend the root's record), :class:`CheckpointWriteError` on I/O
-    (the old record, if any, stays)."""
-    r, _ = resolve_root(root)
+    (the old record, if any, stays). ``exact_root``: ``root`` is the run directory whatever its name (a
+    restore's target), never read as a step directory of its parent (:func:`resolve_root`)."""
+    r = Path(root).absolute() if exact_root else resolve_root(root)[0]
     data = lineage.to_json().encode()
     try:
         cur = read_run_record(r)

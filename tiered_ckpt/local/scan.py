@@ -14,6 +14,11 @@ API default, ``verify --require-all``) every rank's shard must be here.
 Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside under
 ``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and step that
 superseded them; they are not verified and are never a fault. ``gc(superseded=True)`` removes them.
+
+Leftovers (issue 11): every row counts the bytes of temp files of dead writers in its step directory
+(``leftover_bytes``: a killed save's temps, a killed restore's downloads), and ``gc`` removes those files
+by the owner token in their names (:mod:`tiered_ckpt.local.leftovers`), also in the root itself. The
+ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held`.
 """
 
 from __future__ import annotations
@@ -21,20 +26,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Mapping
 
 from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.layout import SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
+from tiered_ckpt.layout import SAVE_LOCK_NAME, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
-from tiered_ckpt.local.node_ranks import read_node_ranks
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
-                                        stored_schema_version,
                                          resolve_root, symlinked_step_entries)
+from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
+from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
@@ -47,23 +52,14 @@ COMMITTED, UNCOMMITTED, CORRUPT, INCOMPLETE = "committed", "uncommitted", "corru
 SUPERSEDED = "superseded"
 
 
-def format_ranks(ranks: Iterable[int]) -> str:
-    """``[0, 2, 3, 4, 7]`` -> ``"0,2-4,7"`` (the form ``--ranks`` accepts)."""
-    out: list[str] = []
-    for r in sorted(set(ranks)):
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
-        else:
-            out.append(str(r))
-    return ",".join(out)
-
-
 @dataclass(frozen=True)
 class StepStatus:
     """What :func:`inspect_step` found. ``state``: committed / uncommitted / corrupt / incomplete /
     superseded; ``reason``: one line for anything but a good committed step; ``size_bytes``: bytes of
-    shard files present on disk. ``node_ranks``: the ranks checked when the root holds fewer than the
-    step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
+    shard files present on disk; ``leftover_bytes``: bytes of temp files of dead writers in the step
+    directory (a killed save or restore: what ``gc`` removes there, :mod:`tiered_ckpt.local.leftovers`;
+    counted for current steps, 0 for superseded ones). ``node_ranks``: the ranks checked when the root
+    holds fewer than the step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
     ``superseded_by`` / ``superseded_from``: the attempt that superseded the step and the step number it
     supersedes from (state ``superseded`` only); ``attempt``: the step's own attempt (any step whose manifest
     reads); ``path``: its directory (set for superseded steps)."""
@@ -80,6 +76,7 @@ class StepStatus:
     superseded_from: int | None = None
     attempt: int | None = None
     path: str | None = None
+    leftover_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -116,48 +113,6 @@ def _dir_bytes(sdir: Path) -> int:
     return sum(regular_files(sdir, ".safetensors").values())  # the step directory opened O_NOFOLLOW
 
 
-def _present_ranks(sdir: Path, m: ShardManifest) -> set[int]:
-    """Ranks of ``m`` whose shard file is an entry of ``sdir`` (not followed, not checked)."""
-    return {rec.rank for rec in m.shards if os.path.lexists(sdir / rec.path)}
-
-
-def held_ranks(root: str | os.PathLike[str]) -> dict[int, frozenset[int]]:
-    """World size -> ranks whose shard is present in at least one committed step of that world size under
-    ``root``: the ranks this root holds (all of them on a shared root, one node's on a node-local root).
-    Steps whose manifest does not read are skipped. Never raises for a bad checkpoint."""
-    r, _ = resolve_root(root)
-    out: dict[int, set[int]] = {}
-    for s in all_step_dirs(r):
-        try:
-            m = read_manifest(r, s)
-        except CheckpointError:
-            continue
-        out.setdefault(m.world_size, set()).update(_present_ranks(r / step_dir_name(s), m))
-    return {ws: frozenset(v) for ws, v in out.items()}
-
-
-class _LazyHeld(Mapping[int, frozenset[int]]):
-    """:func:`held_ranks` of a root, computed on first use (a scan of a shared root never needs it)."""
-
-    def __init__(self, root: Path) -> None:
-        self._root = root
-        self._value: dict[int, frozenset[int]] | None = None
-
-    def _get(self) -> dict[int, frozenset[int]]:
-        if self._value is None:
-            self._value = held_ranks(self._root)
-        return self._value
-
-    def __getitem__(self, key: int) -> frozenset[int]:
-        return self._get()[key]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
-
-
 def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False,
                  ranks: Iterable[int] | None = None, require_all: bool = True,
                  held: Mapping[int, frozenset[int]] | None = None) -> StepStatus:
@@ -174,8 +129,15 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     ranks this root holds (:func:`held_ranks`, module docstring; read only when some shard of this step
     is not here) are checked; the result then names them
     in ``node_ranks`` when they are fewer than the world size; ``held``: :func:`held_ranks` of the root
-    when already known (a scan of many steps computes it once)."""
+    when already known (a scan of many steps computes it once). ``leftover_bytes`` is counted whatever
+    the state."""
     r, _ = resolve_root(root)
+    st = _inspect_step(r, step, verify=verify, fast=fast, ranks=ranks, require_all=require_all, held=held)
+    return replace(st, leftover_bytes=leftover_bytes(r / step_dir_name(step)))
+
+
+def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterable[int] | None,
+                  require_all: bool, held: Mapping[int, frozenset[int]] | None) -> StepStatus:
     sdir = r / step_dir_name(step)
     size = _dir_bytes(sdir)
     try:
@@ -197,11 +159,11 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
                               f"{','.join(map(str, outside))}", m.world_size, size, m.save_id, pinned=pinned)
     elif require_all:
         wanted = None
-    elif _present_ranks(sdir, m) == set(range(m.world_size)):
+    elif present_ranks(sdir, m) == set(range(m.world_size)):
         wanted = None  # every shard is here: nothing outside this step needs reading
     else:
         try:
-            mine = _ranks_held(r, sdir, m, held)
+            mine = ranks_held(r, sdir, m, held)
         except ManifestError as e:
             return StepStatus(step, CORRUPT, str(e), m.world_size, size, m.save_id, pinned=pinned)
         if not mine:
@@ -211,19 +173,6 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
         node = None if wanted is None else tuple(sorted(mine))
     state, reason = _check_shards(sdir, m, wanted, verify, fast)
     return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned, attempt=m.attempt)
-
-
-def _ranks_held(r: Path, sdir: Path, m: ShardManifest, held: Mapping[int, frozenset[int]] | None) -> frozenset[int]:
-    """The ranks ``sdir`` should hold: its ``node_ranks.json`` (written by a node-local commit or a partial
-    restore); without one, every rank for a step of schema 3 or later (so a lost shard is reported), and
-    for older steps the guess from the root's other steps (:func:`held_ranks`). Raises ManifestError."""
-    declared = read_node_ranks(sdir, m.world_size)
-    if declared is not None:
-        return declared
-    version = stored_schema_version(sdir)
-    if version is None or version >= 3:
-        return frozenset(range(m.world_size)) if _present_ranks(sdir, m) else frozenset()
-    return (held_ranks(r) if held is None else held).get(m.world_size, frozenset())
 
 
 def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, verify: bool,
@@ -277,7 +226,7 @@ def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None 
     wanted = None if ranks is None else list(ranks)
     sup = [e for e in superseded_entries(r) if step is None or e.step == step]
     in_place = {Path(e.path) for e in sup}
-    held = _LazyHeld(r) if wanted is None and not require_all else None
+    held = LazyHeld(r) if wanted is None and not require_all else None
     steps = [step] if step is not None else all_step_dirs(r)
     out = [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted, require_all=require_all, held=held)
            for s in steps if r / step_dir_name(s) not in in_place]
@@ -323,7 +272,9 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
 
     - uncommitted step directories whose writer is dead (not touched for ``min_age_s`` seconds, so that
       a writer that has only just made the directory is left alone);
-    - temp files and stale lock files of dead owners inside committed steps;
+    - temp files and stale lock files of dead owners inside committed steps, and owner-named temp files
+      of dead owners in ``root`` itself: also the downloads of a killed restore, whatever suffix the
+      download tool added to the staged temp name (:mod:`tiered_ckpt.local.leftovers`);
     - trash directories left by an interrupted rotation;
     - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
 
@@ -343,6 +294,7 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
         if is_trash_name(name) and p.is_dir() and not p.is_symlink():
             remove_trash(p, durable=False)
             removed.append(p)
+    removed += remove_dead_temps(r, force=force, owned_only=True)  # e.g. a killed restore's run.json temp
     for step in all_step_dirs(r):
         sdir = r / step_dir_name(step)
         if not is_committed(sdir):  # lexists: a dangling or odd manifest.json still counts (never swept)
@@ -360,10 +312,7 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
             removed.append(sdir)
             log.info("gc: removed uncommitted step directory %s", sdir)
             continue
-        for n in os.listdir(sdir):
-            o = temp_owner(n)
-            if n.endswith(TMP_SUFFIX) and (force or o is None or not owner_alive(o)):
-                _rm(sdir / n, removed)
+        removed += remove_dead_temps(sdir, force=force)  # a killed writer's or restore's temps and downloads
         for f in stale_lock_files(sdir):
             _rm(f, removed)
         lock = sdir / SAVE_LOCK_NAME
@@ -378,3 +327,7 @@ def _rm(p: Path, removed: list[Path]) -> None:
         removed.append(p)
     except OSError:
         pass
+
+
+__all__ = ["COMMITTED", "CORRUPT", "INCOMPLETE", "SUPERSEDED", "UNCOMMITTED", "StepStatus", "format_ranks", "gc",
+           "gc_superseded", "held_ranks", "inspect_step", "scan"]

@@ -34,7 +34,11 @@ attempt (a later rollback of the root supersedes it; SPEC §11).
 If the chosen step fails (an object missing, a size or sha256 mismatch, a bad upload manifest), the
 error (:class:`~tiered_ckpt.errors.MissingShardError`, :class:`~tiered_ckpt.errors.ShardCorruptedError`,
 :class:`~tiered_ckpt.errors.ManifestError`) names the step and the object, the staged files are removed
-and nothing is committed locally. ``fallback=True`` moves on to the next older candidate with a warning.
+and nothing is committed locally. A failure after shards were renamed into place and before
+``manifest.json`` commits (ENOSPC at the manifest write, Ctrl-C) removes the files this restore placed
+again; a restore that finds a dead restore's leftovers in the step removes them before it downloads
+(:mod:`tiered_ckpt.remote.restore_local`): a retry starts clean. ``fallback=True`` moves on to the next
+older candidate with a warning.
 Remote failures that outlast the retries are :class:`~tiered_ckpt.errors.UploadError` (never a fallback:
 an unreachable bucket fails older steps the same way).
 
@@ -55,14 +59,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
-from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
-from tiered_ckpt.fs import write_all
-from tiered_ckpt.layout import ADOPTED_MARKER_NAME, shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import (adopted_bytes, read_adopted, read_manifest_bytes, read_run_record,
-                                         resolve_root)
-from tiered_ckpt.local.node_ranks import record_node_ranks
+from tiered_ckpt.layout import shard_file_name, step_dir_name
+from tiered_ckpt.local.catalogue import read_manifest_bytes, read_run_record
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.local.markers import write_uploaded_marker
@@ -71,6 +71,8 @@ from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_COM
                                           remote_committed_steps)
 from tiered_ckpt.remote.download import fetch_shard
 from tiered_ckpt.remote.handle import StoreHandle
+from tiered_ckpt.remote.restore_local import (Placed, clear_dead_restore, record_adoption, record_held_ranks,
+                                              record_to_carry, same_save)
 from tiered_ckpt.remote.restore_plan import STEP_FAULTS, RemoteObject, RestorePlan, iter_plans, plan_restore
 from tiered_ckpt.store.base import ObjectStore
 
@@ -107,24 +109,11 @@ class RestoreResult:
 # ------------------------------------------------------------------------------------------ local commit
 
 
-def _same_save(local_bytes: bytes, plan: RestorePlan) -> bool:
-    """The local committed manifest describes the same save as the remote one (node-local commits of one
-    save differ only in ``created_at``)."""
-    if local_bytes == plan.manifest_bytes:
-        return True
-    try:
-        lm = ShardManifest.from_json(local_bytes)
-    except CheckpointError:
-        return False
-    rm = plan.manifest
-    return (lm.step, lm.world_size, lm.save_id) == (rm.step, rm.world_size, rm.save_id) and all(
-        (a.sha256, a.size_bytes) == (b.sha256, b.size_bytes) for a, b in zip(lm.shards, rm.shards))
-
-
 def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, max_parallel_shards: int,
-                  on_progress: ProgressCallback | None, cancel: Callable[[], None]) -> None:
+                  on_progress: ProgressCallback | None, cancel: Callable[[], None], placed: Placed) -> None:
     """Step 3 for every planned object, ``max_parallel_shards`` at once: each shard is downloaded into
-    its staged temp name, verified, and fsynced on its own thread (so the flushes overlap); raises the
+    its staged temp name, verified, and fsynced on its own thread (so the flushes overlap), then recorded
+    in ``placed`` (the file :meth:`LocalStepCommit.publish` renames; undone on failure); raises the
     lowest rank's error (a local ``OSError`` as :class:`CheckpointWriteError`). On KeyboardInterrupt the
     transfers in flight are cancelled (``cancel()``), not waited out."""
     targets = {o.rank: lsc.stage(shard_file_name(o.rank)) for o in plan.objects}
@@ -132,6 +121,7 @@ def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, m
     def fetch(obj: RemoteObject) -> None:
         fetch_shard(store, plan, obj, targets[obj.rank], on_progress)
         lsc.sync_staged(shard_file_name(obj.rank))
+        placed.record(shard_file_name(obj.rank), targets[obj.rank])
 
     errors: dict[int, BaseException] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(max_parallel_shards, len(plan.objects))),
@@ -154,73 +144,29 @@ def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, m
         raise first
 
 
-def record_to_carry(local: RunLineage | None, remote: RunLineage | None) -> RunLineage | None:
-    """The run record a restore writes into the root (``None``: keep the root's as it is): the bucket's
-    lineage into a root without one, the newer record of the same run, nothing into a root of another
-    run (fine tuning) or when the two records of one run diverge (a warning; the manager decides)."""
-    if remote is None:
-        return None
-    if local is None:
-        return remote
-    if local.run_id != remote.run_id:
-        log.info("restoring from run %s into a root of run %s: the root keeps its run record", remote.run_id,
-                 local.run_id)
-        return None
-    if remote.extends(local) and remote != local:
-        return remote
-    if not local.extends(remote):
-        log.warning("run %s: the root's run.json and the bucket's disagree about the attempts; the root keeps "
-                    "its own", local.run_id)
-    return None
-
-
-def _record_held_ranks(step_dir: Path, manifest: ShardManifest) -> None:
-    """After a restore of some ranks only (a replaced node): record the ranks the step directory now
-    holds (``node_ranks.json``), so that ``verify`` checks them and still reports a missing one. After the
-    manifest: a crash in between leaves verify strict (it reports the step incomplete), never lenient."""
-    held = {rec.rank for rec in manifest.shards if os.path.lexists(step_dir / rec.path)}
-    if held and held != set(range(manifest.world_size)):
-        record_node_ranks(step_dir, held, manifest.world_size)
-
-
-def _record_adoption(lsc: LocalStepCommit, manifest: ShardManifest) -> None:
-    """A foreign step (its manifest names another run than the root's record, or none) entering a root with
-    a record: write ``adopted.json`` naming the root's run and current attempt (SPEC §11), durably, unless
-    the step already holds exactly that for this save. Before the manifest commits (the caller's order).
-    Raises ``OSError``."""
-    rec = read_run_record(lsc.root)
-    if rec is None or manifest.run_id == rec.run_id:
-        return
-    sid = manifest.save_id or None
-    if read_adopted(lsc.step_dir, sid) == (rec.run_id, rec.attempt):
-        return
-    body = adopted_bytes(rec.run_id, rec.attempt, sid)
-    lsc.write_file(ADOPTED_MARKER_NAME, lambda fd: write_all(fd, body))
-    log.info("step %d (run %s, attempt %d) entered run %s at its attempt %d: judged by that attempt",
-             manifest.step, manifest.run_id, manifest.attempt, rec.run_id, rec.attempt)
-
-
-def _publish(lsc: LocalStepCommit, plan: RestorePlan, *, uncommit: bool, keep_manifest: bool) -> bool:
+def _publish(lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommit: bool,
+             keep_manifest: bool) -> bool:
     """Step 4 after a successful download; returns whether the local manifest was kept (ours, or an
     identical one another restorer committed meanwhile). Raises ConcurrentSaveError, OSError."""
     carry = record_to_carry(read_run_record(lsc.root), plan.lineage)
     if carry is not None:
-        write_run_record(lsc.root, carry)  # before the step commits: it is judged under this record
+        write_run_record(lsc.root, carry, exact_root=True)  # before the step commits: judged under this record
     if uncommit:
         lsc.uncommit()  # I2: un-commit before any file of the step changes
         log.warning("step %d: un-committed the local step to replace it with the bucket's copy", plan.step)
     lsc.publish()
-    _record_adoption(lsc, plan.manifest)  # before the manifest: a foreign step is never judged by its own attempt
+    # before the manifest: a foreign step is never judged by its own attempt
+    record_adoption(lsc, plan.manifest, placed)
     if not keep_manifest:
         try:
             lsc.commit_manifest(plan.manifest_bytes)
         except CheckpointExistsError:  # another rank of this node restored the same step meanwhile
             now = read_manifest_bytes(lsc.step_dir)
-            if now is None or not _same_save(now, plan):
+            if now is None or not same_save(now, plan):
                 raise ConcurrentSaveError(f"step {plan.step}: another writer committed a different save "
                                           f"into {lsc.step_dir} meanwhile") from None
             keep_manifest = True
-    _record_held_ranks(lsc.step_dir, plan.manifest)
+    record_held_ranks(lsc.step_dir, plan.manifest)
     lsc.release_lock()
     now = read_manifest_bytes(lsc.step_dir)
     write_uploaded_marker(lsc.step_dir, UploadedMarker(step=plan.step, remote=plan.remote_url, restored=True,
@@ -241,24 +187,31 @@ def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
     except OSError as e:
         raise CheckpointWriteError.from_os_error(
             e, f"step {step}: cannot claim the writer lock of {root / step_dir_name(step)}") from e
+    placed = Placed()
     with lsc:
         try:
             # Decided under the lock, so that no save can commit the step between this look and ours.
             local_bytes = read_manifest_bytes(lsc.step_dir)
-            keep_manifest = local_bytes is not None and _same_save(local_bytes, plan)
+            keep_manifest = local_bytes is not None and same_save(local_bytes, plan)
             if local_bytes is not None and not keep_manifest and not replace:
                 raise CheckpointExistsError(f"step {step} is committed under {root} by another save; pass "
                                             "replace=True (--replace) to overwrite it with the bucket's copy")
-            _download_all(store, plan, lsc, max_parallel_shards, on_progress, cancel)
+            try:
+                clear_dead_restore(lsc, plan, committed=local_bytes is not None)
+            except OSError as e:
+                raise CheckpointWriteError.from_os_error(
+                    e, f"step {step}: removing leftovers of a dead writer from {lsc.step_dir} failed") from e
+            _download_all(store, plan, lsc, max_parallel_shards, on_progress, cancel, placed)
             lsc.check_lock()  # nobody took the step over while the shards downloaded
             try:
-                keep_manifest = _publish(lsc, plan, uncommit=local_bytes is not None and not keep_manifest,
+                keep_manifest = _publish(lsc, plan, placed, uncommit=local_bytes is not None and not keep_manifest,
                                          keep_manifest=keep_manifest)
             except OSError as e:
                 raise CheckpointWriteError.from_os_error(
                     e, f"step {step}: committing the restored step in {lsc.step_dir} failed") from e
         except BaseException:
             if not lsc.committed:
+                placed.undo(lsc)  # the shards it renamed into the uncommitted step: a retry starts clean
                 lsc.abandon()  # temps removed, our lock released, an empty step directory made here removed
             raise
     seconds = time.perf_counter() - t0
@@ -317,7 +270,9 @@ def restore_detailed(
         raise ValueError("download settings are ignored when a store is given")
     if max_parallel_shards < 1:
         raise ValueError(f"max_parallel_shards must be >= 1, got {max_parallel_shards}")
-    root, _ = resolve_root(local_root)
+    # ``local_root`` is the run root whatever its name looks like: a directory named like a step
+    # (``/x/step_0000000003``) is restored into, never read as that step of its parent (issue 11 case 7).
+    root = Path(local_root).absolute()
     bad = not_a_directory(root)
     if bad is not None:
         raise CheckpointWriteError(f"{root} is not a directory" + ("" if bad == root else f" ({bad} is not one)")
@@ -359,6 +314,8 @@ def restore(
 ) -> ShardManifest:
     """Restore a remotely committed step from ``remote_url`` (``s3://bucket/prefix``) into the run
     directory ``local_root``; returns its manifest (see the module docstring for the protocol).
+    ``local_root`` is the run directory itself whatever its name: one named like a step directory
+    (``/x/step_0000000003``) gets ``/x/step_0000000003/step_XXXXXXXXXX/``, nothing is written beside it.
 
     ``step``: the step to restore (default: the newest remotely committed one). ``ranks``: restore only
     these ranks' shards (default: all). ``fallback``: if the chosen step is broken remotely, try older
