@@ -50,18 +50,37 @@ def is_committed(step_dir: Path) -> bool:
     return os.path.lexists(step_dir / MANIFEST_NAME)
 
 
+def _looks_like_run_root(p: Path) -> bool:
+    """``p`` holds a ``run.json`` or any step directory: it is a run root, whatever its own name."""
+    try:
+        names = os.listdir(p)
+    except OSError:
+        return False
+    return RUN_RECORD_NAME in names or any(parse_step_dir_name(n) is not None for n in names)
+
+
 def resolve_root(root: PathLike, step: int | None = None) -> tuple[Path, int | None]:
-    """Accept a run directory or a step directory. Returns ``(run_root, step)``.
+    """For readers: accept a run directory or a step directory. Returns ``(run_root, step)``. A directory
+    named like a step (``step_0000000003``) is read as that step of its parent unless it looks like a run
+    root itself (it holds ``run.json`` or step directories: e.g. a root restored into ``--local
+    /x/step_0000000003``). Writers never use this: they write into the root as given (:func:`write_root`).
 
     Raises ``ValueError`` if a step directory is given together with a different ``step``.
     """
     p = Path(root).absolute()
     parsed = parse_step_dir_name(p.name)
-    if parsed is not None and not (p / step_dir_name(parsed)).is_dir():
+    if parsed is not None and not _looks_like_run_root(p):
         if step is not None and step != parsed:
             raise ValueError(f"{p} is the directory of step {parsed}, but step={step} was asked for")
         return p.parent, parsed
     return p, step
+
+
+def write_root(root: PathLike) -> Path:
+    """The run root a writer (``write_shard``, ``commit_step``, ``save_sharded``) writes into: ``root``
+    itself, absolute, whatever its name looks like (never the parent of a directory named like a step:
+    nothing is written outside the directory the caller named)."""
+    return Path(root).absolute()
 
 
 def step_path(root: PathLike, step: int) -> Path:
@@ -295,5 +314,5 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
 __all__ = ["MAX_ADOPTED_BYTES", "MAX_MANIFEST_BYTES", "MAX_RUN_RECORD_BYTES", "adopted_bytes", "all_committed_steps",
            "all_step_dirs", "committed_steps",
            "is_committed", "latest_step", "pick_step", "read_manifest", "read_manifest_bytes", "read_run_record",
-           "judged_attempt", "read_adopted", "read_small_regular_file", "stored_schema_version",
+           "judged_attempt", "read_adopted", "read_small_regular_file", "stored_schema_version", "write_root",
            "resolve_root", "step_lineage", "step_path", "superseded_in", "symlinked_step_entries"]

@@ -28,7 +28,7 @@ from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.fs import is_real_dir, new_save_id, unlink_quietly, utc_now
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local.catalogue import read_run_record, resolve_root
+from tiered_ckpt.local.catalogue import read_run_record, write_root
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.node_ranks import clear_node_ranks, record_node_ranks
 from tiered_ckpt.local.writer import superseded_hint, write_shard
@@ -74,7 +74,7 @@ def commit_step(
     (already committed and not ``replace``), :class:`CheckpointWriteError` (I/O), :class:`ManifestError`
     (a malformed ``run.json`` when the lineage is defaulted), ``ValueError`` (a bad ``run_id``/``attempt``).
     """
-    r, _ = resolve_root(root)
+    r = write_root(root)
     run_id, attempt = default_lineage(r, run_id, attempt)
     records = sorted(records, key=lambda rec: rec.rank)
     ids = {rec.save_id for rec in records}
@@ -190,7 +190,7 @@ def save_sharded(
     world_size = len(state_dict_per_rank)
     if world_size < 1:
         raise ValueError("state_dict_per_rank is empty")
-    r, _ = resolve_root(root)
+    r = write_root(root)
     step_dir_name(step)  # validates step
     try:
         # This call owns the whole save: claim the step once for every rank thread (they join it).

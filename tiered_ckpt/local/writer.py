@@ -21,7 +21,7 @@ from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, TensorChunkCr
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.layout import shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import read_run_record, resolve_root, superseded_in
+from tiered_ckpt.local.catalogue import read_run_record, write_root, superseded_in
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.shard_io import write_stream
 
@@ -71,7 +71,7 @@ def write_shard(
     :class:`CheckpointWriteError` (the ``OSError`` as cause) on disk full, EIO or permission errors, after
     removing this attempt's temp file (I5).
     """
-    r, _ = resolve_root(root)
+    r = write_root(root)
     shard_file_name(rank)  # validates rank
     tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
     step_dir_name(step)  # validates step
