@@ -73,6 +73,12 @@ CASES = [
      "--parallel-shards"),
     (["restore", "--remote", "s3://bucket/p", "--local", "{tmp}/dest", "--part-size-mib", "100000000"],
      "--part-size-mib"),
+    (["upload", "--local", "{tmp}/run", "--remote", "s3://bucket/p", "--once", "--max-concurrency", "1000000000"],
+     "--max-concurrency"),
+    (["upload", "--local", "{tmp}/run", "--remote", "s3://bucket/p", "--once", "--part-size-mib", "100000000"],
+     "--part-size-mib"),
+    (["upload", "--local", "{tmp}/run", "--remote", "s3://bucket/p", "--once", "--multipart-threshold-mib",
+      "100000000"], "--multipart-threshold-mib"),
 ]
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 EXIT_OK, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
 
@@ -123,6 +123,26 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def bounded_int(hi: int) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in [1, ``hi``] (else exit 2 with one line). For sizes and counts
+    that allocate (parts in flight, part sizes): bounded before anything is built from them."""
+
+    def parse(text: str) -> int:
+        v = positive_int(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {v}")
+        return v
+
+    return parse
+
+
+#: Bounds of the transfer flags of ``upload`` and ``restore``, checked before anything is sized by them
+#: (issue 11 case 8: a bad flag must not allocate): S3's largest part is 5 GiB, and more threads than this
+#: only exhaust the machine.
+MAX_PART_SIZE_MIB = 5 * 1024
+MAX_CONCURRENCY = 1024
 
 
 def step_number(text: str) -> int:

@@ -12,29 +12,13 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, parse_ranks,
-                                     positive_int, print_json, print_table, s3_url, step_number)
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
+                                     bounded_int, human_bytes, parse_ranks, print_json, print_table, s3_url,
+                                     step_number)
 
 MiB = 1024 * 1024
-#: Bounds of the transfer flags, checked before anything is sized by them (issue 11 case 8: a bad flag
-#: must not allocate): S3's largest part is 5 GiB (a ranged GET larger than the object is one GET), and
-#: more threads than this only exhaust the machine.
-MAX_PART_SIZE_MIB = 5 * 1024
-MAX_CONCURRENCY = 1024
-
-
-def _bounded(hi: int) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer in [1, ``hi``] (else exit 2 with one line)."""
-
-    def parse(text: str) -> int:
-        v = positive_int(text)
-        if v > hi:
-            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {v}")
-        return v
-
-    return parse
 
 
 def add_s3_args(p: argparse.ArgumentParser) -> None:
@@ -68,11 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--replace", action="store_true",
                    help="overwrite a different save of the same step committed locally")
     p.add_argument("--dry-run", action="store_true", help="say what would be fetched; download nothing")
-    p.add_argument("--part-size-mib", type=_bounded(MAX_PART_SIZE_MIB), default=None,
+    p.add_argument("--part-size-mib", type=bounded_int(MAX_PART_SIZE_MIB), default=None,
                    help=f"ranged-GET size in MiB, 1 to {MAX_PART_SIZE_MIB} (default 64; use >= the shard size on moto)")
-    p.add_argument("--concurrency", type=_bounded(MAX_CONCURRENCY), default=None,
+    p.add_argument("--concurrency", type=bounded_int(MAX_CONCURRENCY), default=None,
                    help=f"ranged GETs in flight, 1 to {MAX_CONCURRENCY} (default 8)")
-    p.add_argument("--parallel-shards", type=_bounded(MAX_CONCURRENCY), default=8,
+    p.add_argument("--parallel-shards", type=bounded_int(MAX_CONCURRENCY), default=8,
                    help=f"shards downloaded at once, 1 to {MAX_CONCURRENCY} (default 8)")
     add_s3_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

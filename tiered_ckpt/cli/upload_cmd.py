@@ -22,8 +22,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, port, positive_float,
-                      positive_int, print_error, print_json, s3_url, step_number)
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
+                                     bounded_int, human_bytes, nonneg_float, port, positive_float, positive_int,
+                                     print_error, print_json, s3_url, step_number)
 from tiered_ckpt.redact import redact_text
 
 if TYPE_CHECKING:
@@ -94,9 +95,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "(default 1800: set 2-4x your save interval; env TIERED_CKPT_STALL_DEADLINE_S)")
     p.add_argument("--adopt-prefix", action="store_true",
                    help="take over a prefix whose run.json names another run (default: refuse, exit 1)")
-    p.add_argument("--part-size-mib", type=positive_int, default=16, help="multipart part size (MiB, default 16)")
-    p.add_argument("--multipart-threshold-mib", type=positive_int, default=64, help="default 64")
-    p.add_argument("--max-concurrency", type=positive_int, default=10, help="parts in flight (default 10)")
+    p.add_argument("--part-size-mib", type=bounded_int(MAX_PART_SIZE_MIB), default=16,
+                   help=f"multipart part size in MiB, 5 to {MAX_PART_SIZE_MIB} (default 16)")
+    p.add_argument("--multipart-threshold-mib", type=bounded_int(MAX_PART_SIZE_MIB), default=64,
+                   help=f"shards of at least this many MiB go as multipart uploads, 1 to {MAX_PART_SIZE_MIB} (default 64)")
+    p.add_argument("--max-concurrency", type=bounded_int(MAX_CONCURRENCY), default=10,
+                   help=f"parts in flight, 1 to {MAX_CONCURRENCY} (default 10)")
     p.add_argument("--shutdown-timeout-s", type=nonneg_float, default=30.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
