@@ -81,6 +81,8 @@ def test_argv_names_every_port(tmp_path: Path) -> None:
                  "filer.port", "filer.port.grpc", "webdav.port", "debug.port"):
         assert 0 < int(flags[flag]) < 65536, flag
     assert flags["webdav"] == "false" and flags["admin.ui"] == "false" and flags["s3.port.lance"] == "0"
+    ports = [v for k, v in flags.items() if k.endswith((".port", ".grpc"))]
+    assert len(ports) == len(set(ports)) == 12  # S3, admin and the 9 others, each its own (+ admin gRPC)
 
 
 def test_a_server_that_cannot_start_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

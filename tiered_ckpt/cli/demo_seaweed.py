@@ -75,10 +75,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _admin_port() -> int:
+def _admin_port(taken: set[int]) -> int:
     for _ in range(200):
         port = random.randint(15000, 65535 - ADMIN_GRPC_OFFSET)
-        if _bindable(port, port + ADMIN_GRPC_OFFSET):
+        if not {port, port + ADMIN_GRPC_OFFSET} & taken and _bindable(port, port + ADMIN_GRPC_OFFSET):
             return port
     raise SeaweedFSError("no free port pair for the SeaweedFS admin server")
 
@@ -90,9 +90,15 @@ def weed_mini_argv(data_dir: str | os.PathLike[str], s3_port: int, identity_file
     ``identity_file``. Raises :class:`SeaweedFSError` without a ``weed`` binary."""
     d = os.fspath(data_dir)
     chosen = dict(ports or {})
+    taken = {s3_port, *chosen.values()}
     for flag in PORT_FLAGS:
-        chosen.setdefault(flag, _free_port())
-    admin = chosen.setdefault("admin.port", _admin_port())
+        if flag not in chosen:
+            port = _free_port()
+            while port in taken:  # the kernel may hand out a port released a moment ago again
+                port = _free_port()
+            chosen[flag] = port
+            taken.add(port)
+    admin = chosen.setdefault("admin.port", _admin_port(taken))
     chosen.setdefault("admin.port.grpc", admin + ADMIN_GRPC_OFFSET)
     return [weed_binary(), "mini", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}",
             *(f"-{flag}={port}" for flag, port in sorted(chosen.items())),
@@ -156,18 +162,23 @@ class WeedMini:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL it if it outlives ``timeout_s`` seconds. Idempotent."""
+    def stop(self, grace_s: float = 3.0) -> None:
+        """SIGTERM the process group; SIGKILL it if it outlives ``grace_s`` seconds (a loaded machine can
+        keep weed's orderly shutdown going for longer, and its data is not kept). Idempotent."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
             try:
-                proc.wait(timeout=timeout_s)
-                return
+                proc.wait(timeout=wait_s)
+                break
             except subprocess.TimeoutExpired:
                 continue
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the group outlives its leader
+        except ProcessLookupError:
+            pass
