@@ -37,17 +37,48 @@ def moto_server(_aws_test_env: None) -> Iterator[str]:
 
 
 @pytest.fixture
-def s3_bucket(moto_server: str, request: pytest.FixtureRequest) -> s3_infra.S3Location:
-    """A fresh bucket on the moto server and a per-test prefix: ``.endpoint_url``, ``.bucket``,
-    ``.prefix``, ``.url`` (``s3://bucket/prefix``), ``.client`` (boto3, path-style)."""
-    return s3_infra.new_bucket(moto_server, prefix=f"t/{s3_infra.sanitize_prefix(request.node.name)}")
+def s3_bucket(s3_server: s3_infra.S3Server, request: pytest.FixtureRequest) -> s3_infra.S3Location:
+    """A fresh bucket on the test's S3 server (moto unless the test asks for ``s3_server``: see the
+    SeaweedFS section) and a per-test prefix: ``.endpoint_url``, ``.bucket``, ``.prefix``, ``.url``
+    (``s3://bucket/prefix``), ``.client`` (boto3, path-style)."""
+    return s3_infra.new_bucket(s3_server.endpoint_url, prefix=f"t/{s3_infra.sanitize_prefix(request.node.name)}")
 
 
 @pytest.fixture
-def fault_proxy(moto_server: str) -> Iterator[s3_infra.FaultProxy]:
-    """A started :class:`s3_infra.FaultProxy` in front of the moto server; point clients at ``.url``."""
-    proxy = s3_infra.FaultProxy(moto_server).start()
+def fault_proxy(s3_server: s3_infra.S3Server) -> Iterator[s3_infra.FaultProxy]:
+    """A started :class:`s3_infra.FaultProxy` in front of the test's S3 server (moto by default); point
+    clients at ``.url``."""
+    proxy = s3_infra.FaultProxy(s3_server.endpoint_url).start()
     try:
         yield proxy
     finally:
         proxy.stop()
+
+
+# ------------------------------------------------------------------------------------ SeaweedFS tier
+# The same S3 tests against SeaweedFS (``weed mini``, tests/s3_infra.py), a server that checks checksums
+# and signatures. A test runs on both servers with ``@both_servers`` (tests/s3_servers.py: an indirect
+# parameter of ``s3_server``); ``s3_bucket`` and ``fault_proxy`` follow ``s3_server``. Without it a test
+# gets moto, as before.
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(_aws_test_env: None) -> Iterator[str]:
+    """Endpoint URL of a SeaweedFS ``weed mini`` process (loopback only, the tests' key pair as its one
+    identity); started once per session on first use."""
+    with s3_infra.run_seaweedfs_server() as url:
+        yield url
+
+
+@pytest.fixture
+def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s3_infra.S3Server:
+    """The S3 server of this test: ``"moto"`` (default) or ``"seaweedfs"`` (indirect parameter). For
+    SeaweedFS the session token is removed from the environment (it would be taken for an unknown STS
+    token), for this process's clients and the test's children alike."""
+    name = getattr(request, "param", "moto")
+    if name == "moto":
+        return s3_infra.S3Server("moto", request.getfixturevalue("moto_server"))
+    if name != "seaweedfs":
+        raise ValueError(f"unknown S3 server {name!r}")
+    for var in s3_infra.SEAWEEDFS_ENV_REMOVE:
+        monkeypatch.delenv(var, raising=False)
+    return s3_infra.S3Server("seaweedfs", request.getfixturevalue("seaweedfs_server"))

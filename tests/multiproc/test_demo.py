@@ -41,3 +41,37 @@ def test_demo_rejects_bad_settings(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo would make its workdir
     assert main(["demo", "--steps", "10", "--ckpt-every", "5"]) == 2
     assert list(tmp_path.iterdir()) == []  # a usage error makes nothing on disk
+
+
+def test_demo_on_seaweedfs(tmp_path: Path) -> None:
+    """``--server seaweedfs``: the story on a ``weed mini`` process (loopback only, signatures and checksums
+    checked), started under the workdir and gone when the demo exits."""
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")})
+    work = tmp_path / "demo"
+    p = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "demo", "--server", "seaweedfs", "--workdir", work,
+                                  "--steps", "20", "--ckpt-every", "5", "--no-plot"), env=env, capture_output=True,
+                       text=True, timeout=600)
+    out = p.stdout
+    assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{p.stderr[-3000:]}"
+    assert re.search(r"\[1/8\] S3: SeaweedFS \(weed mini\) at http://127\.0\.0\.1:\d+", out)
+    assert re.search(r"bytes uploaded\s+\S+ MiB in 4 remotely committed steps", out)
+    assert float(re.search(r"max \|loss diff\|\s+(\S+)", out).group(1)) == 0.0
+    assert (work / "seaweedfs" / "s3_identities.json").is_file()
+    survivors = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(work).encode() in cmdline:
+            survivors.append(pid)
+    assert survivors == []  # weed mini was stopped with the demo
+
+
+def test_demo_server_flag_is_checked(capsys) -> None:
+    from tiered_ckpt.cli import main
+
+    assert main(["demo", "--server", "seaweedfs", "--endpoint-url", "http://127.0.0.1:9"]) == 2
+    assert "--endpoint-url" in capsys.readouterr().err
+    assert main(["demo", "--server", "minio"]) == 2
+    assert "invalid choice: 'minio'" in capsys.readouterr().err

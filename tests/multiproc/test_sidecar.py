@@ -1,4 +1,5 @@
-"""The sidecar as a real process (``tiered-ckpt upload --watch``): SIGKILL at random points, SIGTERM."""
+"""The sidecar as a real process (``tiered-ckpt upload --watch``): SIGKILL at random points, SIGTERM; on
+moto and on SeaweedFS."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import s3_infra
+from s3_servers import both_servers
 from _upload_util import list_keys, make_step, remote_bytes, save_prefix
 from spawn import python_cmd
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
@@ -61,6 +63,7 @@ def _check_no_unconfirmed(loc: s3_infra.S3Location, verify_bytes: bool) -> list[
 
 
 @pytest.mark.slow
+@both_servers
 def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     rng = random.Random(int(os.environ.get("TC_SIGKILL_SEED", "1234")))
     root = tmp_path / "node"
@@ -110,6 +113,7 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
     assert not s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads")
 
 
+@both_servers
 def test_sigterm_mid_upload_exits_zero_and_leaves_nothing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"
     make_step(root, 1, shard_bytes=40 * MiB)
@@ -139,6 +143,7 @@ def test_sigterm_mid_upload_exits_zero_and_leaves_nothing(tmp_path: Path, s3_buc
     assert not [k for k in keys if k.endswith("upload_manifest.json")] or _uploaded(root) == {1}
 
 
+@both_servers
 def test_cli_once_json_and_errors(tmp_path: Path, s3_bucket: s3_infra.S3Location, capsys) -> None:
     from tiered_ckpt.cli import main
 

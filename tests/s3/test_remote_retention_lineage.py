@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import s3_infra
+from s3_servers import both_servers
 from _upload_util import make_step, save_entry, split_nodes
 from tiered_ckpt import Uploader, restore
 from tiered_ckpt.format.lineage import RunLineage
@@ -55,6 +56,7 @@ def keys(loc: s3_infra.S3Location) -> list[str]:
     return out
 
 
+@both_servers
 def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
         tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"
@@ -88,6 +90,7 @@ def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
     assert remote_committed_steps(s3_bucket.url, s3_client=s3_bucket.client) == [510, 520, 530]
 
 
+@both_servers
 def test_pins_of_steps_uploaded_earlier_are_mirrored(tmp_path: Path, s3_bucket: s3_infra.S3Location,
                                                      fault_proxy: s3_infra.FaultProxy) -> None:
     from tiered_ckpt.remote.step_upload import mirror_pins
@@ -117,6 +120,7 @@ def test_pins_of_steps_uploaded_earlier_are_mirrored(tmp_path: Path, s3_bucket: 
     assert [s for s, _, _ in saves(s3_bucket)] == [2, 3]
 
 
+@both_servers
 def test_restore_carries_the_run(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"
     lin1 = new_run(root, RUN_A)
@@ -146,6 +150,7 @@ def test_restore_carries_the_run(tmp_path: Path, s3_bucket: s3_infra.S3Location)
     assert RunLineage.from_json((ahead / RUN_RECORD_NAME).read_text()) == lin3
 
 
+@both_servers
 def test_a_poll_while_other_nodes_confirm_is_one_list(tmp_path: Path, s3_bucket: s3_infra.S3Location,
                                                       fault_proxy: s3_infra.FaultProxy) -> None:
     """The commit object of a StepIncompleteError, passed back as ``resume``, makes the next poll one

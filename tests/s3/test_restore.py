@@ -13,6 +13,7 @@ import pytest
 
 from restore_util import assert_states_equal, files_under, publish, save_step
 from s3_infra import FaultProxy, S3Location, make_test_client
+from s3_servers import both_servers
 from tiered_ckpt import (CheckpointExistsError, MissingShardError, NoCheckpointError, ShardCorruptedError,
                          committed_steps, list_remote_steps, load_shard, load_sharded, restore)
 from tiered_ckpt.layout import (MANIFEST_NAME, UPLOADED_MARKER_NAME, remote_key, remote_latest_key,
@@ -35,6 +36,7 @@ def _restore(loc: S3Location, root: Path, **kw):
     return restore(loc.url, root, s3_client=loc.client, **kw)
 
 
+@both_servers
 def test_cluster_loss_restores_newest_step_byte_equal(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     src, states = run
     original = (src / step_dir_name(20) / MANIFEST_NAME).read_bytes()
@@ -49,6 +51,7 @@ def test_cluster_loss_restores_newest_step_byte_equal(run, s3_bucket: S3Location
     assert not [f for f in files_under(src) if f.endswith(".tmp") or ".lock" in f or "download" in f]
 
 
+@both_servers
 def test_restore_named_step_and_dry_run(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     _, states = run
     dest = tmp_path / "dest"
@@ -64,6 +67,7 @@ def test_restore_named_step_and_dry_run(run, s3_bucket: S3Location, tmp_path: Pa
         _restore(s3_bucket, tmp_path / "other", step=15)
 
 
+@both_servers
 def test_partial_restore_of_a_replaced_nodes_ranks(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     src, states = run
     sdir = src / step_dir_name(20)
@@ -125,6 +129,7 @@ def test_lagging_list_and_missing_upload_manifest_are_never_chosen(
     assert restore(loc.url, tmp_path / "d", s3_client=client).step == 20
 
 
+@both_servers
 def test_corrupt_remote_shard_fails_cleanly_then_falls_back(
         run, s3_bucket: S3Location, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src, states = run
@@ -148,6 +153,7 @@ def test_corrupt_remote_shard_fails_cleanly_then_falls_back(
         assert_states_equal(got, states[10][rank])
 
 
+@both_servers
 def test_missing_object_and_bad_manifest_mirror(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     loc = s3_bucket
     loc.client.delete_object(Bucket=loc.bucket, Key=remote_key(loc.prefix, 20, "rank_00003.safetensors"))
@@ -182,12 +188,14 @@ def test_local_step_of_another_save_is_not_overwritten_without_replace(
         assert_states_equal(got, states[20][rank])
 
 
+@both_servers
 def test_empty_bucket(s3_bucket: S3Location, tmp_path: Path) -> None:
     with pytest.raises(NoCheckpointError, match="no remotely committed step"):
         _restore(s3_bucket, tmp_path)
     assert list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client) == []
 
 
+@both_servers
 def test_restore_decides_under_the_writer_lock(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     """A live local writer of another save holds the step: restore refuses before reading or writing
     anything (I4); a committed step of another save is refused without replace and keeps no lock of
@@ -224,6 +232,7 @@ def test_restore_decides_under_the_writer_lock(run, s3_bucket: S3Location, tmp_p
     assert {n: (sdir / n).read_bytes() for n in os.listdir(sdir)} == before  # failed before any change
 
 
+@both_servers
 def test_symlinked_step_directory_is_refused(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     from tiered_ckpt.errors import CheckpointWriteError
 

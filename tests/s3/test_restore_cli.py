@@ -9,6 +9,7 @@ import pytest
 
 from restore_util import assert_states_equal, publish, save_step
 from s3_infra import S3Location
+from s3_servers import both_servers
 from tiered_ckpt import committed_steps, load_shard, load_sharded
 from tiered_ckpt.cli import main
 from tiered_ckpt.layout import remote_key
@@ -29,6 +30,7 @@ def _s3(loc: S3Location) -> list[str]:
     return ["--endpoint-url", loc.endpoint_url, "--path-style"]
 
 
+@both_servers
 def test_restore_cli(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     dest = tmp_path / "dest"
     base = ["restore", "--remote", s3_bucket.url, "--local", str(dest), *_s3(s3_bucket)]
@@ -50,6 +52,7 @@ def test_restore_cli(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.
     assert_states_equal(load_shard(dest, 1, 4, 10), run[10][1])
 
 
+@both_servers
 def test_restore_cli_failures(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     loc = s3_bucket
     key = remote_key(loc.prefix, 20, "rank_00000.safetensors")
@@ -71,6 +74,7 @@ def test_restore_cli_failures(run, s3_bucket: S3Location, tmp_path: Path, capsys
     assert main(["restore", "--remote", "http://nope", "--local", str(dest)]) == 2
 
 
+@both_servers
 def test_ls_remote(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["ls", "--remote", s3_bucket.url, *_s3(s3_bucket)]) == 0
     lines = capsys.readouterr().out.splitlines()

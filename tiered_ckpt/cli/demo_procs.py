@@ -1,4 +1,4 @@
-"""The demo's machinery: its S3 (embedded moto server or an external endpoint), the processes it starts
+"""The demo's machinery: its S3 (embedded moto server, a SeaweedFS process or an external endpoint), the processes it starts
 (training jobs in a process group of their own, the upload sidecar) and the files it reads back from
 them (loss curves; the jobs' event logs, :mod:`tiered_ckpt.training.events`). Nothing here is part of
 the story itself (:mod:`tiered_ckpt.cli.demo`)."""
@@ -23,10 +23,15 @@ from tiered_ckpt.store import ObjectStore
 if TYPE_CHECKING:
     from moto.server import ThreadedMotoServer
 
-__all__ = ["DemoError", "DemoS3", "S3Target", "Job", "free_port", "launcher_argv", "sidecar_argv",
+    from tiered_ckpt.cli.demo_seaweed import WeedMini
+
+__all__ = ["DEMO_SERVERS", "DemoError", "DemoS3", "S3Target", "Job", "free_port", "launcher_argv", "sidecar_argv",
            "read_losses", "wait_for"]
 
-#: moto accepts any credentials: these keep the demo away from real AWS configuration.
+#: The local S3 servers the demo can start (``--server``).
+DEMO_SERVERS = ("moto", "seaweedfs")
+#: moto accepts any credentials; SeaweedFS is given this key pair as its one identity. Either way they keep
+#: the demo away from real AWS configuration.
 DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1",
              "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
@@ -81,21 +86,29 @@ class S3Target:
 
 
 class DemoS3:
-    """The demo's S3: an embedded moto ``ThreadedMotoServer`` on 127.0.0.1 (its dummy credentials set in
-    ``env`` and this process's environment) unless ``endpoint_url`` names an external one."""
+    """The demo's S3: an embedded moto ``ThreadedMotoServer`` on 127.0.0.1, or (``server="seaweedfs"``) a
+    SeaweedFS ``weed mini`` process bound to 127.0.0.1 only, their dummy credentials set in ``env`` and this
+    process's environment; or the external one ``endpoint_url`` names."""
 
     def __init__(self) -> None:
         self.server: ThreadedMotoServer | None = None
+        self.weed: WeedMini | None = None
         self.store: ObjectStore | None = None
 
-    def start(self, endpoint_url: str | None, bucket: str, env: dict[str, str]) -> S3Target:
+    def start(self, endpoint_url: str | None, bucket: str, env: dict[str, str], *, server: str = "moto",
+              workdir: Path | None = None) -> S3Target:
         """Start (or reach) the server, make sure ``bucket`` exists, set ``env["AWS_ENDPOINT_URL"]``.
-        Raises :class:`DemoError` if the bucket can be neither read nor created."""
+        ``server="seaweedfs"`` starts ``weed mini`` with its data in ``workdir`` (whatever
+        ``AWS_ENDPOINT_URL`` says). Raises :class:`DemoError` if the server does not start or the bucket
+        can be neither read nor created."""
         from tiered_ckpt.errors import UploadError
         from tiered_ckpt.store import S3Store, ensure_bucket, make_s3_client
 
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-        if endpoint is None:
+        if server == "seaweedfs":
+            endpoint = self._start_seaweedfs(env, workdir or Path("seaweedfs"))
+            where = f"SeaweedFS (weed mini) at {endpoint}, data in {workdir}"
+        elif endpoint is None:
             endpoint = self._start_embedded(env)
             where = f"embedded moto S3 server at {endpoint}"
         else:
@@ -118,13 +131,19 @@ class DemoS3:
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
-        for k, v in DUMMY_AWS.items():  # moto accepts any credentials; never reach real AWS config
-            env[k] = v
-            os.environ[k] = v
-        for k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3"):
-            env.pop(k, None)
-            os.environ.pop(k, None)
+        _use_dummy_credentials(env)
         return f"http://{host}:{port}"
+
+    def _start_seaweedfs(self, env: dict[str, str], workdir: Path) -> str:
+        from tiered_ckpt.cli.demo_seaweed import SeaweedFSError, WeedMini
+
+        _use_dummy_credentials(env)
+        self.weed = WeedMini(workdir, DUMMY_AWS["AWS_ACCESS_KEY_ID"], DUMMY_AWS["AWS_SECRET_ACCESS_KEY"])
+        try:
+            return self.weed.start()
+        except SeaweedFSError as e:
+            self.weed = None
+            raise DemoError(f"s3: {' '.join(str(e).split())[:400]}") from e
 
     def stop(self) -> None:
         if self.store is not None:
@@ -133,6 +152,20 @@ class DemoS3:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.weed is not None:
+            self.weed.stop()
+            self.weed = None
+
+
+def _use_dummy_credentials(env: dict[str, str]) -> None:
+    """The demo's key pair in ``env`` and this process's environment; no session token (SeaweedFS would take
+    it for an STS token it does not know), no profile: never real AWS configuration."""
+    for k, v in DUMMY_AWS.items():
+        env[k] = v
+        os.environ[k] = v
+    for k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        env.pop(k, None)
+        os.environ.pop(k, None)
 
 
 # ------------------------------------------------------------------------------------------ processes
