@@ -16,12 +16,12 @@ followed, nothing renamed.
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiered_ckpt.fs import owner_alive, temp_owner
 from tiered_ckpt.layout import TMP_SUFFIX
+from tiered_ckpt.safe_read import regular_files
 
 
 def leftover_owner(name: str) -> str | None:
@@ -61,24 +61,15 @@ class TempFile:
 
 def temp_files(directory: Path) -> list[TempFile]:
     """The temp entries (regular files, not followed) directly in ``directory``, by name; ``[]`` when it
-    cannot be listed."""
+    cannot be listed. The directory is reached through :mod:`tiered_ckpt.safe_read` (``O_NOFOLLOW`` below
+    the root: a symlinked step directory is never listed)."""
+    sizes = regular_files(directory)
     out: list[TempFile] = []
-    try:
-        with os.scandir(directory) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except OSError:
-        return out
-    for e in entries:
-        if not is_temp_name(e.name):
+    for name in sorted(sizes):
+        if not is_temp_name(name):
             continue
-        try:
-            st = e.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        owner = leftover_owner(e.name)
-        out.append(TempFile(Path(e.path), st.st_size, owner, owner is None or not owner_alive(owner)))
+        owner = leftover_owner(name)
+        out.append(TempFile(Path(directory, name), sizes[name], owner, owner is None or not owner_alive(owner)))
     return out
 
 
