@@ -267,3 +267,22 @@ def test_a_symlinked_local_manifest_is_never_uploaded(tmp_path: Path, s3_bucket:
         with pytest.raises(ManifestError, match="symlink"):
             up.upload_step(10)
     assert list_keys(s3_bucket) == []
+
+
+def test_runs_with_an_external_stop_event_leave_no_thread_behind(tmp_path: Path,
+                                                                  s3_bucket: s3_infra.S3Location) -> None:
+    """``run(stop_event=E)`` relays E to the store's stop event while it runs; the relay ends with the run
+    (it used to wait on E for ever: one thread left per call of a sidecar that never sets E)."""
+    root = tmp_path / "run"
+    make_step(root, 1, world_size=1, shard_bytes=4096)
+    external = threading.Event()
+    with _uploader(root, s3_bucket) as up:
+        up.run(external, once=True)  # starts the executors' and the watchdog's threads
+        threading.Event().wait(0.5)
+        before = threading.active_count()
+        for _ in range(5):
+            up.run(external, once=True)
+        assert not up.stop_event.is_set()
+        deadline = threading.Event()
+        deadline.wait(0.5)  # a relay notices the end of its run within 0.2 s
+        assert threading.active_count() <= before, [t.name for t in threading.enumerate()]

@@ -294,9 +294,24 @@ class Uploader:
         ``policy.stall_deadline_s``; failed steps are retried after ``failure_backoff_s``. Returns the
         steps committed. Raises ``RunMismatchError`` (the prefix belongs to another run: the loop stops)."""
         stop = stop_event if stop_event is not None else self.stop_event
+        finished = threading.Event()
         if stop is not self.stop_event:
-            # Propagate an external stop event to the store's (which cuts retries and transfers short).
-            threading.Thread(target=lambda: (stop.wait(), self.stop_event.set()), daemon=True).start()
+            # Propagate an external stop event to the store's (which cuts retries and transfers short),
+            # until this run returns: the relay thread ends with it (no thread left waiting per run).
+            def relay() -> None:
+                while not finished.is_set():
+                    if stop.wait(0.2):
+                        self.stop_event.set()
+                        return
+
+            threading.Thread(target=relay, name="tc-stop-relay", daemon=True).start()
+        try:
+            return self._run(stop, once, poll_interval_s, max_poll_interval_s, failure_backoff_s)
+        finally:
+            finished.set()
+
+    def _run(self, stop: threading.Event, once: bool, poll_interval_s: float, max_poll_interval_s: float,
+             failure_backoff_s: float) -> list[int]:
         if self._loop is None:
             self._loop = UploadLoop(self)
         self._loop.configure(poll_interval_s=poll_interval_s, max_poll_interval_s=max_poll_interval_s,
