@@ -7,7 +7,8 @@ references in docstrings). The layers and where each part lives: docs/ARCHITECTU
 
 from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
                                 DistributedSaveError, LineageError, ManifestError, MissingShardError, NoCheckpointError,
-                                ReshardError, RunMismatchError, ShardCorruptedError, UnsupportedStateError,
+                                ReshardError, RunMismatchError, SaveTimeoutError, ShardCorruptedError,
+                                UnsupportedStateError,
                                 UploadError, WorldSizeMismatchError)
 from tiered_ckpt.format.manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
 from tiered_ckpt.format.upload_manifest import UploadManifest
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "CheckpointExistsError", "CheckpointWriteError", "ConcurrentSaveError",
     "DistributedSaveError", "LineageError", "RunMismatchError", "ManifestError", "MissingShardError", "NoCheckpointError", "ReshardError",
-    "ShardCorruptedError", "UnsupportedStateError", "UploadError", "WorldSizeMismatchError",
+    "SaveTimeoutError", "ShardCorruptedError", "UnsupportedStateError", "UploadError", "WorldSizeMismatchError",
     "commit_step", "committed_steps", "latest_step", "load_shard", "load_sharded", "new_save_id",
     "read_manifest", "save_sharded", "write_shard",
     "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",

@@ -68,6 +68,12 @@ class CheckpointWriteError(CheckpointError, OSError):
         return cls(f"{what}: {reason}", errno_=e.errno)
 
 
+class SaveTimeoutError(CheckpointError, TimeoutError):
+    """An in-flight background save did not finish within ``CheckpointManager(save_timeout_s=...)`` seconds
+    (a hung disk or fsync). The save stays in flight: the next call waits for it again, and no second save
+    is started beside it."""
+
+
 class UnsupportedStateError(CheckpointError, TypeError):
     """A state value cannot be stored: an unsupported dtype, a non-string key, a non-JSON value."""
 
@@ -108,6 +114,7 @@ class RunMismatchError(UploadError):
 
 
 __all__ = [
+    "SaveTimeoutError",
     "CheckpointError",
     "WorldSizeMismatchError",
     "MissingShardError",

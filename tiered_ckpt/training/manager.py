@@ -34,17 +34,17 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from tiered_ckpt.errors import CheckpointError
+from tiered_ckpt.errors import CheckpointError, SaveTimeoutError
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.local import commit_step, committed_steps, load_shard, new_save_id, write_shard
 from tiered_ckpt.local.pins import pin_step
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
 from tiered_ckpt.training.lineage_decision import LineageDecider
+from tiered_ckpt.training.outcomes import SaveOutcome, SavePolicy
 from tiered_ckpt.training.staging import Stager, copy_json
 
 if TYPE_CHECKING:
@@ -56,66 +56,6 @@ __all__ = ["CheckpointManager", "SavePolicy", "SaveOutcome"]
 
 #: How many outcomes :attr:`CheckpointManager.save_outcomes` keeps (the oldest are dropped first).
 OUTCOME_HISTORY = 1024
-
-
-@dataclass(frozen=True)
-class SaveOutcome:
-    """What became of one :meth:`CheckpointManager.save` on this rank.
-
-    ``step``: the step saved. ``rank``: this rank. ``seconds``: wall time (``time.perf_counter``) of the
-    persisting part: write + hash + (multi-rank gather) + commit, not rotation and not the staging copy;
-    for a failed save, the time until it failed. ``stage_seconds``: how long ``save`` blocked the caller
-    to stage the state (0.0 for a synchronous save, whose whole cost is ``seconds``). ``committed_here``:
-    this rank wrote the step's manifest into its own root. ``error``: ``None`` when the step was
-    committed, else ``"ExceptionType: message"`` of the failure (the exception itself is raised by the
-    next ``save``/``wait``/``load``/``close`` as usual). :meth:`to_json` / :meth:`from_json`: a flat JSON
-    object with these keys (for logs that other processes read, e.g. the demo's training job).
-    """
-
-    step: int
-    rank: int
-    seconds: float
-    stage_seconds: float = 0.0
-    committed_here: bool = False
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """True when the step was committed."""
-        return self.error is None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "seconds": self.seconds, "stage_seconds": self.stage_seconds,
-                "committed_here": self.committed_here, "error": self.error}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "SaveOutcome":
-        """Inverse of :meth:`to_json`. Raises ``KeyError``/``TypeError``/``ValueError`` on a bad record."""
-        error = obj.get("error")
-        if error is not None and not isinstance(error, str):
-            raise TypeError(f"SaveOutcome.error must be a string or null, got {type(error).__name__}")
-        return cls(step=int(obj["step"]), rank=int(obj["rank"]), seconds=float(obj["seconds"]),
-                   stage_seconds=float(obj.get("stage_seconds", 0.0)),
-                   committed_here=bool(obj.get("committed_here", False)), error=error)
-
-
-@dataclass(frozen=True)
-class SavePolicy:
-    """When to save: every ``save_every_steps`` steps (``step % N == 0``) or once ``save_every_seconds``
-    have passed since the last successful commit (the first period counts from the manager's start).
-    Both ``None``: :meth:`CheckpointManager.should_save` is always false (call ``save`` yourself).
-
-    Raises ``ValueError`` for a non-positive value.
-    """
-
-    save_every_steps: int | None = None
-    save_every_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.save_every_steps is not None and self.save_every_steps < 1:
-            raise ValueError(f"save_every_steps must be >= 1, got {self.save_every_steps}")
-        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
-            raise ValueError(f"save_every_seconds must be > 0, got {self.save_every_seconds}")
 
 
 class CheckpointManager:
@@ -138,7 +78,9 @@ class CheckpointManager:
     ``on_save_outcome``: called with each :class:`SaveOutcome`, in the thread that ran the save (the
     background thread when async), after the commit or failure and before the next save starts; it
     must be quick and must not call the manager. An exception it raises is logged (with traceback) and
-    does not change the save's result.
+    does not change the save's result. ``save_timeout_s``: how long any call waits for the in-flight
+    background save (seconds; ``None``: for ever); past it :class:`SaveTimeoutError` is raised and the
+    save stays in flight (a hung disk: the next call waits for it again, no second save is started).
     """
 
     def __init__(
@@ -161,6 +103,7 @@ class CheckpointManager:
         remote_s3_client: Any = None,  # a botocore S3 client (no interface type for it above store/)
         on_save_outcome: Callable[[SaveOutcome], None] | None = None,
         keep_every_steps: int | None = None,
+        save_timeout_s: float | None = 3600.0,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank ({rank}) < world_size ({world_size})")
@@ -170,6 +113,9 @@ class CheckpointManager:
         self.policy = SavePolicy(save_every_steps, save_every_seconds)
         self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads, keep_every_steps=keep_every_steps)
         self.async_save = async_save
+        if save_timeout_s is not None and not save_timeout_s > 0:
+            raise ValueError(f"save_timeout_s must be > 0 or None, got {save_timeout_s!r}")
+        self.save_timeout_s = save_timeout_s
         self.remote_url = remote_url
         self.root.mkdir(parents=True, exist_ok=True)
         self._coord = None
@@ -319,19 +265,29 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its failure as ``CheckpointError``
-        (other exceptions are wrapped, the original kept as ``__cause__``)."""
+        (other exceptions are wrapped, the original kept as ``__cause__``), or :class:`SaveTimeoutError`
+        after ``save_timeout_s`` with the save still in flight."""
         fut, step = self._future, self._pending_step
-        self._future = self._pending_step = None
         if fut is None:
             return
         try:
-            fut.result()
+            fut.result(timeout=self.save_timeout_s)
+        except TimeoutError as exc:
+            if not fut.done():  # still in flight: kept, so that no second save starts beside it
+                raise SaveTimeoutError(f"rank {self.rank} step {step}: the background save is still running "
+                                       f"after {self.save_timeout_s} s (a hung disk?)") from exc
+            self._future = self._pending_step = None
+            log.error("rank %d step %d: background save failed: %s", self.rank, step, exc)
+            raise CheckpointError(f"rank {self.rank} step {step}: background save failed: {exc}") from exc
         except CheckpointError as exc:
+            self._future = self._pending_step = None
             log.error("rank %d step %d: background save failed: %s", self.rank, step, exc)
             raise
         except Exception as exc:
+            self._future = self._pending_step = None
             log.error("rank %d step %d: background save failed: %s", self.rank, step, exc)
             raise CheckpointError(f"rank {self.rank} step {step}: background save failed: {exc}") from exc
+        self._future = self._pending_step = None
 
     # -------------------------------------------------------------------------------- read
 
@@ -377,12 +333,16 @@ class CheckpointManager:
         node token file from the root (training/dist.py). Idempotent."""
         if self._closed:
             return
+        hung = False
         try:
             self.wait()
+        except SaveTimeoutError:
+            hung = True
+            raise
         finally:
             self._closed = True
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            if self._executor is not None:  # a hung save's thread is left behind, not waited for
+                self._executor.shutdown(wait=not hung, cancel_futures=hung)
             if self._coord is not None:
                 self._coord.close()
 
