@@ -34,8 +34,7 @@ from botocore.awsrequest import (
 from botocore.config import Config
 
 from tiered_ckpt.redact import redact_url
-from tiered_ckpt.store.deadline import attach_connection, current_guard, veto_expired_request
-from tiered_ckpt.store.response_cap import cap_response
+from tiered_ckpt.store.deadline import attach_connection, veto_expired_request
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +114,11 @@ class _GuardedHTTPConnection(AWSHTTPConnection):
         attach_connection(self)
         return super().request(method, url, *args, **kwargs)
 
-    def getresponse(self, *args: Any, **kwargs: Any) -> Any:
-        return cap_response(super().getresponse(*args, **kwargs), current_guard())
-
 
 class _GuardedHTTPSConnection(AWSHTTPSConnection):
     def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         attach_connection(self)
         return super().request(method, url, *args, **kwargs)
-
-    def getresponse(self, *args: Any, **kwargs: Any) -> Any:
-        return cap_response(super().getresponse(*args, **kwargs), current_guard())
 
 
 class _GuardedHTTPConnectionPool(AWSHTTPConnectionPool):

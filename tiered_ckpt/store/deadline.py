@@ -13,8 +13,7 @@ one GET of ``latest``). Here every API call of the store's client runs under a :
   stall. A GET or HEAD (:data:`STALL_FROM_START`) also stalls when no response comes for
   ``stall_timeout_s``; calls the server may work on for minutes get a longer base (:data:`BASE_FACTORS`).
   Non-streamed responses (HEAD, PUT, LIST, ...) are read by botocore inside the call: the deadline
-  bounds them in time, and ``store/response_cap.py`` (called by the connection class as the response
-  headers arrive) in size: at most ``MAX_BUFFERED_RESPONSE_BYTES``, counted as the body is read.
+  bounds them in time, not in size.
 * ONE watchdog thread per process (:data:`_WATCHDOG`, started on first use, ticking every 0.1 s) checks the
   armed guards. When one expires it shuts down the sockets of the connections that request used
   (``socket.shutdown``, never ``close``: no descriptor is freed under a reading thread), so the blocked
@@ -43,7 +42,6 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from tiered_ckpt.store.response_cap import MAX_BUFFERED_RESPONSE_BYTES, STREAMED_OPERATIONS, ResponseTooLargeError
 from tiered_ckpt.store.settings import DeadlineSettings
 
 logger = logging.getLogger(__name__)
@@ -84,8 +82,6 @@ class RequestGuard:
         self._connections: list[Any] = []
         self.reason: str | None = None
         self.limit_s = 0.0
-        #: The cap on a response body read inside botocore (``None``: streamed to the caller, who bounds it).
-        self.buffered_cap: int | None = None
 
     def attach(self, conn: Any) -> None:
         """Remember a connection this request sends on (shut down at once if already expired)."""
@@ -195,11 +191,6 @@ def attach_connection(conn: Any) -> None:
         guard.attach(conn)
 
 
-def current_guard() -> RequestGuard | None:
-    """The guard of the request this thread is sending (``None`` outside a guarded call)."""
-    return getattr(_current, "guard", None)
-
-
 def veto_expired_request(**kwargs: Any) -> None:
     """botocore ``before-send`` hook: a retry of an expired request is not sent (raises
     :class:`RequestDeadlineError`, which botocore does not retry)."""
@@ -301,7 +292,6 @@ class GuardedClient:
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
                              stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0))
-        guard.buffered_cap = None if name in STREAMED_OPERATIONS else MAX_BUFFERED_RESPONSE_BYTES
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
@@ -311,9 +301,6 @@ class GuardedClient:
             _WATCHDOG.disarm(guard)
             if guard.reason is not None:
                 raise guard.error() from exc
-            inner = (getattr(exc, "kwargs", None) or {}).get("error")  # botocore's HTTPClientError(error=...)
-            if isinstance(inner, ResponseTooLargeError):
-                raise inner from exc
             raise
         finally:
             _current.guard = previous
@@ -333,4 +320,5 @@ class GuardedClient:
 
 
 __all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard",
-           "STALL_FROM_START", "TICK_S", "attach_connection", "current_guard", "veto_expired_request"]
+           "STALL_FROM_START", "TICK_S",
+           "attach_connection", "veto_expired_request"]
