@@ -69,8 +69,10 @@ class RequestGuard:
     """The deadline and stall clock of one request (thread-safe; armed in the watchdog until finished)."""
 
     def __init__(self, what: str, settings: DeadlineSettings, *, request_bytes: int, expect_bytes: int,
-                 stall_from_start: bool, base_factor: float = 1.0) -> None:
+                 stall_from_start: bool, base_factor: float = 1.0, streamed: bool = False) -> None:
         self.what = what
+        #: The call's 2xx body is streamed to the caller (GetObject); every other body botocore reads whole.
+        self.streamed = streamed
         self._settings = settings
         self._lock = threading.Lock()
         self._started = self._progress_at = time.monotonic()
@@ -103,6 +105,15 @@ class RequestGuard:
         with self._lock:
             self._progress_at = time.monotonic()
             self._received += n_bytes
+
+    def expire(self, reason: str) -> None:
+        """Expire the guard now for ``reason`` (a response body over its cap); its sockets are shut down."""
+        with self._lock:
+            if self.reason is None:
+                self.reason, self.limit_s = reason, 0.0
+            conns = list(self._connections)
+        for conn in conns:
+            _shutdown(conn)
 
     def check(self, now: float) -> bool:
         """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True`` once expired."""
@@ -182,6 +193,11 @@ _WATCHDOG = _Watchdog()
 _current = threading.local()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
+
+
+def current_guard() -> RequestGuard | None:
+    """The guard of the request this thread is sending (``None`` outside a :class:`GuardedClient` call)."""
+    return getattr(_current, "guard", None)
 
 
 def attach_connection(conn: Any) -> None:
@@ -291,7 +307,8 @@ class GuardedClient:
         ranged = _range_len(kwargs.get("Range"))
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
-                             stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0))
+                             stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0),
+                             streamed=name == "get_object")
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
@@ -321,4 +338,4 @@ class GuardedClient:
 
 __all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard",
            "STALL_FROM_START", "TICK_S",
-           "attach_connection", "veto_expired_request"]
+           "attach_connection", "current_guard", "veto_expired_request"]

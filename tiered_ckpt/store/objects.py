@@ -151,13 +151,23 @@ def _read_capped(resp: Mapping[str, Any], what: str, max_bytes: int) -> bytes:
 
 
 def read_sha256(
-    client: BaseClient, bucket: str, full_key: str, what: str, stop_events: tuple[threading.Event, ...]
+    client: BaseClient, bucket: str, full_key: str, what: str, stop_events: tuple[threading.Event, ...],
+    max_bytes: int | None = None,
 ) -> tuple[int, str]:
     """GetObject streamed in :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the body.
-    Raises :class:`RemoteNotFoundError` (404), :class:`OperationInterruptedError` once any of
-    ``stop_events`` is set (checked after each chunk)."""
+    With ``max_bytes`` it asks for ``bytes=0-<max_bytes>`` (so the request's deadline follows the planned
+    size, not a length the server announces) and stops reading once more than ``max_bytes`` arrived: the
+    size returned is then over ``max_bytes`` (the hash of what was read), never an endless read; an empty
+    object (416 for that Range) is fetched again without one. Raises :class:`RemoteNotFoundError` (404),
+    :class:`OperationInterruptedError` once any of ``stop_events`` is set (checked after each chunk)."""
+    request = {"Bucket": bucket, "Key": full_key}
     try:
-        resp = client.get_object(Bucket=bucket, Key=full_key)
+        try:
+            resp = client.get_object(**request, **({} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}))
+        except Exception as exc:
+            if max_bytes is None or s3_error_code_and_status(exc)[1] != 416:
+                raise
+            resp = client.get_object(**request)
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
@@ -171,6 +181,8 @@ def read_sha256(
             n += len(chunk)
             if any(e.is_set() for e in stop_events):
                 raise OperationInterruptedError(f"{what}: stopped during read-back")
+            if max_bytes is not None and n > max_bytes:
+                break
     finally:
         body.close()
     return n, h.hexdigest()

@@ -1,0 +1,147 @@
+"""Adversarial review of issue 11's remote bounds: attacks the first round's tests did not make.
+
+Each test talks HTTP to a real server thread (tests/hostile_http.py, or the tiny servers below for
+responses botocore reads whole: LIST pages and error bodies).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import pytest
+
+from hostile_http import Behaviour, HostileS3
+from tiered_ckpt.errors import UploadError
+from tiered_ckpt.remote.transfer import SentShard, TransitCorruptionError, confirm_shard
+from tiered_ckpt.retry import RetryPolicy
+from tiered_ckpt.store.s3 import S3Store, make_s3_client
+from tiered_ckpt.store.settings import DeadlineSettings
+
+MiB = 1024 * 1024
+BUCKET = "hostile"
+PREFIX = "p"
+KEY = "step_0000000001/rank_00000.safetensors"
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``fn`` in a thread; fail the test if it has not returned within ``timeout_s``."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still running after {timeout_s} s"
+    return out.get("exc", out.get("value"))
+
+
+def _store(url: str, **kwargs: Any) -> S3Store:
+    client = make_s3_client(endpoint_url=url, path_style=True, botocore_max_attempts=1)
+    return S3Store(client, BUCKET, PREFIX, **kwargs)
+
+
+# --------------------------------------------------------------------------- read-back of a shard
+
+
+def _sent(size: int) -> SentShard:
+    return SentShard(size_bytes=size, sha256_hex="0" * 64, checksum_algorithm="SHA256", checksum_b64="A" * 44,
+                     parts=1)
+
+
+def test_read_back_of_an_endless_body_stops_near_the_sent_size() -> None:
+    """Confirming a 4 KiB shard by read-back against a server that streams zeros without end: the
+    read-back stops once it has more than the sent size (before: it hashed the whole endless body,
+    512 MiB here, and with a faster server for ever: its deadline grows with the bytes received)."""
+    with HostileS3() as srv, _store(srv.endpoint_url, retry=RetryPolicy(max_attempts=1)) as store:
+        srv.set(f"{PREFIX}/{KEY}", Behaviour("endless", size=4096, limit_bytes=512 * MiB))
+        result = _bounded(lambda: confirm_shard(store, KEY, _sent(4096), server_validates=False,
+                                                expected_sha256="0" * 64), 60)
+        assert type(result) is TransitCorruptionError, result
+        assert srv.sent[f"{PREFIX}/{KEY}"] < 64 * MiB, srv.sent
+
+
+def test_read_back_of_a_trickle_announcing_a_huge_length_meets_its_deadline() -> None:
+    """The server HEADs 4 KiB, then answers the read-back's GET with ``Content-Length: 10**12`` and one
+    byte every 0.2 s (never a stall): the GET's deadline must follow the sent size, not the length the
+    server announces (before: 1 s + 10**12 B / 256 KiB/s, i.e. no deadline)."""
+    settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.0)
+    with HostileS3() as srv, _store(srv.endpoint_url, deadlines=settings,
+                                    retry=RetryPolicy(max_attempts=1)) as store:
+        srv.set(f"{PREFIX}/{KEY}", Behaviour("trickle", size=10**12, interval_s=0.2))
+        t0 = time.monotonic()
+        result = _bounded(lambda: store.read_sha256(KEY, max_bytes=4096), 15)
+        assert type(result) is UploadError, result
+        assert "deadline of" in str(result)
+        assert time.monotonic() - t0 < 5.0
+
+
+# --------------------------------------------------------------------------- responses botocore reads whole
+
+
+class _EndlessXML(BaseHTTPRequestHandler):
+    """LIST (``?list-type=2``) answers 200 and an XML page that never ends; any other GET or HEAD a 500
+    whose error body never ends (both without a Content-Length, up to ``LIMIT`` bytes)."""
+
+    protocol_version = "HTTP/1.1"
+    LIMIT = 128 * MiB
+    sent = 0
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        listing = "list-type=2" in self.path
+        self.send_response(200 if listing else 500)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        head = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Contents><Key>' if listing
+                else b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>')
+        chunk = b"a" * (256 * 1024)
+        try:
+            self.wfile.write(head)
+            while type(self).sent < self.LIMIT:
+                self.wfile.write(chunk)
+                type(self).sent += len(chunk)
+        except OSError:
+            pass
+        self.close_connection = True
+
+
+@pytest.fixture
+def endless_xml() -> Any:
+    _EndlessXML.sent = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EndlessXML)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_endless_list_page_is_refused_within_a_bounded_size(endless_xml: str) -> None:
+    """A LIST page that never ends: botocore reads non-streamed responses whole inside the call, so the
+    deadline alone let it buffer all the server sent for 60 s (128 MiB here before the server gave up;
+    GBs at loopback speed). The store must stop reading it at a fixed cap."""
+    with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
+        result = _bounded(lambda: list(store.list_keys("")), 30)
+    assert type(result) is UploadError, result
+    assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
+
+
+def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str) -> None:
+    """A GET answered 500 with an error body that never ends (botocore reads error bodies whole)."""
+    with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
+        result = _bounded(lambda: store.get_bytes("latest", max_bytes=1024), 30)
+    assert type(result) is UploadError, result
+    assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
