@@ -145,3 +145,72 @@ def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str) -
         result = _bounded(lambda: store.get_bytes("latest", max_bytes=1024), 30)
     assert type(result) is UploadError, result
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
+
+
+# --------------------------------------------------------------------------- pagination that never ends
+
+
+class _SamePage(BaseHTTPRequestHandler):
+    """A server that ignores ContinuationToken / KeyMarker (some S3-compatible servers do): every LIST
+    and every ListMultipartUploads answers the same truncated first page with the same next marker."""
+
+    protocol_version = "HTTP/1.1"
+    pages = 0
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        type(self).pages += 1
+        if "uploads" in self.path:
+            body = (b'<?xml version="1.0" encoding="UTF-8"?><ListMultipartUploadsResult><Bucket>hostile</Bucket>'
+                    b"<IsTruncated>true</IsTruncated><NextKeyMarker>p/a</NextKeyMarker>"
+                    b"<NextUploadIdMarker>u1</NextUploadIdMarker><Upload><Key>p/a</Key><UploadId>u1</UploadId>"
+                    b"</Upload></ListMultipartUploadsResult>")
+        else:
+            body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>true</IsTruncated>'
+                    b"<NextContinuationToken>t1</NextContinuationToken><KeyCount>1</KeyCount>"
+                    b"<Contents><Key>p/a</Key><Size>1</Size></Contents></ListBucketResult>")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def same_page() -> Any:
+    _SamePage.pages = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SamePage)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()
+
+
+def _first(it: Any, n: int) -> list[Any]:
+    out = []
+    for item in it:
+        out.append(item)
+        if len(out) >= n:
+            break
+    return out
+
+
+def test_list_keys_refuses_a_repeated_continuation_token(same_page: str) -> None:
+    """Before: list_keys yielded the same key for ever (a sidecar sweep or ``ls --remote`` never ended)."""
+    with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
+        result = _bounded(lambda: _first(store.list_keys(""), 300), 20)
+    assert type(result) is UploadError, result
+    assert "continuation token" in str(result)
+    assert _SamePage.pages == 2
+
+
+def test_list_multipart_uploads_refuses_a_repeated_marker(same_page: str) -> None:
+    with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
+        result = _bounded(lambda: _first(store.list_multipart_uploads(""), 300), 20)
+    assert type(result) is UploadError, result
+    assert "marker" in str(result)
+    assert _SamePage.pages == 2

@@ -204,12 +204,14 @@ def iter_keys(
     call: RetriedCall, client: BaseClient, bucket: str, keys: PrefixKeys, prefix: str, page_size: int, url: str
 ) -> Iterator[str]:
     """Relative keys under ``prefix``, page after page (a generator; each page one ``call``). Raises ``ValueError`` on
-    a ``page_size`` outside [1, 1000], ``UploadError`` on a truncated page without a token."""
+    a ``page_size`` outside [1, 1000], ``UploadError`` on a truncated page without a token or with the
+    token it was asked with (a server that ignores it: the same page for ever)."""
     if not 1 <= page_size <= 1000:
         raise ValueError(f"page_size must be in [1, 1000], got {page_size}")
     full_prefix = keys.full_prefix(prefix)
     token: str | None = None
     while True:
+        sent = token
         page, truncated, token = call(
             f"list {url}/{prefix}", lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t)
         )
@@ -219,6 +221,8 @@ def iter_keys(
             return
         if not token:
             raise UploadError(f"list {url}/{prefix}: truncated page without a continuation token")
+        if token == sent:  # a server ignoring ContinuationToken would answer the same page for ever
+            raise UploadError(f"list {url}/{prefix}: the server returned the continuation token it was sent")
 
 
 class PartialDeleteError(Exception):
