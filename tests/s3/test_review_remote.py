@@ -6,14 +6,21 @@ responses botocore reads whole: LIST pages and error bodies).
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 
+import s3_infra
+from _upload_util import SMALL
 from hostile_http import Behaviour, HostileS3
+from spawn import python_cmd
+from tiered_ckpt import Uploader
+from tiered_ckpt.local import save_sharded
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.remote.transfer import SentShard, TransitCorruptionError, confirm_shard
 from tiered_ckpt.retry import RetryPolicy
@@ -214,3 +221,40 @@ def test_list_multipart_uploads_refuses_a_repeated_marker(same_page: str) -> Non
     assert type(result) is UploadError, result
     assert "marker" in str(result)
     assert _SamePage.pages == 2
+
+
+# --------------------------------------------------------------------------- 403 to an optional API
+
+
+def test_access_denied_to_list_multipart_uploads_does_not_stop_uploads(
+        tmp_path: Any, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+    """A least-privilege policy without ``s3:ListBucketMultipartUploads`` answers that call 403
+    AccessDenied (a permission apart from PutObject). Listing leftovers is a cleanup; before, the 403
+    failed every shard upload (the 4 KiB single PUT too) after its listing step."""
+    root = tmp_path / "node"
+    rng = np.random.default_rng(7)
+    save_sharded([{"w": rng.integers(0, 2**31, size=1024, dtype=np.int32)}], root, 1)
+    rule = fault_proxy.fail_first(None, s3_infra.is_list_multipart_uploads, status=403, code="AccessDenied",
+                                  message="Access Denied")
+    client = s3_infra.make_test_client(fault_proxy.url)
+    with Uploader(root, s3_bucket.url, s3_client=client, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01,
+                                                                           max_wait_s=0.01), **SMALL) as up:
+        assert up.upload_step(1).step == 1
+    assert rule.applied >= 1
+
+
+def test_cli_upload_once_with_access_denied_to_list_multipart_uploads(
+        tmp_path: Any, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+    """``upload --once`` sweeps abandoned uploads before its steps; a 403 to that listing failed the whole
+    command (exit 1, nothing uploaded) although the sidecar's loop only logs the same failure."""
+    root = tmp_path / "node"
+    rng = np.random.default_rng(8)
+    save_sharded([{"w": rng.integers(0, 2**31, size=1024, dtype=np.int32)}], root, 1)
+    fault_proxy.fail_first(None, s3_infra.is_list_multipart_uploads, status=403, code="AccessDenied",
+                           message="Access Denied")
+    out = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "upload", "--once", "--local", root, "--remote",
+                                    s3_bucket.url, "--endpoint-url", fault_proxy.url, "--path-style",
+                                    "--no-progress"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("step 1: committed remotely"), out.stdout
+    assert "could not sweep abandoned multipart uploads" in out.stderr, out.stderr
