@@ -109,17 +109,19 @@ class _EndlessXML(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         listing = "list-type=2" in self.path
+        chunked = "chunked" in self.path  # Transfer-Encoding: chunked (urllib3 reads those another way)
         self.send_response(200 if listing else 500)
         self.send_header("Content-Type", "application/xml")
-        self.send_header("Connection", "close")
+        self.send_header("Transfer-Encoding" if chunked else "Connection", "chunked" if chunked else "close")
         self.end_headers()
         head = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Contents><Key>' if listing
                 else b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>')
         chunk = b"a" * (256 * 1024)
+        frame = (lambda b: b"%x\r\n%s\r\n" % (len(b), b)) if chunked else (lambda b: b)
         try:
-            self.wfile.write(head)
+            self.wfile.write(frame(head))
             while type(self).sent < self.LIMIT:
-                self.wfile.write(chunk)
+                self.wfile.write(frame(chunk))
                 type(self).sent += len(chunk)
         except OSError:
             pass
@@ -149,10 +151,19 @@ def test_endless_list_page_is_refused_within_a_bounded_size(endless_xml: str) ->
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
 
-def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str) -> None:
-    """A GET answered 500 with an error body that never ends (botocore reads error bodies whole)."""
+@pytest.mark.parametrize("key", ["latest", "chunked/latest"])
+def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str, key: str) -> None:
+    """A GET answered 500 with an error body that never ends (botocore reads error bodies whole), sent
+    close-delimited or with ``Transfer-Encoding: chunked``."""
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
-        result = _bounded(lambda: store.get_bytes("latest", max_bytes=1024), 30)
+        result = _bounded(lambda: store.get_bytes(key, max_bytes=1024), 30)
+    assert type(result) is UploadError, result
+    assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
+
+
+def test_endless_chunked_list_page_is_refused_within_a_bounded_size(endless_xml: str) -> None:
+    with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
+        result = _bounded(lambda: list(store.list_keys("chunked")), 30)
     assert type(result) is UploadError, result
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 

@@ -115,7 +115,8 @@ MAX_BUFFERED_RESPONSE_BYTES = 16 * 1024 * 1024
 
 
 class _CappedBody:
-    """The http.client response under urllib3's ``HTTPResponse``, counting the body bytes read: past
+    """The socket file an http.client response reads its body from, counting the bytes read (chunk
+    framing included: urllib3 reads chunked bodies from this file directly): past
     :data:`MAX_BUFFERED_RESPONSE_BYTES` the request's guard expires and its error is raised."""
 
     def __init__(self, fp: Any, guard: RequestGuard) -> None:
@@ -139,6 +140,11 @@ class _CappedBody:
         self._count(len(data))
         return data
 
+    def readline(self, *args: Any) -> bytes:
+        data = self._fp.readline(*args)
+        self._count(len(data))
+        return data
+
     def readinto(self, b: Any) -> int:
         n = self._fp.readinto(b)
         self._count(n or 0)
@@ -149,10 +155,13 @@ class _CappedBody:
 
 
 def _cap_buffered_body(resp: Any) -> Any:
+    """Wrap the body file of ``resp`` (urllib3's response; its ``_fp`` the http.client one) unless it is
+    a GetObject 2xx body, which the store streams and caps itself."""
     guard = current_guard()
-    fp = getattr(resp, "_fp", None)
-    if guard is not None and fp is not None and not (guard.streamed and int(resp.status) < 300):
-        resp._fp = _CappedBody(fp, guard)
+    raw = getattr(resp, "_fp", None)
+    if guard is not None and getattr(raw, "fp", None) is not None \
+            and not (guard.streamed and int(resp.status) < 300):
+        raw.fp = _CappedBody(raw.fp, guard)
     return resp
 
 

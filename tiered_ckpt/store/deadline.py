@@ -12,8 +12,9 @@ one GET of ``latest``). Here every API call of the store's client runs under a :
   received, when more) and the stall clock running: no body chunk for ``stall_timeout_s`` seconds is a
   stall. A GET or HEAD (:data:`STALL_FROM_START`) also stalls when no response comes for
   ``stall_timeout_s``; calls the server may work on for minutes get a longer base (:data:`BASE_FACTORS`).
-  Non-streamed responses (HEAD, PUT, LIST, ...) are read by botocore inside the call: the deadline
-  bounds them in time, not in size.
+  Non-streamed responses (HEAD, PUT, LIST, error bodies, ...) are read by botocore inside the call:
+  the deadline bounds them in time, the connection class of ``store/client.py`` in size (it expires
+  the guard, :meth:`RequestGuard.expire`, past its cap).
 * ONE watchdog thread per process (:data:`_WATCHDOG`, started on first use, ticking every 0.1 s) checks the
   armed guards. When one expires it shuts down the sockets of the connections that request used
   (``socket.shutdown``, never ``close``: no descriptor is freed under a reading thread), so the blocked
