@@ -392,3 +392,60 @@ def test_second_uploader_on_one_root_leaves_the_first_ones_upload_alone(
     aborted = [r.getMessage() for r in caplog.records if "aborted leftover multipart upload" in r.getMessage()]
     assert aborted == []
     assert out == {"a": 1, "b": 1}
+
+
+# --------------------------------------------------------------------------- a length the server claims
+
+
+class _SmallHeadHugeGet(BaseHTTPRequestHandler):
+    """HEAD announces 4096 bytes; GET answers ``Content-Length: 10**12`` and sends one byte every 0.2 s
+    (never long enough apart to be a stall)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _headers(self, length: int) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(length))
+        self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+        self.end_headers()
+
+    def do_HEAD(self) -> None:
+        self._headers(4096)
+
+    def do_GET(self) -> None:
+        self._headers(10**12)
+        try:
+            for _ in range(200):
+                time.sleep(0.2)
+                self.wfile.write(b"x")
+                self.wfile.flush()
+        except OSError:
+            pass
+        self.close_connection = True
+
+
+def test_download_of_a_small_shard_meets_the_deadline_of_its_planned_size(tmp_path: Any) -> None:
+    """A 4 KiB shard whose GET trickles: s3transfer asks for ``bytes=0-<download part size - 1>`` (64 MiB
+    by default), so the deadline counted 64 MiB, not the 4 KiB planned (before: 1 s + 64 MiB at
+    256 KiB/s = 257 s here, 316 s with the default base, per attempt)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SmallHeadHugeGet)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    host, port = server.server_address[:2]
+    settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.0)
+    dest = tmp_path / "shard.tmp"
+    try:
+        with _store(f"http://{host}:{port}", deadlines=settings, retry=RetryPolicy(max_attempts=1)) as store:
+            t0 = time.monotonic()
+            result = _bounded(lambda: store.download_file(KEY, dest, expected_size=4096), 15)
+            elapsed = time.monotonic() - t0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert type(result) is UploadError, result
+    assert "deadline of 1.0 s passed" in str(result), result  # 1 s + 4096 B at 256 KiB/s
+    assert elapsed < 4.0
+    assert not dest.exists()

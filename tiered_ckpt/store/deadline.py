@@ -34,6 +34,7 @@ No boto import (the hook side lives in ``store/client.py``). Source: Python ``so
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -296,6 +297,20 @@ class GuardedClient:
         self.raw = client
         self.settings = settings
         self._ops = frozenset(client.meta.method_to_api_mapping)
+        self._planned: dict[tuple[str, str], int] = {}
+        self._planned_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def planned_size(self, bucket: str, key: str, size: int) -> Iterator[None]:
+        """While inside: a GetObject of ``bucket``/``key`` expects at most ``size`` bytes (+1), whatever
+        Range it asks for (s3transfer asks for a whole download part) or length the server announces."""
+        with self._planned_lock:
+            self._planned[(bucket, key)] = size
+        try:
+            yield
+        finally:
+            with self._planned_lock:
+                self._planned.pop((bucket, key), None)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.raw, name)
@@ -306,6 +321,11 @@ class GuardedClient:
     def _call(self, name: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         request_bytes = _body_len(kwargs.get("Body"))
         ranged = _range_len(kwargs.get("Range"))
+        if name == "get_object" and self._planned:
+            with self._planned_lock:
+                planned = self._planned.get((kwargs.get("Bucket", ""), kwargs.get("Key", "")))
+            if planned is not None:
+                ranged = min(ranged, planned + 1) if ranged is not None else planned + 1
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
                              stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0),
