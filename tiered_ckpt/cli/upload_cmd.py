@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
                                      bounded_int, human_bytes, nonneg_float, port, positive_float, positive_int,
                                      print_error, print_json, s3_url, step_number)
+from tiered_ckpt.errors import UploadError
 from tiered_ckpt.redact import redact_text
+from tiered_ckpt.retry import OperationInterruptedError
 
 if TYPE_CHECKING:
     from tiered_ckpt.remote.metrics import UploadMetrics
@@ -184,7 +186,12 @@ def cmd_upload(args: argparse.Namespace) -> int:
                     pass
             bar.reset(total=total)
         if args.step is None:
-            up.abort_abandoned_uploads()
+            try:
+                up.abort_abandoned_uploads()
+            except OperationInterruptedError:
+                raise
+            except UploadError as e:  # a cleanup (e.g. 403 to ListMultipartUploads): the sidecar logs it too
+                print_error(f"could not sweep abandoned multipart uploads under {up.store.url}: {e}")
         for s in steps:
             try:
                 um = up.upload_step(s)

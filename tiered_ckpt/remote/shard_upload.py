@@ -86,6 +86,11 @@ def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
         leftovers = [mpu for mpu in store.list_multipart_uploads(key) if mpu.key == key]
     except OperationNotSupportedError:
         return  # warned once per store by the store
+    except OperationInterruptedError:
+        raise
+    except UploadError as e:  # e.g. 403: a policy without s3:ListBucketMultipartUploads; a cleanup only
+        log.warning("%s: could not list leftover multipart uploads, uploading anyway: %s", what, e)
+        return
     for mpu in leftovers:
         try:
             store.abort_multipart_upload(mpu.key, mpu.upload_id)

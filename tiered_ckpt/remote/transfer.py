@@ -271,9 +271,11 @@ def _check(futures: list[Future[tuple[UploadedPart, bytes]]], stop_event: thread
                 raise exc
 
 
-def read_back_sha256(store: ObjectStore, key: str, stop_event: threading.Event | None = None) -> tuple[int, str]:
-    """Stream the object back (bounded memory, the store's retries) and return ``(size, sha256_hex)``."""
-    return store.read_sha256(key, stop_event=stop_event)
+def read_back_sha256(store: ObjectStore, key: str, stop_event: threading.Event | None = None,
+                     max_bytes: int | None = None) -> tuple[int, str]:
+    """Stream the object back (bounded memory, the store's retries) and return ``(size, sha256_hex)``;
+    with ``max_bytes`` it stops past that many bytes (see :meth:`ObjectStore.read_sha256`)."""
+    return store.read_sha256(key, stop_event=stop_event, max_bytes=max_bytes)
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,7 @@ def confirm_shard(store: ObjectStore, key: str, sent: SentShard, *, server_valid
             raise TransitCorruptionError(f"{what}: server reports Checksum{sent.checksum_algorithm} {reported}, "
                                          f"sent {sent.checksum_b64}")
         return ShardConfirmation("server-checksum", info.etag)
-    size, sha = read_back_sha256(store, key, stop_event)
+    size, sha = read_back_sha256(store, key, stop_event, max_bytes=sent.size_bytes)
     if size != sent.size_bytes or sha != expected_sha256:
         raise TransitCorruptionError(f"{what}: read back {size} bytes with sha256 {sha}, expected "
                                      f"{sent.size_bytes} bytes with {expected_sha256}")

@@ -189,8 +189,11 @@ class ObjectStore(Protocol):
         """The object's metadata with the checksums the server reports, or ``None`` if it does not exist."""
         ...
 
-    def read_sha256(self, key: str, *, stop_event: threading.Event | None = None) -> tuple[int, str]:
-        """Stream the object once (bounded memory): ``(size_bytes, sha256_hex)`` of the bytes received.
+    def read_sha256(self, key: str, *, stop_event: threading.Event | None = None,
+                    max_bytes: int | None = None) -> tuple[int, str]:
+        """Stream the object once (bounded memory): ``(size_bytes, sha256_hex)`` of the bytes received;
+        with ``max_bytes`` (bytes, the planned size) it reads no further than one chunk past it and the
+        request's deadline follows it (a hostile server's endless body or huge announced length).
         A retried attempt restarts the hash. Raises ``RemoteNotFoundError``; ``OperationInterruptedError``
         between chunks once ``stop_event`` (or the store's own stop event) is set."""
         ...

@@ -34,7 +34,7 @@ from botocore.awsrequest import (
 from botocore.config import Config
 
 from tiered_ckpt.redact import redact_url
-from tiered_ckpt.store.deadline import attach_connection, veto_expired_request
+from tiered_ckpt.store.deadline import RequestGuard, attach_connection, current_guard, veto_expired_request
 
 logger = logging.getLogger(__name__)
 
@@ -107,18 +107,83 @@ def make_s3_client(
     return client
 
 
+#: The most body bytes of a response botocore reads whole inside the call (every response but a
+#: GetObject's 2xx body: LIST pages, error bodies, ...). A full ListObjectsV2 page of 1000 keys of 1024
+#: bytes is about 1.5 MiB; past the cap the request fails (retryably) instead of buffering a hostile
+#: server's endless page, which its deadline alone bounds in time only.
+MAX_BUFFERED_RESPONSE_BYTES = 16 * 1024 * 1024
+
+
+class _CappedBody:
+    """The socket file an http.client response reads its body from, counting the bytes read (chunk
+    framing included: urllib3 reads chunked bodies from this file directly): past
+    :data:`MAX_BUFFERED_RESPONSE_BYTES` the request's guard expires and its error is raised."""
+
+    def __init__(self, fp: Any, guard: RequestGuard) -> None:
+        self._fp = fp
+        self._guard = guard
+        self._n = 0
+
+    def _count(self, n: int) -> None:
+        self._n += n
+        if self._n > MAX_BUFFERED_RESPONSE_BYTES:
+            self._guard.expire(f"response body over the {MAX_BUFFERED_RESPONSE_BYTES}-byte cap")
+            raise self._guard.error()
+
+    def read(self, *args: Any) -> bytes:
+        data = self._fp.read(*args)
+        self._count(len(data))
+        return data
+
+    def read1(self, *args: Any) -> bytes:
+        data = self._fp.read1(*args)
+        self._count(len(data))
+        return data
+
+    def readline(self, *args: Any) -> bytes:
+        data = self._fp.readline(*args)
+        self._count(len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        n = self._fp.readinto(b)
+        self._count(n or 0)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fp, name)
+
+
+def _cap_buffered_body(resp: Any) -> Any:
+    """Wrap the body file of ``resp`` (urllib3's response; its ``_fp`` the http.client one) unless it is
+    a GetObject 2xx body, which the store streams and caps itself."""
+    guard = current_guard()
+    raw = getattr(resp, "_fp", None)
+    if guard is not None and getattr(raw, "fp", None) is not None \
+            and not (guard.streamed and int(resp.status) < 300):
+        raw.fp = _CappedBody(raw.fp, guard)
+    return resp
+
+
 class _GuardedHTTPConnection(AWSHTTPConnection):
-    """botocore's connection, attaching itself to the request guard of the thread that sends on it."""
+    """botocore's connection, attaching itself to the request guard of the thread that sends on it; a
+    response body botocore reads whole is capped (:data:`MAX_BUFFERED_RESPONSE_BYTES`)."""
 
     def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         attach_connection(self)
         return super().request(method, url, *args, **kwargs)
+
+    def getresponse(self) -> Any:
+        return _cap_buffered_body(super().getresponse())
 
 
 class _GuardedHTTPSConnection(AWSHTTPSConnection):
     def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         attach_connection(self)
         return super().request(method, url, *args, **kwargs)
+
+    def getresponse(self) -> Any:
+        return _cap_buffered_body(super().getresponse())
 
 
 class _GuardedHTTPConnectionPool(AWSHTTPConnectionPool):
@@ -180,4 +245,4 @@ def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
     return True
 
 
-__all__ = ["ensure_bucket", "install_request_hooks", "make_s3_client"]
+__all__ = ["MAX_BUFFERED_RESPONSE_BYTES", "ensure_bucket", "install_request_hooks", "make_s3_client"]

@@ -12,8 +12,9 @@ one GET of ``latest``). Here every API call of the store's client runs under a :
   received, when more) and the stall clock running: no body chunk for ``stall_timeout_s`` seconds is a
   stall. A GET or HEAD (:data:`STALL_FROM_START`) also stalls when no response comes for
   ``stall_timeout_s``; calls the server may work on for minutes get a longer base (:data:`BASE_FACTORS`).
-  Non-streamed responses (HEAD, PUT, LIST, ...) are read by botocore inside the call: the deadline
-  bounds them in time, not in size.
+  Non-streamed responses (HEAD, PUT, LIST, error bodies, ...) are read by botocore inside the call:
+  the deadline bounds them in time, the connection class of ``store/client.py`` in size (it expires
+  the guard, :meth:`RequestGuard.expire`, past its cap).
 * ONE watchdog thread per process (:data:`_WATCHDOG`, started on first use, ticking every 0.1 s) checks the
   armed guards. When one expires it shuts down the sockets of the connections that request used
   (``socket.shutdown``, never ``close``: no descriptor is freed under a reading thread), so the blocked
@@ -33,6 +34,7 @@ No boto import (the hook side lives in ``store/client.py``). Source: Python ``so
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -69,8 +71,10 @@ class RequestGuard:
     """The deadline and stall clock of one request (thread-safe; armed in the watchdog until finished)."""
 
     def __init__(self, what: str, settings: DeadlineSettings, *, request_bytes: int, expect_bytes: int,
-                 stall_from_start: bool, base_factor: float = 1.0) -> None:
+                 stall_from_start: bool, base_factor: float = 1.0, streamed: bool = False) -> None:
         self.what = what
+        #: The call's 2xx body is streamed to the caller (GetObject); every other body botocore reads whole.
+        self.streamed = streamed
         self._settings = settings
         self._lock = threading.Lock()
         self._started = self._progress_at = time.monotonic()
@@ -103,6 +107,15 @@ class RequestGuard:
         with self._lock:
             self._progress_at = time.monotonic()
             self._received += n_bytes
+
+    def expire(self, reason: str) -> None:
+        """Expire the guard now for ``reason`` (a response body over its cap); its sockets are shut down."""
+        with self._lock:
+            if self.reason is None:
+                self.reason, self.limit_s = reason, 0.0
+            conns = list(self._connections)
+        for conn in conns:
+            _shutdown(conn)
 
     def check(self, now: float) -> bool:
         """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True`` once expired."""
@@ -182,6 +195,11 @@ _WATCHDOG = _Watchdog()
 _current = threading.local()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
+
+
+def current_guard() -> RequestGuard | None:
+    """The guard of the request this thread is sending (``None`` outside a :class:`GuardedClient` call)."""
+    return getattr(_current, "guard", None)
 
 
 def attach_connection(conn: Any) -> None:
@@ -279,6 +297,20 @@ class GuardedClient:
         self.raw = client
         self.settings = settings
         self._ops = frozenset(client.meta.method_to_api_mapping)
+        self._planned: dict[tuple[str, str], int] = {}
+        self._planned_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def planned_size(self, bucket: str, key: str, size: int) -> Iterator[None]:
+        """While inside: a GetObject of ``bucket``/``key`` expects at most ``size`` bytes (+1), whatever
+        Range it asks for (s3transfer asks for a whole download part) or length the server announces."""
+        with self._planned_lock:
+            self._planned[(bucket, key)] = size
+        try:
+            yield
+        finally:
+            with self._planned_lock:
+                self._planned.pop((bucket, key), None)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.raw, name)
@@ -289,9 +321,15 @@ class GuardedClient:
     def _call(self, name: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         request_bytes = _body_len(kwargs.get("Body"))
         ranged = _range_len(kwargs.get("Range"))
+        if name == "get_object" and self._planned:
+            with self._planned_lock:
+                planned = self._planned.get((kwargs.get("Bucket", ""), kwargs.get("Key", "")))
+            if planned is not None:
+                ranged = min(ranged, planned + 1) if ranged is not None else planned + 1
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
-                             stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0))
+                             stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0),
+                             streamed=name == "get_object")
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
@@ -321,4 +359,4 @@ class GuardedClient:
 
 __all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard",
            "STALL_FROM_START", "TICK_S",
-           "attach_connection", "veto_expired_request"]
+           "attach_connection", "current_guard", "veto_expired_request"]

@@ -15,6 +15,7 @@ Source: s3transfer ``manager.py`` (``TransferConfig``: ``multipart_threshold``, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -215,7 +216,7 @@ def download_attempt(
     """One s3transfer download into ``dest`` (created or truncated); returns its size in bytes. With
     ``expected_size`` the object is HEADed first (another size: :class:`ObjectSizeError` before any byte)
     and written through a :class:`BoundedWriter` (a body past it: :class:`ObjectSizeError` within one
-    part). On any failure the attempt's progress is taken back and ``dest`` removed (if this attempt
+    part), and the GETs' deadlines count at most ``expected_size`` bytes (not s3transfer's whole part). On any failure the attempt's progress is taken back and ``dest`` removed (if this attempt
     opened it). Raises :class:`RemoteNotFoundError` (404), ``OSError`` (local disk)."""
     if expected_size is not None:
         info = head_object(transfers.client, bucket, full_key, full_key)
@@ -227,8 +228,11 @@ def download_attempt(
     _, download_manager = transfers.managers(what)
     progress = AttemptProgress(on_progress)
     opened = False
+    planned = getattr(transfers.client, "planned_size", None)  # the GETs' deadline follows expected_size
     try:
-        with open(dest, "wb") as f:
+        with contextlib.ExitStack() as stack, open(dest, "wb") as f:
+            if planned is not None and expected_size is not None:
+                stack.enter_context(planned(bucket, full_key, expected_size))
             opened = True
             target = f if expected_size is None else BoundedWriter(f, expected_size, what)
             future = download_manager.download(bucket, full_key, target, subscribers=[progress])

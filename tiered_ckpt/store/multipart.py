@@ -147,13 +147,14 @@ def iter_uploads(
 ) -> Iterator[MultipartUploadInfo]:
     """In-progress uploads under ``prefix`` (keys relative), page after page (a generator; each page one
     ``call``).
-    Raises ``UploadError`` on a truncated page without a marker,
+    Raises ``UploadError`` on a truncated page without a marker or with the markers it was asked with,
     :class:`~tiered_ckpt.store.optional_apis.OperationNotSupportedError` (an ``UploadError``) where the
     server does not implement ListMultipartUploads (warned once per endpoint and bucket)."""
     full_prefix = keys.full_prefix(prefix)
     key_marker: str | None = None
     upload_id_marker: str | None = None
     while True:
+        sent = (key_marker, upload_id_marker)
         uploads, truncated, key_marker, upload_id_marker = call(
             f"list multipart uploads {url}/{prefix}",
             lambda k=key_marker, u=upload_id_marker: list_uploads_page(client, bucket, full_prefix, k, u),
@@ -164,6 +165,8 @@ def iter_uploads(
             return
         if not key_marker:
             raise UploadError(f"list multipart uploads {url}/{prefix}: truncated page without a marker")
+        if (key_marker, upload_id_marker) == sent:  # a server ignoring the markers: the same page for ever
+            raise UploadError(f"list multipart uploads {url}/{prefix}: the server returned the markers it was sent")
 
 
 __all__ = [

@@ -151,13 +151,23 @@ def _read_capped(resp: Mapping[str, Any], what: str, max_bytes: int) -> bytes:
 
 
 def read_sha256(
-    client: BaseClient, bucket: str, full_key: str, what: str, stop_events: tuple[threading.Event, ...]
+    client: BaseClient, bucket: str, full_key: str, what: str, stop_events: tuple[threading.Event, ...],
+    max_bytes: int | None = None,
 ) -> tuple[int, str]:
     """GetObject streamed in :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the body.
-    Raises :class:`RemoteNotFoundError` (404), :class:`OperationInterruptedError` once any of
-    ``stop_events`` is set (checked after each chunk)."""
+    With ``max_bytes`` it asks for ``bytes=0-<max_bytes>`` (so the request's deadline follows the planned
+    size, not a length the server announces) and stops reading once more than ``max_bytes`` arrived: the
+    size returned is then over ``max_bytes`` (the hash of what was read), never an endless read; an empty
+    object (416 for that Range) is fetched again without one. Raises :class:`RemoteNotFoundError` (404),
+    :class:`OperationInterruptedError` once any of ``stop_events`` is set (checked after each chunk)."""
+    request = {"Bucket": bucket, "Key": full_key}
     try:
-        resp = client.get_object(Bucket=bucket, Key=full_key)
+        try:
+            resp = client.get_object(**request, **({} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}))
+        except Exception as exc:
+            if max_bytes is None or s3_error_code_and_status(exc)[1] != 416:
+                raise
+            resp = client.get_object(**request)
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
@@ -171,6 +181,8 @@ def read_sha256(
             n += len(chunk)
             if any(e.is_set() for e in stop_events):
                 raise OperationInterruptedError(f"{what}: stopped during read-back")
+            if max_bytes is not None and n > max_bytes:
+                break
     finally:
         body.close()
     return n, h.hexdigest()
@@ -192,12 +204,14 @@ def iter_keys(
     call: RetriedCall, client: BaseClient, bucket: str, keys: PrefixKeys, prefix: str, page_size: int, url: str
 ) -> Iterator[str]:
     """Relative keys under ``prefix``, page after page (a generator; each page one ``call``). Raises ``ValueError`` on
-    a ``page_size`` outside [1, 1000], ``UploadError`` on a truncated page without a token."""
+    a ``page_size`` outside [1, 1000], ``UploadError`` on a truncated page without a token or with the
+    token it was asked with (a server that ignores it: the same page for ever)."""
     if not 1 <= page_size <= 1000:
         raise ValueError(f"page_size must be in [1, 1000], got {page_size}")
     full_prefix = keys.full_prefix(prefix)
     token: str | None = None
     while True:
+        sent = token
         page, truncated, token = call(
             f"list {url}/{prefix}", lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t)
         )
@@ -207,6 +221,8 @@ def iter_keys(
             return
         if not token:
             raise UploadError(f"list {url}/{prefix}: truncated page without a continuation token")
+        if token == sent:  # a server ignoring ContinuationToken would answer the same page for ever
+            raise UploadError(f"list {url}/{prefix}: the server returned the continuation token it was sent")
 
 
 class PartialDeleteError(Exception):

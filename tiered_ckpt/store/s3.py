@@ -211,14 +211,16 @@ class S3Store:
         return self._call(f"get {what}", lambda: objects.get_object(self._client, request, what, max_bytes),
                           passthrough=(ManifestError,))
 
-    def read_sha256(self, key: str, *, stop_event: threading.Event | None = None) -> tuple[int, str]:
-        """Stream the object back (one GetObject per attempt, 8 MiB chunks): ``(size_bytes, sha256_hex)``.
-        Raises ``RemoteNotFoundError``, ``OperationInterruptedError`` (``stop_event`` or the store's own
-        stop event set between chunks), ``UploadError``."""
+    def read_sha256(self, key: str, *, stop_event: threading.Event | None = None,
+                    max_bytes: int | None = None) -> tuple[int, str]:
+        """Stream the object back (one GetObject per attempt, 8 MiB chunks): ``(size_bytes, sha256_hex)``;
+        with ``max_bytes`` (the planned size) it stops past it (a size over ``max_bytes`` returned). Raises
+        ``RemoteNotFoundError``, ``OperationInterruptedError`` (a stop event set between chunks), ``UploadError``."""
         full_key, what = self._keys.full_key(key), self._describe(key)
         events = tuple(e for e in (stop_event, self._stop_event) if e is not None)
         return self._call(f"read back {what}",
-                          lambda: objects.read_sha256(self._client, self._bucket, full_key, what, events))
+                          lambda: objects.read_sha256(self._client, self._bucket, full_key, what, events,
+                                                      max_bytes))
 
     # ----------------------------------------------------------------- whole files
 
