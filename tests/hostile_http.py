@@ -13,7 +13,9 @@ Behaviours (``Behaviour.kind``):
 - ``"bigger"``: HEAD announces ``size`` bytes, GET ignores Range and streams ``big_size`` bytes (200);
 - ``"object"``: an honest object ``data`` (HEAD, GET, Range ignored: the whole body).
 
-Unknown keys answer 404 ``NoSuchKey``; a LIST (``GET /<bucket>?list-type=2``) answers an empty page.
+Unknown keys answer 404 ``NoSuchKey``; a LIST (``GET /<bucket>?list-type=2``) answers an empty page, or
+what the behaviour set for the key :data:`LIST_KEY` says (``"endless"``: no Content-Length, zeros until
+``limit_bytes``; ``"bigger"``: ``Content-Length: size`` announced, ``big_size`` bytes streamed).
 :attr:`HostileS3.sent` counts the body bytes each key's GETs actually handed to the socket and
 :attr:`HostileS3.requests` the requests per ``(method, key)``.
 """
@@ -28,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 _CHUNK = 256 * 1024
+#: The behaviour key of ListObjectsV2 answers (no object key starts with "?").
+LIST_KEY = "?list"
 _NOT_FOUND = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
               b"<Message>The specified key does not exist.</Message></Error>")
 
@@ -66,6 +70,16 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         with owner.lock:
             owner.requests[(self.command, key)] += 1
+        listing = owner.behaviours.get(LIST_KEY)
+        if not key and "list-type=2" in query and listing is not None:
+            try:
+                if listing.kind == "endless":
+                    self._stream(LIST_KEY, None, listing.limit_bytes)
+                else:
+                    self._stream(LIST_KEY, listing.size, listing.big_size)
+            except OSError:
+                self.close_connection = True
+            return None
         if not key and "list-type=2" in query:
             body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>false</IsTruncated>'
                     b"<KeyCount>0</KeyCount></ListBucketResult>")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import pytest
 
-from hostile_http import Behaviour, HostileS3, wait_for
+from hostile_http import LIST_KEY, Behaviour, HostileS3, wait_for
 from spawn import child_env, cli_cmd
 from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UploadError
 from tiered_ckpt.remote.catalogue import read_latest_pointer
@@ -180,3 +180,23 @@ def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: 
     assert elapsed < 3.5
     assert srv.requests[("GET", f"{PREFIX}/shard")] == 1  # s3transfer did not retry it on its own
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("kind", ["endless", "announced"])
+def test_endless_list_answer_is_refused_with_bounded_memory(srv: HostileS3, kind: str) -> None:
+    """A LIST page is read by botocore inside the call (no stream): its body is capped too. ``endless``: no
+    Content-Length, zeros for ever; ``announced``: a 300 MiB Content-Length, refused before the body."""
+    behaviour = (Behaviour("endless", limit_bytes=300 * MiB) if kind == "endless"
+                 else Behaviour("bigger", size=300 * MiB, big_size=300 * MiB))
+    srv.set(LIST_KEY, behaviour)
+    with _store(srv) as store:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kib("VmRSS")
+        result = _bounded(lambda: list(store.list_keys("step_")), 30)
+        growth_kib = _status_kib("VmHWM") - before
+    assert isinstance(result, UploadError), result
+    assert "list_objects_v2" in str(result) and "16777216" in str(result), result
+    assert growth_kib < 64 * 1024, f"RSS grew {growth_kib} KiB"
+    attempts = RetryPolicy().max_attempts  # the store's default policy: each attempt is refused past the cap
+    assert srv.requests[("GET", "")] <= attempts
+    assert srv.sent[LIST_KEY] < attempts * (16 * MiB + 8 * MiB)  # the cap, plus what socket buffers took
