@@ -327,9 +327,6 @@ class _ThrottledLink:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the deadline is per request (base + bytes / min_rate): parts sent in "
-                   "parallel share the link, so a link faster than min_rate but slower than max_concurrency x "
-                   "min_rate fails every part; needs a rate judged over the store's requests in flight")
 def test_parallel_parts_on_a_link_faster_than_the_minimum_rate_get_through(
         tmp_path: Any, s3_bucket: s3_infra.S3Location) -> None:
     """4 parts of 5 MiB in parallel over a 2.5 MiB/s uplink, the minimum rate 1 MiB/s: the link is 2.5x

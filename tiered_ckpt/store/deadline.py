@@ -84,6 +84,7 @@ class RequestGuard:
         self._extra_s = settings.deadline_base_s * (base_factor - 1.0)
         self._stall = stall_from_start
         self._connections: list[Any] = []
+        self._peak_in_flight = 1
         self.reason: str | None = None
         self.limit_s = 0.0
 
@@ -117,12 +118,17 @@ class RequestGuard:
         for conn in conns:
             _shutdown(conn)
 
-    def check(self, now: float) -> bool:
-        """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True`` once expired."""
+    def check(self, now: float, in_flight: int = 1) -> bool:
+        """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True`` once
+        expired. ``in_flight``: the guarded requests of the process now; requests in parallel share the
+        link, so the minimum rate is judged across them: the byte part of the deadline is scaled by the
+        most requests seen in flight during this one (parts sent in parallel on a link slower than
+        ``max_concurrency x min_rate`` would otherwise all fail)."""
         with self._lock:
+            self._peak_in_flight = max(self._peak_in_flight, in_flight)
             if self.reason is None:
-                deadline_s = self._extra_s + self._settings.deadline_s(
-                    self._request_bytes + max(self._expect_bytes, self._received))
+                moved = self._request_bytes + max(self._expect_bytes, self._received)
+                deadline_s = self._extra_s + self._settings.deadline_s(moved * self._peak_in_flight)
                 if now - self._started > deadline_s:
                     self.reason, self.limit_s = f"deadline of {deadline_s:.1f} s passed", deadline_s
                 elif self._stall and now - self._progress_at > self._settings.stall_timeout_s:
@@ -186,7 +192,7 @@ class _Watchdog:
                 guards = list(self._guards)
             now = time.monotonic()
             for g in guards:
-                if g.check(now):
+                if g.check(now, len(guards)):
                     self.disarm(g)
             time.sleep(TICK_S)
 
