@@ -351,10 +351,6 @@ def test_parallel_parts_on_a_link_faster_than_the_minimum_rate_get_through(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a shard upload first aborts every open multipart upload of its key "
-                   "('leftovers of a crashed attempt'); a second uploader on the same root (the same save, so "
-                   "the same keys) aborts the first one's upload in flight; needs a per-root uploader lock or "
-                   "a way to tell a live upload from a leftover")
 def test_second_uploader_on_one_root_leaves_the_first_ones_upload_alone(
         tmp_path: Any, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture) -> None:
     """Uploader A sends a 12 MiB shard (multipart) over a 4 MiB/s link; once its upload is open on the

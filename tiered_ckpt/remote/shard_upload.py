@@ -8,6 +8,9 @@ Called by :mod:`tiered_ckpt.remote.step_upload` on the shard executor, one call 
    without ListMultipartUploads or AbortMultipartUpload (501, warned once per store:
    :mod:`tiered_ckpt.store.optional_apis`) skips this step; a leftover that cannot be aborted (403) is
    recorded for a later sweep (:mod:`tiered_ckpt.remote.pending_aborts`); the upload proceeds either way.
+   While another live uploader holds an ``upload`` lock on the step (a second sidecar or ``upload --once``
+   on the same root), its open uploads are not leftovers: none is aborted (the abandoned-upload sweep
+   finds real leftovers later, by age).
 3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates, else
    read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
    (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local rot
@@ -28,6 +31,7 @@ from typing import Callable
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.layout import shard_file_name
+from tiered_ckpt.locks import live_locks
 from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError
 from tiered_ckpt.remote.transfer import (LocalShardError, SentShard, ShardConfirmation, TransitCorruptionError,
@@ -119,7 +123,11 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
     if done is not None:
         log.info("step %d rank %d: already confirmed (%s), not re-sent", step, rec.rank, done.confirmed_by)
         return
-    _abort_leftovers(sender, key, f"step {step} rank {rec.rank}")
+    if sum(kind == "upload" for kind, _ in live_locks(sdir)) > 1:  # ours and another live uploader's
+        log.info("step %d rank %d: another live uploader holds this step; its multipart uploads are not "
+                 "leftovers, none aborted", step, rec.rank)
+    else:
+        _abort_leftovers(sender, key, f"step {step} rank {rec.rank}")
     validates = sender.server_validates()
 
     def attempt() -> tuple[SentShard, ShardConfirmation]:
