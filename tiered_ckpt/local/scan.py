@@ -37,7 +37,7 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import SAVE_LOCK_NAME, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
-                                         resolve_root, symlinked_step_entries)
+                                         resolve_root, symlinked_step_entries, write_root)
 from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
 from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
 from tiered_ckpt.local.lineage import SupersededStep
@@ -278,12 +278,15 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     - trash directories left by an interrupted rotation;
     - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
 
-    Committed current steps are never removed, and without ``superseded`` no superseded one either.
+    ``root`` is the run root as given, even when it is named like a step directory (nothing outside it is
+    touched). Committed current steps are never removed, and without ``superseded`` no superseded one either.
     ``force`` also removes leftovers whose owner cannot be checked (another host) or is alive: only for
     an operator who knows no job is running.
     """
-    r, _ = resolve_root(root)
-    removed: list[Path] = gc_superseded(r)[0] if superseded else []
+    r = write_root(root)  # a remover: only inside the directory named, whatever its name looks like
+    # A root named like a step directory that holds no run.json or step yet reads as a step of its parent
+    # (resolve_root): it has no superseded steps of its own.
+    removed: list[Path] = gc_superseded(r)[0] if superseded and resolve_root(r)[0] == r else []
     now = time.time()
     try:
         names = os.listdir(r)

@@ -1,0 +1,73 @@
+"""Adversarial review of issue 11's local-side hardening: defects found by trying to break ``gc``, the CLI
+bounds and the hostile-file handling as an attacker or an unlucky operator would. Each test failed on the
+code before its fix (the commit that adds it says what broke). Real CLI processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spawn import python_cmd
+from tiered_ckpt import load_sharded, save_sharded
+
+
+def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(python_cmd("-m", "tiered_ckpt.cli", *args), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _age(*paths: Path, seconds: float = 3600) -> None:
+    old = time.time() - seconds
+    for p in paths:
+        os.utime(p, (old, old))
+
+
+def test_gc_of_a_step_named_root_removes_nothing_outside_it(tmp_path: Path) -> None:
+    """``gc /data/step_0000000003`` (a root named like a step directory that holds no run.json or step yet,
+    only a killed restore's temp file) used to sweep the *parent*: it removed ``/data/step_0000000001``,
+    another run's root with a committed step, as an "uncommitted step directory"."""
+    other = tmp_path / "step_0000000001"
+    save_sharded([{"w": np.arange(4, dtype=np.float32)}], other, 7)
+    named = tmp_path / "step_0000000003"
+    named.mkdir()
+    temp = named / ".run.json.otherhost.12345.1.abcd.tmp"  # a dead writer's (another host: only --force)
+    temp.write_bytes(b"x")
+    _age(other, named)
+    proc = cli("gc", str(named))
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "0 leftover(s) removed\n"
+    assert sorted(os.listdir(tmp_path)) == ["step_0000000001", "step_0000000003"]
+    assert sorted(os.listdir(named)) == [temp.name]
+    np.testing.assert_array_equal(load_sharded(other, 1)[0]["w"], np.arange(4, dtype=np.float32))
+    proc = cli("gc", str(named), "--force", "--superseded")
+    assert (proc.returncode, proc.stdout) == (0, f"removed {temp}\n1 leftover(s) removed\n")
+    assert sorted(os.listdir(tmp_path)) == ["step_0000000001", "step_0000000003"]
+    assert os.listdir(named) == []
+
+
+@pytest.mark.parametrize("flag", ["--poll-interval-s", "--max-poll-interval-s", "--stall-deadline-s",
+                                  "--shutdown-timeout-s"])
+def test_absurd_seconds_flags_of_upload_are_usage_errors(tmp_path: Path, flag: str) -> None:
+    """``upload --watch --poll-interval-s 1e23`` was accepted (finite), then the sidecar's first idle wait
+    raised ``OverflowError: timestamp out of range for platform time_t`` (a traceback, exit 1)."""
+    (tmp_path / "run").mkdir()
+    t0 = time.monotonic()
+    proc = cli("upload", "--watch", "--local", str(tmp_path / "run"), "--remote", "s3://bucket/p",
+               "--endpoint-url", "http://127.0.0.1:9", flag, "1e23", timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [(f"tiered-ckpt: error: argument {flag}: must be at most 1000000000 seconds, got 1e23 "
+                         "(see 'tiered-ckpt upload --help')")], proc.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_absurd_min_age_of_gc_is_a_usage_error(tmp_path: Path) -> None:
+    proc = cli("gc", str(tmp_path), "--min-age-s", "1e23")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [("tiered-ckpt: error: argument --min-age-s: must be at most 1000000000 "
+                                            "seconds, got 1e23 (see 'tiered-ckpt gc --help')")]
