@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc, gc_superseded, scan
-from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, parse_ranks,
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_seconds, parse_ranks,
                       print_json, print_table, s3_url, step_number)
 
 #: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast, s3_client) -> list[StepStatus]`` of this module
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--superseded", action="store_true",
                    help="also remove superseded steps (abandoned by a rollback; see 'ls'), except pinned "
                         "ones and ones being read or uploaded")
-    p.add_argument("--min-age-s", type=nonneg_float, default=60.0,
+    p.add_argument("--min-age-s", type=nonneg_seconds, default=60.0,
                    help="leave uncommitted directories younger than this alone (default 60)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
