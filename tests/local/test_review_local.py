@@ -71,3 +71,21 @@ def test_absurd_min_age_of_gc_is_a_usage_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [("tiered-ckpt: error: argument --min-age-s: must be at most 1000000000 "
                                             "seconds, got 1e23 (see 'tiered-ckpt gc --help')")]
+
+
+def test_ls_does_not_call_a_step_with_a_symlinked_shard_committed(tmp_path: Path) -> None:
+    """``ls`` checks presence and sizes only; it took the ``lstat`` size of a symlink (the length of its
+    target's name) for the shard's, so a shard replaced by a symlink with a 256-character target listed
+    as ``committed`` while ``verify`` and loads refuse it."""
+    root = tmp_path / "run"
+    save_sharded([{"w": np.zeros(4, np.float32)}], root, 1)
+    shard = root / "step_0000000001" / "rank_00000.safetensors"
+    n = shard.stat().st_size
+    shard.unlink()
+    os.symlink("/" + "a" * (n - 1), shard)
+    assert os.lstat(shard).st_size == n
+    proc = cli("ls", str(root))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stdout  # ls lists; verify fails
+    assert proc.stdout.splitlines()[1].split(None, 5) == [
+        "1", "corrupt", "1", "0", "B", f"-         step 1 rank 0 (rank_00000.safetensors): {shard} is a symlink, "
+        "not a regular file"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
 from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
-from tiered_ckpt.safe_read import list_dir, read_json_record, regular_files
+from tiered_ckpt.safe_read import kind_of, list_dir, read_json_record, regular_files
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,9 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
                 st = os.lstat(sdir / rec.path)
             except FileNotFoundError:
                 raise MissingShardError(f"step {step} rank {rec.rank} ({rec.path}): shard file is missing")
+            if not stat.S_ISREG(st.st_mode):  # a symlink of the right length is no shard (loads refuse it)
+                raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {sdir / rec.path} is "
+                                      f"{kind_of(st.st_mode)}, not a regular file")
             if st.st_size != rec.size_bytes:
                 raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
                                       f"disk, manifest says {rec.size_bytes}")
