@@ -89,3 +89,21 @@ def test_ls_does_not_call_a_step_with_a_symlinked_shard_committed(tmp_path: Path
     assert proc.stdout.splitlines()[1].split(None, 5) == [
         "1", "corrupt", "1", "0", "B", f"-         step 1 rank 0 (rank_00000.safetensors): {shard} is a symlink, "
         "not a regular file"]
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "devzero-symlink"])
+def test_load_of_a_root_that_is_no_directory_is_a_typed_error(tmp_path: Path, kind: str) -> None:
+    """``load_sharded`` on a root that is a regular file, a FIFO or a symlink to ``/dev/zero`` raised a bare
+    ``NotADirectoryError`` from ``os.listdir`` (a dangling root already gave ``NoCheckpointError``)."""
+    from tiered_ckpt.errors import NoCheckpointError
+
+    root = tmp_path / "root"
+    if kind == "file":
+        root.write_bytes(b"x")
+    elif kind == "fifo":
+        os.mkfifo(root)
+    else:
+        os.symlink("/dev/zero", root)
+    with pytest.raises(NoCheckpointError) as ei:
+        load_sharded(root, 1)
+    assert str(ei.value) == f"no committed step under {root}"
