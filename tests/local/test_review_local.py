@@ -107,3 +107,26 @@ def test_load_of_a_root_that_is_no_directory_is_a_typed_error(tmp_path: Path, ki
     with pytest.raises(NoCheckpointError) as ei:
         load_sharded(root, 1)
     assert str(ei.value) == f"no committed step under {root}"
+
+
+def test_gc_keeps_the_trash_of_a_live_deleter(tmp_path: Path) -> None:
+    """Rotation renames a step to ``.trash.<step dir>.<owner>.<rand>`` and *puts it back* when a reader's
+    lock or a pin raced in (``delete_step``; ``remove_superseded`` also puts back a step whose number the new
+    attempt reused). ``gc`` removed every trash directory whatever its owner, so a gc running in that window
+    destroyed a committed step that was about to be put back. The owner here is this (live) test process;
+    ``--force`` still removes it (an operator who knows no job runs)."""
+    from tiered_ckpt.fs import owner_token
+
+    root = tmp_path / "run"
+    save_sharded([{"w": np.arange(4, dtype=np.float32)}], root, 1)
+    trash = root / f".trash.step_0000000001.{owner_token()}.0123abcd"
+    os.rename(root / "step_0000000001", trash)
+    proc = cli("gc", str(root), "--min-age-s", "0")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "0 leftover(s) removed\n", "")
+    assert sorted(os.listdir(trash)) == ["manifest.json", "rank_00000.safetensors"]
+    os.rename(trash, root / "step_0000000001")  # put back: the step loads
+    np.testing.assert_array_equal(load_sharded(root, 1)[0]["w"], np.arange(4, dtype=np.float32))
+    os.rename(root / "step_0000000001", trash)
+    proc = cli("gc", str(root), "--force")
+    assert (proc.returncode, proc.stdout) == (0, f"removed {trash}\n1 leftover(s) removed\n")
+    assert os.listdir(root) == []

@@ -44,7 +44,7 @@ from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
-from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
+from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash, trash_owner
 from tiered_ckpt.safe_read import kind_of, list_dir, read_json_record, regular_files
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,8 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     - temp files and stale lock files of dead owners inside committed steps, and owner-named temp files
       of dead owners in ``root`` itself: also the downloads of a killed restore, whatever suffix the
       download tool added to the staged temp name (:mod:`tiered_ckpt.local.leftovers`);
-    - trash directories left by an interrupted rotation;
+    - trash directories left by an interrupted rotation (not those of a live deleter, which may still put
+      the step back);
     - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
 
     ``root`` is the run root as given, even when it is named like a step directory (nothing outside it is
@@ -299,6 +300,9 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     for name in sorted(names):
         p = r / name
         if is_trash_name(name) and p.is_dir() and not p.is_symlink():
+            owner = trash_owner(name)  # a live deleter may still put the step back (delete_step)
+            if not force and owner is not None and owner_alive(owner):
+                continue
             remove_trash(p, durable=False)
             removed.append(p)
     removed += remove_dead_temps(r, force=force, owned_only=True)  # e.g. a killed restore's run.json temp
