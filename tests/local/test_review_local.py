@@ -130,3 +130,32 @@ def test_gc_keeps_the_trash_of_a_live_deleter(tmp_path: Path) -> None:
     proc = cli("gc", str(root), "--force")
     assert (proc.returncode, proc.stdout) == (0, f"removed {trash}\n1 leftover(s) removed\n")
     assert os.listdir(root) == []
+
+
+def _dead_owner_token() -> str:
+    proc = subprocess.run(python_cmd("-c", "from tiered_ckpt.fs import owner_token; print(owner_token())"),
+                          capture_output=True, text=True, check=True)
+    return proc.stdout.strip()
+
+
+def test_gc_removes_the_trash_a_killed_deleter_left_in_superseded(tmp_path: Path) -> None:
+    """``gc --superseded`` (and rotation) delete a set-aside step by renaming it to
+    ``superseded/.trash.<entry>.<owner>.<rand>`` and then removing that tree. Killed in between (the rmtree
+    of a multi-GB step takes a while), the trash stayed forever: ``gc`` swept trash in the root only and
+    rotation's sweep skipped names with a save id, and ``ls`` does not list it. A live deleter's trash is
+    kept (as in the root)."""
+    from tiered_ckpt.fs import owner_token
+
+    root = tmp_path / "run"
+    save_sharded([{"w": np.arange(4, dtype=np.float32)}], root, 1)
+    (root / "superseded").mkdir()
+    dead = root / "superseded" / f".trash.step_0000000003.0123456789abcdef0123456789abcdef.{_dead_owner_token()}.0a1b2c3d"
+    live = root / "superseded" / f".trash.step_0000000004.0123456789abcdef0123456789abcdef.{owner_token()}.0a1b2c3d"
+    for t in (dead, live):
+        t.mkdir()
+        (t / "rank_00000.safetensors").write_bytes(b"\0" * 4096)
+        (t / "manifest.json").write_bytes(b"{}")
+    proc = cli("gc", str(root))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"removed {dead}\n1 leftover(s) removed\n", "")
+    assert os.listdir(root / "superseded") == [live.name]
+    assert sorted(os.listdir(root / "step_0000000001")) == ["manifest.json", "rank_00000.safetensors"]

@@ -35,7 +35,7 @@ from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.layout import SAVE_LOCK_NAME, step_dir_name
+from tiered_ckpt.layout import SAVE_LOCK_NAME, SUPERSEDED_DIR, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
                                          resolve_root, symlinked_step_entries, write_root)
@@ -45,7 +45,7 @@ from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
 from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash, trash_owner
-from tiered_ckpt.safe_read import kind_of, list_dir, read_json_record, regular_files
+from tiered_ckpt.safe_read import kind_of, list_dir, list_in_root, read_json_record, regular_files
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +279,8 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     - temp files and stale lock files of dead owners inside committed steps, and owner-named temp files
       of dead owners in ``root`` itself: also the downloads of a killed restore, whatever suffix the
       download tool added to the staged temp name (:mod:`tiered_ckpt.local.leftovers`);
-    - trash directories left by an interrupted rotation (not those of a live deleter, which may still put
-      the step back);
+    - trash directories left by an interrupted rotation or ``gc --superseded``, in ``root`` and in
+      ``root/superseded/`` (not those of a live deleter, which may still put the step back);
     - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
 
     ``root`` is the run root as given, even when it is named like a step directory (nothing outside it is
@@ -293,18 +293,11 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     # (resolve_root): it has no superseded steps of its own.
     removed: list[Path] = gc_superseded(r)[0] if superseded and resolve_root(r)[0] == r else []
     now = time.time()
-    try:
-        names = os.listdir(r)
-    except FileNotFoundError:
+    if not os.path.lexists(r):
         return removed
-    for name in sorted(names):
-        p = r / name
-        if is_trash_name(name) and p.is_dir() and not p.is_symlink():
-            owner = trash_owner(name)  # a live deleter may still put the step back (delete_step)
-            if not force and owner is not None and owner_alive(owner):
-                continue
-            remove_trash(p, durable=False)
-            removed.append(p)
+    removed += _sweep_trash_dirs(r, list_in_root(r, None), force)
+    # remove_superseded's trash of a set-aside entry lies in superseded/ (opened O_NOFOLLOW: [] for a symlink)
+    removed += _sweep_trash_dirs(r / SUPERSEDED_DIR, list_in_root(r, SUPERSEDED_DIR), force)
     removed += remove_dead_temps(r, force=force, owned_only=True)  # e.g. a killed restore's run.json temp
     for step in all_step_dirs(r):
         sdir = r / step_dir_name(step)
@@ -329,6 +322,21 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
         lock = sdir / SAVE_LOCK_NAME
         if lock.exists() and (force or not _writer_alive(sdir)):
             _rm(lock, removed)
+    return removed
+
+
+def _sweep_trash_dirs(directory: Path, names: list[str], force: bool) -> list[Path]:
+    """Remove the trash directories among ``names`` in ``directory`` (not symlinks), except those of a live
+    deleter (``force``: those too), which may still put the step back (``delete_step``)."""
+    removed = []
+    for name in sorted(names):
+        p = directory / name
+        if is_trash_name(name) and p.is_dir() and not p.is_symlink():
+            owner = trash_owner(name)
+            if not force and owner is not None and owner_alive(owner):
+                continue
+            remove_trash(p, durable=False)
+            removed.append(p)
     return removed
 
 

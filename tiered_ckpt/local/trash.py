@@ -55,12 +55,13 @@ def is_trash_name(name: str) -> bool:
 
 
 def trash_owner(name: str) -> str | None:
-    """The owner token in a trash name of :func:`move_to_trash` with ``owned`` (rotation's), or ``None``
-    (gc's naming, or no trash name)."""
+    """The owner token in a trash name of :func:`move_to_trash` with ``owned`` (rotation's: of a step
+    directory, or of a ``superseded/`` entry with its save id), or ``None`` (gc's naming, or no trash name)."""
     if not name.startswith(TRASH_PREFIX):
         return None
     parts = name[len(TRASH_PREFIX):].split(".")
-    return ".".join(parts[1:4]) if len(parts) == 5 else None  # step_XXXXXXXXXX, host, pid, start, rand
+    # step_XXXXXXXXXX[, save id], host, pid, start, rand
+    return ".".join(parts[-4:-1]) if len(parts) in (5, 6) else None
 
 
 def sweep_trash(root: str | os.PathLike[str]) -> int:
