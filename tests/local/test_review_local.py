@@ -159,3 +159,13 @@ def test_gc_removes_the_trash_a_killed_deleter_left_in_superseded(tmp_path: Path
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"removed {dead}\n1 leftover(s) removed\n", "")
     assert os.listdir(root / "superseded") == [live.name]
     assert sorted(os.listdir(root / "step_0000000001")) == ["manifest.json", "rank_00000.safetensors"]
+
+
+def test_verify_names_absurd_rank_ranges_in_one_short_line(tmp_path: Path) -> None:
+    """``verify --ranks 0-99999`` (the largest range the bound allows) on a 2-rank step printed every
+    missing rank one by one: a 589 KB line (``no rank(s) 2,3,4,...,99999``)."""
+    root = tmp_path / "run"
+    save_sharded([{"w": np.zeros(2, np.float32)} for _ in range(2)], root, 5)
+    proc = cli("verify", str(root), "--ranks", "0-99999")
+    assert (proc.returncode, proc.stderr) == (1, "")
+    assert proc.stdout == "step 5: incomplete: step 5 has world size 2; no rank(s) 2-99999\n"

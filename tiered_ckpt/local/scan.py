@@ -157,7 +157,7 @@ def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterab
         outside = sorted(x for x in wanted if not 0 <= x < m.world_size)
         if outside:
             return StepStatus(step, INCOMPLETE, f"step {step} has world size {m.world_size}; no rank(s) "
-                              f"{','.join(map(str, outside))}", m.world_size, size, m.save_id, pinned=pinned)
+                              f"{format_ranks(outside)}", m.world_size, size, m.save_id, pinned=pinned)
     elif require_all:
         wanted = None
     elif present_ranks(sdir, m) == set(range(m.world_size)):
