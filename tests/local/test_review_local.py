@@ -169,3 +169,26 @@ def test_verify_names_absurd_rank_ranges_in_one_short_line(tmp_path: Path) -> No
     proc = cli("verify", str(root), "--ranks", "0-99999")
     assert (proc.returncode, proc.stderr) == (1, "")
     assert proc.stdout == "step 5: incomplete: step 5 has world size 2; no rank(s) 2-99999\n"
+
+
+def test_reshard_writes_into_a_step_named_out_root_as_given(tmp_path: Path) -> None:
+    """``reshard --out /x/step_0000000003`` (a fresh directory named like a step) resolved the out root as a
+    *reader* does and wrote ``/x/step_0000000005/`` beside it (issue 11 case 7 again; with ``--replace`` it
+    would overwrite a step of a run in ``/x``), while saying "committed under /x/step_0000000003". An out
+    root that is a step directory of the source run is refused (it would nest a run inside the source)."""
+    src = tmp_path / "src"
+    save_sharded([{"w": np.arange(4, dtype=np.float32) + r} for r in range(2)], src, 5)
+    x = tmp_path / "x"
+    x.mkdir()
+    out = x / "step_0000000003"
+    proc = cli("reshard", str(src), "--world-size", "1", "--rule", "w=take_rank0", "--out", str(out))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert os.listdir(x) == ["step_0000000003"]
+    assert sorted(os.listdir(out / "step_0000000005")) == ["manifest.json", "rank_00000.safetensors"]
+    np.testing.assert_array_equal(load_sharded(out, 1, 5)[0]["w"], np.arange(4, dtype=np.float32))
+    inside = src / "step_0000000005"
+    proc = cli("reshard", str(src), "--world-size", "1", "--rule", "w=take_rank0", "--out", str(inside))
+    assert proc.returncode == 1
+    assert proc.stderr == (f"tiered-ckpt: error: ValueError: out_root {inside} is the source run directory or "
+                           "one of its step directories; reshard into another directory\n")
+    assert sorted(os.listdir(inside)) == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]
