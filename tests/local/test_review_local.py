@@ -192,3 +192,22 @@ def test_reshard_writes_into_a_step_named_out_root_as_given(tmp_path: Path) -> N
     assert proc.stderr == (f"tiered-ckpt: error: ValueError: out_root {inside} is the source run directory or "
                            "one of its step directories; reshard into another directory\n")
     assert sorted(os.listdir(inside)) == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+
+
+def test_pending_aborts_of_a_symlinked_step_named_root_are_kept(tmp_path: Path) -> None:
+    """The root may be a symlink (resolved once) and may be named like a step directory; both together
+    (``/ckpt/step_0000000003 -> /mnt/nvme/run``): ``.pending_aborts.json`` was read by path, which
+    ``safe_read.locate`` took for a file of step 3 of ``/ckpt``, so the symlinked root was refused as "a
+    symlink", the record read as invalid and replaced: every recorded open upload but the newest was
+    forgotten."""
+    from tiered_ckpt.remote.pending_aborts import read_pending_aborts, record_failed_abort
+
+    real = tmp_path / "nvme-run"
+    real.mkdir()
+    root = tmp_path / "step_0000000003"
+    os.symlink(real, root)
+    assert record_failed_abort(root, "s3://bucket/p", "step_0000000001.a/rank_00000.safetensors", "UP1")
+    assert record_failed_abort(root, "s3://bucket/p", "step_0000000001.a/rank_00001.safetensors", "UP2")
+    got = [(e["key"], e["upload_id"]) for e in read_pending_aborts(root)]
+    assert got == [("step_0000000001.a/rank_00000.safetensors", "UP1"),
+                   ("step_0000000001.a/rank_00001.safetensors", "UP2")]
