@@ -213,3 +213,58 @@ def test_pending_aborts_of_a_symlinked_step_named_root_are_kept(tmp_path: Path) 
     got = [(e["key"], e["upload_id"]) for e in read_pending_aborts(root)]
     assert got == [("step_0000000001.a/rank_00000.safetensors", "UP1"),
                    ("step_0000000001.a/rank_00001.safetensors", "UP2")]
+
+
+def _strace_usable() -> str | None:
+    import shutil
+    if shutil.which("strace") is None:
+        return "no strace here"
+    r = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "true"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"strace cannot trace here: {r.stderr.strip()[:200]}"
+
+
+#: x86-64 / aarch64 numbers of rename, renameat, renameat2 (as /proc/<pid>/syscall shows them)
+_RENAME_NRS = {"82", "264", "316", "38", "276"}
+
+
+def test_gc_puts_back_an_uncommitted_step_a_writer_claimed_meanwhile(tmp_path: Path) -> None:
+    """``gc`` looked for a live writer of an uncommitted step, then renamed it to trash and removed it without
+    looking again (rotation's ``delete_step`` looks again inside the trash and puts the step back). A save
+    that claimed the step's lock in between lost its lock and files. Here strace holds gc at the entry of
+    that rename (``delay_enter``) while this (live) process claims the lock."""
+    why = _strace_usable()
+    if why:
+        pytest.skip(why)
+    import json as _json
+
+    from tiered_ckpt.fs import owner_token
+
+    root = tmp_path / "run"
+    save_sharded([{"w": np.zeros(2, np.float32)}], root, 1)
+    sdir = root / "step_0000000002"
+    sdir.mkdir()
+    (sdir / "rank_00000.safetensors").write_bytes(b"\0" * 64)  # a dead writer's renamed shard, say
+    _age(sdir)
+    trace = tmp_path / "trace"
+    proc = subprocess.Popen(["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=rename,renameat,renameat2",
+                             "-e", "inject=rename,renameat,renameat2:delay_enter=2000000:when=1"]
+                            + python_cmd("-m", "tiered_ckpt.cli", "gc", str(root)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    held = False
+    while time.monotonic() < deadline and proc.poll() is None and not held:
+        for task in Path("/proc").glob("[0-9]*"):
+            try:
+                if task.name != str(proc.pid) and (task / "status").read_text().split("PPid:\t")[1].split()[0] \
+                        == str(proc.pid) and (task / "syscall").read_text().split()[0] in _RENAME_NRS:
+                    held = True
+            except (OSError, IndexError):
+                continue
+        time.sleep(0.02)
+    assert held, "gc never reached its rename"
+    lock = {"save_id": "0123456789abcdef0123456789abcdef", "owner": owner_token(), "created_at": "x"}
+    (sdir / ".save.lock").write_text(_json.dumps(lock))
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (0, "0 leftover(s) removed\n", "")
+    assert sorted(os.listdir(sdir)) == [".save.lock", "rank_00000.safetensors"]
+    assert sorted(n for n in os.listdir(root) if n.startswith(".trash")) == []

@@ -44,7 +44,7 @@ from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
-from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash, trash_owner
+from tiered_ckpt.local.trash import is_trash_name, move_to_trash, put_back, remove_trash, trash_owner
 from tiered_ckpt.safe_read import kind_of, list_dir, list_in_root, read_json_record, regular_files
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,8 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     """Remove leftovers of dead writers under ``root`` and return what was removed (I3):
 
     - uncommitted step directories whose writer is dead (not touched for ``min_age_s`` seconds, so that
-      a writer that has only just made the directory is left alone);
+      a writer that has only just made the directory is left alone; looked at again inside the trash after
+      the rename, and put back if a writer claimed it meanwhile);
     - temp files and stale lock files of dead owners inside committed steps, and owner-named temp files
       of dead owners in ``root`` itself: also the downloads of a killed restore, whatever suffix the
       download tool added to the staged temp name (:mod:`tiered_ckpt.local.leftovers`);
@@ -310,6 +311,9 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
                 continue
             try:
                 trash = move_to_trash(sdir, owned=False)
+                if not force and (is_committed(trash) or _writer_alive(trash)):  # one raced in: as delete_step
+                    put_back(trash, sdir)
+                    continue
             except OSError:
                 continue
             remove_trash(trash, durable=False)
