@@ -268,3 +268,23 @@ def test_gc_puts_back_an_uncommitted_step_a_writer_claimed_meanwhile(tmp_path: P
     assert (proc.returncode, out, err) == (0, "0 leftover(s) removed\n", "")
     assert sorted(os.listdir(sdir)) == [".save.lock", "rank_00000.safetensors"]
     assert sorted(n for n in os.listdir(root) if n.startswith(".trash")) == []
+
+
+def test_gc_superseded_of_a_step_named_root_leaves_the_parents_superseded_steps(tmp_path: Path) -> None:
+    """``gc /x/step_0000000003 --superseded`` on a fresh root named like a step: the CLI's superseded sweep
+    resolved the root as a reader does and removed ``/x/superseded/<entry>``, a set-aside step of the run
+    in ``/x``."""
+    from tiered_ckpt.local.catalogue import read_manifest
+
+    x = tmp_path / "x"
+    save_sharded([{"w": np.zeros(2, np.float32)}], x, 1)
+    entry = x / "superseded" / f"step_0000000001.{read_manifest(x, 1).save_id}"
+    entry.parent.mkdir()
+    os.rename(x / "step_0000000001", entry)
+    named = x / "step_0000000003"
+    named.mkdir()
+    for args in (["--superseded"], ["--superseded", "--json"]):
+        proc = cli("gc", str(named), *args)
+        assert (proc.returncode, proc.stderr) == (0, "")
+        assert proc.stdout == ("[]\n" if "--json" in args else "0 leftover(s) removed\n")
+        assert sorted(os.listdir(entry)) == ["manifest.json", "rank_00000.safetensors"]

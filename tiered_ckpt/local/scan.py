@@ -261,8 +261,11 @@ def gc_superseded(root: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[
     unreadable ``run.json``, ``OSError`` from a removal."""
     removed: list[Path] = []
     kept: list[tuple[Path, str]] = []
-    for e in sorted(superseded_entries(root), key=lambda e: (e.step, str(e.path))):
-        why = remove_superseded_step(root, e)
+    r = write_root(root)  # a remover: only inside the directory named
+    if resolve_root(r)[0] != r:  # named like a step, no run.json or step yet: read as a step of its parent,
+        return removed, kept      # it has no superseded steps of its own
+    for e in sorted(superseded_entries(r), key=lambda e: (e.step, str(e.path))):
+        why = remove_superseded_step(r, e)
         if why:
             kept.append((Path(e.path), why))
         else:
@@ -290,9 +293,7 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     an operator who knows no job is running.
     """
     r = write_root(root)  # a remover: only inside the directory named, whatever its name looks like
-    # A root named like a step directory that holds no run.json or step yet reads as a step of its parent
-    # (resolve_root): it has no superseded steps of its own.
-    removed: list[Path] = gc_superseded(r)[0] if superseded and resolve_root(r)[0] == r else []
+    removed: list[Path] = gc_superseded(r)[0] if superseded else []
     now = time.time()
     if not os.path.lexists(r):
         return removed
