@@ -288,3 +288,15 @@ def test_gc_superseded_of_a_step_named_root_leaves_the_parents_superseded_steps(
         assert (proc.returncode, proc.stderr) == (0, "")
         assert proc.stdout == ("[]\n" if "--json" in args else "0 leftover(s) removed\n")
         assert sorted(os.listdir(entry)) == ["manifest.json", "rank_00000.safetensors"]
+
+
+def test_gc_prints_hostile_names_without_terminal_control_characters(tmp_path: Path) -> None:
+    """Names of removed temp files come from whoever can write the root; ``gc`` printed them raw, so a
+    file named ``.x<ESC>]0;...<BEL>.tmp`` sent a terminal escape sequence to the operator's terminal."""
+    root = tmp_path / "run"
+    save_sharded([{"w": np.zeros(2, np.float32)}], root, 1)
+    (root / "step_0000000001" / ".x\x1b]0;owned\x07\n.tmp").write_bytes(b"x")
+    proc = cli("gc", str(root))
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout
+    assert proc.stdout == f"removed {root}/step_0000000001/.x\\x1b]0;owned\\x07\\n.tmp\n1 leftover(s) removed\n"

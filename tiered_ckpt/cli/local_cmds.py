@@ -142,6 +142,12 @@ def _verify_line(s: StepStatus) -> str:
     return line + (f" ({', '.join(s.details)})" if s.details else "")
 
 
+def _shown(p: Path) -> str:
+    """``p`` for a terminal: control characters of a hostile file name escaped (``\\x1b``), never sent raw."""
+    text = str(p)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     _require_root(args.root)
     kept: list[tuple[Path, str]] = []
@@ -153,8 +159,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print_json([str(p) for p in removed])
     else:
         for p in removed:
-            print(f"removed {p}")
+            print(f"removed {_shown(p)}")
         for p, why in kept:
-            print(f"kept superseded {p}: {why}")
+            print(f"kept superseded {_shown(p)}: {why}")
         print(f"{len(removed)} leftover(s) removed")
     return EXIT_OK
