@@ -199,6 +199,27 @@ def positive_float(text: str) -> float:
     return v
 
 
+#: Largest value of a seconds flag (about 31 years): past ``threading.TIMEOUT_MAX`` a wait raises
+#: ``OverflowError`` (``--poll-interval-s 1e23`` crashed the sidecar's first idle wait).
+MAX_SECONDS = 10**9
+
+
+def _seconds(v: float, text: str) -> float:
+    if v > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS} seconds, got {text}")
+    return v
+
+
+def nonneg_seconds(text: str) -> float:
+    """A duration in seconds: a finite number in [0, :data:`MAX_SECONDS`]."""
+    return _seconds(nonneg_float(text), text)
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds: a finite number in (0, :data:`MAX_SECONDS`]."""
+    return _seconds(positive_float(text), text)
+
+
 def s3_url(text: str) -> str:
     """An ``s3://bucket/prefix`` URL, checked by :func:`tiered_ckpt.store.base.parse_s3_url`."""
     from tiered_ckpt.store.base import parse_s3_url

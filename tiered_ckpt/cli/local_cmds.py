@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc, gc_superseded, scan
-from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_float, parse_ranks,
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_seconds, parse_ranks,
                       print_json, print_table, s3_url, step_number)
 
 #: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast, s3_client) -> list[StepStatus]`` of this module
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--superseded", action="store_true",
                    help="also remove superseded steps (abandoned by a rollback; see 'ls'), except pinned "
                         "ones and ones being read or uploaded")
-    p.add_argument("--min-age-s", type=nonneg_float, default=60.0,
+    p.add_argument("--min-age-s", type=nonneg_seconds, default=60.0,
                    help="leave uncommitted directories younger than this alone (default 60)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
@@ -142,6 +142,12 @@ def _verify_line(s: StepStatus) -> str:
     return line + (f" ({', '.join(s.details)})" if s.details else "")
 
 
+def _shown(p: Path) -> str:
+    """``p`` for a terminal: control characters of a hostile file name escaped (``\\x1b``), never sent raw."""
+    text = str(p)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     _require_root(args.root)
     kept: list[tuple[Path, str]] = []
@@ -153,8 +159,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print_json([str(p) for p in removed])
     else:
         for p in removed:
-            print(f"removed {p}")
+            print(f"removed {_shown(p)}")
         for p, why in kept:
-            print(f"kept superseded {p}: {why}")
+            print(f"kept superseded {_shown(p)}: {why}")
         print(f"{len(removed)} leftover(s) removed")
     return EXIT_OK

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
-                                     bounded_int, human_bytes, nonneg_float, port, positive_float, positive_int,
+                                     bounded_int, human_bytes, nonneg_seconds, port, positive_seconds, positive_int,
                                      print_error, print_json, s3_url, step_number)
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.redact import redact_text
@@ -85,12 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--skip-intermediate", action="store_true", help="upload only the newest pending step")
     p.add_argument("--verify", choices=["auto", "read-back"], default="auto",
                    help="auto: server checksums where the bucket validates them, else read-back")
-    p.add_argument("--poll-interval-s", type=positive_float, default=_env("TIERED_CKPT_POLL_INTERVAL_S"),
+    p.add_argument("--poll-interval-s", type=positive_seconds, default=_env("TIERED_CKPT_POLL_INTERVAL_S"),
                    help="--watch poll interval (default 2; env TIERED_CKPT_POLL_INTERVAL_S)")
-    p.add_argument("--max-poll-interval-s", type=positive_float, default=_env("TIERED_CKPT_MAX_POLL_INTERVAL_S", "60"),
+    p.add_argument("--max-poll-interval-s", type=positive_seconds, default=_env("TIERED_CKPT_MAX_POLL_INTERVAL_S", "60"),
                    help="a step waiting for other nodes is polled with exponential backoff up to this "
                         "(default 60; env TIERED_CKPT_MAX_POLL_INTERVAL_S)")
-    p.add_argument("--stall-deadline-s", type=positive_float,
+    p.add_argument("--stall-deadline-s", type=positive_seconds,
                    default=_env("TIERED_CKPT_STALL_DEADLINE_S", str(int(DEFAULT_STALL_DEADLINE_S))),
                    help="a step the other nodes have not confirmed after this long is reported stalled, "
                         "kept locally outside max_pending_uploads, and still committed if they confirm later "
@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help=f"shards of at least this many MiB go as multipart uploads, 1 to {MAX_PART_SIZE_MIB} (default 64)")
     p.add_argument("--max-concurrency", type=bounded_int(MAX_CONCURRENCY), default=10,
                    help=f"parts in flight, 1 to {MAX_CONCURRENCY} (default 10)")
-    p.add_argument("--shutdown-timeout-s", type=nonneg_float, default=30.0)
+    p.add_argument("--shutdown-timeout-s", type=nonneg_seconds, default=30.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_upload)

@@ -89,10 +89,11 @@ def step_path(root: PathLike, step: int) -> Path:
 
 
 def all_step_dirs(root: PathLike) -> list[int]:
-    """Every step number with a (real, not symlinked) step directory, committed or not, ascending."""
+    """Every step number with a (real, not symlinked) step directory, committed or not, ascending; ``[]``
+    when ``root`` is absent or no directory (a file, a FIFO: never opened, ``listdir`` fails first)."""
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     steps = []
     for name in names:

@@ -48,8 +48,8 @@ import numpy as np
 from tiered_ckpt.errors import CheckpointExistsError, ReshardError
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.manifest import ShardManifest, numel
-from tiered_ckpt.layout import MAX_WORLD_SIZE, step_dir_name
-from tiered_ckpt.local.catalogue import is_committed, pick_step, read_manifest, resolve_root
+from tiered_ckpt.layout import MAX_WORLD_SIZE, parse_step_dir_name, step_dir_name
+from tiered_ckpt.local.catalogue import is_committed, pick_step, read_manifest, write_root
 from tiered_ckpt.fs import new_save_id
 from tiered_ckpt.local.reader import ReadLock, ReadStats, ShardReader, copy_value
 from tiered_ckpt.local.reshard_plan import (ABSENT, NAMED_RULES, DictNode, Partition, Planner, ReplicatedNode, Rule,
@@ -260,7 +260,8 @@ def reshard(
     replace: bool = False,
 ) -> ReshardResult:
     """Write ``step`` of ``root`` (newest committed when ``None``) as a committed ``new_world_size``-rank
-    checkpoint of the same step number under ``out_root`` (another run directory), through
+    checkpoint of the same step number under ``out_root`` (another run directory, taken as given whatever its
+    name looks like), through
     :func:`~tiered_ckpt.local.write_shard` and :func:`~tiered_ckpt.local.commit_step` (same durability and
     commit protocol). ``extra`` and ``wall_clock_seconds`` are copied. New ranks are built and written
     one at a time (memory: about one new shard). See the module docstring for the split rule and
@@ -268,16 +269,18 @@ def reshard(
 
     Raises :class:`ReshardError` before anything is written when the checkpoint cannot be resharded,
     ``ValueError`` if ``new_world_size`` is not in ``[1, MAX_WORLD_SIZE]`` (before anything is read) or
-    ``out_root`` is ``root``; otherwise the errors of the loaders and of
+    ``out_root`` is ``root`` or one of its step directories; otherwise the errors of the loaders and of
     :func:`~tiered_ckpt.local.write_shard` / :func:`~tiered_ckpt.local.commit_step` (e.g.
     :class:`CheckpointExistsError` if the step is committed in ``out_root`` and not ``replace``).
     """
     if not 1 <= new_world_size <= MAX_WORLD_SIZE:  # before anything is read or written
         raise ValueError(f"new_world_size must be in [1, {MAX_WORLD_SIZE}], got {new_world_size}")
     r, step = pick_step(root, step)
-    out_r, _ = resolve_root(out_root)
-    if os.path.realpath(out_r) == os.path.realpath(r):
-        raise ValueError(f"out_root {out_r} is the source run directory; reshard into another directory")
+    out_r = write_root(out_root)  # a writer: the directory as given, whatever its name (issue 11 case 7)
+    if os.path.realpath(out_r) == os.path.realpath(r) or (
+            parse_step_dir_name(out_r.name) is not None and os.path.realpath(out_r.parent) == os.path.realpath(r)):
+        raise ValueError(f"out_root {out_r} is the source run directory or one of its step directories; "
+                         "reshard into another directory")
     if not replace and is_committed(out_r / step_dir_name(step)):
         raise CheckpointExistsError(f"step {step} is already committed under {out_r}; pass replace=True")
     m = read_manifest(r, step)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,17 +35,17 @@ from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.layout import SAVE_LOCK_NAME, step_dir_name
+from tiered_ckpt.layout import SAVE_LOCK_NAME, SUPERSEDED_DIR, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
-                                         resolve_root, symlinked_step_entries)
+                                         resolve_root, symlinked_step_entries, write_root)
 from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
 from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
-from tiered_ckpt.local.trash import is_trash_name, move_to_trash, remove_trash
-from tiered_ckpt.safe_read import list_dir, read_json_record, regular_files
+from tiered_ckpt.local.trash import is_trash_name, move_to_trash, put_back, remove_trash, trash_owner
+from tiered_ckpt.safe_read import kind_of, list_dir, list_in_root, read_json_record, regular_files
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterab
         outside = sorted(x for x in wanted if not 0 <= x < m.world_size)
         if outside:
             return StepStatus(step, INCOMPLETE, f"step {step} has world size {m.world_size}; no rank(s) "
-                              f"{','.join(map(str, outside))}", m.world_size, size, m.save_id, pinned=pinned)
+                              f"{format_ranks(outside)}", m.world_size, size, m.save_id, pinned=pinned)
     elif require_all:
         wanted = None
     elif present_ranks(sdir, m) == set(range(m.world_size)):
@@ -190,6 +191,9 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
                 st = os.lstat(sdir / rec.path)
             except FileNotFoundError:
                 raise MissingShardError(f"step {step} rank {rec.rank} ({rec.path}): shard file is missing")
+            if not stat.S_ISREG(st.st_mode):  # a symlink of the right length is no shard (loads refuse it)
+                raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {sdir / rec.path} is "
+                                      f"{kind_of(st.st_mode)}, not a regular file")
             if st.st_size != rec.size_bytes:
                 raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
                                       f"disk, manifest says {rec.size_bytes}")
@@ -257,8 +261,11 @@ def gc_superseded(root: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[
     unreadable ``run.json``, ``OSError`` from a removal."""
     removed: list[Path] = []
     kept: list[tuple[Path, str]] = []
-    for e in sorted(superseded_entries(root), key=lambda e: (e.step, str(e.path))):
-        why = remove_superseded_step(root, e)
+    r = write_root(root)  # a remover: only inside the directory named
+    if resolve_root(r)[0] != r:  # named like a step, no run.json or step yet: read as a step of its parent,
+        return removed, kept      # it has no superseded steps of its own
+    for e in sorted(superseded_entries(r), key=lambda e: (e.step, str(e.path))):
+        why = remove_superseded_step(r, e)
         if why:
             kept.append((Path(e.path), why))
         else:
@@ -271,29 +278,28 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     """Remove leftovers of dead writers under ``root`` and return what was removed (I3):
 
     - uncommitted step directories whose writer is dead (not touched for ``min_age_s`` seconds, so that
-      a writer that has only just made the directory is left alone);
+      a writer that has only just made the directory is left alone; looked at again inside the trash after
+      the rename, and put back if a writer claimed it meanwhile);
     - temp files and stale lock files of dead owners inside committed steps, and owner-named temp files
       of dead owners in ``root`` itself: also the downloads of a killed restore, whatever suffix the
       download tool added to the staged temp name (:mod:`tiered_ckpt.local.leftovers`);
-    - trash directories left by an interrupted rotation;
+    - trash directories left by an interrupted rotation or ``gc --superseded``, in ``root`` and in
+      ``root/superseded/`` (not those of a live deleter, which may still put the step back);
     - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
 
-    Committed current steps are never removed, and without ``superseded`` no superseded one either.
+    ``root`` is the run root as given, even when it is named like a step directory (nothing outside it is
+    touched). Committed current steps are never removed, and without ``superseded`` no superseded one either.
     ``force`` also removes leftovers whose owner cannot be checked (another host) or is alive: only for
     an operator who knows no job is running.
     """
-    r, _ = resolve_root(root)
+    r = write_root(root)  # a remover: only inside the directory named, whatever its name looks like
     removed: list[Path] = gc_superseded(r)[0] if superseded else []
     now = time.time()
-    try:
-        names = os.listdir(r)
-    except FileNotFoundError:
+    if not os.path.lexists(r):
         return removed
-    for name in sorted(names):
-        p = r / name
-        if is_trash_name(name) and p.is_dir() and not p.is_symlink():
-            remove_trash(p, durable=False)
-            removed.append(p)
+    removed += _sweep_trash_dirs(r, list_in_root(r, None), force)
+    # remove_superseded's trash of a set-aside entry lies in superseded/ (opened O_NOFOLLOW: [] for a symlink)
+    removed += _sweep_trash_dirs(r / SUPERSEDED_DIR, list_in_root(r, SUPERSEDED_DIR), force)
     removed += remove_dead_temps(r, force=force, owned_only=True)  # e.g. a killed restore's run.json temp
     for step in all_step_dirs(r):
         sdir = r / step_dir_name(step)
@@ -306,6 +312,9 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
                 continue
             try:
                 trash = move_to_trash(sdir, owned=False)
+                if not force and (is_committed(trash) or _writer_alive(trash)):  # one raced in: as delete_step
+                    put_back(trash, sdir)
+                    continue
             except OSError:
                 continue
             remove_trash(trash, durable=False)
@@ -318,6 +327,21 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
         lock = sdir / SAVE_LOCK_NAME
         if lock.exists() and (force or not _writer_alive(sdir)):
             _rm(lock, removed)
+    return removed
+
+
+def _sweep_trash_dirs(directory: Path, names: list[str], force: bool) -> list[Path]:
+    """Remove the trash directories among ``names`` in ``directory`` (not symlinks), except those of a live
+    deleter (``force``: those too), which may still put the step back (``delete_step``)."""
+    removed = []
+    for name in sorted(names):
+        p = directory / name
+        if is_trash_name(name) and p.is_dir() and not p.is_symlink():
+            owner = trash_owner(name)
+            if not force and owner is not None and owner_alive(owner):
+                continue
+            remove_trash(p, durable=False)
+            removed.append(p)
     return removed
 
 

@@ -54,6 +54,16 @@ def is_trash_name(name: str) -> bool:
     return name.startswith(TRASH_PREFIX)
 
 
+def trash_owner(name: str) -> str | None:
+    """The owner token in a trash name of :func:`move_to_trash` with ``owned`` (rotation's: of a step
+    directory, or of a ``superseded/`` entry with its save id), or ``None`` (gc's naming, or no trash name)."""
+    if not name.startswith(TRASH_PREFIX):
+        return None
+    parts = name[len(TRASH_PREFIX):].split(".")
+    # step_XXXXXXXXXX[, save id], host, pid, start, rand
+    return ".".join(parts[-4:-1]) if len(parts) in (5, 6) else None
+
+
 def sweep_trash(root: str | os.PathLike[str]) -> int:
     """Remove trash directories left by dead deleters on this host (rotation's naming). Returns how many
     were removed."""
@@ -66,9 +76,8 @@ def sweep_trash(root: str | os.PathLike[str]) -> int:
     for name in names:
         if not name.startswith(TRASH_PREFIX):
             continue
-        parts = name[len(TRASH_PREFIX):].split(".")
-        # step_XXXXXXXXXX, host, pid, start, rand
-        if len(parts) != 5 or owner_alive(".".join(parts[1:4])):
+        owner = trash_owner(name)
+        if owner is None or owner_alive(owner):
             continue  # gc's naming, or a live deleter: not ours to touch
         shutil.rmtree(r / name, ignore_errors=True)
         n += 1
@@ -77,4 +86,5 @@ def sweep_trash(root: str | os.PathLike[str]) -> int:
     return n
 
 
-__all__ = ["TRASH_PREFIX", "is_trash_name", "move_to_trash", "put_back", "remove_trash", "sweep_trash"]
+__all__ = ["TRASH_PREFIX", "is_trash_name", "move_to_trash", "put_back", "remove_trash", "sweep_trash",
+           "trash_owner"]

@@ -38,9 +38,9 @@ from typing import Any
 from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.fs import utc_now
 from tiered_ckpt.layout import PENDING_ABORTS_NAME
-from tiered_ckpt.local.catalogue import read_small_regular_file
 from tiered_ckpt.local.commit import durable_write_bytes
 from tiered_ckpt.retry import s3_error_code_and_status
+from tiered_ckpt.safe_read import read_in_root
 from tiered_ckpt.store.base import ObjectStore
 from tiered_ckpt.store.optional_apis import OperationNotSupportedError
 
@@ -73,7 +73,8 @@ def _read(root: Path) -> tuple[list[dict[str, Any]], bool]:
     """``(entries, invalid)``: ``invalid`` when a file is there but is no valid record (logged)."""
     path = pending_aborts_path(root)
     try:
-        data = read_small_regular_file(path, MAX_PENDING_ABORTS_BYTES)
+        data = read_in_root(root, PENDING_ABORTS_NAME, MAX_PENDING_ABORTS_BYTES)  # from the root's fd: a
+        # symlinked root named like a step directory is still the root
         if data is None:
             return [], False
         doc = json.loads(data)
