@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from spawn import cli_cmd, child_env
 from tiered_ckpt import load_sharded, save_sharded
@@ -25,3 +26,22 @@ def test_save_into_a_step_named_root_writes_inside_it_and_reads_back(tmp_path: P
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "step 5" in out.stdout or "5" in out.stdout.split()
+
+
+def test_upload_and_pin_act_on_a_step_named_root_as_given(tmp_path: Path) -> None:
+    """A fresh root named like a step (no run.json, no step yet) beside a run in its parent: the sidecar's
+    root and a pin are that directory, never the parent run (whose steps it would upload or pin)."""
+    from tiered_ckpt import NoCheckpointError, Uploader
+    from tiered_ckpt.local.pins import pin_step, pinned_steps
+    from tiered_ckpt.store import make_s3_client
+
+    parent = tmp_path / "x"
+    save_sharded([{"w": np.zeros(4, np.float32)}], parent, 5)  # the parent's own run, step 5
+    fresh = parent / "step_0000000003"
+    fresh.mkdir()
+    client = make_s3_client(endpoint_url="http://127.0.0.1:9", botocore_max_attempts=1)  # never contacted
+    with Uploader(fresh, "s3://bucket-x/p", s3_client=client) as up:
+        assert up.local_root == fresh
+    with pytest.raises(NoCheckpointError):
+        pin_step(fresh, 5)  # step 5 is the parent's, not the fresh root's
+    assert pinned_steps(parent) == []

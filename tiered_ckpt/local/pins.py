@@ -28,14 +28,15 @@ from pathlib import Path
 from tiered_ckpt.errors import ManifestError, NoCheckpointError
 from tiered_ckpt.fs import is_real_dir, utc_now
 from tiered_ckpt.layout import PINNED_MARKER_NAME, parse_step_dir_name, step_dir_name
-from tiered_ckpt.local.catalogue import all_step_dirs, is_committed, read_small_regular_file, resolve_root
+from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_small_regular_file, resolve_root,
+                                         write_root)
 from tiered_ckpt.local.commit import durable_write_bytes, unlink_durable
 
 PathLike = str | os.PathLike[str]
 
 
 def _step_dir(root: PathLike, step: int) -> Path:
-    r, _ = resolve_root(root)
+    r = write_root(root)  # pin/unpin write: into the root as given, never the parent of a step-named root
     return r / step_dir_name(step)  # ValueError for a bad step number
 
 

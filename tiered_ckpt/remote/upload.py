@@ -31,7 +31,7 @@ from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
-from tiered_ckpt.local.catalogue import committed_steps, resolve_root, step_path
+from tiered_ckpt.local.catalogue import committed_steps, step_path, write_root
 from tiered_ckpt.remote import pending_aborts, retention
 from tiered_ckpt.remote.catalogue import committed_step_candidates
 from tiered_ckpt.remote.daemon import UploadLoop
@@ -143,7 +143,7 @@ class Uploader:
 
         if max_concurrent_shards < 1:
             raise ValueError(f"max_concurrent_shards must be >= 1, got {max_concurrent_shards}")
-        self.local_root, _ = resolve_root(local_root)
+        self.local_root = write_root(local_root)  # the sidecar writes markers: the root as given
         self.remote_url = remote_url
         self.bucket, self.prefix = parse_s3_url(remote_url)
         self.policy = policy if policy is not None else UploadPolicy()
