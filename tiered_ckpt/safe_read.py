@@ -202,10 +202,10 @@ def locate(path: PathLike) -> tuple[Path, str]:
     """``(root, relpath)`` of a file path inside a checkpoint directory (no I/O): the file's directory
     and its parent are the step-level directory and the root, except that a directory under
     ``<root>/superseded/`` has ``<root>`` as its root. A path of one component below its root (``run.json``)
-    is ``(its directory, its name)``. Only names are looked at; ``..`` is refused (``ValueError``)."""
+    is ``(its directory, its name)``. Only names are looked at: the path is made absolute and normalised
+    first (``os.path.abspath``: a root given as ``../ckpt`` is the directory that names), so no ``..``
+    is left below the root."""
     p = Path(os.path.abspath(os.fspath(path)))
-    if ".." in Path(os.fspath(path)).parts:
-        raise ValueError(f"{os.fspath(path)!r}: '..' in a checkpoint path")
     d = p.parent
     if d.parent.name == SUPERSEDED_DIR and d.parent.parent != d.parent:
         return d.parent.parent, f"{SUPERSEDED_DIR}/{d.name}/{p.name}"

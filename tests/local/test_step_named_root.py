@@ -3,6 +3,7 @@ given and read back as a root (issue 11 case 7: nothing is written outside the d
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -45,3 +46,35 @@ def test_upload_and_pin_act_on_a_step_named_root_as_given(tmp_path: Path) -> Non
     with pytest.raises(NoCheckpointError):
         pin_step(fresh, 5)  # step 5 is the parent's, not the fresh root's
     assert pinned_steps(parent) == []
+
+
+def test_a_root_given_with_dotdot_works_for_save_load_ls_verify(tmp_path: Path) -> None:
+    """``../ckpt`` and ``/a/b/../ckpt`` name a directory like any other (safe_read normalises the path
+    before it walks from the root: a relative root was refused with a raw ValueError)."""
+    (tmp_path / "work").mkdir()
+    rel = "../ckpt"
+    state = [{"w": np.arange(3, dtype=np.float32)}]
+    old = os.getcwd()
+    os.chdir(tmp_path / "work")
+    try:
+        save_sharded(state, rel, 1)
+        assert load_sharded(rel, 1)[0]["w"].tobytes() == state[0]["w"].tobytes()
+    finally:
+        os.chdir(old)
+    dotted = str(tmp_path / "work" / ".." / "ckpt")
+    for cmd in (["ls", dotted], ["verify", dotted]):
+        out = subprocess.run([*cli_cmd(), *cmd], capture_output=True, text=True, env=child_env(), timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "Error" not in out.stderr
+
+
+def test_gc_of_the_parent_keeps_a_run_root_named_like_a_step(tmp_path: Path) -> None:
+    """``restore --local x/step_0000000003`` makes a run root inside ``x`` that looks like an uncommitted
+    step of ``x``: ``gc x`` (even ``--force``) must leave it, its committed step included."""
+    root = tmp_path / "x" / "step_0000000003"
+    save_sharded([{"w": np.zeros(3, np.float32)}], root, 60)
+    for extra in ([], ["--force"]):
+        out = subprocess.run([*cli_cmd(), "gc", str(tmp_path / "x"), "--min-age-s", "0", *extra],
+                             capture_output=True, text=True, env=child_env(), timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert (root / "step_0000000060" / "manifest.json").is_file(), out.stdout + out.stderr

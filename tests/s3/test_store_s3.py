@@ -833,3 +833,24 @@ def test_byte_flipped_in_flight_is_rejected_by_the_server(
     assert flip2.applied == 1 and flip2.seen >= 2  # the damaged request, then the retry
     assert info2.size_bytes == size
     assert raw_get(s3_bucket, "blob.bin") == path.read_bytes()
+
+
+@both_servers
+def test_objects_larger_than_the_buffered_response_cap_head_download_and_read_back(
+        store: S3Store, tmp_path: Path) -> None:
+    """A HEAD's Content-Length is the object's size, not a body: an object past the 16 MiB cap on buffered
+    responses (store/client.py) is HEADed, downloaded and read back like any other (a first version of
+    the cap refused every shard over 16 MiB)."""
+    from tiered_ckpt.store.client import MAX_BUFFERED_RESPONSE_BYTES
+
+    size = MAX_BUFFERED_RESPONSE_BYTES + 3 * 1024 * 1024 + 5
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(size))
+    store.upload_file("big/rank_00000.safetensors", src)
+    head = store.head("big/rank_00000.safetensors")
+    assert head is not None and head.size_bytes == size
+    dest = tmp_path / "big.download"
+    assert store.download_file("big/rank_00000.safetensors", dest, expected_size=size) == size
+    assert dest.read_bytes() == src.read_bytes()
+    assert store.read_sha256("big/rank_00000.safetensors", max_bytes=size) == (
+        size, hashlib.sha256(src.read_bytes()).hexdigest())

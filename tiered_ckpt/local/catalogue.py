@@ -50,7 +50,7 @@ def is_committed(step_dir: Path) -> bool:
     return os.path.lexists(step_dir / MANIFEST_NAME)
 
 
-def _looks_like_run_root(p: Path) -> bool:
+def looks_like_run_root(p: Path) -> bool:
     """``p`` holds a ``run.json`` or any step directory: it is a run root, whatever its own name."""
     try:
         names = os.listdir(p)
@@ -69,7 +69,7 @@ def resolve_root(root: PathLike, step: int | None = None) -> tuple[Path, int | N
     """
     p = Path(root).absolute()
     parsed = parse_step_dir_name(p.name)
-    if parsed is not None and not _looks_like_run_root(p):
+    if parsed is not None and not looks_like_run_root(p):
         if step is not None and step != parsed:
             raise ValueError(f"{p} is the directory of step {parsed}, but step={step} was asked for")
         return p.parent, parsed
@@ -315,5 +315,5 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
 __all__ = ["MAX_ADOPTED_BYTES", "MAX_MANIFEST_BYTES", "MAX_RUN_RECORD_BYTES", "adopted_bytes", "all_committed_steps",
            "all_step_dirs", "committed_steps",
            "is_committed", "latest_step", "pick_step", "read_manifest", "read_manifest_bytes", "read_run_record",
-           "judged_attempt", "read_adopted", "read_small_regular_file", "stored_schema_version", "write_root",
+           "judged_attempt", "looks_like_run_root", "read_adopted", "read_small_regular_file", "stored_schema_version", "write_root",
            "resolve_root", "step_lineage", "step_path", "superseded_in", "symlinked_step_entries"]

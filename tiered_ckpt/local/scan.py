@@ -37,8 +37,8 @@ from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import SAVE_LOCK_NAME, SUPERSEDED_DIR, step_dir_name
 from tiered_ckpt.local.reader import verify_shard_stream
-from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, read_manifest, read_manifest_bytes,
-                                         resolve_root, symlinked_step_entries, write_root)
+from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, looks_like_run_root, read_manifest,
+                                         read_manifest_bytes, resolve_root, symlinked_step_entries, write_root)
 from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
 from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
 from tiered_ckpt.local.lineage import SupersededStep
@@ -304,6 +304,9 @@ def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 
     for step in all_step_dirs(r):
         sdir = r / step_dir_name(step)
         if not is_committed(sdir):  # lexists: a dangling or odd manifest.json still counts (never swept)
+            if looks_like_run_root(sdir):  # a run root named like a step (restore --local x/step_...): not ours
+                log.warning("gc: %s holds a run of its own (run.json or step directories); left alone", sdir)
+                continue
             try:
                 age = now - os.lstat(sdir).st_mtime
             except OSError:
