@@ -124,8 +124,10 @@ class WeedMini:
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         identity = self.workdir / "s3_identities.json"
-        identity.write_text(identity_config_json(*self._keys))
-        identity.chmod(0o600)
+        fd = os.open(identity, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:  # the secret is never in a file others may read, not even briefly
+            os.fchmod(f.fileno(), 0o600)
+            f.write(identity_config_json(*self._keys))
         port = _free_port()
         argv = weed_mini_argv(data, port, identity)
         with open(self.log_path, "wb") as log:
