@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 _CHUNK = 256 * 1024
@@ -214,3 +215,21 @@ def wait_for(cond: object, timeout_s: float) -> bool:
 
 
 __all__ = ["Behaviour", "HostileS3", "wait_for"]
+
+
+def run_bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``fn`` in a thread and return its result or the exception it raised; fail the test if it has
+    not returned within ``timeout_s`` seconds (the code before the bounds hung)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still running after {timeout_s} s"
+    return out.get("exc", out.get("value"))

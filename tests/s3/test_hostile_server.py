@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from hostile_http import LIST_KEY, Behaviour, HostileS3, wait_for
+from hostile_http import LIST_KEY, Behaviour, HostileS3, run_bounded, wait_for
 from spawn import child_env, cli_cmd
 from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UploadError
 from tiered_ckpt.remote.catalogue import read_latest_pointer
@@ -40,23 +39,6 @@ def _store(srv: HostileS3, **kwargs: Any) -> S3Store:
     return S3Store(client, BUCKET, PREFIX, **kwargs)
 
 
-def _bounded(fn: Callable[[], Any], timeout_s: float) -> BaseException | Any:
-    """Run ``fn`` in a thread; fail the test if it has not returned within ``timeout_s`` (old code hangs)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert not t.is_alive(), f"still running after {timeout_s} s"
-    return out.get("exc", out.get("value"))
-
-
 def _status_kib(field: str) -> int:
     m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
     assert m is not None
@@ -68,7 +50,7 @@ def test_endless_latest_is_refused_with_bounded_memory(srv: HostileS3) -> None:
     with _store(srv) as store:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
         before = _status_kib("VmRSS")
-        result = _bounded(lambda: read_latest_pointer(store), 30)
+        result = run_bounded(lambda: read_latest_pointer(store), 30)
         growth_kib = _status_kib("VmHWM") - before
     assert type(result) is ManifestError, result
     assert f"s3://{BUCKET}/{PREFIX}/latest" in str(result) and str(MAX_POINTER_BYTES) in str(result)
@@ -118,7 +100,7 @@ def test_download_stops_within_one_part_of_the_planned_size(srv: HostileS3, tmp_
     dest = tmp_path / "shard.tmp"
     part = TransferSettings().download_part_size_bytes
     with _store(srv) as store:
-        result = _bounded(lambda: store.download_file("shard", dest, expected_size=planned), 60)
+        result = run_bounded(lambda: store.download_file("shard", dest, expected_size=planned), 60)
     assert isinstance(result, ShardCorruptedError), result
     assert "400" in str(result) or str(planned) in str(result)
     assert not dest.exists()
@@ -142,7 +124,7 @@ def test_trickling_body_fails_within_the_stall_timeout(srv: HostileS3) -> None:
     settings = DeadlineSettings(stall_timeout_s=1.0, deadline_base_s=30.0)
     with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.0, max_wait_s=0.0)) as st:
         t0 = time.monotonic()
-        result = _bounded(lambda: st.get_bytes("latest", max_bytes=MAX_POINTER_BYTES), 15)
+        result = run_bounded(lambda: st.get_bytes("latest", max_bytes=MAX_POINTER_BYTES), 15)
         elapsed = time.monotonic() - t0
     assert type(result) is UploadError, result
     assert isinstance(result.last_exception, RequestDeadlineError)
@@ -156,7 +138,7 @@ def test_trickling_headers_fail_within_the_deadline(srv: HostileS3) -> None:
     settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.5)
     with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as st:
         t0 = time.monotonic()
-        result = _bounded(lambda: st.head("slow"), 15)
+        result = run_bounded(lambda: st.head("slow"), 15)
         elapsed = time.monotonic() - t0
     assert type(result) is UploadError, result
     assert isinstance(result.last_exception, RequestDeadlineError)
@@ -171,7 +153,7 @@ def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: 
     dest = tmp_path / "shard.tmp"
     with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as st:
         t0 = time.monotonic()
-        result = _bounded(lambda: st.download_file("shard", dest, expected_size=100_000), 15)
+        result = run_bounded(lambda: st.download_file("shard", dest, expected_size=100_000), 15)
         elapsed = time.monotonic() - t0
     assert type(result) is UploadError, result
     assert isinstance(result.last_exception, RequestDeadlineError)
@@ -192,7 +174,7 @@ def test_endless_list_answer_is_refused_with_bounded_memory(srv: HostileS3, kind
     with _store(srv) as store:
         Path("/proc/self/clear_refs").write_text("5")
         before = _status_kib("VmRSS")
-        result = _bounded(lambda: list(store.list_keys("step_")), 30)
+        result = run_bounded(lambda: list(store.list_keys("step_")), 30)
         growth_kib = _status_kib("VmHWM") - before
     assert isinstance(result, UploadError), result
     assert "list_objects_v2" in str(result) and "16777216" in str(result), result

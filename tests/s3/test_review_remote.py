@@ -13,14 +13,14 @@ import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 import s3_infra
 from _upload_util import SMALL
-from hostile_http import Behaviour, HostileS3
+from hostile_http import Behaviour, HostileS3, run_bounded
 from spawn import python_cmd
 from tiered_ckpt import Uploader
 from tiered_ckpt.local import save_sharded
@@ -34,23 +34,6 @@ MiB = 1024 * 1024
 BUCKET = "hostile"
 PREFIX = "p"
 KEY = "step_0000000001/rank_00000.safetensors"
-
-
-def _bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``fn`` in a thread; fail the test if it has not returned within ``timeout_s``."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert not t.is_alive(), f"still running after {timeout_s} s"
-    return out.get("exc", out.get("value"))
 
 
 def _store(url: str, **kwargs: Any) -> S3Store:
@@ -72,7 +55,7 @@ def test_read_back_of_an_endless_body_stops_near_the_sent_size() -> None:
     512 MiB here, and with a faster server for ever: its deadline grows with the bytes received)."""
     with HostileS3() as srv, _store(srv.endpoint_url, retry=RetryPolicy(max_attempts=1)) as store:
         srv.set(f"{PREFIX}/{KEY}", Behaviour("endless", size=4096, limit_bytes=512 * MiB))
-        result = _bounded(lambda: confirm_shard(store, KEY, _sent(4096), server_validates=False,
+        result = run_bounded(lambda: confirm_shard(store, KEY, _sent(4096), server_validates=False,
                                                 expected_sha256="0" * 64), 60)
         assert type(result) is TransitCorruptionError, result
         assert srv.sent[f"{PREFIX}/{KEY}"] < 64 * MiB, srv.sent
@@ -87,7 +70,7 @@ def test_read_back_of_a_trickle_announcing_a_huge_length_meets_its_deadline() ->
                                     retry=RetryPolicy(max_attempts=1)) as store:
         srv.set(f"{PREFIX}/{KEY}", Behaviour("trickle", size=10**12, interval_s=0.2))
         t0 = time.monotonic()
-        result = _bounded(lambda: store.read_sha256(KEY, max_bytes=4096), 15)
+        result = run_bounded(lambda: store.read_sha256(KEY, max_bytes=4096), 15)
         assert type(result) is UploadError, result
         assert "deadline of" in str(result)
         assert time.monotonic() - t0 < 5.0
@@ -146,7 +129,7 @@ def test_endless_list_page_is_refused_within_a_bounded_size(endless_xml: str) ->
     deadline alone let it buffer all the server sent for 60 s (128 MiB here before the server gave up;
     GBs at loopback speed). The store must stop reading it at a fixed cap."""
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
-        result = _bounded(lambda: list(store.list_keys("")), 30)
+        result = run_bounded(lambda: list(store.list_keys("")), 30)
     assert type(result) is UploadError, result
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
@@ -156,14 +139,14 @@ def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str, k
     """A GET answered 500 with an error body that never ends (botocore reads error bodies whole), sent
     close-delimited or with ``Transfer-Encoding: chunked``."""
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
-        result = _bounded(lambda: store.get_bytes(key, max_bytes=1024), 30)
+        result = run_bounded(lambda: store.get_bytes(key, max_bytes=1024), 30)
     assert type(result) is UploadError, result
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
 
 def test_endless_chunked_list_page_is_refused_within_a_bounded_size(endless_xml: str) -> None:
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
-        result = _bounded(lambda: list(store.list_keys("chunked")), 30)
+        result = run_bounded(lambda: list(store.list_keys("chunked")), 30)
     assert type(result) is UploadError, result
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
@@ -223,7 +206,7 @@ def _first(it: Any, n: int) -> list[Any]:
 def test_list_keys_refuses_a_repeated_continuation_token(same_page: str) -> None:
     """Before: list_keys yielded the same key for ever (a sidecar sweep or ``ls --remote`` never ended)."""
     with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
-        result = _bounded(lambda: _first(store.list_keys(""), 300), 20)
+        result = run_bounded(lambda: _first(store.list_keys(""), 300), 20)
     assert type(result) is UploadError, result
     assert "continuation token" in str(result)
     assert _SamePage.pages == 2
@@ -231,7 +214,7 @@ def test_list_keys_refuses_a_repeated_continuation_token(same_page: str) -> None
 
 def test_list_multipart_uploads_refuses_a_repeated_marker(same_page: str) -> None:
     with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
-        result = _bounded(lambda: _first(store.list_multipart_uploads(""), 300), 20)
+        result = run_bounded(lambda: _first(store.list_multipart_uploads(""), 300), 20)
     assert type(result) is UploadError, result
     assert "marker" in str(result)
     assert _SamePage.pages == 2
@@ -433,7 +416,7 @@ def test_download_of_a_small_shard_meets_the_deadline_of_its_planned_size(tmp_pa
     try:
         with _store(f"http://{host}:{port}", deadlines=settings, retry=RetryPolicy(max_attempts=1)) as store:
             t0 = time.monotonic()
-            result = _bounded(lambda: store.download_file(KEY, dest, expected_size=4096), 15)
+            result = run_bounded(lambda: store.download_file(KEY, dest, expected_size=4096), 15)
             elapsed = time.monotonic() - t0
     finally:
         server.shutdown()
