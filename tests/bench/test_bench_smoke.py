@@ -47,7 +47,7 @@ SMOKES: dict[str, Smoke] = {
                         _json_has("out.json", "cases", "restore[moto]")),
 }
 #: Smoke runs measured over ~10 s on a 2-core machine are also `slow` (the quick tier stays quick).
-SLOW = {"local_save.py"}  # ~30 s: about 30 fresh interpreters (torch, DCP)
+SLOW = {"local_save.py", "async_stall.py", "restore.py", "upload.py"}  # ~30 s; 2-3 s each (quick-tier budget)
 
 
 def test_every_bench_script_has_a_smoke_run() -> None:

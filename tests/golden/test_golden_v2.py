@@ -201,6 +201,7 @@ def test_golden_v2_verify_passes(fast: bool) -> None:
     assert [r.state for r in bad] == ["corrupt"] and "rank 1" in bad[0].reason
 
 
+@pytest.mark.slow  # about 2 s (quick-tier budget)
 def test_golden_v2_cli_verify() -> None:
     for name in NAMES:
         for extra in ([], ["--fast"]):

@@ -62,6 +62,7 @@ def nodes(tmp_path: Path) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------ Why case 7: node-local verify
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_verify_node_local_root(nodes: tuple[Path, Path]) -> None:
     """Why case 7: before issue 10 plain ``verify`` of a healthy node-local root exited 1 with
     'step 10: incomplete: ... rank 0 ... shard file is missing'."""

@@ -99,6 +99,7 @@ def test_verify_good(run_dir: Path) -> None:
     assert [r["state"] for r in rows] == ["committed"] * 3
 
 
+@pytest.mark.slow  # about 2 s (quick-tier budget)
 def test_verify_one_line_per_fault(run_dir: Path) -> None:
     s10, s20, s30 = (run_dir / f"step_{s:010d}" for s in (10, 20, 30))
     os.unlink(s10 / "rank_00001.safetensors")  # missing shard

@@ -227,6 +227,7 @@ def _strace_usable() -> str | None:
 _RENAME_NRS = {"82", "264", "316", "38", "276"}
 
 
+@pytest.mark.slow  # strace holds gc at the rename: about 3 s
 def test_gc_puts_back_an_uncommitted_step_a_writer_claimed_meanwhile(tmp_path: Path) -> None:
     """``gc`` looked for a live writer of an uncommitted step, then renamed it to trash and removed it without
     looking again (rotation's ``delete_step`` looks again inside the trash and puts the step back). A save

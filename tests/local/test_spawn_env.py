@@ -117,6 +117,7 @@ def test_crash_harness_fork_server_child_shares_the_environment(tmp_path: Path) 
     _same_env(res.report)
 
 
+@pytest.mark.slow  # two rank launchers, about 2.4 s each (quick-tier budget)
 @pytest.mark.parametrize("script", [DIST_WORKERS, RESTORE_WORKERS], ids=lambda p: p.stem)
 def test_rank_launcher_children_share_the_environment(tmp_path: Path, script: Path) -> None:
     pytest.importorskip("torch")

@@ -154,6 +154,7 @@ def test_verify_remote_uses_the_s3_flags(remote: S3Location) -> None:
     assert proc.stdout.splitlines() == ["step 20: committed"]
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_restore_ranks_outside_world_size_is_one_line(remote: S3Location, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     for ranks in ("0-99", "0-99999"):
@@ -164,6 +165,7 @@ def test_restore_ranks_outside_world_size_is_one_line(remote: S3Location, tmp_pa
         assert not dest.exists() or tc.committed_steps(dest) == []
 
 
+@pytest.mark.slow  # about 3 s (quick-tier budget)
 def test_verify_ranks_after_partial_restore(remote: S3Location, tmp_path: Path) -> None:
     dest = tmp_path / "node0"
     proc = run("restore", "--remote", remote.url, "--local", dest, *_s3(remote), "--no-progress", "--ranks", "0-1")

@@ -211,6 +211,7 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(python_cmd("-m", "tiered_ckpt.cli", *args), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_cli_upload_once_and_restore_against_a_server_without_list_multipart_uploads(
         tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
     root = tmp_path / "node"

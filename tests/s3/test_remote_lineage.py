@@ -161,6 +161,7 @@ def _attempt2(root: Path, lin1: RunLineage) -> RunLineage:
     return lin2
 
 
+@pytest.mark.slow  # about 3 s (quick-tier budget)
 def test_rollback_on_the_remote_tier(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"
     lin1 = new_run(root, RUN_A)

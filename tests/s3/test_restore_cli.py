@@ -30,6 +30,7 @@ def _s3(loc: S3Location) -> list[str]:
     return ["--endpoint-url", loc.endpoint_url, "--path-style"]
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 @both_servers
 def test_restore_cli(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     dest = tmp_path / "dest"

@@ -61,6 +61,7 @@ def test_read_back_of_an_endless_body_stops_near_the_sent_size() -> None:
         assert srv.sent[f"{PREFIX}/{KEY}"] < 64 * MiB, srv.sent
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_read_back_of_a_trickle_announcing_a_huge_length_meets_its_deadline() -> None:
     """The server HEADs 4 KiB, then answers the read-back's GET with ``Content-Length: 10**12`` and one
     byte every 0.2 s (never a stall): the GET's deadline must follow the sent size, not the length the

@@ -44,6 +44,7 @@ def _listening(pid: int) -> list[tuple[str, int]]:
     return out
 
 
+@pytest.mark.slow  # starts its own weed mini: about 4 s
 def test_weed_mini_listens_on_loopback_only_and_checks_signatures(tmp_path: Path) -> None:
     server = WeedMini(tmp_path / "sw", "key-id", "secret-key")
     url = server.start()

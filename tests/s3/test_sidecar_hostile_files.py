@@ -87,6 +87,7 @@ def _build(tmp_path: Path, url: str) -> Path:
     return root
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 @pytest.mark.timeout(300)
 def test_sidecar_refuses_hostile_entries_and_never_hangs(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     try:

@@ -527,6 +527,7 @@ def test_slowdown_on_parts_and_complete_is_retried(
     st.close()
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_slowdown_absorbed_by_botocore_retries(
     s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path
 ) -> None:

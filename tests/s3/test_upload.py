@@ -27,6 +27,7 @@ def _uploader(root: Path, loc: s3_infra.S3Location, client=None, **kw) -> Upload
     return Uploader(root, loc.url, s3_client=client or loc.client, retry=FAST_RETRY, **{**SMALL, **kw})
 
 
+@pytest.mark.slow  # about 3 s (quick-tier budget)
 @both_servers
 def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S3Location,
                                            fault_proxy: s3_infra.FaultProxy, s3_server: s3_infra.S3Server) -> None:
@@ -71,6 +72,7 @@ def test_three_multipart_steps_commit_last(tmp_path: Path, s3_bucket: s3_infra.S
     assert not list(s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads", []))
 
 
+@pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_server_checksum_confirmation_compares_composite_crc32c(
         tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
     """Where the server validates checksums the shard is confirmed by the composite CRC32C it reports
@@ -180,6 +182,7 @@ def test_two_nodes_commit_exactly_when_all_confirmed(tmp_path: Path, s3_bucket: 
         assert remote_bytes(s3_bucket, f"{sp}/{rec.path}") == (src / step_dir_name(7) / rec.path).read_bytes()
 
 
+@pytest.mark.slow  # about 7 s (quick-tier budget)
 @both_servers
 def test_two_nodes_racing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     """Both sidecars upload at once; whoever confirms the last shard commits; the manifest is identical."""

@@ -28,6 +28,7 @@ def _check_remote_equals_local(loc: s3_infra.S3Location, root: Path, step: int) 
         assert remote_bytes(loc, f"{sp}/{rec.path}") == (root / step_dir_name(step) / rec.path).read_bytes()
 
 
+@pytest.mark.slow  # about 3 s (quick-tier budget)
 def test_slowdown_resets_and_flipped_byte_are_retried_and_verified(
         tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
     root = tmp_path / "node"

@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from restore_util import publish, save_step
 from s3_infra import S3Location
 from spawn import child_env, python_cmd
@@ -48,6 +50,7 @@ def test_scan_remote_states(tmp_path: Path, s3_bucket: S3Location) -> None:
     assert [(s.step, s.state) for s in only] == [(10, "committed")]
 
 
+@pytest.mark.slow  # about 3 s (quick-tier budget)
 @both_servers
 def test_cli_verify_remote(tmp_path: Path, s3_bucket: S3Location) -> None:
     _remote_root(tmp_path, s3_bucket)
