@@ -165,25 +165,24 @@ def _cap_buffered_body(resp: Any) -> Any:
     return resp
 
 
-class _GuardedHTTPConnection(AWSHTTPConnection):
-    """botocore's connection, attaching itself to the request guard of the thread that sends on it; a
-    response body botocore reads whole is capped (:data:`MAX_BUFFERED_RESPONSE_BYTES`)."""
+class _Guarded:
+    """Mixed into botocore's connections: each attaches itself to the request guard of the thread that
+    sends on it, and a response body botocore reads whole is capped (:data:`MAX_BUFFERED_RESPONSE_BYTES`)."""
 
     def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         attach_connection(self)
-        return super().request(method, url, *args, **kwargs)
+        return super().request(method, url, *args, **kwargs)  # type: ignore[misc]
 
     def getresponse(self) -> Any:
-        return _cap_buffered_body(super().getresponse())
+        return _cap_buffered_body(super().getresponse())  # type: ignore[misc]
 
 
-class _GuardedHTTPSConnection(AWSHTTPSConnection):
-    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
-        attach_connection(self)
-        return super().request(method, url, *args, **kwargs)
+class _GuardedHTTPConnection(_Guarded, AWSHTTPConnection):
+    pass
 
-    def getresponse(self) -> Any:
-        return _cap_buffered_body(super().getresponse())
+
+class _GuardedHTTPSConnection(_Guarded, AWSHTTPSConnection):
+    pass
 
 
 class _GuardedHTTPConnectionPool(AWSHTTPConnectionPool):
