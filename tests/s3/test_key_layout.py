@@ -6,13 +6,14 @@ leftover sweeps work with it unchanged for the user."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from _upload_util import list_keys, make_step, remote_bytes, save_entry, split_nodes
-from s3_infra import S3Location
+from s3_infra import S3Location, make_test_client
 from tiered_ckpt import UploadManifest, Uploader, list_remote_steps, restore
 from tiered_ckpt.cli import main
 from tiered_ckpt.errors import ManifestError, UploadError
@@ -194,3 +195,53 @@ def test_leftover_multipart_uploads_of_spread_keys_are_aborted(tmp_path: Path, s
         up.upload_step(2)  # aborts the leftover of its rank-0 key before sending
     assert c.list_multipart_uploads(Bucket=bkt).get("Uploads", []) == []
     assert save_shard_key(2, sid2, 0, "hashed").startswith("shards/")
+
+
+def _counting_client(loc: S3Location) -> tuple[object, Counter]:
+    """A fresh client of ``loc``'s server and a Counter of ``(operation, where)`` for every request it
+    makes: ``where`` is ``shards`` (a spread key), ``save`` (a key of a save prefix) or ``top``."""
+    client = make_test_client(loc.endpoint_url)
+    seen: Counter = Counter()
+
+    def count(params, model, **_):
+        key = params.get("Key") or params.get("Prefix") or ""
+        seen[(model.name, "shards" if "/shards/" in key else "save" if "/step_" in key else "top")] += 1
+
+    client.meta.events.register("before-parameter-build.s3", count)
+    return client, seen
+
+
+def test_request_counts_per_step_are_the_documented_formula_in_both_layouts(
+        tmp_path: Path, s3_bucket: S3Location) -> None:
+    """docs/sidecar.md "Requests per step": two nodes of L = 2 ranks (W = 4), single-PUT shards (s = 1),
+    read-back (r = 1): the first node's pass is ``3 + L(4 + r + s) + 2`` (its manifest PUT included), the
+    committing node's ``3 + L(4 + r + s) + 1 + 2W - L + 5``, the same requests in either layout; in the
+    hashed one every request for a shard object goes to a spread prefix and the save prefix sees only
+    ``3 + 2L`` (+1) of the first pass."""
+    W, L, r, s = 4, 2, 1, 1
+    src = tmp_path / "src"
+    make_step(src, 1, shard_bytes=16 * KiB)
+    per_layout = {}
+    for layout in ("flat", "hashed"):
+        loc, a, b = _loc(s3_bucket, layout), tmp_path / f"a-{layout}", tmp_path / f"b-{layout}"
+        split_nodes(src, a, b, 1, [0, 1])
+        got = []
+        for root in (a, b):
+            client, seen = _counting_client(loc)
+            with Uploader(root, loc.url, s3_client=client, retry=FAST_RETRY, key_layout=layout) as up:
+                up._server_validates = False  # moto: read-back (r = 1), no probe requests
+                try:
+                    up.upload_step(1)
+                except StepIncompleteError:
+                    pass
+            got.append(seen)
+        per_layout[layout] = got
+        first, commit = (sum(c.values()) for c in got)
+        assert first == 3 + L * (4 + r + s) + 2
+        assert commit == 3 + L * (4 + r + s) + 1 + 2 * W - L + 5
+    ops = [{k: sum(n for (op, _), n in c.items() if op == k) for (k, _) in c} for c in per_layout["flat"]]
+    assert ops == [{k: sum(n for (op, _), n in c.items() if op == k) for (k, _) in c} for c in per_layout["hashed"]]
+    first = per_layout["hashed"][0]
+    assert sum(n for (op, where), n in first.items() if where == "save") == 3 + 2 * L + 1
+    assert sum(n for (op, where), n in first.items() if where == "shards") == L * (2 + r + s)
+    assert not [k for k in per_layout["flat"][0] if k[1] == "shards"]
