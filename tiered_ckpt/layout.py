@@ -24,6 +24,17 @@ an old sidecar, a replace) never share an object::
     <prefix>/step_0000001234.<save_id>/upload_manifest.json  remote commit point, written last
     <prefix>/step_0000001234.<save_id>/pinned.json           pin mirrored by the sidecar
 
+Key layouts of a save's shard objects (:data:`KEY_LAYOUTS`; the upload manifest records it as
+``key_layout``, SPEC §4). ``flat`` (the default) is the tree above. ``hashed`` moves only the shard
+objects, the big and numerous ones, out to 256 spread prefixes (S3 scales request rates per prefix)::
+
+    <prefix>/shards/<hh>/step_0000001234.<save_id>/rank_00000.safetensors
+
+``<hh>`` (:func:`spread_prefix`) is the first two hex digits of the sha256 of the key the flat layout
+gives the shard (``step_0000001234.<save_id>/rank_00000.safetensors``): the ranks of one step, and one
+rank over its steps, land on different prefixes. Everything else of the save (``manifest.json``,
+``.confirm/``, ``upload_manifest.json``, ``pinned.json``) stays in its save prefix.
+
 Round-1 prefixes (upload manifest schema 1) have one save per step at ``<prefix>/step_0000001234/``;
 they are read as they are (:func:`parse_remote_step_entry` returns ``save_id=None`` for them).
 
@@ -32,6 +43,7 @@ Step numbers are zero-padded to 10 digits so that lexical order is numeric order
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 STEP_DIGITS = 10
@@ -70,6 +82,13 @@ NODE_TOKEN_PREFIX = ".node."
 #: Multipart uploads the sidecar started and could not abort, swept later (remote/pending_aborts.py).
 PENDING_ABORTS_NAME = ".pending_aborts.json"
 
+#: Key layouts of a save's shard objects (module docstring); ``flat`` is the default.
+KEY_LAYOUTS = ("flat", "hashed")
+#: Folder of the ``hashed`` layout's shard objects, directly under the run prefix.
+SPREAD_DIR = "shards"
+#: Hex digits of the ``hashed`` layout's spread prefix: 16**2 = 256 prefixes.
+SPREAD_HEX_DIGITS = 2
+
 # ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$" would
 # also accept a trailing newline): one step number has exactly one directory name.
 _STEP_RE = re.compile(r"step_([0-9]{%d})" % STEP_DIGITS)
@@ -77,6 +96,8 @@ _SAVE_ID_CHARS = "[0-9A-Za-z_-]{1,64}"
 _SAVE_ID_RE = re.compile(_SAVE_ID_CHARS)
 _ENTRY_RE = re.compile(r"step_([0-9]{%d})(?:\.(%s))?" % (STEP_DIGITS, _SAVE_ID_CHARS))
 _SHARD_RE = re.compile(r"rank_([0-9]{%d})\.safetensors" % RANK_DIGITS)
+_SPREAD_RE = re.compile(r"%s/([0-9a-f]{%d})/step_([0-9]{%d})\.(%s)/rank_([0-9]{%d})\.safetensors"
+                        % (SPREAD_DIR, SPREAD_HEX_DIGITS, STEP_DIGITS, _SAVE_ID_CHARS, RANK_DIGITS))
 
 
 def step_dir_name(step: int) -> str:
@@ -158,6 +179,48 @@ def remote_save_key(prefix: str, step: int, save_id: str | None, name: str) -> s
     return f"{remote_save_prefix(prefix, step, save_id)}/{name}"
 
 
+def spread_prefix(step: int, save_id: str, rank: int) -> str:
+    """``<hh>`` of the ``hashed`` layout: the first :data:`SPREAD_HEX_DIGITS` hex digits of
+    ``sha256("step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors")`` (the flat key, relative to the run
+    prefix). Stable across versions and machines. Raises ``ValueError`` for a bad step, save id or rank."""
+    flat = f"{save_entry_name(step, save_id)}/{shard_file_name(rank)}"
+    return hashlib.sha256(flat.encode("ascii")).hexdigest()[:SPREAD_HEX_DIGITS]
+
+
+def save_shard_key(step: int, save_id: str | None, rank: int, key_layout: str = "flat") -> str:
+    """Key of ``rank``'s shard object of one save, relative to the run prefix: ``flat``
+    ``step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors``; ``hashed``
+    ``shards/<hh>/step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors``. Raises ``ValueError`` for an
+    unknown layout, a bad step, save id or rank, and for ``hashed`` with ``save_id=None`` (round-1 saves
+    are flat)."""
+    if key_layout not in KEY_LAYOUTS:
+        raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
+    flat = f"{save_entry_name(step, save_id)}/{shard_file_name(rank)}"
+    if key_layout == "flat":
+        return flat
+    if save_id is None:
+        raise ValueError("the hashed key layout needs a save id (round-1 saves are flat)")
+    return f"{SPREAD_DIR}/{spread_prefix(step, save_id, rank)}/{flat}"
+
+
+def remote_shard_key(prefix: str, step: int, save_id: str | None, rank: int, key_layout: str = "flat") -> str:
+    """Full key (run prefix included) of :func:`save_shard_key`: what the upload manifest and the
+    confirmation records name. ``flat`` equals ``remote_save_key(prefix, step, save_id, shard_file_name(rank))``."""
+    p = prefix.strip("/")
+    rel = save_shard_key(step, save_id, rank, key_layout)
+    return f"{p}/{rel}" if p else rel
+
+
+def parse_spread_shard_key(rel_key: str) -> tuple[int, str, int] | None:
+    """``(step, save_id, rank)`` of a ``hashed``-layout shard key relative to the run prefix (its ``<hh>``
+    must be the one :func:`spread_prefix` gives); ``None`` for any other key."""
+    m = _SPREAD_RE.fullmatch(rel_key)
+    if m is None:
+        return None
+    step, save_id, rank = int(m.group(2)), m.group(3), int(m.group(4))
+    return (step, save_id, rank) if m.group(1) == spread_prefix(step, save_id, rank) else None
+
+
 __all__ = [
     "STEP_DIGITS", "RANK_DIGITS", "MAX_STEP", "MAX_WORLD_SIZE", "MANIFEST_NAME", "UPLOAD_MANIFEST_NAME",
     "LATEST_POINTER_NAME", "UPLOADED_MARKER_NAME", "SAVE_LOCK_NAME", "LOCK_PREFIX", "TMP_SUFFIX",
@@ -166,5 +229,6 @@ __all__ = [
     "PINNED_MARKER_NAME", "ADOPTED_MARKER_NAME", "NODE_TOKEN_PREFIX", "NODE_RANKS_NAME", "remote_run_key",
     "save_entry_name", "parse_remote_step_entry",
     "remote_save_prefix", "remote_save_key",
-    "PENDING_ABORTS_NAME",
+    "PENDING_ABORTS_NAME", "KEY_LAYOUTS", "SPREAD_DIR", "SPREAD_HEX_DIGITS", "spread_prefix", "save_shard_key",
+    "remote_shard_key", "parse_spread_shard_key",
 ]

@@ -103,6 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help=f"shards of at least this many MiB go as multipart uploads, 1 to {MAX_PART_SIZE_MIB} (default 64)")
     p.add_argument("--max-concurrency", type=bounded_int(MAX_CONCURRENCY), default=10,
                    help=f"parts in flight, 1 to {MAX_CONCURRENCY} (default 10)")
+    p.add_argument("--key-layout", choices=["flat", "hashed"], default=_env("TIERED_CKPT_KEY_LAYOUT", "flat"),
+                   help="where shard objects go: flat (default, in the save's prefix) or hashed (spread over "
+                        "256 prefixes shards/<hh>/ for jobs past one S3 prefix's request rate; every node "
+                        "the same; env TIERED_CKPT_KEY_LAYOUT)")
     p.add_argument("--shutdown-timeout-s", type=nonneg_seconds, default=30.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -143,7 +147,7 @@ def build_uploader(args: argparse.Namespace, *, stop_event: threading.Event | No
                         multipart_threshold_bytes=args.multipart_threshold_mib * MiB,
                         part_size_bytes=args.part_size_mib * MiB, policy=policy, write=write,
                         stop_event=stop_event, on_progress=on_progress, metrics=metrics,
-                        adopt_prefix=args.adopt_prefix)
+                        adopt_prefix=args.adopt_prefix, key_layout=args.key_layout)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
 

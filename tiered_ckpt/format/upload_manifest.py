@@ -12,6 +12,13 @@ Schema 2 adds the lineage (``run_id``, ``attempt``: SPEC §11), the local manife
 shard, the ``etag`` the commit re-checked. Schema 1 is still read (``run_id`` ``None``, ``attempt`` 1,
 ``etag`` ``None``).
 
+``key_layout`` (optional in schema 2, no bump: absent means ``flat``, the only layout before it; written
+only when not ``flat``, so a flat save's bytes are what they always were) names the key scheme of the
+shard objects (:data:`~tiered_ckpt.layout.KEY_LAYOUTS`, :func:`~tiered_ckpt.layout.remote_shard_key`).
+Every shard key must be exactly the key that layout gives its rank: never a key outside the save's
+(flat) or the run's spread (``hashed``) prefix. A reader older than ``key_layout`` refuses a hashed
+manifest (an unknown key is a ``ManifestError``) rather than look for its shards in the wrong place.
+
 ``<prefix>/latest`` (see :class:`LatestPointer`) names the newest current remotely committed save,
 ordered by ``(attempt, step)``.
 
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError
-from tiered_ckpt.layout import MANIFEST_NAME, MAX_STEP, MAX_WORLD_SIZE, remote_save_key, shard_file_name
+from tiered_ckpt.layout import KEY_LAYOUTS, MANIFEST_NAME, MAX_STEP, MAX_WORLD_SIZE, remote_save_key, remote_shard_key
 from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE
 from tiered_ckpt.format.manifest import MAX_SHARD_BYTES
 from tiered_ckpt.format.validate import check_keys, int_field, loads_json, str_field
@@ -90,7 +97,8 @@ class UploadManifest:
     still restores). ``manifest_sha256``: sha256 (hex) of the exact ``manifest.json`` bytes uploaded.
     ``run_id``/``attempt``/``created_at`` (schema 2): copied from the local manifest (``None``/``1``/``""``
     in schema 1). Object keys: :func:`~tiered_ckpt.layout.remote_save_key` of ``(step, save_id)`` in
-    schema 2, of ``(step, None)`` in schema 1 (:attr:`key_save_id`).
+    schema 2, of ``(step, None)`` in schema 1 (:attr:`key_save_id`); shard keys as ``key_layout`` gives
+    them (:func:`~tiered_ckpt.layout.remote_shard_key`; ``hashed`` only in schema 2).
     """
 
     step: int
@@ -104,6 +112,7 @@ class UploadManifest:
     attempt: int = 1
     created_at: str = ""
     schema_version: int = UPLOAD_SCHEMA_VERSION
+    key_layout: str = "flat"
 
     @property
     def key_save_id(self) -> str | None:
@@ -128,7 +137,8 @@ class UploadManifest:
             "manifest_sha256": self.manifest_sha256,
             "shards": [s.to_dict() for s in sorted(self.shards, key=lambda s: s.rank)],
         } | ({"run_id": self.run_id, "attempt": self.attempt, "created_at": self.created_at}
-             if self.schema_version >= 2 else {})
+             if self.schema_version >= 2 else {}) | ({"key_layout": self.key_layout}
+                                                      if self.key_layout != "flat" else {})
 
     def to_json(self) -> str:
         """Deterministic bytes: sorted keys, shards in rank order, no timestamps."""
@@ -148,7 +158,11 @@ class UploadManifest:
                                 f"(this tiered_ckpt reads 1 and {UPLOAD_SCHEMA_VERSION}); upgrade tiered_ckpt")
         lineage_keys = {"run_id", "attempt", "created_at"} if version >= 2 else set()
         check_keys(obj, "upload manifest", {"schema_version", "step", "world_size", "save_id", "prefix",
-                                            "manifest_key", "manifest_sha256", "shards"} | lineage_keys)
+                                            "manifest_key", "manifest_sha256", "shards"} | lineage_keys,
+                   {"key_layout"} if version >= 2 else set())
+        layout = str_field(obj.get("key_layout", "flat"), "key_layout")
+        if layout not in KEY_LAYOUTS:
+            raise ManifestError(f"key_layout {layout[:30]!r} is not one of {KEY_LAYOUTS}; upgrade tiered_ckpt")
         run_id, attempt, created = None, 1, ""
         if version >= 2:
             run_id = None if obj["run_id"] is None else str_field(obj["run_id"], "run_id", RUN_ID_RE)
@@ -173,14 +187,16 @@ class UploadManifest:
         if sorted(s.rank for s in shards) != list(range(ws)):
             raise ManifestError(f"upload manifest shards do not cover ranks 0..{ws - 1} exactly once")
         for s in shards:
-            if s.key != remote_save_key(prefix, step, key_sid, shard_file_name(s.rank)):
-                raise ManifestError(f"shard key {s.key[:100]!r} of rank {s.rank} is outside step {step}")
+            if s.key != remote_shard_key(prefix, step, key_sid, s.rank, layout):
+                raise ManifestError(f"shard key {s.key[:100]!r} of rank {s.rank} is outside step {step} (not "
+                                    f"the key its {layout} key layout gives)")
             if (s.etag is not None) != (version >= 2):
                 raise ManifestError(f"shard of rank {s.rank}: etag is required in schema 2 and unknown in 1")
         m = object.__new__(cls)
         for k, v in dict(step=step, world_size=ws, save_id=save_id, prefix=prefix, manifest_key=mkey,
                          manifest_sha256=msha, shards=tuple(sorted(shards, key=lambda s: s.rank)),
-                         run_id=run_id, attempt=attempt, created_at=created, schema_version=version).items():
+                         run_id=run_id, attempt=attempt, created_at=created, schema_version=version,
+                         key_layout=layout).items():
             object.__setattr__(m, k, v)
         return m
 

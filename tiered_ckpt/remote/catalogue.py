@@ -2,9 +2,9 @@
 
 **A save is remotely committed iff GET finds its valid ``upload_manifest.json``** (the remote commit point,
 written last by :mod:`tiered_ckpt.remote.commit`). Nothing else makes it committed: not the ``latest``
-pointer, not LIST. Keys: one prefix per save, ``<prefix>/step_XXXXXXXXXX.<save_id>/`` (upload manifest
-schema 2); round-1 saves (schema 1) at ``<prefix>/step_XXXXXXXXXX/``, read as they are
-(:func:`~tiered_ckpt.layout.parse_remote_step_entry`).
+pointer, not LIST. Keys: one prefix per save, ``<prefix>/step_XXXXXXXXXX.<save_id>/`` (schema 2; its
+shards in ``<prefix>/shards/<hh>/`` under the ``hashed`` key layout); round-1 saves (schema 1) at
+``<prefix>/step_XXXXXXXXXX/``, read as they are (:func:`~tiered_ckpt.layout.parse_remote_step_entry`).
 
 **A committed save is current** iff the prefix's ``run.json`` (:mod:`tiered_ckpt.remote.lineage`; none:
 every save is current) does not supersede its ``(attempt, step)`` and it is not a save of another run
@@ -17,7 +17,6 @@ one paginated LIST of the prefix (:func:`list_save_entries`; the ``ObjectStore``
 delimiter LIST, so it walks every key: shards and confirmation records too), and one GET per save whose
 upload manifest LIST shows (or the pointer names). LIST may lag (the pointer's save is read even when
 LIST does not show it) or lie (a save LIST shows whose upload manifest GET does not find is *vanished*).
-
 Reads only: ``get_bytes``, ``head``, ``list_keys`` of an :class:`~tiered_ckpt.store.base.ObjectStore`.
 """
 
@@ -33,7 +32,7 @@ from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
 from tiered_ckpt.layout import (LATEST_POINTER_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME, parse_remote_step_entry,
-                                save_entry_name)
+                                parse_spread_shard_key, save_entry_name, save_shard_key)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
 from tiered_ckpt.remote.limits import MAX_POINTER_BYTES, MAX_UPLOAD_MANIFEST_BYTES
 from tiered_ckpt.remote.lineage import read_remote_record
@@ -58,17 +57,12 @@ def save_key(step: int, save_id: str | None, name: str) -> str:
     return f"{save_entry_name(step, save_id)}/{name}"
 
 
-def step_key(step: int, name: str) -> str:
-    """Key of ``name`` in ``step``'s round-1 directory (``<prefix>/step_XXXXXXXXXX/``), relative to the
-    store prefix."""
-    return save_key(step, None, name)
-
-
 @dataclass(frozen=True)
 class RemoteSave:
     """One remotely committed save: its upload manifest (``um``, exact bytes ``raw``) read by GET.
     ``key_save_id``: the save id in its keys (``None``: round 1). ``names``: objects LIST showed directly
-    under its prefix (``pinned.json`` among them when pinned)."""
+    under its prefix (``pinned.json`` among them when pinned), plus its ``hashed``-layout shard objects
+    LIST showed, as keys relative to the run prefix (``shards/<hh>/...``, the only names with a ``/``)."""
 
     step: int
     key_save_id: str | None
@@ -104,6 +98,11 @@ class RemoteSave:
     def key(self, name: str) -> str:
         """Key of ``name`` in this save, relative to the store prefix."""
         return save_key(self.step, self.key_save_id, name)
+
+    def shard_key(self, rank: int) -> str:
+        """Key of ``rank``'s shard object, relative to the store prefix, in the layout the upload manifest
+        records (:func:`~tiered_ckpt.layout.save_shard_key`; a copied bucket's other prefix is fine)."""
+        return save_shard_key(self.step, self.key_save_id, rank, self.um.key_layout)
 
 
 @dataclass(frozen=True)
@@ -210,14 +209,18 @@ def read_latest_pointer_versioned(store: ObjectStore) -> tuple[LatestPointer | N
 
 
 def list_save_entries(store: ObjectStore) -> dict[SaveKey, frozenset[str]]:
-    """``(step, key save id) -> names of the objects LIST shows directly under that save`` (one paginated
-    LIST of the prefix; may lag or lie, never trusted alone). Raises ``UploadError``."""
+    """``(step, key save id) -> names of the objects LIST shows directly under that save``, and its
+    ``hashed``-layout shards (``shards/<hh>/...`` keys: :attr:`RemoteSave.names`) (one paginated LIST of the
+    prefix; may lag or lie, never trusted alone). Raises ``UploadError``."""
     out: dict[SaveKey, set[str]] = {}
     for key in store.list_keys(""):
         head, sep, name = key.partition("/")
         parsed = parse_remote_step_entry(head)
+        spread = parse_spread_shard_key(key) if parsed is None else None
         if parsed is not None and sep and name and "/" not in name:
             out.setdefault(parsed, set()).add(name)
+        elif spread is not None:
+            out.setdefault(spread[:2], set()).add(key)
     return {k: frozenset(v) for k, v in out.items()}
 
 
@@ -270,9 +273,8 @@ def read_catalogue(store: ObjectStore, *, lineage: RunLineage | None = None,
     for (step, sid), names in sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         is_ptr = pointer is not None and (pointer.step, pointer.save_id) == (step, sid)
         if UPLOAD_MANIFEST_NAME not in names and not is_ptr:
-            faults.append(SaveFault(step, sid, REMOTE_NO_UPLOAD_MANIFEST,
-                                    "objects without an upload manifest (upload in progress or abandoned)",
-                                    len(names)))
+            faults.append(SaveFault(step, sid, REMOTE_NO_UPLOAD_MANIFEST, "objects without an upload manifest "
+                                    "(upload in progress or abandoned)", len(names)))
             continue
         try:
             got = read_upload_manifest(store, step, sid)
@@ -291,19 +293,17 @@ def read_catalogue(store: ObjectStore, *, lineage: RunLineage | None = None,
 
 @dataclass(frozen=True)
 class RemoteStep:
-    """One save seen in the bucket (:func:`list_remote_steps`).
-
-    ``state``: ``committed`` (upload manifest present and valid), ``no upload manifest`` (objects listed
-    but no commit point: an upload in progress or abandoned; never restored), ``bad upload manifest``
-    (present but unreadable), ``vanished`` (LIST showed the upload manifest but GET did not find it: a
-    save being deleted by retention). ``objects``: keys LIST showed directly under the save
-    (confirmation records not counted). ``latest``: the ``latest`` pointer names this save and it is the
-    current save of its step (a pointer left on a superseded or broken save marks nothing).
+    """One save seen in the bucket (:func:`list_remote_steps`). ``state``: ``committed`` (upload manifest
+    present and valid), ``no upload manifest`` (objects listed but no commit point: an upload in progress
+    or abandoned; never restored), ``bad upload manifest`` (present but unreadable), ``vanished`` (LIST
+    showed the upload manifest but GET did not find it: a save being deleted by retention). ``objects``:
+    keys LIST showed directly under the save, plus its ``hashed``-layout shards (confirmation records not
+    counted: the same count in either layout). ``latest``: the ``latest`` pointer names this save and it
+    is the current save of its step (a pointer left on a superseded or broken save marks nothing).
     ``save_id``: of the save (``None`` when unknown); ``attempt``/``run_id``: its lineage (committed
     saves). ``status`` (committed saves): ``current`` (what a restore of the step chooses),
     ``superseded by attempt K from step S``, ``replaced by save X (attempt K)``, or
-    ``run X, not the prefix's run Y``.
-    """
+    ``run X, not the prefix's run Y``."""
 
     step: int
     state: str
@@ -396,5 +396,5 @@ __all__ = [
     "RemoteCatalogue", "RemoteSave", "RemoteStep", "SaveFault", "committed_step_candidates", "get_or_none",
     "list_remote_steps", "list_remote_steps_in", "list_save_entries", "read_catalogue", "read_latest_pointer",
     "read_latest_pointer_versioned", "read_upload_manifest", "remote_committed_steps", "remote_steps_of",
-    "save_key", "step_key",
+    "save_key",
 ]

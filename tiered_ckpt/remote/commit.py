@@ -11,6 +11,12 @@ save, so two saves of one step (a rollback, a replace, an old sidecar) never sha
     <prefix>/step_XXXXXXXXXX.<save_id>/upload_manifest.json       remote commit point (schema 2), LAST
     <prefix>/latest                                               LatestPointer, ordered by (attempt, step)
 
+With ``key_layout="hashed"`` (:data:`~tiered_ckpt.layout.KEY_LAYOUTS`) the shard objects alone live at
+``<prefix>/shards/<hh>/step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors``
+(:func:`~tiered_ckpt.layout.save_shard_key`); records, manifests and their LIST stay in the save prefix,
+and the upload manifest records the layout. Every node of one save must use the same layout: a
+confirmation record naming the other layout's key fails :meth:`~RemoteStepCommit.gather` loudly.
+
 Lifecycle of :class:`RemoteStepCommit` for save ``(S, save_id)``. EVERY node's sidecar runs it, for the
 shards on its own disk (a node-local root holds that node's ranks plus the global manifest), under the
 local step's ``upload`` lock (:mod:`tiered_ckpt.remote.step_upload` holds it and calls these in order);
@@ -56,8 +62,8 @@ from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.records import ConfirmationRecord
 from tiered_ckpt.format.upload_manifest import LatestPointer, RemoteShard, UploadManifest
-from tiered_ckpt.layout import (CONFIRM_DIR, LATEST_POINTER_NAME, MANIFEST_NAME, UPLOAD_MANIFEST_NAME,
-                                parse_shard_file_name, remote_save_key, shard_file_name)
+from tiered_ckpt.layout import (CONFIRM_DIR, KEY_LAYOUTS, LATEST_POINTER_NAME, MANIFEST_NAME, UPLOAD_MANIFEST_NAME,
+                                parse_shard_file_name, remote_save_key, remote_shard_key, save_shard_key)
 from tiered_ckpt.remote.catalogue import read_latest_pointer_versioned, read_upload_manifest, save_key
 from tiered_ckpt.remote.errors import FencingError, StepIncompleteError
 from tiered_ckpt.remote.handle import get_or_none, object_url
@@ -83,12 +89,17 @@ class RemoteStepCommit:
 
     ``store``: the bucket prefix; ``prefix``: its key prefix (recorded in the upload manifest);
     ``manifest_bytes``: the exact local ``manifest.json`` bytes, ``manifest`` their parsed form (its
-    ``save_id`` names the save's keys). Thread-safe for :meth:`confirmed` and :meth:`record_confirmation`
-    (one call per shard, concurrently); the other methods are called by one thread.
+    ``save_id`` names the save's keys); ``key_layout``: where the shard objects go (``flat``, ``hashed``;
+    module docstring). Thread-safe for :meth:`confirmed` and :meth:`record_confirmation` (one call per
+    shard, concurrently); the other methods are called by one thread. Raises ``ValueError`` for an
+    unknown layout.
     """
 
     def __init__(self, store: ObjectStore, prefix: str, step: int, manifest_bytes: bytes,
-                 manifest: ShardManifest) -> None:
+                 manifest: ShardManifest, key_layout: str = "flat") -> None:
+        if key_layout not in KEY_LAYOUTS:
+            raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
+        self.key_layout = key_layout
         self.store = store
         self.prefix = prefix
         self.step = step
@@ -109,6 +120,14 @@ class RemoteStepCommit:
     def full_key(self, name: str) -> str:
         """Key of ``name`` in this save, prefix included (as recorded in the upload manifest)."""
         return remote_save_key(self.prefix, self.step, self.save_id, name)
+
+    def shard_key(self, rank: int) -> str:
+        """Key of ``rank``'s shard object in this save's layout, relative to the store prefix."""
+        return save_shard_key(self.step, self.save_id, rank, self.key_layout)
+
+    def full_shard_key(self, rank: int) -> str:
+        """:meth:`shard_key`, prefix included (as the records and the upload manifest name it)."""
+        return remote_shard_key(self.prefix, self.step, self.save_id, rank, self.key_layout)
 
     def matches(self, step: int, manifest_bytes: bytes) -> bool:
         """Whether this object is for ``step`` with exactly these local manifest bytes (``resume``)."""
@@ -161,7 +180,7 @@ class RemoteStepCommit:
             return None
 
     def _valid_for(self, c: ConfirmationRecord | None, rec: ShardRecord) -> bool:
-        return (c is not None and c.etag is not None and c.key == self.full_key(shard_file_name(rec.rank))
+        return (c is not None and c.etag is not None and c.key == self.full_shard_key(rec.rank)
                 and c.confirms(sha256=rec.sha256, size_bytes=rec.size_bytes, save_id=self.save_id))
 
     def confirmed(self, rec: ShardRecord) -> ConfirmationRecord | None:
@@ -176,7 +195,7 @@ class RemoteStepCommit:
         if not self._valid_for(c, rec):
             return None
         assert c is not None
-        info = self.store.head(self.key(shard_file_name(rec.rank)))
+        info = self.store.head(self.shard_key(rec.rank))
         if info is None or info.size_bytes != rec.size_bytes or info.etag != c.etag:
             return None
         with self._lock:
@@ -188,7 +207,7 @@ class RemoteStepCommit:
                             etag: str) -> ConfirmationRecord:
         """PUT the confirmation record of ``rec``'s shard, sent and confirmed (``confirmed_by``) as the
         object with ``etag`` (the server's, from the confirming HEAD)."""
-        c = ConfirmationRecord(rank=rec.rank, key=self.full_key(shard_file_name(rec.rank)), size_bytes=size_bytes,
+        c = ConfirmationRecord(rank=rec.rank, key=self.full_shard_key(rec.rank), size_bytes=size_bytes,
                                sha256=sha256, confirmed_by=confirmed_by, checksum_algorithm=checksum_algorithm,
                                checksum=checksum, save_id=self.save_id, etag=etag)
         self.store.put_bytes(confirm_key(self.step, rec.rank, self.save_id), c.to_json().encode())
@@ -210,6 +229,7 @@ class RemoteStepCommit:
             if not missing:
                 for rec in need:
                     c = self._read_confirmation(rec.rank)
+                    self._check_layout(c, rec)
                     if self._valid_for(c, rec):
                         assert c is not None
                         with self._lock:
@@ -221,17 +241,29 @@ class RemoteStepCommit:
                                           missing)
         with self._lock:
             recs = dict(self._records)
-        shards = tuple(RemoteShard(rank=rec.rank, key=self.full_key(shard_file_name(rec.rank)),
+        shards = tuple(RemoteShard(rank=rec.rank, key=self.full_shard_key(rec.rank),
                                    size_bytes=rec.size_bytes, sha256=rec.sha256,
                                    confirmed_by=recs[rec.rank].confirmed_by, etag=recs[rec.rank].etag)
                        for rec in m.shards)
         return UploadManifest(step=self.step, world_size=m.world_size, save_id=m.save_id, prefix=self.prefix,
                               manifest_key=self.full_key(MANIFEST_NAME), manifest_sha256=self.manifest_sha256,
-                              shards=shards, run_id=m.run_id, attempt=m.attempt, created_at=m.created_at)
+                              shards=shards, run_id=m.run_id, attempt=m.attempt, created_at=m.created_at,
+                              key_layout=self.key_layout)
+
+    def _check_layout(self, c: ConfirmationRecord | None, rec: ShardRecord) -> None:
+        """Raise ``UploadError`` when ``c`` confirms ``rec``'s bytes at the key another layout gives it (a
+        sidecar of this save run with another ``--key-layout``: waiting would never end)."""
+        if c is None or c.key == self.full_shard_key(rec.rank) or c.save_id != self.save_id:
+            return
+        for other in KEY_LAYOUTS:
+            if c.key == remote_shard_key(self.prefix, self.step, self.save_id, rec.rank, other):
+                raise UploadError(f"step {self.step} rank {rec.rank}: confirmed in the {other} key layout "
+                                  f"({c.key}), this sidecar uses {self.key_layout}: every sidecar of a job must "
+                                  "run with the same --key-layout")
 
     # -- 5
     def _fence_shard(self, s: RemoteShard) -> None:
-        key = self.key(shard_file_name(s.rank))
+        key = self.shard_key(s.rank)
         info = self.store.head(key)
         if info is None or info.size_bytes != s.size_bytes or info.etag != s.etag:
             with self._lock:

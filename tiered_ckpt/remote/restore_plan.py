@@ -8,8 +8,8 @@ Lifecycle steps 1-2 of :mod:`tiered_ckpt.remote.restore` (nothing local is touch
    or the current save of the requested ``step`` (then, with ``fallback``, the older ones). A save
    whose upload manifest is present but unreadable is a candidate at its step (it fails there).
 2. **Plan** (:func:`plan_step`): GET the mirrored ``manifest.json``; check its sha256 against the upload
-   manifest's ``manifest_sha256`` and that both agree rank by rank; HEAD every shard to fetch and
-   compare its size.
+   manifest's ``manifest_sha256`` and that both agree rank by rank; HEAD every shard to fetch (at the key
+   the upload manifest's ``key_layout`` gives it) and compare its size.
 
 Fallback order (:func:`iter_plans`): a candidate whose planning fails with one of :data:`STEP_FAULTS` is
 skipped with a warning when ``fallback=True`` (and recorded in ``RestorePlan.skipped``), otherwise raised.
@@ -27,7 +27,7 @@ from tiered_ckpt.errors import ManifestError, MissingShardError, NoCheckpointErr
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.upload_manifest import UploadManifest
-from tiered_ckpt.layout import MANIFEST_NAME, UPLOAD_MANIFEST_NAME, shard_file_name
+from tiered_ckpt.layout import MANIFEST_NAME, UPLOAD_MANIFEST_NAME
 from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_VANISHED, RemoteCatalogue, RemoteSave,
                                           SaveFault, read_catalogue)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
@@ -138,7 +138,7 @@ def plan_step(store: ObjectStore, save: RemoteSave, ranks: Iterable[int] | None,
     chosen = check_ranks(ranks, m.world_size, step)
     objects = []
     for rank in chosen:
-        key = save.key(shard_file_name(rank))
+        key = save.shard_key(rank)  # in the key layout its upload manifest records
         info = store.head(key)
         rec = m.shards[rank]
         if info is None:

@@ -8,9 +8,12 @@ start, retention after each step it commits.
   Saves that are not current (superseded by a later attempt, or replaced by a newer save of their step)
   are removed only once ``keep_last`` current steps exist, and never when pinned. Saves of another run
   (a prefix adopted from it) are never removed here. Un-commit deletes ``upload_manifest.json`` FIRST
-  (the save stops existing for restore at once), then the save's other objects.
+  (the save stops existing for restore at once), then the save's shard objects wherever its key layout
+  put them (``hashed``: ``shards/<hh>/...``, the keys its upload manifest names and those the catalogue's
+  LIST attributed to the save), then everything LIST shows under its save prefix.
 - :func:`abort_abandoned_uploads` aborts multipart uploads under the prefix left by an earlier (crashed)
-  sidecar of this node: those of shard keys whose rank this node holds locally, and any older than
+  sidecar of this node (shard keys of either key layout: one ListMultipartUploads of the prefix, filtered
+  to ``step_*`` and ``shards/*`` keys): those of shard keys whose rank this node holds locally, and any older than
   ``stale_age_s`` whoever started them (other nodes' live uploads are left alone). It first aborts the
   uploads this root recorded as not abortable (:mod:`tiered_ckpt.remote.pending_aborts`). A server
   without ListMultipartUploads or AbortMultipartUpload (501; :mod:`tiered_ckpt.store.optional_apis`,
@@ -25,7 +28,8 @@ import os
 import time
 from pathlib import Path
 
-from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, parse_shard_file_name, parse_step_dir_name, save_entry_name
+from tiered_ckpt.layout import (SPREAD_DIR, UPLOAD_MANIFEST_NAME, parse_shard_file_name, parse_step_dir_name,
+                                save_entry_name)
 from tiered_ckpt.remote.catalogue import CURRENT, RemoteCatalogue, RemoteSave, read_catalogue
 from tiered_ckpt.remote.pending_aborts import sweep_pending_aborts
 from tiered_ckpt.safe_read import list_dir
@@ -82,7 +86,10 @@ def apply_remote_retention(store: ObjectStore, keep_last: int | None,
     for s in retention_victim_saves(cat, keep_last, keep_every_n_steps):
         why = cat.status(s)
         store.delete([s.key(UPLOAD_MANIFEST_NAME)])  # un-commit first
-        store.delete(list(store.list_keys(save_entry_name(s.step, s.key_save_id) + "/")))
+        own = save_entry_name(s.step, s.key_save_id) + "/"
+        spread = {s.shard_key(r.rank) for r in s.um.shards} | {n for n in s.names if "/" in n}
+        # spread shards (none in the flat layout) and the save prefix, in one DeleteObjects batch per 1000
+        store.delete(sorted(k for k in spread if not k.startswith(own)) + list(store.list_keys(own)))
         deleted.append(s.step)
         log.info("step %d: save %s (%s) deleted remotely (retention keeps the last %d current steps)", s.step,
                  s.save_id, why, keep_last)
@@ -122,7 +129,7 @@ def abort_abandoned_uploads(store: ObjectStore, local_root: Path,
     local_ranks = local_shard_ranks(local_root)
     now = time.time()
     try:
-        listed = list(store.list_multipart_uploads("step_"))
+        listed = [u for u in store.list_multipart_uploads("") if u.key.startswith(("step_", SPREAD_DIR + "/"))]
     except OperationNotSupportedError:
         return n  # the store warned once; the recorded uploads above are all this server lets us find
     for mpu in listed:

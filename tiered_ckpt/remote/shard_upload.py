@@ -30,7 +30,6 @@ from typing import Callable
 
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.layout import shard_file_name
 from tiered_ckpt.locks import live_locks
 from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError
@@ -59,8 +58,9 @@ class ShardSender:
     """What every shard upload of one uploader shares: the store, the part executor and the semaphore
     bounding the parts in memory (all shards together), the retry policy, ``server_validates`` (a cached
     probe), ``force_read_back`` (``UploadPolicy.verify``), the stop event, ``on_progress(delta_bytes)``
-    the ``on_sent(bytes)`` metrics hook, and ``on_abort_failed(key, upload_id, exc)`` for a multipart upload
-    that could not be aborted (the uploader records it: :mod:`tiered_ckpt.remote.pending_aborts`)."""
+    the ``on_sent(bytes)`` metrics hook, ``on_abort_failed(key, upload_id, exc)`` for a multipart upload
+    that could not be aborted (the uploader records it: :mod:`tiered_ckpt.remote.pending_aborts`), and
+    ``key_layout`` (``flat``, ``hashed``: where new saves' shard objects go; :mod:`tiered_ckpt.layout`)."""
 
     store: ObjectStore
     part_executor: ThreadPoolExecutor
@@ -72,6 +72,7 @@ class ShardSender:
     on_progress: Callable[[int], None] | None = None
     on_sent: Callable[[int], None] | None = None
     on_abort_failed: Callable[[str, str, BaseException], None] | None = None
+    key_layout: str = "flat"
 
 
 def _retryable(e: BaseException) -> bool:
@@ -118,7 +119,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
     :class:`LocalStepGoneError` (file gone), ``LocalShardError`` (local rot), ``UploadError`` (after
     retries; ``OperationInterruptedError`` on stop)."""
     step, store = commit.step, sender.store
-    key = commit.key(shard_file_name(rec.rank))
+    key = commit.shard_key(rec.rank)  # in the commit's key layout (flat or hashed)
     done = commit.confirmed(rec)
     if done is not None:
         log.info("step %d rank %d: already confirmed (%s), not re-sent", step, rec.rank, done.confirmed_by)

@@ -175,7 +175,7 @@ def _commit_locked(sender: ShardSender, executor: ThreadPoolExecutor, prefix: st
     done = None
     if commit is None:
         check_lineage(store, local_root, m, adopt_prefix=adopt_prefix)
-        commit = RemoteStepCommit(store, prefix, step, mbytes, m)
+        commit = RemoteStepCommit(store, prefix, step, mbytes, m, sender.key_layout)
         done = commit.committed()
     if done is not None:
         log.info("step %d: already committed remotely", step)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
+from tiered_ckpt.layout import KEY_LAYOUTS
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
 from tiered_ckpt.local.catalogue import committed_steps, step_path, write_root
 from tiered_ckpt.remote import pending_aborts, retention
@@ -115,7 +116,10 @@ class Uploader:
     (``tiered_ckpt.store.WriteSettings``). ``metrics``: a :class:`tiered_ckpt.remote.metrics.UploadMetrics`.
     ``stop_event``: cuts retries short and aborts in-flight multipart uploads. ``adopt_prefix``: take over
     a prefix whose ``run.json`` names another run (``--adopt-prefix``; otherwise ``RunMismatchError``,
-    SPEC §11 fencing).
+    SPEC §11 fencing). ``key_layout``: ``"flat"`` (default) or ``"hashed"``: shard objects spread over 256
+    hashed prefixes for jobs whose request rate one S3 prefix cannot take (``docs/sidecar.md``, "Key
+    layout"; every sidecar of a job the same). Restore and retention read the layout from each save's upload
+    manifest. Raises ``ValueError`` for an unknown layout.
 
     Thread-safety: one :meth:`upload_step` at a time per instance (``run`` does that).
     """
@@ -138,11 +142,14 @@ class Uploader:
         stale_multipart_age_s: float = DEFAULT_STALE_MULTIPART_AGE_S,
         on_progress: Callable[[int], None] | None = None,
         adopt_prefix: bool = False,
+        key_layout: str = "flat",
     ) -> None:
         from tiered_ckpt.store import S3Store, TransferSettings, WriteSettings, make_s3_client
 
         if max_concurrent_shards < 1:
             raise ValueError(f"max_concurrent_shards must be >= 1, got {max_concurrent_shards}")
+        if key_layout not in KEY_LAYOUTS:
+            raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
         self.local_root = write_root(local_root)  # the sidecar writes markers: the root as given
         self.remote_url = remote_url
         self.bucket, self.prefix = parse_s3_url(remote_url)
@@ -154,6 +161,7 @@ class Uploader:
         self.stale_multipart_age_s = stale_multipart_age_s
         self.on_progress = on_progress
         self.adopt_prefix = adopt_prefix
+        self.key_layout = key_layout
         transfer = TransferSettings(multipart_threshold_bytes=multipart_threshold_bytes,
                                     part_size_bytes=part_size_bytes, max_concurrency=max_concurrency)
         client = s3_client if s3_client is not None else make_s3_client(
@@ -167,7 +175,8 @@ class Uploader:
             part_slots=threading.BoundedSemaphore(max_concurrency),
             retry=self.retry, server_validates=self.server_validates_checksums,
             force_read_back=self.policy.verify == "read-back", stop_event=self.stop_event,
-            on_progress=on_progress, on_sent=self._count_sent, on_abort_failed=self._record_failed_abort)
+            on_progress=on_progress, on_sent=self._count_sent, on_abort_failed=self._record_failed_abort,
+            key_layout=key_layout)
         #: The probe's cached answer; tests and benches set it to act as a validating server would.
         self._server_validates: bool | None = None
         self._probe_lock = threading.Lock()
