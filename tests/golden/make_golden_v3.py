@@ -45,17 +45,6 @@ CHECKPOINTS = {
 }
 
 
-def with_tensors(sdir: Path, rec: ShardRecord) -> ShardRecord:
-    """``rec`` with its tensor list: as written by the 6ed0115 code, or rebuilt from the shard's header
-    by later code (whose records carry none)."""
-    if rec.tensors is not None:
-        return rec
-    from tiered_ckpt.local.reader import verified_header  # issue 12 and later
-
-    return dataclasses.replace(rec, tensors=verified_header(sdir, rec, f"rank {rec.rank}").tensors,
-                               header_size_bytes=None)
-
-
 def v3_manifest_json(m: ShardManifest) -> str:
     """``m`` as ShardManifest.to_json() of commit 6ed0115 wrote it (every shard lists its tensors)."""
     d = m.to_dict()
@@ -72,8 +61,8 @@ def write_checkpoint(out: Path, name: str) -> None:
     states = make()
     save_id = f"golden_v3_{name}"
     sdir = root / f"step_{step:010d}"
-    records = [with_tensors(sdir, dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST))
-               for r, st in enumerate(states)]
+    records = g2.records_with_tensors(sdir, step, save_id, [
+        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST) for r, st in enumerate(states)])
     for rec in records:
         assert rec.crc32c and rec.header_sha256 and rec.crc32c_chunk_bytes, rec
         assert all(t.crc32c is not None for t in rec.tensors), rec

@@ -41,7 +41,7 @@ def test_manifest_size_does_not_grow_with_tensors_per_rank(tmp_path: Path) -> No
         tc.save_sharded([_state(r, n) for r in range(2)], root, 1, wall_clock_seconds=1.0)
         texts.append((root / "step_0000000001" / "manifest.json").read_text())
     sizes = [len(t.encode()) for t in texts]
-    assert max(sizes) - min(sizes) <= 8, sizes  # size_bytes/header_size_bytes gain a digit or two
+    assert max(sizes) - min(sizes) <= 16, sizes  # 2 ranks x (size_bytes, header_size_bytes): a few digits each
     assert _normalised(texts[0]) == _normalised(texts[1]) == _normalised(texts[2])
     assert sizes[2] < 2048
     states = tc.load_sharded(tmp_path / "n10000", 2)  # and the tensors are all there
