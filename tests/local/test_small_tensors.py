@@ -69,3 +69,52 @@ def test_ten_thousand_small_tensors_are_few_writes(tmp_path: Path, monkeypatch: 
     tc.commit_step(tmp_path, 1, 1, [rec], save_id="s")
     got = tc.load_shard(tmp_path, 0, 1)["p"]
     assert len(got) == 10_000 and got["t04321"].tobytes() == np.full(1024, 4321, np.float32).tobytes()
+
+
+def _flip_in_header(path: Path, marker: bytes, new_digit: bytes) -> None:
+    """Replace the digit right after ``marker`` in the file's header (the JSON stays valid)."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    i = raw.index(marker, 8, 8 + n) + len(marker)
+    assert raw[i:i + 1] != new_digit and raw[i:i + 1].isalnum()
+    raw[i:i + 1] = new_digit
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["crc-digit", "global-offset"])
+def test_corrupt_header_index_is_caught_by_header_sha256(tmp_path: Path, where: str) -> None:
+    """A digit changed in rank 1's tensor index (a chunk CRC, a slice's global offset): the manifest's
+    whole-file hashes are made to match the bytes, so only header_sha256 can catch it, on load (both
+    verify modes), on a resharding load and in verify."""
+    import hashlib
+
+    from tiered_ckpt.format.crc32c import Crc32c
+
+    root = tmp_path / "r"
+    tc.save_sharded([_state(r, 3) for r in range(2)], root, 1)
+    sdir = root / "step_0000000001"
+    shard = sdir / "rank_00001.safetensors"
+    if where == "crc-digit":
+        marker = b'\\"crc32c\\":\\"'  # the chunk CRC string of the index (JSON inside a JSON string)
+        raw = shard.read_bytes()
+        first = raw[raw.index(marker) + len(marker):][:1]
+        _flip_in_header(shard, marker, b"0" if first != b"0" else b"1")
+    else:
+        _flip_in_header(shard, b'\\"slice\\":[[8],[', b"0")  # rank 1's offset 4 -> 0 (overlaps rank 0)
+    data = shard.read_bytes()
+    m = json.loads((sdir / "manifest.json").read_text())
+    crc = Crc32c()
+    crc.update(data)
+    m["shards"][1].update(sha256=hashlib.sha256(data).hexdigest(), crc32c=crc.hexdigest())
+    os.unlink(sdir / "manifest.json")
+    (sdir / "manifest.json").write_text(json.dumps(m))
+    for verify in ("sha256", "crc32c"):
+        with pytest.raises(tc.ShardCorruptedError, match="rank 1 .*header sha256 differs"):
+            tc.load_sharded(root, 2, verify=verify)
+        with pytest.raises(tc.ShardCorruptedError, match="rank 1 .*header sha256 differs"):
+            tc.load_sharded(root, 1, reshard=True, verify=verify, rules={"w": "drop"})
+    assert tc.load_shard(root, 0, 2)["slice"].tolist() == [0.0, 1.0, 2.0, 3.0]  # rank 0 is fine
+    from tiered_ckpt.local.scan import scan
+
+    rows = scan(root, verify=True)
+    assert [r.state for r in rows] == ["corrupt"] and "header sha256" in rows[0].reason

@@ -196,7 +196,8 @@ def layout(entries: list[TensorEntry]) -> list[TensorRecord]:
 
 def encode_header(records: list[TensorRecord], metadata: Mapping[str, Any]) -> bytes:
     """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8 bytes."""
-    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(metadata, allow_nan=True)}}
+    meta = json.dumps(metadata, allow_nan=True, separators=(",", ":"))
+    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: meta}}
     for r in records:
         hdr[r.name] = {"dtype": r.dtype, "shape": list(r.shape), "data_offsets": list(r.data_offsets)}
     body = json.dumps(hdr, separators=(",", ":")).encode()
