@@ -130,6 +130,7 @@ def test_golden_v3_manifest_validates_against_schema(name: str) -> None:
     assert not errors, errors[:3]
 
 
+@pytest.mark.slow  # about 3 s (two runs of the generator)
 def test_make_golden_v3_is_deterministic(tmp_path: Path) -> None:
     """The generator runs on today's code and is deterministic; the committed files are frozen artefacts."""
     outs = []
