@@ -4,8 +4,8 @@ Pure module: frozen dataclasses, JSON (de)serialisation, strict validation. No I
 Field names of the seed lesson are kept (``schema_version``, ``world_size``, ``step``,
 ``wall_clock_seconds``, ``shards[].rank/path/sha256/param_shard_offset/param_shard_numel``); SPEC §2 adds
 per-shard ``size_bytes`` and per-tensor dtype/shape (and, for slices of a global tensor, the global shape
-and the slice's offset). The JSON Schema in ``schemas/manifest.v2.schema.json`` documents the format
-(``manifest.v1.schema.json`` the previous one); the checks here are stricter (cross-field rules the schema
+and the slice's offset). The JSON Schema in ``schemas/manifest.v3.schema.json`` documents the format
+(``manifest.v1``/``v2.schema.json`` the previous ones); the checks here are stricter (cross-field rules the schema
 cannot express).
 
 Version 2 adds checksums for fast and partial verification (issue 6), all nullable (``null``: unknown,
@@ -21,6 +21,12 @@ Version 3 adds the step's lineage (SPEC §11, :mod:`tiered_ckpt.format.lineage`)
 saved it; ``null``: unknown, a migrated or low-level save outside any run) and ``attempt`` (the attempt of
 that run, >= 1; a migrated manifest is attempt 1). The performance and DCP issues extend version 3 with
 optional keys; there is one migration per version.
+
+Since issue 12 (still version 3: optional keys, no migration) the manifest is O(ranks): a shard record
+written now omits ``tensors`` (:attr:`ShardRecord.tensors` is ``None``) and gives ``header_size_bytes``;
+the per-tensor detail is the tensor index in the shard's own header (header format 2,
+:mod:`tiered_ckpt.format.tensor_index`), verified through ``header_sha256`` (then required). Records that
+list tensors (v1, v2, v3 written before) are read and validated as before.
 
 Older manifests are upgraded on read through :data:`MIGRATIONS` (:mod:`tiered_ckpt.format.migration`).
 

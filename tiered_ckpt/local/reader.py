@@ -3,7 +3,9 @@
 :class:`ShardReader` reads only what it is asked for (``pread`` of byte ranges, never the whole file) and
 verifies exactly the bytes it read (manifest schema v2):
 
-- the length prefix and JSON header (the state tree included) against the shard's ``header_sha256``;
+- the length prefix and JSON header (the state tree and, header format 2, the tensor index included)
+  against the shard's ``header_sha256``, before parsing (:func:`check_header_bytes`: the one place every
+  reader gets a shard's tensor records from);
 - a byte range ``[a, b)`` of a tensor by reading the enclosing chunk-aligned range ``[a - a % C,
   min(ceil(b / C) * C, nbytes))`` (``C`` = the shard's ``crc32c_chunk_bytes``) and checking the CRC32C
   of every chunk in it against the tensor's ``crc32c`` list. So a read costs at most ``2 * C`` bytes

@@ -1,8 +1,9 @@
 """One rank's shard of a step, written durably (SPEC §2; call on every rank).
 
 The shard is a safetensors file (:mod:`tiered_ckpt.format.shard_file`) streamed from the caller's arrays
-(no whole-state copy) while a second thread computes its sha256 and the writing thread its CRC32Cs
-(:mod:`tiered_ckpt.local.shard_io`); the file becomes durable under its final name through the local
+(no whole-state copy; small tensors packed into 1 MiB blocks) while a second thread computes its sha256
+and the writing thread its whole-file CRC32C (:mod:`tiered_ckpt.local.shard_io`); the per-chunk CRC32Cs of
+the header's tensor index are computed from the arrays first (:func:`chunk_crcs`); the file becomes durable under its final name through the local
 commit protocol (:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
 """
 
