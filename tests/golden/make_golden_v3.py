@@ -62,7 +62,8 @@ def write_checkpoint(out: Path, name: str) -> None:
     save_id = f"golden_v3_{name}"
     sdir = root / f"step_{step:010d}"
     records = g2.records_with_tensors(sdir, step, save_id, [
-        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST) for r, st in enumerate(states)])
+        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
+        for r, st in enumerate(states)])
     for rec in records:
         assert rec.crc32c and rec.header_sha256 and rec.crc32c_chunk_bytes, rec
         assert all(t.crc32c is not None for t in rec.tensors), rec

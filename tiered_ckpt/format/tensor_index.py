@@ -206,16 +206,16 @@ def build_records(entries: list[tuple[int, int, str, str, tuple[int, ...]]], met
         raise err(f"tensor index: crc32c holds {len(crcs) // 8} chunk checksums, the tensors have {need}")
     out = []
     pos = 0
+    new = object.__new__
     for b, e, n, d, s in entries:
         k = -(-(e - b) // chunk)
-        crc = tuple(crcs[i : i + 8] for i in range(pos, pos + 8 * k, 8))
+        crc = (crcs[pos : pos + 8],) if k == 1 else tuple(crcs[i : i + 8] for i in range(pos, pos + 8 * k, 8))
         pos += 8 * k
         sl = slices.get(n)
-        if sl is None:
-            out.append(TensorRecord(n, d, s, (b, e), None, None, crc))
-            continue
-        gs, go = _slice_of(sl, s, err, n)
-        out.append(TensorRecord(n, d, s, (b, e), gs, go, crc))
+        gs, go = (None, None) if sl is None else _slice_of(sl, s, err, n)
+        t = new(TensorRecord)  # the fields are validated above: skip the frozen __init__ (half the cost)
+        t.__dict__.update(name=n, dtype=d, shape=s, data_offsets=(b, e), global_shape=gs, global_offset=go, crc32c=crc)
+        out.append(t)
     if len(slices) != sum(1 for t in out if t.global_shape is not None):
         raise err("tensor index: slices names a tensor the header does not hold")
     return tuple(out), chunk

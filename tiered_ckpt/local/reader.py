@@ -133,7 +133,8 @@ def match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, wher
         for t in rec.tensors:
             h = by_name[t.name]
             if (t.global_shape, t.global_offset) != (h.global_shape, h.global_offset) or (
-                    t.crc32c is not None and (t.crc32c != h.crc32c or rec.crc32c_chunk_bytes != hdr.crc32c_chunk_bytes)):
+                    t.crc32c is not None
+                    and (t.crc32c != h.crc32c or rec.crc32c_chunk_bytes != hdr.crc32c_chunk_bytes)):
                 raise ShardCorruptedError(f"{where}: header tensor index disagrees with the manifest at "
                                           f"{t.name[:80]!r}")
     return dataclasses.replace(hdr, tensors=rec.tensors)
@@ -350,8 +351,7 @@ def verify_shard_stream(sdir: Path, manifest: ShardManifest, rank: int, verify: 
 
 def stream_verified_header(sdir: Path, manifest: ShardManifest, rank: int,
                            verify: str = "sha256") -> tuple[str, fmt.ParsedHeader]:
-    """:func:`verify_shard_stream`, also returning the verified header (its tensor records), for checks
-    across the ranks of a step (``verify`` of a whole step)."""
+    """:func:`verify_shard_stream`, also returning the verified header (for checks across ranks)."""
     check_verify_mode(verify)
     rec = manifest.shards[rank]
     where = f"step {manifest.step} rank {rank} ({rec.path})"
@@ -394,5 +394,7 @@ class ReadLock:
             self._cm.__exit__(None, None, None)
 
 
-__all__ = ["check_header_bytes", "manifest_with_tensors", "read_header_bytes", "stream_verified_header", "verified_header", "ShardReader", "ReadStats", "ReadLock", "copy_value", "verify_shard_stream", "verify_fd_stream", "read_replicated",
-           "find_node", "open_shard", "pread_exact", "check_verify_mode", "VERIFY_MODES"]
+__all__ = ["check_header_bytes", "manifest_with_tensors", "read_header_bytes", "stream_verified_header",
+           "verified_header", "ShardReader", "ReadStats", "ReadLock", "copy_value", "verify_shard_stream",
+           "verify_fd_stream", "read_replicated", "find_node", "open_shard", "pread_exact", "check_verify_mode",
+           "VERIFY_MODES"]

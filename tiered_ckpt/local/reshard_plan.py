@@ -1,7 +1,7 @@
 """Planning a reshard (SPEC §6): which key paths of a step are slices of a global tensor, replicated
 values or per-rank values with a rule, checked over every old rank's state tree before anything is read
-or written. Pure: works on the verified headers (trees and tensor indexes) and the manifest only. The split rule and the rules are described in
-:mod:`tiered_ckpt.local.reshard`.
+or written. Pure: works on the verified headers (trees and tensor indexes) and the manifest only. The
+split rule and the rules are described in :mod:`tiered_ckpt.local.reshard`.
 """
 
 from __future__ import annotations

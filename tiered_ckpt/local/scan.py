@@ -186,7 +186,8 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
             if wanted is not None and rec.rank not in wanted:
                 continue
             if verify:
-                indexes.append((rec.rank, stream_verified_header(sdir, m, rec.rank, "crc32c" if fast else "sha256")[1].tensors))
+                hdr = stream_verified_header(sdir, m, rec.rank, "crc32c" if fast else "sha256")[1]
+                indexes.append((rec.rank, hdr.tensors))
                 continue
             try:
                 st = os.lstat(sdir / rec.path)

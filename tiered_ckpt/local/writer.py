@@ -3,8 +3,9 @@
 The shard is a safetensors file (:mod:`tiered_ckpt.format.shard_file`) streamed from the caller's arrays
 (no whole-state copy; small tensors packed into 1 MiB blocks) while a second thread computes its sha256
 and the writing thread its whole-file CRC32C (:mod:`tiered_ckpt.local.shard_io`); the per-chunk CRC32Cs of
-the header's tensor index are computed from the arrays first (:func:`chunk_crcs`); the file becomes durable under its final name through the local
-commit protocol (:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
+the header's tensor index are computed from the arrays first (:func:`chunk_crcs`); the file becomes
+durable under its final name through the local commit protocol
+(:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def write_shard(
     records = fmt.layout(entries)  # entries sorted into file order
     meta = {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step, "tree": tree,
             **encode_index(records, chunk_crcs(entries), DEFAULT_CHUNK_BYTES)}
-    # Refuse an unstorable state before anything touches the disk (the real header differs only in the
-    # save id, at most 64 characters).
-    fmt.encode_header(records, {**meta, "save_id": "x" * 64})
+    # Refuse an unstorable state before anything touches the disk (the real header differs at most in the
+    # save id, at most 64 characters); with the save id given, this is the real header.
+    sid = save_id if save_id and len(save_id) <= 64 else "x" * 64
+    header = (sid, fmt.encode_header(records, {**meta, "save_id": sid}))
     try:
         hold = LocalStepCommit.open(r, step, save_id, claim=True)
     except CheckpointError:
@@ -93,7 +95,7 @@ def write_shard(
         raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
     with hold:
         _prepare(hold, rank, replace)
-        return _write_claimed(hold, rank, meta, records, entries, param_shard)
+        return _write_claimed(hold, rank, meta, header, records, entries, param_shard)
 
 
 def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
@@ -147,13 +149,16 @@ def chunk_crcs(entries: list[fmt.TensorEntry]) -> str:
     return "".join(parts)
 
 
-def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], records: list[TensorRecord],
-                   entries: list[fmt.TensorEntry], param_shard: tuple[int, int] | None) -> ShardRecord:
+def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], encoded: tuple[str | None, bytes],
+                   records: list[TensorRecord], entries: list[fmt.TensorEntry],
+                   param_shard: tuple[int, int] | None) -> ShardRecord:
     """Stream the shard into its temp name and make it durable (lifecycle step 3). The record carries no
     tensors: the header holds the tensor index (format 2), named by ``header_sha256``."""
     step = hold.step
     offset, numel_ = param_shard if param_shard is not None else infer_param_shard(entries)
-    header = fmt.encode_header(records, {**meta, "save_id": hold.save_id})
+    header = encoded[1]
+    if encoded[0] != hold.save_id:  # the save id was adopted or made by open(): encode with it
+        header = fmt.encode_header(records, {**meta, "save_id": hold.save_id})
     name = shard_file_name(rank)
     sha = fmt.new_sha256()
     crc = Crc32c()
