@@ -151,6 +151,10 @@ def write_checkpoint(out: Path, name: str) -> None:
     save_id = f"golden_{name}"
     records = [dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
                for r, st in enumerate(states)]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_golden_v2 import records_with_tensors  # code since issue 12 writes records without tensors
+
+    records = records_with_tensors(root / f"step_{step:010d}", step, save_id, records)
     m = ShardManifest(world_size=len(states), step=step, shards=tuple(records), save_id=save_id,
                       wall_clock_seconds=wall, created_at=CREATED_AT, extra=extra)
     sdir = root / f"step_{step:010d}"

@@ -203,6 +203,19 @@ def v2_manifest_json(m: ShardManifest) -> str:
     return text
 
 
+def records_with_tensors(sdir: Path, step: int, save_id: str, records: list[Any]) -> list[Any]:
+    """``records`` with their tensor lists, which the frozen manifest forms list. Code since issue 12
+    writes records without tensors (the index is in each shard's header): rebuild them from the verified
+    headers (a no-op on the code that wrote the frozen files)."""
+    if all(r.tensors is not None for r in records):
+        return records
+    from tiered_ckpt.local.reader import verified_header  # issue 12 and later
+
+    m = ShardManifest(world_size=len(records), step=step, shards=tuple(records), save_id=save_id)
+    return [dataclasses.replace(r, tensors=verified_header(sdir, m, r.rank).tensors, header_size_bytes=None)
+            for r in records]
+
+
 def step_files(sdir: Path) -> list[Path]:
     return sorted(p for p in sdir.iterdir() if not p.name.startswith("."))
 
@@ -215,6 +228,7 @@ def write_checkpoint(out: Path, name: str) -> None:
     save_id = f"golden_v2_{name}"
     records = [dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
                for r, st in enumerate(states)]
+    records = records_with_tensors(root / f"step_{step:010d}", step, save_id, records)
     for rec in records:  # v2: every checksum field set
         assert rec.crc32c and rec.header_sha256 and rec.crc32c_chunk_bytes, rec
         assert all(t.crc32c is not None for t in rec.tensors), rec

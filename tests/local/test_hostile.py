@@ -39,6 +39,7 @@ import pytest
 import tiered_ckpt as tc
 from spawn import cli_cmd, python_cmd
 from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local.reader import manifest_with_tensors
 from tiered_ckpt import (CheckpointError, ManifestError, MissingShardError, NoCheckpointError,
                          ShardCorruptedError)
 
@@ -115,6 +116,9 @@ class Ctx:
             def upd(m: dict[str, Any]) -> None:
                 m["shards"][rank]["sha256"] = hashlib.sha256(new).hexdigest()
                 m["shards"][rank]["size_bytes"] = len(new)
+                n = int.from_bytes(new[:8], "little")
+                if m["shards"][rank].get("header_sha256") and 8 + n <= len(new):  # the parser sees the header
+                    m["shards"][rank]["header_sha256"] = hashlib.sha256(new[:8 + n]).hexdigest()
             self.edit(upd)
 
     def edit_header(self, rank: int, fn: Callable[[dict[str, Any], bytearray], Any]) -> None:
@@ -462,7 +466,7 @@ CASES: list[Case] = [
     T("hdr-missing-metadata", lambda c: c.edit_header(0, lambda h, d: h.pop("__metadata__")), SC),
     T("hdr-metadata-not-strings", lambda c: c.edit_header(0, lambda h, d: h["__metadata__"].__setitem__("x", 1)), SC),
     T("hdr-metadata-foreign", lambda c: c.edit_header(0, lambda h, d: h.__setitem__("__metadata__", {"format": "pt"})), SC),
-    T("hdr-metadata-format-2", lambda c: c.edit_meta(0, lambda m: m.__setitem__("format", 2)), SC),
+    T("hdr-metadata-format-newer", lambda c: c.edit_meta(0, lambda m: m.__setitem__("format", 3)), SC),
     T("hdr-metadata-no-tree", lambda c: c.edit_meta(0, lambda m: m.pop("tree")), SC),
     T("hdr-wrong-rank", lambda c: c.edit_meta(0, lambda m: m.__setitem__("rank", 1)), SC),
     T("hdr-wrong-step", other_step_header, SC),
@@ -498,7 +502,10 @@ def world(tmp_path_factory) -> World:
     tc.save_sharded(states, root, GOOD_STEP)
     for case in CASES:
         step = STEP_OF[case.id]
-        tc.save_sharded(states, root, step)
+        sdir = root / f"step_{step:010d}"
+        m = manifest_with_tensors(sdir, tc.save_sharded(states, root, step))  # the cases edit tensor records
+        os.unlink(sdir / "manifest.json")
+        (sdir / "manifest.json").write_text(m.to_json())
         outside = base / "outside" / case.id
         outside.mkdir(parents=True)
         secret = outside / "secret"

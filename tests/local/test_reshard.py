@@ -16,7 +16,14 @@ import tiered_ckpt as tc
 from tiered_ckpt import GlobalSlice, Replicated, ReshardError
 from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES
 from tiered_ckpt.cli import main
+from tiered_ckpt.local.reader import manifest_with_tensors
 from tiered_ckpt.local.reshard import ABSENT, even_split, reshard, reshard_states
+
+
+def full(root: Path, m: tc.ShardManifest | None = None) -> tc.ShardManifest:
+    """The manifest of ``root`` 's step with every record's tensors (read from the verified headers)."""
+    m = m if m is not None else tc.read_manifest(root)
+    return manifest_with_tensors(root / f"step_{m.step:010d}", m)
 
 # Global tensors of the test model: name -> (global shape, dtype). Dim 0 sizes are chosen so that
 # 3, 4 and 8 ranks split them unevenly, and some (2 and 0 rows) leave ranks with zero-size slices.
@@ -109,7 +116,7 @@ def test_4_to_8_to_4_round_trip_byte_equal(tmp_path: Path) -> None:
             assert get(s4[r], name).tobytes() == get(orig[r], name).tobytes()
             assert get(s4[r], name).dtype == get(orig[r], name).dtype
     # manifest-level: same tensor records (names, dtypes, shapes, global shape/offset) as the original
-    ma, mc = tc.read_manifest(tmp_path / "a"), tc.read_manifest(tmp_path / "c")
+    ma, mc = full(tmp_path / "a"), full(tmp_path / "c")
     for sa, sc in zip(ma.shards, mc.shards):
         key = lambda t: (t.name, t.dtype, t.shape, t.global_shape, t.global_offset, t.crc32c)  # noqa: E731
         assert sorted(map(key, sa.tensors)) == sorted(map(key, sc.tensors))
@@ -132,7 +139,7 @@ def test_uneven_and_zero_size(tmp_path: Path, n_old: int, n_new: int) -> None:
     one = [tc.load_shard(tmp_path / "src", r, n_new, reshard=True) for r in range(n_new)]
     assert_split(one, g)
     # param_shard_offset/numel of the new records follow the new split of the flat vector
-    m = tc.read_manifest(tmp_path / "dst")
+    m = full(tmp_path / "dst")
     assert [(s.param_shard_offset, s.param_shard_numel) for s in m.shards] == even_split(1003, n_new)
     for s in m.shards:
         for t in s.tensors:
@@ -160,7 +167,7 @@ def test_replicated_stored_once_and_given_to_every_rank(tmp_path: Path) -> None:
     big = np.arange(50_000, dtype=np.float64)
     states = [{"w": GlobalSlice(np.full(4, r, np.float32), (16,), (4 * r,)),
                "cfg": Replicated({"table": big, "name": "run-1"})} for r in range(4)]
-    m = tc.save_sharded(states, tmp_path / "r", 2)
+    m = full(tmp_path / "r", tc.save_sharded(states, tmp_path / "r", 2))
     names = [{t.name for t in s.tensors} for s in m.shards]
     assert "cfg/table" in names[0] and all("cfg/table" not in n for n in names[1:])
     assert all(s.size_bytes < 2_000 for s in m.shards[1:])  # the 400 kB array is not repeated
@@ -173,7 +180,7 @@ def test_replicated_stored_once_and_given_to_every_rank(tmp_path: Path) -> None:
     one = tc.load_shard(tmp_path / "r", 3, 4)  # rank 3 alone: value read from rank 0's shard
     assert one["cfg"]["table"].tobytes() == big.tobytes()
     res = reshard(tmp_path / "r", 2, 6, tmp_path / "r6")
-    m6 = res.manifest
+    m6 = full(tmp_path / "r6", res.manifest)
     assert "cfg/table" in {t.name for t in m6.shards[0].tensors}
     assert all("cfg/table" not in {t.name for t in s.tensors} for s in m6.shards[1:])
     for s in tc.load_sharded(tmp_path / "r6", 6):
@@ -282,7 +289,7 @@ class PreadCounter:
 
 
 def header_bytes(m: tc.ShardManifest) -> int:
-    return sum(s.size_bytes - (max(t.data_offsets[1] for t in s.tensors) if s.tensors else 0) for s in m.shards)
+    return sum(s.header_size_bytes for s in m.shards)  # 8 + header length of each shard
 
 
 def test_reads_only_needed_byte_ranges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,7 +330,7 @@ def test_partial_read_verifies_exactly_what_it_reads(tmp_path: Path) -> None:
     n = 2 * 1024 * 1024  # float32: 8 MiB global, 4 old ranks of 2 MiB
     g = {"w": np.arange(n, dtype=np.float32)}
     src = tmp_path / "s"
-    m = tc.save_sharded(rank_states(4, g, extra=False), src, 1)
+    m = full(src, tc.save_sharded(rank_states(4, g, extra=False), src, 1))
     rec = m.shards[3]
     path = src / "step_0000000001" / rec.path
     data_start = rec.size_bytes - rec.tensors[0].nbytes

@@ -26,6 +26,7 @@ pytest.importorskip("torch")
 
 from spawn import child_env, free_port, python_cmd  # noqa: E402
 from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
+from tiered_ckpt.local.reader import verified_header  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +176,8 @@ def test_clean_stop_and_restart_of_async_run_matches(reference, tmp_path):
     # The manifest describes the real ZeRO partition: contiguous slices covering the flat vector.
     m = read_manifest(root, stop)
     spans = sorted((sh.param_shard_offset, sh.param_shard_numel) for sh in m.shards)
-    total = next(t.global_shape[0] for t in m.shards[0].tensors if t.name.endswith("master"))
+    index = verified_header(root / f"step_{stop:010d}", m, 0).tensors  # the tensor index is in the header
+    total = next(t.global_shape[0] for t in index if t.name.endswith("master"))
     assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
     assert spans[-1][0] + spans[-1][1] == total and m.world_size == 4
     finish(launch(root, log2))

@@ -13,6 +13,7 @@ import tiered_ckpt as tc
 from tiered_ckpt import GlobalSlice
 from tiered_ckpt.format.crc32c import Crc32c, TensorChunkCrcs, chunk_count, crc32c_extend, crc_hex
 from tiered_ckpt.format.manifest import TensorRecord
+from tiered_ckpt.local.reader import manifest_with_tensors
 from tiered_ckpt.local.scan import inspect_step
 
 
@@ -64,6 +65,8 @@ def test_manifest_records_crc32c_header_sha_and_chunks(tmp_path: Path) -> None:
     states = [{"w": GlobalSlice(np.full(n, r, np.float32), (2 * n,), (r * n,)), "x": np.arange(3), "j": r}
               for r in range(2)]
     m = tc.save_sharded(states, tmp_path, 1)
+    assert all(rec.tensors is None for rec in m.shards)  # issue 12: the chunk CRCs are in each header
+    m = manifest_with_tensors(tmp_path / "step_0000000001", m)
     for rec in m.shards:
         raw = (tmp_path / "step_0000000001" / rec.path).read_bytes()
         assert rec.crc32c == crc_hex(g(raw))

@@ -17,6 +17,7 @@ from jsonschema import Draft202012Validator
 import tiered_ckpt as tc
 from tiered_ckpt import GlobalSlice, ManifestError
 from tiered_ckpt.format import manifest as mf
+from tiered_ckpt.local.reader import manifest_with_tensors
 from tiered_ckpt.local.reshard import even_split
 
 GOLDEN_V1 = Path(__file__).resolve().parents[1] / "golden" / "v1"
@@ -48,7 +49,7 @@ def to_v1(d: dict[str, Any]) -> dict[str, Any]:
 def write_v1_step(root: Path, world: int = 4, n: int = 1001) -> np.ndarray:
     flat = np.arange(n, dtype=np.float32)
     states = [{"p": GlobalSlice(flat[o:o + c], (n,), (o,)), "lr": 0.5} for o, c in even_split(n, world)]
-    m = tc.save_sharded(states, root, 9)
+    m = manifest_with_tensors(root / "step_0000000009", tc.save_sharded(states, root, 9))  # v1 lists tensors
     (root / "step_0000000009" / "manifest.json").write_text(json.dumps(to_v1(m.to_dict()), indent=1))
     return flat
 
@@ -71,7 +72,8 @@ def test_migration_is_named_and_registered() -> None:
 
 
 def test_v2_manifest_upgrades_to_attempt_1_of_no_run(tmp_path: Path) -> None:
-    m = tc.save_sharded([{"a": np.arange(3.0)}, {"a": np.arange(2.0)}], tmp_path, 5)
+    m = manifest_with_tensors(tmp_path / "step_0000000005",
+                              tc.save_sharded([{"a": np.arange(3.0)}, {"a": np.arange(2.0)}], tmp_path, 5))
     raw = to_v2(m.to_dict())
     assert not list(schema(2).iter_errors(raw))
     before = copy.deepcopy(raw)

@@ -145,4 +145,29 @@ class TensorChunkCrcs:
         return {k: tuple(v) for k, v in self._out.items()}
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Crc32c", "TensorChunkCrcs", "crc32c_extend", "crc_hex", "chunk_count"]
+def array_chunk_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> str:
+    """The per-chunk CRC32Cs of each C-contiguous array's bytes (chunk ``k`` of an array covering bytes
+    ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, none for an empty array), as 8 lower-case
+    hex digits each, concatenated in the order given: the ``crc32c`` string of a format-2 shard header
+    (:func:`tiered_ckpt.format.tensor_index.encode_index`). Zero-copy (the arrays' memory is read in
+    place); ctypes releases the GIL, so callers may split the arrays over threads."""
+    out = []
+    fn = _EXTEND
+    for a in arrays:
+        n = a.nbytes
+        if n == 0:
+            continue
+        if fn is None:  # pragma: no cover
+            flat = memoryview(a.reshape(-1).view(np.uint8))
+            out += [crc_hex(crc32c_extend(0, flat[i : i + chunk_bytes])) for i in range(0, n, chunk_bytes)]
+            continue
+        ptr = a.__array_interface__["data"][0]
+        if n <= chunk_bytes:
+            out.append(f"{fn(0, ptr, n):08x}")
+        else:
+            out += [f"{fn(0, ptr + i, min(chunk_bytes, n - i)):08x}" for i in range(0, n, chunk_bytes)]
+    return "".join(out)
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "Crc32c", "TensorChunkCrcs", "array_chunk_crcs", "crc32c_extend", "crc_hex",
+           "chunk_count"]

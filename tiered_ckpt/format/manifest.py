@@ -4,8 +4,8 @@ Pure module: frozen dataclasses, JSON (de)serialisation, strict validation. No I
 Field names of the seed lesson are kept (``schema_version``, ``world_size``, ``step``,
 ``wall_clock_seconds``, ``shards[].rank/path/sha256/param_shard_offset/param_shard_numel``); SPEC §2 adds
 per-shard ``size_bytes`` and per-tensor dtype/shape (and, for slices of a global tensor, the global shape
-and the slice's offset). The JSON Schema in ``schemas/manifest.v2.schema.json`` documents the format
-(``manifest.v1.schema.json`` the previous one); the checks here are stricter (cross-field rules the schema
+and the slice's offset). The JSON Schema in ``schemas/manifest.v3.schema.json`` documents the format
+(``manifest.v1``/``v2.schema.json`` the previous ones); the checks here are stricter (cross-field rules the schema
 cannot express).
 
 Version 2 adds checksums for fast and partial verification (issue 6), all nullable (``null``: unknown,
@@ -21,6 +21,12 @@ Version 3 adds the step's lineage (SPEC §11, :mod:`tiered_ckpt.format.lineage`)
 saved it; ``null``: unknown, a migrated or low-level save outside any run) and ``attempt`` (the attempt of
 that run, >= 1; a migrated manifest is attempt 1). The performance and DCP issues extend version 3 with
 optional keys; there is one migration per version.
+
+Since issue 12 (still version 3: optional keys, no migration) the manifest is O(ranks): a shard record
+written now omits ``tensors`` (:attr:`ShardRecord.tensors` is ``None``) and gives ``header_size_bytes``;
+the per-tensor detail is the tensor index in the shard's own header (header format 2,
+:mod:`tiered_ckpt.format.tensor_index`), verified through ``header_sha256`` (then required). Records that
+list tensors (v1, v2, v3 written before) are read and validated as before.
 
 Older manifests are upgraded on read through :data:`MIGRATIONS` (:mod:`tiered_ckpt.format.migration`).
 
@@ -39,115 +45,16 @@ from typing import Any
 from tiered_ckpt.errors import MissingShardError
 from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE
 from tiered_ckpt.format.migration import MIGRATIONS, SCHEMA_VERSION, migrate, migrate_v1_to_v2, migrate_v2_to_v3
-from tiered_ckpt.format.validate import (MAX_NUMEL, check_keys, fail, first_overlap, int_field, int_list,
-                                        loads_json, str_field)
+from tiered_ckpt.format.tensor_index import (DTYPE_SIZES, MAX_CRC_CHUNK_BYTES, MAX_HEADER_BYTES, MAX_NAME_LEN,
+                                            MAX_SHARD_BYTES, MAX_TENSORS_PER_SHARD, MIN_CRC_CHUNK_BYTES,
+                                            TensorRecord, check_global_slices, check_tensor_layout, numel)
+from tiered_ckpt.format.validate import MAX_NUMEL, check_keys, fail, int_field, loads_json, str_field
 from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE, shard_file_name
-
-#: Largest shard we accept in a manifest (bytes): 2**48 = 256 TiB. Guards integer arithmetic.
-MAX_SHARD_BYTES = 2**48
-MAX_TENSORS_PER_SHARD = 10_000_000
-MAX_NAME_LEN = 4096
-
-#: safetensors dtype code -> bytes per element (the codes safetensors defines that numpy can hold).
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
-}
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
-#: Bounds of ``crc32c_chunk_bytes`` (a power of two).
-MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES = 4096, 2**30
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _HOST = re.compile(r"^[0-9A-Za-z_.-]{0,255}$")
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """One tensor of a shard file.
-
-    ``dtype``: a safetensors code (``"F16"``, ``"BF16"``, ``"F8_E4M3"``...). ``shape``: the local shape.
-    ``data_offsets``: ``(begin, end)`` in bytes, relative to the start of the data section (after the
-    8-byte length and the JSON header), as in the safetensors header. ``global_shape``/``global_offset``:
-    set together for a slice of a larger global tensor (see :class:`~tiered_ckpt.state.GlobalSlice`).
-    ``crc32c`` (v2, optional): CRC32C (8 hex digits) of each chunk of the tensor's bytes, chunk size set
-    by the shard's ``crc32c_chunk_bytes``; ``None`` (key absent) when unknown: a partial read of such a
-    tensor verifies the whole shard's sha256 instead.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    data_offsets: tuple[int, int]
-    global_shape: tuple[int, ...] | None = None
-    global_offset: tuple[int, ...] | None = None
-    crc32c: tuple[str, ...] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.data_offsets[1] - self.data_offsets[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "data_offsets": list(self.data_offsets),
-        }
-        if self.crc32c is not None:
-            d["crc32c"] = list(self.crc32c)
-        if self.global_shape is not None:
-            d["global_shape"] = list(self.global_shape)
-            d["global_offset"] = list(self.global_offset or ())
-        return d
-
-    @classmethod
-    def from_dict(cls, obj: Any, what: str = "tensor") -> TensorRecord:
-        check_keys(obj, what, {"name", "dtype", "shape", "data_offsets"}, {"global_shape", "global_offset", "crc32c"})
-        name = str_field(obj["name"], f"{what}.name")
-        if not name or len(name) > MAX_NAME_LEN:
-            raise fail(f"{what}.name has bad length {len(name)}")
-        dtype = str_field(obj["dtype"], f"{what}.dtype")
-        if dtype not in DTYPE_SIZES:
-            raise fail(f"{what}.dtype {dtype[:20]!r} is not supported")
-        shape = int_list(obj["shape"], f"{what}.shape")
-        offs = int_list(obj["data_offsets"], f"{what}.data_offsets", MAX_SHARD_BYTES)
-        if len(offs) != 2 or offs[0] > offs[1]:
-            raise fail(f"{what}.data_offsets must be [begin, end] with begin <= end")
-        n = numel(shape)
-        if n > MAX_NUMEL:
-            raise fail(f"{what}.shape {shape} has too many elements")
-        if offs[1] - offs[0] != n * DTYPE_SIZES[dtype]:
-            raise fail(f"{what}: data_offsets span {offs[1] - offs[0]} bytes, shape x dtype needs "
-                        f"{n * DTYPE_SIZES[dtype]}")
-        gs = go = None
-        if ("global_shape" in obj) != ("global_offset" in obj):
-            raise fail(f"{what}: global_shape and global_offset go together")
-        if "global_shape" in obj:
-            gs = int_list(obj["global_shape"], f"{what}.global_shape")
-            go = int_list(obj["global_offset"], f"{what}.global_offset")
-            if not len(gs) == len(go) == len(shape):
-                raise fail(f"{what}: global_shape/global_offset/shape ranks differ")
-            if numel(gs) > MAX_NUMEL:
-                raise fail(f"{what}.global_shape {gs} has too many elements")
-            for d, (o, s, g) in enumerate(zip(go, shape, gs)):
-                if o + s > g:
-                    raise fail(f"{what}: dim {d} slice [{o}, {o + s}) exceeds global size {g}")
-        crcs = obj.get("crc32c")
-        if crcs is not None:
-            if not isinstance(crcs, list) or len(crcs) > MAX_SHARD_BYTES // MIN_CRC_CHUNK_BYTES + 1:
-                raise fail(f"{what}.crc32c must be a list of chunk checksums or null")
-            crcs = tuple(str_field(c, f"{what}.crc32c[{i}]", _HEX8) for i, c in enumerate(crcs))
-        return cls(name, dtype, shape, (offs[0], offs[1]), gs, go, crcs)
 
 
 @dataclass(frozen=True)
@@ -167,13 +74,14 @@ class ShardRecord:
     param_shard_numel: int = 0
     host: str = ""
     save_id: str = ""
-    tensors: tuple[TensorRecord, ...] = ()
+    tensors: tuple[TensorRecord, ...] | None = ()
     crc32c: str | None = None
     header_sha256: str | None = None
     crc32c_chunk_bytes: int | None = None
+    header_size_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "rank": self.rank,
             "path": self.path,
             "sha256": self.sha256,
@@ -182,11 +90,15 @@ class ShardRecord:
             "param_shard_numel": self.param_shard_numel,
             "host": self.host,
             "save_id": self.save_id,
-            "tensors": [t.to_dict() for t in self.tensors],
             "crc32c": self.crc32c,
             "header_sha256": self.header_sha256,
             "crc32c_chunk_bytes": self.crc32c_chunk_bytes,
         }
+        if self.tensors is not None:
+            d["tensors"] = [t.to_dict() for t in self.tensors]
+        if self.header_size_bytes is not None:
+            d["header_size_bytes"] = self.header_size_bytes
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -194,8 +106,8 @@ class ShardRecord:
     @classmethod
     def from_dict(cls, obj: Any, what: str = "shard") -> ShardRecord:
         check_keys(obj, what, {"rank", "path", "sha256", "size_bytes", "param_shard_offset",
-                          "param_shard_numel", "tensors", "crc32c", "header_sha256", "crc32c_chunk_bytes"},
-              {"host", "save_id"})
+                               "param_shard_numel", "crc32c", "header_sha256", "crc32c_chunk_bytes"},
+                   {"host", "save_id", "tensors", "header_size_bytes"})
         rank = int_field(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1)
         path = str_field(obj["path"], f"{what}.path")
         if path != shard_file_name(rank):
@@ -209,13 +121,6 @@ class ShardRecord:
         num = int_field(obj["param_shard_numel"], f"{what}.param_shard_numel", 0, MAX_NUMEL)
         host = str_field(obj.get("host", ""), f"{what}.host", _HOST)
         save_id = str_field(obj.get("save_id", ""), f"{what}.save_id", re.compile(r"^[0-9A-Za-z_-]{0,64}$"))
-        raw_tensors = obj["tensors"]
-        if not isinstance(raw_tensors, list):
-            raise fail(f"{what}.tensors must be a list")
-        if len(raw_tensors) > MAX_TENSORS_PER_SHARD:
-            raise fail(f"{what}.tensors has too many entries")
-        tensors = tuple(TensorRecord.from_dict(t, f"{what}.tensors[{i}]") for i, t in enumerate(raw_tensors))
-        _check_tensor_layout(tensors, size, what)
         crc, hsha, chunk = obj["crc32c"], obj["header_sha256"], obj["crc32c_chunk_bytes"]
         if (crc is None) != (hsha is None) or (crc is None) != (chunk is None):
             raise fail(f"{what}: crc32c, header_sha256 and crc32c_chunk_bytes are all set or all null")
@@ -225,36 +130,38 @@ class ShardRecord:
             chunk = int_field(chunk, f"{what}.crc32c_chunk_bytes", MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES)
             if chunk & (chunk - 1):
                 raise fail(f"{what}.crc32c_chunk_bytes = {chunk} is not a power of two")
-        for i, t in enumerate(tensors):
-            if chunk is None:
-                if t.crc32c is not None:
-                    raise fail(f"{what}.tensors[{i}].crc32c is set but crc32c_chunk_bytes is null")
-            elif t.crc32c is not None and len(t.crc32c) != -(-t.nbytes // chunk):
-                raise fail(f"{what}.tensors[{i}].crc32c must list {-(-t.nbytes // chunk)} chunk checksum(s) "
-                            f"for {t.nbytes} bytes in chunks of {chunk}")
-        return cls(rank, path, sha, size, off, num, host, save_id, tensors, crc, hsha, chunk)
+        hsize = obj.get("header_size_bytes")
+        if hsize is not None:
+            hsize = int_field(hsize, f"{what}.header_size_bytes", 8, min(size, 8 + MAX_HEADER_BYTES))
+        if "tensors" not in obj:  # issue 12: the tensor index is in the shard's header, verified by its sha256
+            if hsha is None:
+                raise fail(f"{what} lists no tensors and has no header_sha256 (its tensor index cannot be "
+                           "verified)")
+            return cls(rank, path, sha, size, off, num, host, save_id, None, crc, hsha, chunk, hsize)
+        tensors = _tensors_of(obj["tensors"], size, chunk, what)
+        return cls(rank, path, sha, size, off, num, host, save_id, tensors, crc, hsha, chunk, hsize)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ShardRecord:
         return cls.from_dict(loads_json(text, "shard record"))
 
 
-def _check_tensor_layout(tensors: tuple[TensorRecord, ...], size_bytes: int, what: str) -> None:
-    """Names unique; byte ranges cover ``[0, data_len)`` without gaps or overlap (as safetensors'
-    validator requires) and fit in the file."""
-    seen: set[str] = set()
-    for t in tensors:
-        if t.name in seen:
-            raise fail(f"{what}: tensor {t.name[:80]!r} listed twice")
-        seen.add(t.name)
-    pos = 0
-    for t in sorted(tensors, key=lambda t: (t.data_offsets[0], t.data_offsets[1])):
-        if t.data_offsets[0] != pos:
-            raise fail(f"{what}: tensor {t.name[:80]!r} data_offsets {list(t.data_offsets)} "
-                        f"{'overlap' if t.data_offsets[0] < pos else 'leave a gap after'} byte {pos}")
-        pos = t.data_offsets[1]
-    if pos + 8 > size_bytes:
-        raise fail(f"{what}: tensor data ({pos} bytes) does not fit in size_bytes={size_bytes}")
+def _tensors_of(raw: Any, size: int, chunk: int | None, what: str) -> tuple[TensorRecord, ...]:
+    """The ``tensors`` list of a shard record (schema v1-v3 as written before issue 12), validated."""
+    if not isinstance(raw, list):
+        raise fail(f"{what}.tensors must be a list")
+    if len(raw) > MAX_TENSORS_PER_SHARD:
+        raise fail(f"{what}.tensors has too many entries")
+    tensors = tuple(TensorRecord.from_dict(t, f"{what}.tensors[{i}]") for i, t in enumerate(raw))
+    check_tensor_layout(tensors, size, what)
+    for i, t in enumerate(tensors):
+        if chunk is None:
+            if t.crc32c is not None:
+                raise fail(f"{what}.tensors[{i}].crc32c is set but crc32c_chunk_bytes is null")
+        elif t.crc32c is not None and len(t.crc32c) != -(-t.nbytes // chunk):
+            raise fail(f"{what}.tensors[{i}].crc32c must list {-(-t.nbytes // chunk)} chunk checksum(s) "
+                       f"for {t.nbytes} bytes in chunks of {chunk}")
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -373,24 +280,9 @@ def _check_partitions(shards: list[ShardRecord], step: int) -> None:
     for (b0, e0, r0), (b1, e1, r1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise fail(f"step {step}: param shards of ranks {r0} [{b0}, {e0}) and {r1} [{b1}, {e1}) overlap")
-    boxes: dict[str, list[tuple[int, TensorRecord]]] = {}
-    for s in shards:
-        for t in s.tensors:
-            if t.global_shape is not None:
-                boxes.setdefault(t.name, []).append((s.rank, t))
-    for name, items in boxes.items():
-        g0, d0 = items[0][1].global_shape, items[0][1].dtype
-        for rank, t in items:
-            if t.global_shape != g0 or t.dtype != d0:
-                raise fail(f"step {step}: slices of {name[:80]!r} disagree on global shape/dtype "
-                            f"(rank {rank}: {t.dtype} {list(t.global_shape or ())})")
-        nonempty = [(r, t) for r, t in items if numel(t.shape) > 0]
-        pair = first_overlap([(t.global_offset or (), t.shape) for _, t in nonempty])
-        if pair is not None:
-            ra, rb = nonempty[pair[0]][0], nonempty[pair[1]][0]
-            raise fail(f"step {step}: slices of {name[:80]!r} on ranks {ra} and {rb} overlap")
+    check_global_slices(step, ((s.rank, s.tensors) for s in shards if s.tensors is not None))
 
 
-__all__ = ["SCHEMA_VERSION", "DTYPE_SIZES", "TensorRecord", "ShardRecord", "ShardManifest", "migrate",
-           "MIGRATIONS", "migrate_v1_to_v2",
-           "migrate_v2_to_v3", "numel"]
+__all__ = ["SCHEMA_VERSION", "DTYPE_SIZES", "MAX_NAME_LEN", "MAX_SHARD_BYTES", "TensorRecord", "ShardRecord",
+           "ShardManifest", "migrate", "MIGRATIONS", "migrate_v1_to_v2", "migrate_v2_to_v3", "numel",
+           "check_global_slices"]

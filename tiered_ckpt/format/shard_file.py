@@ -27,20 +27,22 @@ import ml_dtypes
 import numpy as np
 
 from tiered_ckpt.errors import ShardCorruptedError, UnsupportedStateError
-from tiered_ckpt.format.manifest import DTYPE_SIZES, MAX_NAME_LEN, TensorRecord, numel
+from tiered_ckpt.format.tensor_index import (DTYPE_SIZES, MAX_HEADER_BYTES, MAX_NAME_LEN, TensorRecord,
+                                            build_records, numel)
 from tiered_ckpt.format.validate import MAX_NDIM
 from tiered_ckpt.state import GlobalSlice, Replicated
 
-#: safetensors caps the JSON header at 100 MB; so do we.
-MAX_HEADER_BYTES = 100_000_000
 #: Deepest nesting of dicts in a state (the reader refuses deeper trees too).
 MAX_STATE_DEPTH = 200
 METADATA_KEY = "tiered_ckpt"
-FORMAT_VERSION = 1
+#: Header format written (2: the tensor index is in the header, issue 12); :data:`READ_FORMATS` are read.
+FORMAT_VERSION = 2
+READ_FORMATS = (1, 2)
 #: Writes and hash updates are issued in chunks of this many bytes. Small enough that the hashing thread
 #: reads each chunk while it is still in the CPU cache after the writing thread copied it (measured on
 #: 2 GiB: 1 MiB chunks 1.7-2.0 s, 16 MiB chunks 2.9-3.1 s for the same save).
 CHUNK_BYTES = 1024 * 1024
+_LITTLE = np.little_endian
 
 _NP_TO_CODE: dict[np.dtype, str] = {
     np.dtype(np.bool_): "BOOL",
@@ -161,9 +163,6 @@ def flatten_state(
     return tree, entries
 
 
-_LITTLE = np.little_endian
-
-
 def _check_json_keys(obj: Any, name: str) -> None:
     """json.dumps silently turns int/float/bool/None keys into strings; refuse them instead, so that a
     value never comes back different from what was saved."""
@@ -197,7 +196,8 @@ def layout(entries: list[TensorEntry]) -> list[TensorRecord]:
 
 def encode_header(records: list[TensorRecord], metadata: Mapping[str, Any]) -> bytes:
     """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8 bytes."""
-    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(metadata, allow_nan=True)}}
+    meta = json.dumps(metadata, allow_nan=True, separators=(",", ":"))
+    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: meta}}
     for r in records:
         hdr[r.name] = {"dtype": r.dtype, "shape": list(r.shape), "data_offsets": list(r.data_offsets)}
     body = json.dumps(hdr, separators=(",", ":")).encode()
@@ -209,14 +209,33 @@ def encode_header(records: list[TensorRecord], metadata: Mapping[str, Any]) -> b
 
 
 def iter_chunks(header: bytes, entries: list[TensorEntry]) -> Iterator[memoryview]:
-    """The file's bytes as a sequence of views (no copies), each at most :data:`CHUNK_BYTES`."""
-    yield memoryview(header)
-    for e in entries:
-        if e.array.nbytes == 0:
+    """The file's bytes as buffers of at most :data:`CHUNK_BYTES`: pieces (header, tensors) that large are
+    views (no copy); smaller ones are packed into fresh (never reused: a consumer may still be hashing one)
+    staging buffers of :data:`CHUNK_BYTES`, so 10,000 tensors of 4 KiB are ~40 writes, not 10,000."""
+    stage = np.empty(CHUNK_BYTES, np.uint8)
+    fill = 0
+    pieces = [np.frombuffer(header, np.uint8)] + [e.array.reshape(-1).view(np.uint8) for e in entries]
+    for flat in pieces:
+        n = flat.nbytes
+        if n >= CHUNK_BYTES:
+            if fill:
+                yield memoryview(stage[:fill])
+                stage, fill = np.empty(CHUNK_BYTES, np.uint8), 0
+            mv = memoryview(flat)
+            for i in range(0, n, CHUNK_BYTES):
+                yield mv[i : i + CHUNK_BYTES]
             continue
-        flat = memoryview(e.array.reshape(-1).view(np.uint8))
-        for i in range(0, flat.nbytes, CHUNK_BYTES):
-            yield flat[i : i + CHUNK_BYTES]
+        pos = 0
+        while pos < n:
+            take = min(n - pos, CHUNK_BYTES - fill)
+            stage[fill : fill + take] = flat[pos : pos + take]
+            fill += take
+            pos += take
+            if fill == CHUNK_BYTES:
+                yield memoryview(stage)
+                stage, fill = np.empty(CHUNK_BYTES, np.uint8), 0
+    if fill:
+        yield memoryview(stage[:fill])
 
 
 # ----------------------------------------------------------------------------------------------- read
@@ -225,8 +244,9 @@ def iter_chunks(header: bytes, entries: list[TensorEntry]) -> Iterator[memoryvie
 @dataclass(frozen=True)
 class ParsedHeader:
     header_len: int  # bytes of JSON (padding included), after the 8-byte length
-    tensors: tuple[TensorRecord, ...]
+    tensors: tuple[TensorRecord, ...]  # in file order; format 2: with chunk CRC32Cs and global slices
     metadata: dict[str, Any]
+    crc32c_chunk_bytes: int | None = None  # format 2 (the header holds the tensor index); None: format 1
 
     @property
     def data_start(self) -> int:
@@ -251,7 +271,8 @@ def parse_header_length(prefix: bytes, file_size: int, where: str) -> int:
 def parse_header(raw: bytes, file_size: int, where: str) -> ParsedHeader:
     """Strictly parse the JSON header ``raw`` (without the 8-byte length) of a file of ``file_size``
     bytes. Raises :class:`ShardCorruptedError` on anything malformed: bad JSON, unknown dtype, offsets
-    outside the file, gaps or overlaps, a missing or malformed tiered_ckpt metadata block."""
+    outside the file, gaps or overlaps, a missing or malformed tiered_ckpt metadata block or (format 2)
+    tensor index (:func:`~tiered_ckpt.format.tensor_index.build_records`)."""
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs_unique)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -262,37 +283,51 @@ def parse_header(raw: bytes, file_size: int, where: str) -> ParsedHeader:
     if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
         raise corrupt(where, "header __metadata__ is missing or not a string map")
     try:
-        meta = json.loads(meta_raw[METADATA_KEY])
+        meta = json.loads(meta_raw[METADATA_KEY], object_pairs_hook=_pairs_unique)
     except (KeyError, ValueError, RecursionError):
         raise corrupt(where, f"header lacks valid {METADATA_KEY!r} metadata") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("tree"), dict):
+    if (not isinstance(meta, dict) or meta.get("format") not in READ_FORMATS or type(meta["format"]) is not int
+            or not isinstance(meta.get("tree"), dict)):
         raise corrupt(where, "tiered_ckpt metadata block is malformed")
     data_len = file_size - 8 - len(raw)
-    tensors = []
+    entries = _entries(obj, data_len, where)
+    pos = 0
+    for b, e, _, _, _ in entries:
+        if b != pos:
+            raise corrupt(where, f"tensor data has a gap or overlap at byte {pos}")
+        pos = e
+    if pos != data_len:
+        raise corrupt(where, f"tensors cover {pos} bytes but the data section holds {data_len}")
+    tensors, chunk = build_records(entries, meta if meta["format"] >= 2 else None, lambda m: corrupt(where, m))
+    return ParsedHeader(len(raw), tensors, meta, chunk)
+
+
+def _entries(obj: dict[str, Any], data_len: int, where: str) -> list[tuple[int, int, str, str, tuple[int, ...]]]:
+    """``(begin, end, name, dtype, shape)`` of every safetensors tensor entry, validated, sorted by begin."""
+    out = []
     for name, info in obj.items():
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        if type(info) is not dict or len(info) != 3:
             raise corrupt(where, f"tensor {name[:80]!r} entry is malformed")
-        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPE_SIZES:
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        size = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+        if size is None:
             raise corrupt(where, f"tensor {name[:80]!r} has unsupported dtype {str(dtype)[:20]!r}")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(type(d) is int and d >= 0 for d in shape)):
+        if type(shape) is not list or len(shape) > MAX_NDIM:
             raise corrupt(where, f"tensor {name[:80]!r} has a malformed shape")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+        n = size
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise corrupt(where, f"tensor {name[:80]!r} has a malformed shape")
+            n *= d
+        if (type(offs) is not list or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int
                 or not 0 <= offs[0] <= offs[1] <= data_len):
             raise corrupt(where, f"tensor {name[:80]!r} data_offsets {str(offs)[:60]} lie outside the "
                                   f"{data_len}-byte data section")
-        if offs[1] - offs[0] != numel(tuple(shape)) * DTYPE_SIZES[dtype]:
+        if offs[1] - offs[0] != n:
             raise corrupt(where, f"tensor {name[:80]!r} data_offsets do not match its shape and dtype")
-        tensors.append(TensorRecord(name, dtype, tuple(shape), (offs[0], offs[1])))
-    pos = 0
-    for t in sorted(tensors, key=lambda t: t.data_offsets):
-        if t.data_offsets[0] != pos:
-            raise corrupt(where, f"tensor data has a gap or overlap at byte {pos}")
-        pos = t.data_offsets[1]
-    if pos != data_len:
-        raise corrupt(where, f"tensors cover {pos} bytes but the data section holds {data_len}")
-    return ParsedHeader(len(raw), tuple(tensors), meta)
+        out.append((offs[0], offs[1], name, dtype, tuple(shape)))
+    out.sort()
+    return out
 
 
 def _pairs_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -362,4 +397,4 @@ def new_sha256() -> Any:
 __all__ = ["flatten_state", "layout", "encode_header", "iter_chunks", "parse_header",
            "parse_header_length", "decode_state", "corrupt", "new_sha256", "dtype_code", "numpy_dtype",
            "TensorEntry", "ParsedHeader", "CHUNK_BYTES", "MAX_HEADER_BYTES", "METADATA_KEY",
-           "FORMAT_VERSION"]
+           "FORMAT_VERSION", "READ_FORMATS"]

@@ -59,8 +59,7 @@ def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: 
         raise ShardCorruptedError(f"{where}: {algo} {digest[:16]}... differs from the manifest's "
                                   f"{str(expected)[:16]}... (corrupt or partial write)")
     n = fmt.parse_header_length(bytes(buf[:8]), len(buf), where)
-    hdr = fmt.parse_header(bytes(buf[8 : 8 + n]), len(buf), where)
-    sr.match_header(hdr, rec, manifest, where)
+    hdr = sr.check_header_bytes(bytes(buf[: 8 + n]), rec, manifest, where)  # the tensor records
     return VerifiedShard(rec, buf, hdr)
 
 

@@ -3,7 +3,9 @@
 :class:`ShardReader` reads only what it is asked for (``pread`` of byte ranges, never the whole file) and
 verifies exactly the bytes it read (manifest schema v2):
 
-- the length prefix and JSON header (the state tree included) against the shard's ``header_sha256``;
+- the length prefix and JSON header (the state tree and, header format 2, the tensor index included)
+  against the shard's ``header_sha256``, before parsing (:func:`check_header_bytes`: the one place every
+  reader gets a shard's tensor records from);
 - a byte range ``[a, b)`` of a tensor by reading the enclosing chunk-aligned range ``[a - a % C,
   min(ceil(b / C) * C, nbytes))`` (``C`` = the shard's ``crc32c_chunk_bytes``) and checking the CRC32C
   of every chunk in it against the tensor's ``crc32c`` list. So a read costs at most ``2 * C`` bytes
@@ -22,6 +24,7 @@ Every failure raises :class:`MissingShardError`, :class:`ShardCorruptedError` or
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -106,17 +109,84 @@ def pread_exact(fd: int, buf: memoryview, offset: int, where: str, stats: ReadSt
         pos += n
 
 
-def match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> None:
-    """The shard's header belongs to ``rec`` of manifest ``m`` (rank, step, save id) and lists exactly
-    the record's tensors (names, dtypes, shapes, byte ranges). Raises ShardCorruptedError."""
+def match_header(hdr: fmt.ParsedHeader, rec: ShardRecord, m: ShardManifest, where: str) -> fmt.ParsedHeader:
+    """The shard's header belongs to ``rec`` of manifest ``m`` (rank, step, save id). A record that lists
+    tensors (manifests written before issue 12): the header lists exactly those (names, dtypes, shapes,
+    byte ranges; and slices and chunk CRCs where both have them); the result carries the manifest's
+    records. A record without tensors: the header must hold the tensor index (format 2) with the
+    record's chunk size; the result carries the header's records. Raises ShardCorruptedError."""
     meta = hdr.metadata
     if meta.get("rank") != rec.rank or meta.get("step") != m.step or meta.get("save_id") != m.save_id:
         raise ShardCorruptedError(f"{where}: header belongs to rank {meta.get('rank')} step "
                                   f"{meta.get('step')} save {meta.get('save_id')}, not this manifest's")
+    if rec.tensors is None:
+        if hdr.crc32c_chunk_bytes is None or hdr.crc32c_chunk_bytes != rec.crc32c_chunk_bytes:
+            raise ShardCorruptedError(f"{where}: the manifest lists no tensors but the header holds no tensor "
+                                      "index with the manifest's crc32c_chunk_bytes")
+        return hdr
     mine = {t.name: (t.dtype, t.shape, t.data_offsets) for t in rec.tensors}
     theirs = {t.name: (t.dtype, t.shape, t.data_offsets) for t in hdr.tensors}
     if mine != theirs:
         raise ShardCorruptedError(f"{where}: header tensors disagree with the manifest")
+    if hdr.crc32c_chunk_bytes is not None:  # a format-2 header under a manifest that lists tensors
+        by_name = {t.name: t for t in hdr.tensors}
+        for t in rec.tensors:
+            h = by_name[t.name]
+            if (t.global_shape, t.global_offset) != (h.global_shape, h.global_offset) or (
+                    t.crc32c is not None
+                    and (t.crc32c != h.crc32c or rec.crc32c_chunk_bytes != hdr.crc32c_chunk_bytes)):
+                raise ShardCorruptedError(f"{where}: header tensor index disagrees with the manifest at "
+                                          f"{t.name[:80]!r}")
+    return dataclasses.replace(hdr, tensors=rec.tensors)
+
+
+def check_header_bytes(raw: bytes, rec: ShardRecord, m: ShardManifest, where: str) -> fmt.ParsedHeader:
+    """Verify and parse a shard's first bytes ``raw`` (the 8-byte length prefix plus the whole JSON header,
+    nothing more): their sha256 against ``rec.header_sha256`` *before* parsing (a record without one, schema
+    v1, relies on the caller having verified the whole file), their length against ``header_size_bytes``,
+    then :func:`match_header`. Returns the header with the tensor records every reader uses. Raises
+    ShardCorruptedError."""
+    if rec.header_sha256 is not None and hashlib.sha256(raw).hexdigest() != rec.header_sha256:
+        raise ShardCorruptedError(f"{where}: header sha256 differs from the manifest's (corrupt header)")
+    n = fmt.parse_header_length(raw[:8], rec.size_bytes, where)
+    if len(raw) != 8 + n or (rec.header_size_bytes is not None and rec.header_size_bytes != 8 + n):
+        raise ShardCorruptedError(f"{where}: header of {8 + n} bytes, the manifest says "
+                                  f"{rec.header_size_bytes} (corrupt header)")
+    return match_header(fmt.parse_header(raw[8:], rec.size_bytes, where), rec, m, where)
+
+
+def read_header_bytes(fd: int, rec: ShardRecord, where: str, stats: ReadStats | None = None) -> bytes:
+    """The length prefix plus JSON header of an open shard: one ``pread`` when the record gives
+    ``header_size_bytes``, else two. Not verified (see :func:`check_header_bytes`)."""
+    if rec.header_size_bytes is not None:
+        buf = bytearray(rec.header_size_bytes)
+        pread_exact(fd, memoryview(buf), 0, where, stats)
+        return bytes(buf)
+    prefix = bytearray(8)
+    pread_exact(fd, memoryview(prefix), 0, where, stats)
+    n = fmt.parse_header_length(bytes(prefix), rec.size_bytes, where)
+    raw = bytearray(8 + n)
+    raw[:8] = prefix
+    pread_exact(fd, memoryview(raw)[8:], 8, where, stats)
+    return bytes(raw)
+
+
+def verified_header(sdir: Path, m: ShardManifest, rank: int, stats: ReadStats | None = None) -> fmt.ParsedHeader:
+    """Rank ``rank`` 's verified header (and so its tensor records), reading only the header (a record
+    without ``header_sha256``, schema v1: the whole file is verified first, streaming). Raises
+    MissingShardError, ShardCorruptedError, ManifestError."""
+    with ShardReader(sdir, m, rank, stats) as rd:
+        return rd.header()
+
+
+def manifest_with_tensors(sdir: Path, m: ShardManifest) -> ShardManifest:
+    """``m`` with every shard record listing its tensors (taken from the verified headers, reading only
+    those), in the form manifests took before issue 12 (no ``header_size_bytes``): for tools and tests
+    that need the old, O(tensors) form. Raises the errors of :func:`verified_header`."""
+    shards = tuple(s if s.tensors is not None else
+                   dataclasses.replace(s, tensors=verified_header(sdir, m, s.rank).tensors, header_size_bytes=None)
+                   for s in m.shards)
+    return dataclasses.replace(m, shards=shards)
 
 
 class ShardReader:
@@ -133,7 +203,7 @@ class ShardReader:
         self._fd = open_shard(sdir, self.record, self.where)
         self._header: fmt.ParsedHeader | None = None
         self._trusted = False  # the whole file was verified against its sha256
-        self._tensors = {t.name: t for t in self.record.tensors}
+        self._tensors: dict[str, TensorRecord] = {}
 
     def __enter__(self) -> ShardReader:
         return self
@@ -160,26 +230,19 @@ class ShardReader:
         self._trusted = True
 
     def header(self) -> fmt.ParsedHeader:
-        """The parsed, verified header (read once)."""
+        """The parsed, verified header (read once); its ``tensors`` are the shard's tensor records."""
         if self._header is not None:
             return self._header
         if not self.has_checksums and not self._trusted:
             self._verify_whole()
-        prefix = self._read(0, 8)
-        n = fmt.parse_header_length(bytes(prefix), self.record.size_bytes, self.where)
-        raw = self._read(8, n)
-        if not self._trusted:
-            h = hashlib.sha256(prefix)
-            h.update(raw)
-            if h.hexdigest() != self.record.header_sha256:
-                raise ShardCorruptedError(f"{self.where}: header sha256 differs from the manifest's "
-                                          "(corrupt header)")
-        hdr = fmt.parse_header(bytes(raw), self.record.size_bytes, self.where)
-        match_header(hdr, self.record, self.manifest, self.where)
+        hdr = check_header_bytes(read_header_bytes(self._fd, self.record, self.where, self.stats), self.record,
+                                 self.manifest, self.where)
+        self._tensors = {t.name: t for t in hdr.tensors}
         self._header = hdr
         return hdr
 
     def tensor_record(self, name: str) -> TensorRecord:
+        self.header()
         t = self._tensors.get(name)
         if t is None:
             raise ShardCorruptedError(f"{self.where}: no tensor {name[:80]!r}")
@@ -283,19 +346,23 @@ def verify_shard_stream(sdir: Path, manifest: ShardManifest, rank: int, verify: 
     """Fully verify rank ``rank`` 's shard (size, whole-file hash, header against the manifest, state
     tree against the header) without holding it in memory: the step verifies iff it loads. Returns the
     algorithm used (``"sha256"`` or ``"crc32c"``)."""
+    return stream_verified_header(sdir, manifest, rank, verify)[0]
+
+
+def stream_verified_header(sdir: Path, manifest: ShardManifest, rank: int,
+                           verify: str = "sha256") -> tuple[str, fmt.ParsedHeader]:
+    """:func:`verify_shard_stream`, also returning the verified header (for checks across ranks)."""
     check_verify_mode(verify)
     rec = manifest.shards[rank]
     where = f"step {manifest.step} rank {rank} ({rec.path})"
     fd = open_shard(sdir, rec, where)
     try:
         algo = verify_fd_stream(fd, rec, verify, where)
-        n = fmt.parse_header_length(os.pread(fd, 8, 0), rec.size_bytes, where)
-        hdr = fmt.parse_header(os.pread(fd, n, 8), rec.size_bytes, where)
+        hdr = check_header_bytes(read_header_bytes(fd, rec, where), rec, manifest, where)
     finally:
         os.close(fd)
-    match_header(hdr, rec, manifest, where)
     fmt.decode_state(None, hdr, where, lambda path: None)  # tree only; rank 0 holds replicated values
-    return algo
+    return algo, hdr
 
 
 def copy_value(v: Any) -> Any:
@@ -327,5 +394,7 @@ class ReadLock:
             self._cm.__exit__(None, None, None)
 
 
-__all__ = ["ShardReader", "ReadStats", "ReadLock", "copy_value", "verify_shard_stream", "verify_fd_stream", "read_replicated",
-           "find_node", "open_shard", "pread_exact", "check_verify_mode", "VERIFY_MODES"]
+__all__ = ["check_header_bytes", "manifest_with_tensors", "read_header_bytes", "stream_verified_header",
+           "verified_header", "ShardReader", "ReadStats", "ReadLock", "copy_value", "verify_shard_stream",
+           "verify_fd_stream", "read_replicated", "find_node", "open_shard", "pread_exact", "check_verify_mode",
+           "VERIFY_MODES"]

@@ -187,12 +187,10 @@ class _Builder:
         return new[j]
 
 
-def _read_trees(sdir: Path, m: ShardManifest, builder: _Builder) -> list[Any]:
-    trees = []
-    for r in range(m.world_size):
-        hdr = builder.reader(r).header()
-        trees.append(hdr.metadata["tree"])
-    return trees
+def _read_headers(m: ShardManifest, builder: _Builder) -> list[fmt.ParsedHeader]:
+    """Every old rank's verified header: its state tree and tensor index (one read of ``8 + header``
+    bytes each)."""
+    return [builder.reader(r).header() for r in range(m.world_size)]
 
 
 def reshard_states(
@@ -227,7 +225,7 @@ def reshard_states(
     b = _Builder(sdir, m, new_world_size, partition, stats, for_write=False)
     with ReadLock(sdir):
         try:
-            plan = Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
+            plan = Planner(m, _read_headers(m, b), rules or {}).plan()
             out = [b.build(plan, j) for j in want]
         finally:
             b.close()
@@ -290,7 +288,7 @@ def reshard(
     sid = new_save_id()
     with ReadLock(sdir):
         try:
-            plan = Planner(m, _read_trees(sdir, m, b), rules or {}).plan()
+            plan = Planner(m, _read_headers(m, b), rules or {}).plan()
             pshards = _new_param_shards(m, b.split, new_world_size)
             records = []
             for j in range(new_world_size):

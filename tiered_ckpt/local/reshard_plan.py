@@ -1,7 +1,7 @@
 """Planning a reshard (SPEC §6): which key paths of a step are slices of a global tensor, replicated
 values or per-rank values with a rule, checked over every old rank's state tree before anything is read
-or written. Pure: works on the trees and the manifest only. The split rule and the rules are described in
-:mod:`tiered_ckpt.local.reshard`.
+or written. Pure: works on the verified headers (trees and tensor indexes) and the manifest only. The
+split rule and the rules are described in :mod:`tiered_ckpt.local.reshard`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from tiered_ckpt.errors import ReshardError, ShardCorruptedError
-from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, numel
+from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices, numel
+from tiered_ckpt.format.shard_file import ParsedHeader
 
 
 class _Absent:
@@ -87,14 +88,20 @@ def node_kind(node: Any, where: str) -> str:
 
 
 class Planner:
-    def __init__(self, manifest: ShardManifest, trees: list[Any], rules: Mapping[str, Rule]) -> None:
+    """The plan of a reshard from every old rank's verified header (``headers[r]``: its state tree and
+    tensor records, :func:`tiered_ckpt.local.reader.verified_header`). Checks the slices of each global
+    tensor across ranks first (agree on shape and dtype, do not overlap: ManifestError), as the manifest
+    reader did when manifests listed every tensor."""
+
+    def __init__(self, manifest: ShardManifest, headers: Sequence[ParsedHeader], rules: Mapping[str, Rule]) -> None:
         self.m = manifest
-        self.trees = trees
+        self.trees = [h.metadata["tree"] for h in headers]
         self.rules = dict(rules)
         self.used_rules: set[str] = set()
         self.per_rank: list[str] = []
         self.problems: list[str] = []
-        self.recs = [{t.name: t for t in s.tensors} for s in manifest.shards]
+        self.recs = [{t.name: t for t in h.tensors} for h in headers]
+        check_global_slices(manifest.step, enumerate(h.tensors for h in headers))
 
     def plan(self) -> DictNode:
         for key, rule in self.rules.items():

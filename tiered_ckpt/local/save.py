@@ -16,8 +16,10 @@ Lifecycle of one save of step ``S`` by ``world_size`` ranks (who makes each call
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -139,10 +141,19 @@ def default_lineage(root: Path, run_id: str | None, attempt: int | None) -> tupl
     return run_id, 1 if attempt is None else attempt
 
 
+def header_digest(prefix: bytes, raw: bytes) -> str:
+    """sha256 (hex) of a shard's length prefix plus JSON header (the manifest's ``header_sha256``)."""
+    h = hashlib.sha256(prefix)
+    h.update(raw)
+    return h.hexdigest()
+
+
 def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -> None:
-    """Cheap pre-commit check: file present, size right, header names this save, rank and step.
-    Raises MissingShardError, ShardCorruptedError (also a symlink, FIFO, device or directory there),
-    ConcurrentSaveError (another save's file, I4), CheckpointWriteError (the open failed on I/O)."""
+    """Cheap pre-commit check: file present, size right, header names this save, rank and step: the
+    header bytes hash to the record's ``header_sha256`` (the writer of this record wrote them for this
+    save, rank and step; no parse), else the header is parsed to say why. Raises MissingShardError,
+    ShardCorruptedError (also a symlink, FIFO, device or directory there), ConcurrentSaveError (another
+    save's file, I4), CheckpointWriteError (the open failed on I/O)."""
     path = sdir / rec.path
     where = f"step {step} rank {rec.rank} ({rec.path})"
     try:  # never through a symlink, never blocking on a FIFO, regular files only
@@ -158,9 +169,13 @@ def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -
         if size != rec.size_bytes:
             raise ShardCorruptedError(f"{where}: {size} bytes on disk, record says {rec.size_bytes}")
         n = fmt.parse_header_length(os.pread(fd, 8, 0), size, where)
-        hdr = fmt.parse_header(os.pread(fd, n, 8), size, where)
+        raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
+    if (rec.header_sha256 is not None and rec.save_id == save_id
+            and header_digest(struct.pack("<Q", n), raw) == rec.header_sha256):
+        return
+    hdr = fmt.parse_header(raw, size, where)
     meta = hdr.metadata
     if meta.get("save_id") != save_id:
         raise ConcurrentSaveError(f"{where}: file belongs to save {meta.get('save_id')!r}, not {save_id} "

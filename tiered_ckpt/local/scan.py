@@ -34,9 +34,9 @@ from typing import Iterable, Mapping
 from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
 from tiered_ckpt.locks import stale_lock_files
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
-from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices
 from tiered_ckpt.layout import SAVE_LOCK_NAME, SUPERSEDED_DIR, step_dir_name
-from tiered_ckpt.local.reader import verify_shard_stream
+from tiered_ckpt.local.reader import stream_verified_header
 from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, looks_like_run_root, read_manifest,
                                          read_manifest_bytes, resolve_root, symlinked_step_entries, write_root)
 from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
@@ -180,12 +180,14 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
                   fast: bool) -> tuple[str, str]:
     """``(state, reason)`` of the shards of ``m`` in ``wanted`` (``None``: all)."""
     step = m.step
+    indexes: list[tuple[int, tuple[TensorRecord, ...]]] = []
     try:
         for rec in m.shards:
             if wanted is not None and rec.rank not in wanted:
                 continue
             if verify:
-                verify_shard_stream(sdir, m, rec.rank, "crc32c" if fast else "sha256")
+                hdr = stream_verified_header(sdir, m, rec.rank, "crc32c" if fast else "sha256")[1]
+                indexes.append((rec.rank, hdr.tensors))
                 continue
             try:
                 st = os.lstat(sdir / rec.path)
@@ -197,6 +199,7 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
             if st.st_size != rec.size_bytes:
                 raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
                                       f"disk, manifest says {rec.size_bytes}")
+        check_global_slices(step, indexes)  # across the ranks checked: slices of one tensor agree
     except MissingShardError as e:
         return INCOMPLETE, str(e)
     except CheckpointError as e:

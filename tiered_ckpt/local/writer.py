@@ -1,24 +1,27 @@
 """One rank's shard of a step, written durably (SPEC §2; call on every rank).
 
 The shard is a safetensors file (:mod:`tiered_ckpt.format.shard_file`) streamed from the caller's arrays
-(no whole-state copy) while a second thread computes its sha256 and the writing thread its CRC32Cs
-(:mod:`tiered_ckpt.local.shard_io`); the file becomes durable under its final name through the local
-commit protocol (:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
+(no whole-state copy; small tensors packed into 1 MiB blocks) while a second thread computes its sha256
+and the writing thread its whole-file CRC32C (:mod:`tiered_ckpt.local.shard_io`); the per-chunk CRC32Cs of
+the header's tensor index are computed from the arrays first (:func:`chunk_crcs`); the file becomes
+durable under its final name through the local commit protocol
+(:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from tiered_ckpt.format import shard_file as fmt
-from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, TensorChunkCrcs
+from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, array_chunk_crcs
 from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.format.tensor_index import TensorRecord, encode_index
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.layout import shard_file_name, step_dir_name
 from tiered_ckpt.local.catalogue import read_run_record, write_root, superseded_in
@@ -60,8 +63,10 @@ def write_shard(
     ``param_shard``: the rank's ZeRO flat partition ``(offset, numel)`` in elements; inferred from 1-D
     ``GlobalSlice`` s when omitted. :class:`~tiered_ckpt.state.Replicated` values are stored in rank 0's
     shard only (the other ranks' files hold a reference), so every rank must pass the same value; a load
-    hands it to every rank. The record carries the shard's sha256, CRC32C, header sha256 and per-tensor
-    chunk CRC32C (manifest schema v2), all computed in the same streaming pass as the write.
+    hands it to every rank. The record carries the shard's sha256 and CRC32C (computed in the streaming
+    pass of the write), its header's sha256 and size and no tensors: the per-tensor detail (dtype, shape,
+    byte range, global slice, per-chunk CRC32Cs computed from the arrays before the write) is the
+    header's tensor index (header format 2, issue 12).
     ``save_id``: shared by every rank of one save (``None``: adopt the one this process is already
     writing for ``step``, or start a new one).
 
@@ -75,10 +80,13 @@ def write_shard(
     shard_file_name(rank)  # validates rank
     tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
     step_dir_name(step)  # validates step
-    # Refuse an unstorable state before anything touches the disk (the real header differs only in the
-    # save id, at most 64 characters).
-    fmt.encode_header(fmt.layout(entries), {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step,
-                                            "save_id": "x" * 64, "tree": tree})
+    records = fmt.layout(entries)  # entries sorted into file order
+    meta = {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step, "tree": tree,
+            **encode_index(records, chunk_crcs(entries), DEFAULT_CHUNK_BYTES)}
+    # Refuse an unstorable state before anything touches the disk (the real header differs at most in the
+    # save id, at most 64 characters); with the save id given, this is the real header.
+    sid = save_id if save_id and len(save_id) <= 64 else "x" * 64
+    header = (sid, fmt.encode_header(records, {**meta, "save_id": sid}))
     try:
         hold = LocalStepCommit.open(r, step, save_id, claim=True)
     except CheckpointError:
@@ -87,7 +95,7 @@ def write_shard(
         raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
     with hold:
         _prepare(hold, rank, replace)
-        return _write_claimed(hold, rank, tree, entries, param_shard)
+        return _write_claimed(hold, rank, meta, header, records, entries, param_shard)
 
 
 def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
@@ -118,35 +126,57 @@ def superseded_hint(root: Path, step: int) -> str:
                                    "not set aside yet: tiered_ckpt.local.lineage.set_aside_superseded)")
 
 
-def _write_claimed(hold: LocalStepCommit, rank: int, tree: dict[str, Any], entries: list[fmt.TensorEntry],
+#: Above this many bytes the chunk-CRC pre-pass runs on two threads (ctypes releases the GIL).
+PARALLEL_CRC_BYTES = 64 << 20
+
+
+def chunk_crcs(entries: list[fmt.TensorEntry]) -> str:
+    """The header's ``crc32c`` string (every tensor's chunk CRC32Cs, in file order) computed from the
+    arrays in memory before anything is written (the header, which holds it, is written first): about
+    0.1 s per GiB per core; two threads for more than :data:`PARALLEL_CRC_BYTES`."""
+    arrays = [e.array for e in entries]
+    total = sum(a.nbytes for a in arrays)
+    if total < PARALLEL_CRC_BYTES or len(arrays) < 2:
+        return array_chunk_crcs(arrays, DEFAULT_CHUNK_BYTES)
+    acc, cut = 0, len(arrays) - 1
+    for i, a in enumerate(arrays):  # split by bytes, keeping the order
+        acc += a.nbytes
+        if acc >= total // 2:
+            cut = i + 1
+            break
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiered-ckpt-crc") as pool:
+        parts = list(pool.map(lambda group: array_chunk_crcs(group, DEFAULT_CHUNK_BYTES), [arrays[:cut], arrays[cut:]]))
+    return "".join(parts)
+
+
+def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], encoded: tuple[str | None, bytes],
+                   records: list[TensorRecord], entries: list[fmt.TensorEntry],
                    param_shard: tuple[int, int] | None) -> ShardRecord:
-    """Stream the shard into its temp name and make it durable (lifecycle step 3)."""
+    """Stream the shard into its temp name and make it durable (lifecycle step 3). The record carries no
+    tensors: the header holds the tensor index (format 2), named by ``header_sha256``."""
     step = hold.step
-    records = fmt.layout(entries)
     offset, numel_ = param_shard if param_shard is not None else infer_param_shard(entries)
-    header = fmt.encode_header(records, {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step,
-                                         "save_id": hold.save_id, "tree": tree})
+    header = encoded[1]
+    if encoded[0] != hold.save_id:  # the save id was adopted or made by open(): encode with it
+        header = fmt.encode_header(records, {**meta, "save_id": hold.save_id})
     name = shard_file_name(rank)
     sha = fmt.new_sha256()
     crc = Crc32c()
-    chunk_crcs = TensorChunkCrcs(len(header), records, DEFAULT_CHUNK_BYTES)
     written: list[int] = []
-    log.debug("rank %d step %d: writing %s", rank, step, hold.step_dir / name)
+    log.debug("rank %d step %d: writing %s (%d tensors)", rank, step, hold.step_dir / name, len(records))
 
     def write(fd: int) -> None:
-        written.append(write_stream(fd, fmt.iter_chunks(header, entries), [sha], inline_hashers=[crc, chunk_crcs]))
+        written.append(write_stream(fd, fmt.iter_chunks(header, entries), [sha], inline_hashers=[crc]))
 
     try:
         hold.write_file(name, write)
     except OSError as e:
         raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: writing {name} failed") from e
-    crcs = chunk_crcs.result()
     return ShardRecord(rank=rank, path=name, sha256=sha.hexdigest(), size_bytes=written[0],
                        param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),
-                       save_id=hold.save_id,
-                       tensors=tuple(dataclasses.replace(t, crc32c=crcs[t.name]) for t in records),
-                       crc32c=crc.hexdigest(), header_sha256=hashlib.sha256(header).hexdigest(),
-                       crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES)
+                       save_id=hold.save_id, tensors=None, crc32c=crc.hexdigest(),
+                       header_sha256=hashlib.sha256(header).hexdigest(), crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES,
+                       header_size_bytes=len(header))
 
 
-__all__ = ["infer_param_shard", "superseded_hint", "write_shard"]
+__all__ = ["chunk_crcs", "infer_param_shard", "superseded_hint", "write_shard"]

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from tiered_ckpt.errors import MissingShardError, ShardCorruptedError
-from tiered_ckpt.format import shard_file as fmt
-from tiered_ckpt.local.reader import match_header
+from tiered_ckpt.local.reader import check_header_bytes, read_header_bytes
 from tiered_ckpt.remote.handle import object_url
 from tiered_ckpt.remote.restore_plan import RemoteObject, RestorePlan
 from tiered_ckpt.safe_read import opened
@@ -49,9 +48,8 @@ def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
     """The downloaded file's safetensors header agrees with the manifest's record (as loading checks)."""
     rec = plan.manifest.shards[rank]
     with opened(path, error=ShardCorruptedError) as fd:
-        n = fmt.parse_header_length(os.pread(fd, 8, 0), rec.size_bytes, where)
-        hdr = fmt.parse_header(os.pread(fd, n, 8), rec.size_bytes, where)
-    match_header(hdr, rec, plan.manifest, where)
+        raw = read_header_bytes(fd, rec, where)
+    check_header_bytes(raw, rec, plan.manifest, where)
 
 
 def fetch_shard(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: Path,
