@@ -116,3 +116,20 @@ def test_corrupt_header_index_is_caught_by_header_sha256(tmp_path: Path, where: 
 
     rows = scan(root, verify=True)
     assert [r.state for r in rows] == ["corrupt"] and "header sha256" in rows[0].reason
+
+
+def test_commit_refuses_a_record_of_another_step_even_with_matching_header_bytes(tmp_path: Path) -> None:
+    """The pre-commit check's fast path (header bytes hash to the record's header_sha256) still checks
+    which rank and step the header names: records of step 1 committed for step 2 over hard links of
+    step 1's files are refused, and step 2 stays uncommitted."""
+    save_id = tc.new_save_id()
+    recs = [tc.write_shard(tmp_path, 1, r, {"w": np.arange(4, dtype=np.float32) + r}, save_id=save_id)
+            for r in range(2)]
+    tc.commit_step(tmp_path, 1, 2, recs, save_id=save_id)
+    (tmp_path / "step_0000000002").mkdir()
+    for r in range(2):
+        os.link(tmp_path / "step_0000000001" / f"rank_0000{r}.safetensors",
+                tmp_path / "step_0000000002" / f"rank_0000{r}.safetensors")
+    with pytest.raises(tc.ShardCorruptedError, match="header names rank 0 step 1"):
+        tc.commit_step(tmp_path, 2, 2, recs, save_id=save_id)
+    assert not (tmp_path / "step_0000000002" / "manifest.json").exists()

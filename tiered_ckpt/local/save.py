@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -172,16 +173,33 @@ def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
+    meta = None
     if (rec.header_sha256 is not None and rec.save_id == save_id
             and header_digest(struct.pack("<Q", n), raw) == rec.header_sha256):
-        return
-    hdr = fmt.parse_header(raw, size, where)
-    meta = hdr.metadata
+        meta = _header_identity(raw)  # the bytes the record's writer wrote: only who they name is left
+    if meta is None:
+        meta = fmt.parse_header(raw, size, where).metadata
     if meta.get("save_id") != save_id:
         raise ConcurrentSaveError(f"{where}: file belongs to save {meta.get('save_id')!r}, not {save_id} "
                                   "(another writer replaced it; I4)")
     if meta.get("rank") != rec.rank or meta.get("step") != step:
         raise ShardCorruptedError(f"{where}: header names rank {meta.get('rank')} step {meta.get('step')}")
+
+
+_META_OPEN = b'{"__metadata__":'
+
+
+def _header_identity(raw: bytes) -> dict[str, Any] | None:
+    """The tiered_ckpt metadata of a header this package wrote (``__metadata__`` first), decoded without
+    parsing the tensor entries (``None`` when the header is not laid out so: the caller parses it all)."""
+    if not raw.startswith(_META_OPEN):
+        return None
+    try:
+        outer, _ = json.JSONDecoder().raw_decode(raw.decode("utf-8"), len(_META_OPEN))
+        meta = json.loads(outer[fmt.METADATA_KEY])
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def save_sharded(
