@@ -81,22 +81,14 @@ def manifest_only_step(root: Path, manifest: ShardManifest, step: int) -> None:
     (dst / MANIFEST_NAME).write_text(dataclasses.replace(manifest, step=step).to_json())
 
 
-def manifest_with_tensors_bytes(root: Path, step: int) -> int | None:
+def manifest_with_tensors_bytes(root: Path, step: int) -> int:
     """Bytes of ``manifest.json`` if every shard record listed its tensors (dtype, shape, offsets, global
-    slice, chunk CRC32Cs), rebuilt from the verified shard headers; ``None`` if this version cannot."""
-    from tiered_ckpt.local import reader as sr
+    slice, chunk CRC32Cs), as manifests did before issue 12, rebuilt from the verified shard headers."""
+    from tiered_ckpt.local.reader import manifest_with_tensors
 
     sdir = root / step_dir_name(step)
     m = ShardManifest.from_json((sdir / MANIFEST_NAME).read_bytes())
-    doc = json.loads(m.to_json())
-    tensors_of = getattr(sr, "shard_tensor_records", None)
-    for i, s in enumerate(doc["shards"]):
-        if s.get("tensors"):
-            continue  # this version still writes them
-        if tensors_of is None:
-            return None
-        s["tensors"] = [t.to_dict() for t in tensors_of(sdir, m, i)]
-    return len(json.dumps(doc, indent=1, sort_keys=True).encode()) + 1
+    return len(manifest_with_tensors(sdir, m).to_json().encode())
 
 
 def time_ls(root: Path) -> float:
