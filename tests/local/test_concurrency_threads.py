@@ -91,8 +91,9 @@ def test_two_threads_same_step(tmp_path: Path, replace: bool) -> None:
         shutil.rmtree(root)
     if replace:
         assert set(outcomes) <= {("concurrent", "ok"), ("ok", "ok")}, outcomes
-    else:
-        assert set(outcomes) == {("concurrent", "ok")}, outcomes
+    else:  # on a loaded machine a loser may start after the winner committed ("exists"); the race must
+        # still have been run for real at least once
+        assert set(outcomes) <= {("concurrent", "ok"), ("exists", "ok")} and outcomes[("concurrent", "ok")], outcomes
 
 
 def test_two_threads_replacing_one_after_the_other_last_commit_wins(tmp_path: Path) -> None:
