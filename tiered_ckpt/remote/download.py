@@ -24,7 +24,9 @@ a hash of the file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -44,6 +46,17 @@ from tiered_ckpt.store.settings import TransferSettings
 ProgressCallback = Callable[[int], None]
 
 _HASH_CHUNK = 8 * 1024 * 1024
+#: Write whole aligned parts with ``O_DIRECT`` (Linux): the buffer goes to the disk without a copy into the
+#: page cache and without dirty pages for the kernel to flush later, so the fsync of a finished shard has
+#: almost nothing left to do (here: 0.1 s of CPU instead of 1-3 s per 2 GiB, and the disk's own speed).
+#: A part that is not a multiple of :data:`_ALIGN` (a shard's tail), or a file system refusing
+#: ``O_DIRECT`` (tmpfs), is written through the page cache with a writeback hint
+#: (``posix_fadvise(POSIX_FADV_DONTNEED)``: dirty pages are written back now, only clean ones dropped).
+#: The restored files are then not in the page cache: the first load reads them from the disk.
+DIRECT_IO = True
+_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 _WRITE_FLAGS = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -95,12 +108,12 @@ class _Shard:
         self.obj, self.dest, self.n_parts, self.where = obj, dest, n_parts, where
         self.sha = hashlib.sha256()
         self.lock = threading.Lock()
-        self.ready: dict[int, tuple[memoryview, bytearray]] = {}
+        self.ready: dict[int, tuple[memoryview, mmap.mmap]] = {}
         self.next = 0  # index of the first part not yet hashed
         self.hashing = False
 
-    def deliver(self, index: int, view: memoryview, buf: bytearray,
-                free: Callable[[bytearray], None]) -> bool:
+    def deliver(self, index: int, view: memoryview, buf: mmap.mmap,
+                free: Callable[[mmap.mmap], None]) -> bool:
         """Part ``index`` arrived; hash the contiguous prefix if no other thread is at it. Returns whether
         this call hashed the last part (the shard is complete)."""
         with self.lock:
@@ -133,17 +146,17 @@ class _Window:
         self.pos = 0
         self.stopped = threading.Event()
         self.errors: dict[int, BaseException] = {}
-        self.free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self.free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._made = 0
         self._limit = n_buffers
 
-    def buffer(self) -> bytearray | None:
+    def buffer(self) -> mmap.mmap | None:
         """A free buffer (a new one while fewer than the limit exist), or ``None`` once stopped."""
         while not self.stopped.is_set():
             with self.lock:
                 if self._made < self._limit:
                     self._made += 1
-                    return bytearray(self.part_size)
+                    return mmap.mmap(-1, self.part_size)  # page-aligned, as O_DIRECT wants
             try:
                 return self.free.get(timeout=0.1)
             except queue.Empty:
@@ -161,6 +174,37 @@ class _Window:
         with self.lock:
             self.errors.setdefault(rank, exc)
         self.stopped.set()
+
+
+def _write_part(dest: Path, view: memoryview, off: int) -> None:
+    """``pwrite`` the part at ``off``: with ``O_DIRECT`` when aligned (:data:`DIRECT_IO`), else buffered
+    with a writeback hint. Raises ``OSError``."""
+    n = len(view)
+    direct = DIRECT_IO and _O_DIRECT and n % _ALIGN == 0 and off % _ALIGN == 0
+    if direct:
+        try:
+            fd = os.open(dest, _WRITE_FLAGS | _O_DIRECT)
+        except OSError as exc:  # EINVAL: this file system has no O_DIRECT
+            if exc.errno != errno.EINVAL:
+                raise
+            direct = False
+    if not direct:
+        fd = os.open(dest, _WRITE_FLAGS)
+    try:
+        try:
+            k = os.pwrite(fd, view, off)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            os.close(fd)
+            fd, direct = os.open(dest, _WRITE_FLAGS), False  # an alignment this device refuses
+            k = os.pwrite(fd, view, off)
+        if k != n:
+            raise OSError(errno.EIO, f"short write of {k} of {n} bytes at offset {off}", str(dest))
+        if not direct and _FADV_DONTNEED is not None:
+            os.posix_fadvise(fd, off, n, _FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _plan_parts(shards: list[_Shard], part_size: int) -> list[tuple[_Shard, int, int, int]]:
@@ -190,12 +234,7 @@ def _worker(store: ObjectStore, plan: RestorePlan, w: _Window, on_progress: Prog
                 store.read_range_into(sh.obj.key, off, view, object_size=sh.obj.size_bytes)  # type: ignore[attr-defined]
             except RemoteNotFoundError as exc:
                 raise MissingShardError(f"{sh.where} disappeared before it could be downloaded") from exc
-            fd = os.open(sh.dest, _WRITE_FLAGS)
-            try:
-                if os.pwrite(fd, view, off) != n:
-                    raise OSError(f"{sh.dest}: short write at offset {off}")
-            finally:
-                os.close(fd)
+            _write_part(sh.dest, view, off)
             if on_progress is not None:
                 on_progress(n)
             if sh.deliver(index, view, buf, w.free.put):
@@ -250,7 +289,8 @@ def fetch_shards(store: ObjectStore, plan: RestorePlan, objects: Sequence[Remote
     for sh in shards:  # an empty object is no valid shard; let the verification say so
         if sh.obj.size_bytes == 0:
             _verify(plan, sh.obj, sh.dest, hashlib.sha256().hexdigest(), 0, sh.where)
-    w = _Window(_plan_parts([s for s in shards if s.obj.size_bytes], part), part, conc)
+    biggest = max((o.size_bytes for o in objects), default=0)
+    w = _Window(_plan_parts([s for s in shards if s.obj.size_bytes], part), max(1, min(part, biggest)), conc)
     n_threads = max(1, min(conc, len(w.parts)))
     with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="tiered-ckpt-download") as pool:
         futs = [pool.submit(_worker, store, plan, w, on_progress, on_verified) for _ in range(n_threads)]
