@@ -182,7 +182,7 @@ def main() -> int:
         ok = r >= FLOOR_VS_S5CMD
         print(f"floor {best} >= {FLOOR_VS_S5CMD}x s5cmd: {r:.2f}x {'PASS' if ok else 'FAIL'}")
     else:
-        print("floor vs s5cmd: not measured (no s5cmd)")
+        print(f"floor {best} vs s5cmd: not measured (no s5cmd)")
     result["floor"] = {"case": best, "vs": "s5cmd", "floor": FLOOR_VS_S5CMD, "pass": ok}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -41,10 +41,10 @@ SMOKES: dict[str, Smoke] = {
     "async_stall.py": Smoke(lambda d: ["--dir", str(d / "w"), "--json", str(d / "out.json")],
                             "floor: tiered async stall", _json_has("out.json", "tiered_async_stall_ms")),
     "verify_crc.py": Smoke(lambda d: ["--dir", str(d)], "ratio sha256/crc32c"),
-    "upload.py": Smoke(lambda d: ["--out", str(d / "out.json")], "floor (aws / ours-no-readback",
+    "upload.py": Smoke(lambda d: ["--out", str(d / "out.json")], "floor ours-no-readback",
                        _json_has("out.json", "median_s", "ours-readback")),
-    "restore.py": Smoke(lambda d: ["--out", str(d / "out.json")], "floor >= 1.0x",
-                        _json_has("out.json", "cases", "restore[moto]")),
+    "restore.py": Smoke(lambda d: ["--out", str(d / "out.json")], "floor restore[",
+                        _json_has("out.json", "cases", "restore[default]")),
 }
 #: Smoke runs measured over ~10 s on a 2-core machine are also `slow` (the quick tier stays quick).
 SLOW = {"local_save.py", "async_stall.py", "restore.py", "upload.py"}  # ~30 s; 2-3 s each (quick-tier budget)
