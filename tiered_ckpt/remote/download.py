@@ -1,17 +1,38 @@
-"""Downloading one planned shard and verifying it (lifecycle step 3 of :mod:`tiered_ckpt.remote.restore`;
+"""Downloading planned shards and verifying them (lifecycle step 3 of :mod:`tiered_ckpt.remote.restore`;
 also what ``tiered-ckpt verify --remote`` runs, so a step that verifies is one that restores).
 
-:func:`fetch_shard` downloads the object to a path the caller chose (a staged temp name in the step
-directory for restore, a temporary directory for verify), then hashes it and compares the sha256 and size
-with the manifest's, and its safetensors header with the manifest's record, as loading checks.
+:func:`fetch_shards` moves every planned shard at once, at the server's speed, reading each byte once:
+
+* **One window of parts for all shards.** Every shard is cut into parts of ``part_size_bytes``; the parts
+  of all shards, shard after shard, go through ONE pool of ``concurrency`` threads, each a ranged GET
+  (:meth:`ObjectStore.read_range_into`: under the store's retries, deadlines and size checks) into a
+  buffer, then ``pwrite`` at its offset into the shard's temp file. At most ``concurrency`` buffers
+  exist (peak memory: ``concurrency x part_size_bytes``): a thread waits for a free buffer before it takes
+  the next part, so parts are taken in order and the first part not yet hashed is always in flight.
+* **Hashing while bytes arrive.** sha256 needs the bytes in order: a finished part waits (in its buffer)
+  until every earlier part of its shard is hashed; whichever thread completes the contiguous prefix
+  hashes from memory (hashlib releases the GIL) and frees the buffers. The file is never read back for
+  hashing (only its small safetensors header, checked against the manifest's record as loading checks).
+* **fsync overlapped.** A shard whose last part is hashed is verified (size, sha256, header) and handed
+  to ``on_verified`` on that thread at once (restore fsyncs it there), while the other shards' parts
+  keep flowing: shard after shard, the first shards finish early.
+
+The first failure stops the taking of parts; the lowest rank's error is raised once the threads are done.
+A store without ``read_range_into`` (another :class:`ObjectStore`) gets one ``download_file`` per shard and
+a hash of the file.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from tiered_ckpt.errors import MissingShardError, ShardCorruptedError
 from tiered_ckpt.local.reader import check_header_bytes, read_header_bytes
@@ -19,10 +40,23 @@ from tiered_ckpt.remote.handle import object_url
 from tiered_ckpt.remote.restore_plan import RemoteObject, RestorePlan
 from tiered_ckpt.safe_read import opened
 from tiered_ckpt.store.base import ObjectStore, RemoteNotFoundError
+from tiered_ckpt.store.settings import TransferSettings
 
 ProgressCallback = Callable[[int], None]
 
 _HASH_CHUNK = 8 * 1024 * 1024
+#: Write whole aligned parts with ``O_DIRECT`` (Linux): the buffer goes to the disk without a copy into the
+#: page cache and without dirty pages for the kernel to flush later, so the fsync of a finished shard has
+#: almost nothing left to do (here: 0.1 s of CPU instead of 1-3 s per 2 GiB, and the disk's own speed).
+#: A part that is not a multiple of :data:`_ALIGN` (a shard's tail), or a file system refusing
+#: ``O_DIRECT`` (tmpfs), is written through the page cache with a writeback hint
+#: (``posix_fadvise(POSIX_FADV_DONTNEED)``: dirty pages are written back now, only clean ones dropped).
+#: The restored files are then not in the page cache: the first load reads them from the disk.
+DIRECT_IO = True
+_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
+_WRITE_FLAGS = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def hash_file(path: Path) -> tuple[str, int]:
@@ -52,18 +86,11 @@ def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
     check_header_bytes(raw, rec, plan.manifest, where)
 
 
-def fetch_shard(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: Path,
-                on_progress: ProgressCallback | None = None) -> None:
-    """Download ``obj`` to ``dest`` and verify it against ``plan``'s manifest. Raises
-    ``MissingShardError`` (object gone), ``ShardCorruptedError`` (size, sha256 or header differs; a HEAD
-    size other than the manifest's before any byte is fetched, a body past it within one part),
-    ``UploadError`` (the bucket cannot be read), ``OSError`` (local disk)."""
-    where = f"step {plan.step} rank {obj.rank}: {object_url(store, obj.key)}"
-    try:
-        store.download_file(obj.key, dest, on_progress=on_progress, expected_size=obj.size_bytes)
-    except RemoteNotFoundError as exc:
-        raise MissingShardError(f"{where} disappeared before it could be downloaded") from exc
-    sha, size = hash_file(dest)
+def _where(store: ObjectStore, plan: RestorePlan, obj: RemoteObject) -> str:
+    return f"step {plan.step} rank {obj.rank}: {object_url(store, obj.key)}"
+
+
+def _verify(plan: RestorePlan, obj: RemoteObject, dest: Path, sha: str, size: int, where: str) -> None:
     if size != obj.size_bytes:
         raise ShardCorruptedError(f"{where}: downloaded {size} bytes, the manifest says {obj.size_bytes}")
     if sha != obj.sha256:
@@ -72,4 +99,226 @@ def fetch_shard(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: 
     _check_header(dest, plan, obj.rank, where)
 
 
-__all__ = ["fetch_shard", "hash_file"]
+class _Shard:
+    """One shard in flight: the sha256 of its contiguous prefix and the parts waiting to be hashed."""
+
+    def __init__(self, obj: RemoteObject, dest: Path, n_parts: int, where: str) -> None:
+        self.obj, self.dest, self.n_parts, self.where = obj, dest, n_parts, where
+        self.sha = hashlib.sha256()
+        self.lock = threading.Lock()
+        self.ready: dict[int, tuple[memoryview, mmap.mmap]] = {}
+        self.next = 0  # index of the first part not yet hashed
+        self.hashing = False
+
+    def deliver(self, index: int, view: memoryview, buf: mmap.mmap,
+                free: Callable[[mmap.mmap], None]) -> bool:
+        """Part ``index`` arrived; hash the contiguous prefix if no other thread is at it. Returns whether
+        this call hashed the last part (the shard is complete)."""
+        with self.lock:
+            self.ready[index] = (view, buf)
+            if self.hashing:
+                return False
+            self.hashing = True
+        while True:
+            with self.lock:
+                item = self.ready.pop(self.next, None)
+                if item is None:
+                    self.hashing = False
+                    return False
+            self.sha.update(item[0])
+            free(item[1])
+            with self.lock:
+                self.next += 1
+                if self.next == self.n_parts:
+                    self.hashing = False
+                    return True
+
+
+class _Window:
+    """The shared schedule: parts in order, a bounded pool of buffers, the first error per rank."""
+
+    def __init__(self, parts: list[tuple[_Shard, int, int, int]], part_size: int, n_buffers: int) -> None:
+        self.parts = parts
+        self.part_size = part_size
+        self.lock = threading.Lock()
+        self.pos = 0
+        self.stopped = threading.Event()
+        self.errors: dict[int, BaseException] = {}
+        self.free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._made = 0
+        self._limit = n_buffers
+
+    def buffer(self) -> mmap.mmap | None:
+        """A free buffer (a new one while fewer than the limit exist), or ``None`` once stopped."""
+        while not self.stopped.is_set():
+            with self.lock:
+                if self._made < self._limit:
+                    self._made += 1
+                    return mmap.mmap(-1, self.part_size)  # page-aligned, as O_DIRECT wants
+            try:
+                return self.free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def take(self) -> tuple[_Shard, int, int, int] | None:
+        with self.lock:
+            if self.stopped.is_set() or self.pos >= len(self.parts):
+                return None
+            self.pos += 1
+            return self.parts[self.pos - 1]
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        with self.lock:
+            self.errors.setdefault(rank, exc)
+        self.stopped.set()
+
+
+def _write_part(dest: Path, view: memoryview, off: int) -> None:
+    """``pwrite`` the part at ``off``: with ``O_DIRECT`` when aligned (:data:`DIRECT_IO`), else buffered
+    with a writeback hint. Raises ``OSError``."""
+    n = len(view)
+    direct = DIRECT_IO and _O_DIRECT and n % _ALIGN == 0 and off % _ALIGN == 0
+    if direct:
+        try:
+            fd = os.open(dest, _WRITE_FLAGS | _O_DIRECT)
+        except OSError as exc:  # EINVAL: this file system has no O_DIRECT
+            if exc.errno != errno.EINVAL:
+                raise
+            direct = False
+    if not direct:
+        fd = os.open(dest, _WRITE_FLAGS)
+    try:
+        try:
+            k = os.pwrite(fd, view, off)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            os.close(fd)
+            fd, direct = os.open(dest, _WRITE_FLAGS), False  # an alignment this device refuses
+            k = os.pwrite(fd, view, off)
+        if k != n:
+            raise OSError(errno.EIO, f"short write of {k} of {n} bytes at offset {off}", str(dest))
+        if not direct and _FADV_DONTNEED is not None:
+            os.posix_fadvise(fd, off, n, _FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _plan_parts(shards: list[_Shard], part_size: int) -> list[tuple[_Shard, int, int, int]]:
+    parts = []
+    for sh in shards:
+        size = sh.obj.size_bytes
+        for i in range(sh.n_parts):
+            off = i * part_size
+            parts.append((sh, i, off, min(part_size, size - off)))
+    return parts
+
+
+def _worker(store: ObjectStore, plan: RestorePlan, w: _Window, on_progress: ProgressCallback | None,
+            on_verified: Callable[[RemoteObject], None] | None) -> None:
+    while True:
+        buf = w.buffer()
+        if buf is None:
+            return
+        item = w.take()
+        if item is None:
+            w.free.put(buf)
+            return
+        sh, index, off, n = item
+        try:
+            view = memoryview(buf)[:n]
+            try:
+                store.read_range_into(sh.obj.key, off, view, object_size=sh.obj.size_bytes)  # type: ignore[attr-defined]
+            except RemoteNotFoundError as exc:
+                raise MissingShardError(f"{sh.where} disappeared before it could be downloaded") from exc
+            _write_part(sh.dest, view, off)
+            if on_progress is not None:
+                on_progress(n)
+            if sh.deliver(index, view, buf, w.free.put):
+                _verify(plan, sh.obj, sh.dest, sh.sha.hexdigest(), sh.obj.size_bytes, sh.where)
+                if on_verified is not None:
+                    on_verified(sh.obj)
+        except BaseException as exc:
+            w.fail(sh.obj.rank, exc)
+            return
+
+
+def transfer_of(store: ObjectStore) -> TransferSettings:
+    """The store's transfer settings (its ``transfer_settings``), else the defaults."""
+    t = getattr(store, "transfer_settings", None)
+    return t if isinstance(t, TransferSettings) else TransferSettings()
+
+
+def fetch_shards(store: ObjectStore, plan: RestorePlan, objects: Sequence[RemoteObject], targets: dict[int, Path],
+                 *, on_progress: ProgressCallback | None = None,
+                 on_verified: Callable[[RemoteObject], None] | None = None,
+                 part_size_bytes: int | None = None, concurrency: int | None = None,
+                 cancel: Callable[[], None] | None = None) -> None:
+    """Download every object of ``objects`` into ``targets[obj.rank]`` (created or truncated here) and
+    verify it against ``plan``'s manifest (module docstring: one window of parts for all shards, sha256 as
+    the bytes arrive, no second read). ``on_verified(obj)`` runs on a transfer thread as soon as a shard
+    is verified (restore fsyncs it there); ``on_progress(delta_bytes)`` after each part. Part size and
+    concurrency default to the store's :class:`TransferSettings` (``download_part_size_bytes``,
+    ``download_max_concurrency``). On KeyboardInterrupt no part is taken any more and ``cancel()`` (the
+    store's stop event) cuts the GETs in flight short within one chunk before it propagates.
+
+    Raises, for the lowest failing rank: ``MissingShardError`` (object gone), ``ShardCorruptedError``
+    (size, sha256 or header differs; a size other than planned answered, before that part's bytes),
+    ``UploadError`` (the bucket cannot be read), ``OSError`` (local disk). On a failure the files are
+    left for the caller to remove (restore stages them)."""
+    t = transfer_of(store)
+    part = part_size_bytes or t.download_part_size_bytes
+    conc = concurrency or t.download_max_concurrency
+    if not hasattr(store, "read_range_into"):
+        for obj in objects:
+            _fetch_whole(store, plan, obj, targets[obj.rank], on_progress)
+            if on_verified is not None:
+                on_verified(obj)
+        return
+    shards = []
+    for obj in objects:
+        fd = os.open(targets[obj.rank], _WRITE_FLAGS | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, obj.size_bytes)
+        finally:
+            os.close(fd)
+        shards.append(_Shard(obj, targets[obj.rank], -(-obj.size_bytes // part) or 1, _where(store, plan, obj)))
+    for sh in shards:  # an empty object is no valid shard; let the verification say so
+        if sh.obj.size_bytes == 0:
+            _verify(plan, sh.obj, sh.dest, hashlib.sha256().hexdigest(), 0, sh.where)
+    biggest = max((o.size_bytes for o in objects), default=0)
+    w = _Window(_plan_parts([s for s in shards if s.obj.size_bytes], part), max(1, min(part, biggest)), conc)
+    n_threads = max(1, min(conc, len(w.parts)))
+    with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="tiered-ckpt-download") as pool:
+        futs = [pool.submit(_worker, store, plan, w, on_progress, on_verified) for _ in range(n_threads)]
+        try:
+            for f in futs:
+                f.result()
+        except BaseException:  # KeyboardInterrupt: stop taking parts; the threads end within one chunk
+            w.stopped.set()
+            if cancel is not None:
+                cancel()
+            raise
+    if w.errors:
+        raise w.errors[min(w.errors)]
+
+
+def _fetch_whole(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: Path,
+                 on_progress: ProgressCallback | None) -> None:
+    where = _where(store, plan, obj)
+    try:
+        store.download_file(obj.key, dest, on_progress=on_progress, expected_size=obj.size_bytes)
+    except RemoteNotFoundError as exc:
+        raise MissingShardError(f"{where} disappeared before it could be downloaded") from exc
+    sha, size = hash_file(dest)
+    _verify(plan, obj, dest, sha, size, where)
+
+
+def fetch_shard(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: Path,
+                on_progress: ProgressCallback | None = None) -> None:
+    """:func:`fetch_shards` of one object into ``dest`` (verify's download); same errors."""
+    fetch_shards(store, plan, [obj], {obj.rank: dest}, on_progress=on_progress)
+
+
+__all__ = ["fetch_shard", "fetch_shards", "hash_file", "transfer_of"]

@@ -8,10 +8,11 @@ Lifecycle of one :func:`restore` (made by one process: the CLI, an operator's sc
    :mod:`tiered_ckpt.remote.catalogue`): the newest candidate whose upload manifest GET reads (or the
    requested ``step``), its mirrored ``manifest.json`` checked against it, every shard to fetch HEADed.
    Nothing local is touched yet (``--dry-run`` stops here).
-3. **Download** (:mod:`tiered_ckpt.remote.download`): shards are downloaded in parallel (ranged GETs per
-   :class:`~tiered_ckpt.store.TransferSettings`) to names staged in the local step directory
-   (:meth:`LocalStepCommit.stage`), then hashed and compared with the manifest's sha256 and size, and
-   their safetensors headers with the manifest's records.
+3. **Download** (:mod:`tiered_ckpt.remote.download`): the parts of all shards go through one window of
+   ranged GETs (per :class:`~tiered_ckpt.store.TransferSettings`) into names staged in the local step
+   directory (:meth:`LocalStepCommit.stage`), hashed as they arrive and compared with the manifest's
+   sha256 and size, their safetensors headers with the manifest's records; each shard is fsynced as
+   soon as it is verified, while the others still download.
 4. **Commit** with the local tier's own protocol (:class:`~tiered_ckpt.local.commit.LocalStepCommit`):
    the step's writer lock is claimed with the remote ``save_id`` (so a live local writer of the same step
    is refused, I4), verified shards are published (fsynced, renamed into place, the directory fsynced),
@@ -53,7 +54,6 @@ import hashlib
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -69,7 +69,7 @@ from tiered_ckpt.local.markers import write_uploaded_marker
 from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST,
                                           REMOTE_VANISHED, RemoteStep, list_remote_steps, read_latest_pointer,
                                           remote_committed_steps)
-from tiered_ckpt.remote.download import fetch_shard
+from tiered_ckpt.remote.download import fetch_shards
 from tiered_ckpt.remote.handle import StoreHandle
 from tiered_ckpt.remote.restore_local import (Placed, clear_dead_restore, record_adoption, record_held_ranks,
                                               record_to_carry, same_save)
@@ -109,39 +109,28 @@ class RestoreResult:
 # ------------------------------------------------------------------------------------------ local commit
 
 
-def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit, max_parallel_shards: int,
+def _download_all(store: ObjectStore, plan: RestorePlan, lsc: LocalStepCommit,
                   on_progress: ProgressCallback | None, cancel: Callable[[], None], placed: Placed) -> None:
-    """Step 3 for every planned object, ``max_parallel_shards`` at once: each shard is downloaded into
-    its staged temp name, verified, and fsynced on its own thread (so the flushes overlap), then recorded
-    in ``placed`` (the file :meth:`LocalStepCommit.publish` renames; undone on failure); raises the
-    lowest rank's error (a local ``OSError`` as :class:`CheckpointWriteError`). On KeyboardInterrupt the
-    transfers in flight are cancelled (``cancel()``), not waited out."""
+    """Step 3 for every planned object (:func:`~tiered_ckpt.remote.download.fetch_shards`: all shards'
+    ranged GETs in one window, sha256 as the bytes arrive): each shard lands in its staged temp name, is
+    verified, then fsynced on the transfer thread that completed it (so the flushes overlap the other
+    shards' transfers) and recorded in ``placed`` (the file :meth:`LocalStepCommit.publish` renames;
+    undone on failure); raises the lowest rank's error (a local ``OSError`` as
+    :class:`CheckpointWriteError`). On KeyboardInterrupt the transfers in flight are cancelled
+    (``cancel()``), not waited out."""
     targets = {o.rank: lsc.stage(shard_file_name(o.rank)) for o in plan.objects}
 
-    def fetch(obj: RemoteObject) -> None:
-        fetch_shard(store, plan, obj, targets[obj.rank], on_progress)
+    def verified(obj: RemoteObject) -> None:
         lsc.sync_staged(shard_file_name(obj.rank))
         placed.record(shard_file_name(obj.rank), targets[obj.rank])
 
-    errors: dict[int, BaseException] = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(max_parallel_shards, len(plan.objects))),
-                            thread_name_prefix="tiered-ckpt-restore") as pool:
-        futs = {o.rank: pool.submit(fetch, o) for o in plan.objects}
-        try:
-            for rank, fut in futs.items():
-                exc = fut.exception()
-                if exc is not None:
-                    errors[rank] = exc
-        except BaseException:  # KeyboardInterrupt: stop the transfers in flight, don't wait them out
-            for fut in futs.values():
-                fut.cancel()
-            cancel()
+    try:
+        fetch_shards(store, plan, plan.objects, targets, on_progress=on_progress, on_verified=verified,
+                     cancel=cancel)
+    except OSError as e:
+        if isinstance(e, CheckpointError):
             raise
-    if errors:
-        first = errors[min(errors)]
-        if isinstance(first, OSError) and not isinstance(first, CheckpointError):
-            raise CheckpointWriteError.from_os_error(first, f"step {plan.step} rank {min(errors)}: writing the download failed") from first
-        raise first
+        raise CheckpointWriteError.from_os_error(e, f"step {plan.step}: writing the download failed") from e
 
 
 def _publish(lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommit: bool,
@@ -175,7 +164,7 @@ def _publish(lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommi
     return keep_manifest
 
 
-def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool, max_parallel_shards: int,
+def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
             on_progress: ProgressCallback | None, cancel: Callable[[], None]) -> RestoreResult:
     """Steps 3-4 of the lifecycle for a planned step."""
     t0 = time.perf_counter()
@@ -201,7 +190,7 @@ def _commit(store: ObjectStore, plan: RestorePlan, root: Path, *, replace: bool,
             except OSError as e:
                 raise CheckpointWriteError.from_os_error(
                     e, f"step {step}: removing leftovers of a dead writer from {lsc.step_dir} failed") from e
-            _download_all(store, plan, lsc, max_parallel_shards, on_progress, cancel, placed)
+            _download_all(store, plan, lsc, on_progress, cancel, placed)
             lsc.check_lock()  # nobody took the step over while the shards downloaded
             try:
                 keep_manifest = _publish(lsc, plan, placed, uncommit=local_bytes is not None and not keep_manifest,
@@ -287,7 +276,7 @@ def restore_detailed(
             if on_plan is not None:
                 on_plan(plan)
             try:
-                return _commit(st, plan, root, replace=replace, max_parallel_shards=max_parallel_shards,
+                return _commit(st, plan, root, replace=replace,
                                on_progress=on_progress, cancel=handle.cancel)
             except STEP_FAULTS as exc:
                 if not fallback:
@@ -325,7 +314,8 @@ def restore(
     ``AWS_ENDPOINT_URL``). ``download_part_size_bytes`` / ``download_max_concurrency``: ranged-GET size
     and requests in flight (defaults: :class:`~tiered_ckpt.store.TransferSettings`; large ranges suit
     servers such as moto where a ranged GET costs as much as the whole object, parallel moderate ranges
-    suit S3 and MinIO). ``max_parallel_shards``: shards downloaded at once. ``on_progress(delta_bytes)``
+    suit S3 and MinIO). ``max_parallel_shards``: kept for callers of earlier versions and checked (>= 1),
+    otherwise unused: all shards' parts share one window of ``download_max_concurrency`` ranged GETs. ``on_progress(delta_bytes)``
     is called from transfer threads.
 
     Raises :class:`NoCheckpointError` (nothing remotely committed, or the requested step has no upload

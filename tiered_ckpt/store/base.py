@@ -27,9 +27,10 @@ Lifecycle of one store (who calls what):
    :meth:`~ObjectStore.upload_file` / :meth:`~ObjectStore.file_digests` upload a whole file through the
    store's own transfer machinery (tools and tests; the uploader hashes as it sends instead).
 3. Restore reads the pointer with :meth:`~ObjectStore.get_bytes`, confirms objects with
-   :meth:`~ObjectStore.head`, and on its download threads fetches each shard with
-   :meth:`~ObjectStore.download_file` into a temp name it chose; restore (the local commit protocol)
-   fsyncs and renames the file, never the store.
+   :meth:`~ObjectStore.head`, and on its download threads fetches every shard's parts with
+   :meth:`~ObjectStore.read_range_into` (a store without it: :meth:`~ObjectStore.download_file`) into
+   buffers it hashes and writes to a temp name it chose; restore (the local commit protocol) fsyncs and
+   renames the file, never the store.
 4. Cleanup (retention, the upload of one shard before it starts) uses :meth:`~ObjectStore.list_keys`,
    :meth:`~ObjectStore.delete`, :meth:`~ObjectStore.list_multipart_uploads` and
    :meth:`~ObjectStore.abort_multipart_upload`.
@@ -230,6 +231,14 @@ class ObjectStore(Protocol):
         commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here.
         ``expected_size`` (bytes): a HEAD size other than it, or a body running past it, raises
         :class:`ObjectSizeError` (before any byte, resp. within one part of it)."""
+        ...
+
+    def read_range_into(self, key: str, offset: int, out: memoryview, *, object_size: int) -> None:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of the object (one ranged GET per attempt,
+        read straight into ``out``; a truncated body or a stall retried). ``object_size`` (bytes, the planned
+        size): an answer for another size or range raises :class:`ObjectSizeError` before any byte is read
+        (never retried); never more than ``len(out)`` bytes are read. Raises ``RemoteNotFoundError``,
+        ``UploadError``, ``OperationInterruptedError``, ``ValueError`` (a range outside ``object_size``)."""
         ...
 
     # ------------------------------------------------------------------------------ multipart uploads

@@ -246,6 +246,22 @@ def _range_len(value: Any) -> int | None:
     return int(m.group(2)) - int(m.group(1)) + 1 if m else None
 
 
+def _raw_readinto(body: Any) -> Callable[[memoryview], int] | None:
+    """``http.client``'s ``readinto`` under botocore's ``StreamingBody`` (``_raw_stream._fp``; the bytes
+    added to botocore's count, which checks the length at EOF), or ``None`` where that is not safe
+    (another body type, a content decoder, bytes urllib3 buffered)."""
+    stream = getattr(body, "_raw_stream", None)
+    readinto = getattr(getattr(stream, "_fp", None), "readinto", None)
+    if readinto is None or getattr(stream, "_decoder", None) is not None or len(getattr(stream, "_decoded_buffer", b"")) or not isinstance(getattr(body, "_amount_read", None), int):  # noqa: E501
+        return None
+
+    def counted(b: memoryview) -> int:
+        n = readinto(b) or 0
+        body._amount_read += n
+        return int(n)
+    return counted
+
+
 class GuardedBody:
     """A GetObject body read under its request's guard: every chunk is progress; a read after expiry (or
     one the shutdown broke) raises :class:`RequestDeadlineError`; EOF or :meth:`close` disarms."""
@@ -260,9 +276,9 @@ class GuardedBody:
             self._done = True
             _WATCHDOG.disarm(self._guard)
 
-    def read(self, amt: int | None = None) -> bytes:
+    def _guarded(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         try:
-            data = self._body.read(amt)
+            out = fn(arg)
         except Exception as exc:
             self._finish()
             if self._guard.reason is not None:
@@ -271,11 +287,27 @@ class GuardedBody:
         if self._guard.reason is not None:  # a shut-down socket may read as an early EOF
             self._finish()
             raise self._guard.error()
+        return out
+
+    def read(self, amt: int | None = None) -> bytes:
+        data: bytes = self._guarded(self._body.read, amt)
         if data:
             self._guard.progress(len(data))
         if not data or amt is None:
             self._finish()
         return data
+
+    def readinto(self, b: memoryview) -> int:
+        """Read at most ``len(b)`` body bytes into ``b`` (0 at EOF), straight from ``http.client`` (no
+        intermediate ``bytes``) where :func:`_raw_readinto` allows, else :meth:`read` and a copy."""
+        raw = _raw_readinto(self._body)
+        if raw is None:
+            data = self.read(len(b))
+            b[:len(data)] = data
+            return len(data)
+        n: int = self._guarded(raw, b)
+        self._guard.progress(n)
+        return n
 
     def iter_chunks(self, chunk_size: int = 64 * 1024) -> Iterator[bytes]:
         while True:

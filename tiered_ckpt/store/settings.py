@@ -27,16 +27,20 @@ class TransferSettings:
     ``part_size_bytes`` (S3: 5 MiB .. 5 GiB, at most 10,000 parts; s3transfer doubles the part size for
     huge files), ``max_concurrency`` parts in flight per store. Downloads: an object of
     ``size >= download_part_size_bytes`` is fetched with ranged GETs of that size,
-    ``download_max_concurrency`` in flight. Large ranges suit servers where a ranged GET costs time in
-    proportion to the whole object (moto); S3 and MinIO reach their throughput with parallel ranges.
+    ``download_max_concurrency`` in flight, the parts of all shards of a restore in one window (its
+    buffers: at most ``download_max_concurrency x download_part_size_bytes`` bytes, 256 MiB by default).
+    The defaults (16 MiB x 16) were tuned on SeaweedFS, a real object store (``bench/restore.py``); S3
+    and MinIO reach their throughput with parallel moderate ranges too. **moto** answers a ranged GET in
+    time proportional to the whole object: there use few large ranges (e.g. 64 MiB x 4, or a part size
+    above the shard size: one GET per shard, then memory is up to 4 shards).
     Raises ``ValueError`` on out-of-range values.
     """
 
     multipart_threshold_bytes: int = 64 * MiB
     part_size_bytes: int = 64 * MiB
     max_concurrency: int = 8
-    download_part_size_bytes: int = 64 * MiB
-    download_max_concurrency: int = 8
+    download_part_size_bytes: int = 16 * MiB
+    download_max_concurrency: int = 16
 
     def __post_init__(self) -> None:
         for name in (
