@@ -16,7 +16,7 @@ import numpy as np
 from tiered_ckpt.errors import ShardCorruptedError, WorldSizeMismatchError
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import Crc32c
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, check_global_slices
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import reader as sr
 from tiered_ckpt.local.catalogue import pick_step, read_manifest
@@ -64,10 +64,14 @@ def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: 
 
 
 def _load_rank(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256",
-               resolve_ref: Callable[[tuple[str, ...]], Any] | None = None) -> dict[str, Any]:
+               resolve_ref: Callable[[tuple[str, ...]], Any] | None = None,
+               indexes: dict[int, tuple[TensorRecord, ...]] | None = None) -> dict[str, Any]:
     """Rank ``rank`` 's state. Replicated values stored in rank 0's shard come from ``resolve_ref``
-    (default: read from rank 0's file, only the parts needed, verified by the per-tensor checksums)."""
+    (default: read from rank 0's file, only the parts needed, verified by the per-tensor checksums).
+    ``indexes``: gets the rank's verified tensor records (for the checks across ranks)."""
     shard = read_shard_verified(sdir, manifest, rank, verify)
+    if indexes is not None:
+        indexes[rank] = shard.header.tensors
     where = f"step {manifest.step} rank {rank}"
     if resolve_ref is None and rank != 0:
         reader: list[sr.ShardReader] = []
@@ -121,7 +125,8 @@ def load_shard(
     split rule, ``rules`` and what ``verify`` means there).
     Raises :class:`NoCheckpointError`, :class:`WorldSizeMismatchError`, :class:`MissingShardError`,
     :class:`ShardCorruptedError`, :class:`ManifestError`, :class:`ReshardError`; ``ValueError`` for a rank
-    outside the world.
+    outside the world. Only this rank's shard is read: its slices are checked against their own global
+    shapes, not against other ranks' (``load_sharded``, a reshard and ``verify`` check those).
     """
     sr.check_verify_mode(verify)
     r, step = pick_step(root, step)
@@ -151,7 +156,8 @@ def load_sharded(
 
     ``verify``, ``reshard`` and ``rules`` as in :func:`load_shard` (with ``reshard=True`` the list has
     ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
-    anything is returned.
+    anything is returned, and the slices of each global tensor across the ranks agree on its shape and
+    dtype and do not overlap (else :class:`ManifestError`).
     """
     sr.check_verify_mode(verify)
     r, step = pick_step(root, step)
@@ -161,13 +167,17 @@ def load_sharded(
     _check_world(m, expected_world_size)
     sdir = r / step_dir_name(step)
     with sr.ReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:
-        first = _load_rank(sdir, m, 0, verify)
+        indexes: dict[int, tuple[TensorRecord, ...]] = {}
+        first = _load_rank(sdir, m, 0, verify, indexes=indexes)
 
         def resolve(path: tuple[str, ...]) -> Any:
             return sr.copy_value(_get_path(first, path, f"step {m.step} rank 0"))
 
-        rest = list(pool.map(lambda k: _load_rank(sdir, m, k, verify, resolve), range(1, m.world_size)))
-        return [first] + rest
+        rest = list(pool.map(lambda k: _load_rank(sdir, m, k, verify, resolve, indexes), range(1, m.world_size)))
+    # Slices of one global tensor agree and do not overlap across ranks (the manifest reader checked this
+    # when manifests listed tensors; now the indexes are in the headers). load_shard reads one rank only.
+    check_global_slices(m.step, sorted(indexes.items()))
+    return [first] + rest
 
 
 __all__ = ["VerifiedShard", "load_shard", "load_sharded", "read_shard_verified"]

@@ -286,14 +286,14 @@ class ShardReader:
             arr = arr.copy()
         return arr.reshape(t.shape)
 
-    def materialize(self, node: Any, where: str) -> Any:
+    def materialize(self, node: Any, where: str, depth: int = 0) -> Any:
         """Rebuild the value of a state-tree node (``d``/``t``/``v``) of this file, reading its tensors
-        whole."""
-        if not isinstance(node, dict) or len(node) != 1:
-            raise ShardCorruptedError(f"{self.where}: state tree node at {where!r} is malformed")
+        whole; nested at most 256 deep, as :func:`~tiered_ckpt.format.shard_file.decode_state` allows."""
+        if depth > 256 or not isinstance(node, dict) or len(node) != 1:
+            raise ShardCorruptedError(f"{self.where}: state tree node at {where[:80]!r} is malformed")
         (kind, val), = node.items()
         if kind == "d" and isinstance(val, dict):
-            return {k: self.materialize(v, f"{where}/{k}") for k, v in val.items()}
+            return {k: self.materialize(v, f"{where}/{k}", depth + 1) for k, v in val.items()}
         if kind == "v":
             return val
         if kind == "t" and isinstance(val, str):
@@ -318,7 +318,7 @@ def read_replicated(reader: ShardReader, path: tuple[str, ...]) -> Any:
     if not isinstance(node, dict) or set(node) != {"r"} or node["r"] is None:
         raise ShardCorruptedError(f"{reader.where}: holds no replicated value at {'/'.join(path)[:80]!r} "
                                   "that another rank refers to")
-    return reader.materialize(node["r"], "/".join(path))
+    return reader.materialize(node["r"], "/".join(path), len(path) + 1)  # as deep as decode_state counts it
 
 
 def verify_fd_stream(fd: int, rec: ShardRecord, verify: str, where: str, stats: ReadStats | None = None) -> str:

@@ -132,7 +132,7 @@ class _Builder:
             return self.slice(node, j)
         if isinstance(node, ReplicatedNode):
             if node.key not in self.rep_cache:
-                self.rep_cache[node.key] = self.reader(0).materialize(node.node, node.key)
+                self.rep_cache[node.key] = self.reader(0).materialize(node.node, node.key, len(node.path) + 1)
             v = self.rep_cache[node.key]
             return Replicated(v) if self.for_write else copy_value(v)
         if isinstance(node, RuledNode):

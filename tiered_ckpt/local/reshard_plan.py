@@ -9,9 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from tiered_ckpt.errors import ReshardError, ShardCorruptedError
+from tiered_ckpt.errors import ManifestError, ReshardError, ShardCorruptedError
 from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices, numel
 from tiered_ckpt.format.shard_file import ParsedHeader
+from tiered_ckpt.format.validate import first_overlap
+
+#: Deepest state tree a plan walks (as :func:`tiered_ckpt.format.shard_file.decode_state` refuses deeper).
+MAX_TREE_DEPTH = 256
 
 
 class _Absent:
@@ -125,6 +129,9 @@ class Planner:
 
     def _walk(self, path: tuple[str, ...], nodes: list[Any]) -> Any:
         key = "/".join(escape_key(p) for p in path)
+        if len(path) > MAX_TREE_DEPTH:
+            raise ShardCorruptedError(f"step {self.m.step}: state tree nested deeper than {MAX_TREE_DEPTH} levels "
+                                      f"at {key[:80]!r}")
         if path and key in self.rules:
             self.used_rules.add(key)
             return RuledNode(key, self.rules[key], tuple(nodes))
@@ -158,8 +165,22 @@ class Planner:
         return None
 
     def _slice(self, key: str, recs: list[tuple[int, TensorRecord]]) -> SliceNode | None:
-        gs = recs[0][1].global_shape
+        """The slices at ``key`` (one per old rank holding it, whatever each file names its tensor: the
+        per-name check of :func:`check_global_slices` does not cover tensors named apart) agree on the
+        global shape and dtype and do not overlap (ManifestError), and tile the global tensor (else a
+        problem: ReshardError)."""
+        gs, dt = recs[0][1].global_shape, recs[0][1].dtype
         assert gs is not None
+        for r, t in recs:
+            if t.global_shape != gs or t.dtype != dt:
+                raise ManifestError(f"step {self.m.step}: slices at {key[:80]!r} disagree on global shape/dtype "
+                                    f"(rank {r}: {t.dtype} {list(t.global_shape or ())}, rank {recs[0][0]}: "
+                                    f"{dt} {list(gs)})")
+        nonempty = [(r, t) for r, t in recs if numel(t.shape) > 0]
+        pair = first_overlap([(t.global_offset or (), t.shape) for _, t in nonempty])
+        if pair is not None:
+            raise ManifestError(f"step {self.m.step}: slices at {key[:80]!r} on ranks {nonempty[pair[0]][0]} and "
+                                f"{nonempty[pair[1]][0]} overlap")
         if len(gs) == 0:
             self.problems.append(f"{key!r} is a 0-d GlobalSlice (save it as Replicated)")
             return None

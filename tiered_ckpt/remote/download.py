@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tiered_ckpt.errors import MissingShardError, ShardCorruptedError
+from tiered_ckpt.format.shard_file import decode_state
 from tiered_ckpt.local.reader import check_header_bytes, read_header_bytes
 from tiered_ckpt.remote.handle import object_url
 from tiered_ckpt.remote.restore_plan import RemoteObject, RestorePlan
@@ -79,11 +80,12 @@ def hash_file(path: Path) -> tuple[str, int]:
 
 
 def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
-    """The downloaded file's safetensors header agrees with the manifest's record (as loading checks)."""
+    """The downloaded file's safetensors header agrees with the manifest's record, and its state tree with
+    the header's tensors (as loading and local ``verify`` check; rank 0 holds the replicated values)."""
     rec = plan.manifest.shards[rank]
     with opened(path, error=ShardCorruptedError) as fd:
         raw = read_header_bytes(fd, rec, where)
-    check_header_bytes(raw, rec, plan.manifest, where)
+    decode_state(None, check_header_bytes(raw, rec, plan.manifest, where), where, lambda key_path: None)
 
 
 def _where(store: ObjectStore, plan: RestorePlan, obj: RemoteObject) -> str:
