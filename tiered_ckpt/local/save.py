@@ -152,8 +152,8 @@ def header_digest(prefix: bytes, raw: bytes) -> str:
 def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -> None:
     """Cheap pre-commit check: file present, size right, header names this save, rank and step: the
     header bytes hash to the record's ``header_sha256`` (the writer of this record wrote them for this
-    save, rank and step; no parse), else the header is parsed to say why. Raises MissingShardError,
-    ShardCorruptedError (also a symlink, FIFO, device or directory there), ConcurrentSaveError (another
+    save) and open with this rank and step (no parse), else the header is parsed to say why. Raises
+    MissingShardError, ShardCorruptedError (also a symlink, FIFO, device or directory there), ConcurrentSaveError (another
     save's file, I4), CheckpointWriteError (the open failed on I/O)."""
     path = sdir / rec.path
     where = f"step {step} rank {rec.rank} ({rec.path})"
@@ -173,12 +173,10 @@ def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
-    meta = None
-    if (rec.header_sha256 is not None and rec.save_id == save_id
+    if (rec.header_sha256 is not None and rec.save_id == save_id and _names_itself(raw, rec.rank, step)
             and header_digest(struct.pack("<Q", n), raw) == rec.header_sha256):
-        meta = _header_identity(raw)  # the bytes the record's writer wrote: only who they name is left
-    if meta is None:
-        meta = fmt.parse_header(raw, size, where).metadata
+        return  # the bytes the record's writer wrote, for this save, rank and step
+    meta = fmt.parse_header(raw, size, where).metadata
     if meta.get("save_id") != save_id:
         raise ConcurrentSaveError(f"{where}: file belongs to save {meta.get('save_id')!r}, not {save_id} "
                                   "(another writer replaced it; I4)")
@@ -186,20 +184,12 @@ def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -
         raise ShardCorruptedError(f"{where}: header names rank {meta.get('rank')} step {meta.get('step')}")
 
 
-_META_OPEN = b'{"__metadata__":'
-
-
-def _header_identity(raw: bytes) -> dict[str, Any] | None:
-    """The tiered_ckpt metadata of a header this package wrote (``__metadata__`` first), decoded without
-    parsing the tensor entries (``None`` when the header is not laid out so: the caller parses it all)."""
-    if not raw.startswith(_META_OPEN):
-        return None
-    try:
-        outer, _ = json.JSONDecoder().raw_decode(raw.decode("utf-8"), len(_META_OPEN))
-        meta = json.loads(outer[fmt.METADATA_KEY])
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
-        return None
-    return meta if isinstance(meta, dict) else None
+def _names_itself(raw: bytes, rank: int, step: int) -> bool:
+    """Whether a header this package's writer wrote (its metadata opens with format, rank and step, in
+    that order) names ``rank`` and ``step``: a comparison of its first bytes, no parse. ``False`` for any
+    other layout (the caller then parses it all)."""
+    inner = '{"format":%d,"rank":%d,"step":%d,' % (fmt.FORMAT_VERSION, rank, step)
+    return raw.startswith(b'{"__metadata__":{"%s":%s' % (fmt.METADATA_KEY.encode(), json.dumps(inner)[:-1].encode()))
 
 
 def save_sharded(
