@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Collection, Iterable, Iterator, Mapping
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
@@ -27,8 +27,11 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ",".join(out)
 
 
-def present_ranks(sdir: Path, m: ShardManifest) -> set[int]:
-    """Ranks of ``m`` whose shard file is an entry of ``sdir`` (not followed, not checked)."""
+def present_ranks(sdir: Path, m: ShardManifest, names: Collection[str] | None = None) -> set[int]:
+    """Ranks of ``m`` whose shard file is an entry of ``sdir`` (not followed, not checked); ``names``: the
+    entries of ``sdir`` when already listed (one listing for a step of many ranks, not a stat per rank)."""
+    if names is not None:
+        return {rec.rank for rec in m.shards if rec.path in names}
     return {rec.rank for rec in m.shards if os.path.lexists(sdir / rec.path)}
 
 

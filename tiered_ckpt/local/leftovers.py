@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from tiered_ckpt.fs import owner_alive, temp_owner
 from tiered_ckpt.layout import TMP_SUFFIX
@@ -59,11 +60,12 @@ class TempFile:
     dead: bool
 
 
-def temp_files(directory: Path) -> list[TempFile]:
+def temp_files(directory: Path, sizes: Mapping[str, int] | None = None) -> list[TempFile]:
     """The temp entries (regular files, not followed) directly in ``directory``, by name; ``[]`` when it
     cannot be listed. The directory is reached through :mod:`tiered_ckpt.safe_read` (``O_NOFOLLOW`` below
-    the root: a symlinked step directory is never listed)."""
-    sizes = regular_files(directory)
+    the root: a symlinked step directory is never listed). ``sizes``: its :func:`~tiered_ckpt.safe_read.
+    regular_files` when already listed."""
+    sizes = regular_files(directory) if sizes is None else sizes
     out: list[TempFile] = []
     for name in sorted(sizes):
         if not is_temp_name(name):
@@ -73,12 +75,12 @@ def temp_files(directory: Path) -> list[TempFile]:
     return out
 
 
-def leftover_bytes(directory: Path) -> int:
+def leftover_bytes(directory: Path, sizes: Mapping[str, int] | None = None) -> int:
     """Bytes of the temp files of dead writers in ``directory`` (what ``gc`` removes there without
-    ``--force``); 0 for a symlink or a directory that cannot be listed."""
+    ``--force``); 0 for a symlink or a directory that cannot be listed. ``sizes`` as :func:`temp_files`."""
     if os.path.islink(directory):
         return 0
-    return sum(t.size_bytes for t in temp_files(directory) if t.dead)
+    return sum(t.size_bytes for t in temp_files(directory, sizes) if t.dead)
 
 
 def remove_dead_temps(directory: Path, *, force: bool = False, owned_only: bool = False) -> list[Path]:

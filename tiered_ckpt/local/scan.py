@@ -109,9 +109,25 @@ class StepStatus:
         return d
 
 
-def _dir_bytes(sdir: Path) -> int:
-    """Bytes of the shard files in ``sdir``; 0 for a symlinked step directory (never followed)."""
-    return sum(regular_files(sdir, ".safetensors").values())  # the step directory opened O_NOFOLLOW
+def _dir_bytes(sdir: Path, sizes: Mapping[str, int] | None = None) -> int:
+    """Bytes of the shard files in ``sdir`` (``sizes``: its :func:`regular_files`, when already listed); 0
+    for a symlinked step directory (never followed)."""
+    if sizes is None:
+        sizes = regular_files(sdir, ".safetensors")  # the step directory opened O_NOFOLLOW
+    return sum(n for name, n in sizes.items() if name.endswith(".safetensors"))
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """One listing of a step directory for a scan: every entry's name, and the regular files' sizes
+    (one ``listdir`` and one ``lstat`` per entry, whatever the number of ranks)."""
+
+    names: frozenset[str]
+    sizes: Mapping[str, int]
+
+    @classmethod
+    def of(cls, sdir: Path) -> _Listing:
+        return cls(frozenset(list_dir(sdir)), regular_files(sdir))
 
 
 def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False,
@@ -133,14 +149,17 @@ def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True
     when already known (a scan of many steps computes it once). ``leftover_bytes`` is counted whatever
     the state."""
     r, _ = resolve_root(root)
-    st = _inspect_step(r, step, verify=verify, fast=fast, ranks=ranks, require_all=require_all, held=held)
-    return replace(st, leftover_bytes=leftover_bytes(r / step_dir_name(step)))
+    sdir = r / step_dir_name(step)
+    listing = _Listing.of(sdir)
+    st = _inspect_step(r, step, verify=verify, fast=fast, ranks=ranks, require_all=require_all, held=held,
+                       listing=listing)
+    return replace(st, leftover_bytes=leftover_bytes(sdir, listing.sizes))
 
 
 def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterable[int] | None,
-                  require_all: bool, held: Mapping[int, frozenset[int]] | None) -> StepStatus:
+                  require_all: bool, held: Mapping[int, frozenset[int]] | None, listing: _Listing) -> StepStatus:
     sdir = r / step_dir_name(step)
-    size = _dir_bytes(sdir)
+    size = _dir_bytes(sdir, listing.sizes)
     try:
         m = read_manifest(r, step)
     except NoCheckpointError:
@@ -160,7 +179,7 @@ def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterab
                               f"{format_ranks(outside)}", m.world_size, size, m.save_id, pinned=pinned)
     elif require_all:
         wanted = None
-    elif present_ranks(sdir, m) == set(range(m.world_size)):
+    elif present_ranks(sdir, m, listing.names) == set(range(m.world_size)):
         wanted = None  # every shard is here: nothing outside this step needs reading
     else:
         try:
@@ -172,13 +191,14 @@ def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterab
                               "this root", m.world_size, size, m.save_id, pinned=pinned)
         wanted = None if len(mine) == m.world_size else mine
         node = None if wanted is None else tuple(sorted(mine))
-    state, reason = _check_shards(sdir, m, wanted, verify, fast)
+    state, reason = _check_shards(sdir, m, wanted, verify, fast, listing.sizes)
     return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned, attempt=m.attempt)
 
 
 def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, verify: bool,
-                  fast: bool) -> tuple[str, str]:
-    """``(state, reason)`` of the shards of ``m`` in ``wanted`` (``None``: all)."""
+                  fast: bool, sizes: Mapping[str, int]) -> tuple[str, str]:
+    """``(state, reason)`` of the shards of ``m`` in ``wanted`` (``None``: all); ``sizes``: the regular
+    files of ``sdir`` (a shard not among them is looked at again, to say what it is)."""
     step = m.step
     indexes: list[tuple[int, tuple[TensorRecord, ...]]] = []
     try:
@@ -188,6 +208,8 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
             if verify:
                 hdr = stream_verified_header(sdir, m, rec.rank, "crc32c" if fast else "sha256")[1]
                 indexes.append((rec.rank, hdr.tensors))
+                continue
+            if sizes.get(rec.path) == rec.size_bytes:
                 continue
             try:
                 st = os.lstat(sdir / rec.path)
