@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -36,6 +37,8 @@ from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
+#: HEAD requests in flight while a plan confirms the shards it will fetch.
+PLAN_HEAD_CONCURRENCY = 16
 #: Errors of one candidate step that ``fallback=True`` skips (an unreachable bucket is not one of them).
 STEP_FAULTS = (MissingShardError, ShardCorruptedError, ManifestError)
 
@@ -136,8 +139,8 @@ def plan_step(store: ObjectStore, save: RemoteSave, ranks: Iterable[int] | None,
                     "bucket?)", step, um.prefix, store.url)
     m, raw = _read_mirrored_manifest(store, save)
     chosen = check_ranks(ranks, m.world_size, step)
-    objects = []
-    for rank in chosen:
+
+    def confirm(rank: int) -> RemoteObject:
         key = save.shard_key(rank)  # in the key layout its upload manifest records
         info = store.head(key)
         rec = m.shards[rank]
@@ -147,7 +150,12 @@ def plan_step(store: ObjectStore, save: RemoteSave, ranks: Iterable[int] | None,
         if info.size_bytes != rec.size_bytes:
             raise ShardCorruptedError(f"step {step} rank {rank}: {object_url(store, key)} is {info.size_bytes} "
                                       f"bytes, the manifest says {rec.size_bytes}")
-        objects.append(RemoteObject(rank, key, rec.size_bytes, rec.sha256))
+        return RemoteObject(rank, key, rec.size_bytes, rec.sha256)
+
+    # The HEADs in parallel (a 512-rank step: 512 round trips); the lowest rank's error is raised.
+    with ThreadPoolExecutor(max_workers=max(1, min(PLAN_HEAD_CONCURRENCY, len(chosen))),
+                            thread_name_prefix="tiered-ckpt-plan") as pool:
+        objects = list(pool.map(confirm, chosen))
     return RestorePlan(store.url, step, chosen, um, m, raw, tuple(objects), from_pointer,
                        save.upload_manifest_sha256, lineage=lineage)
 
