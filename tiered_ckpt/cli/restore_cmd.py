@@ -53,11 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="overwrite a different save of the same step committed locally")
     p.add_argument("--dry-run", action="store_true", help="say what would be fetched; download nothing")
     p.add_argument("--part-size-mib", type=bounded_int(MAX_PART_SIZE_MIB), default=None,
-                   help=f"ranged-GET size in MiB, 1 to {MAX_PART_SIZE_MIB} (default 64; use >= the shard size on moto)")
+                   help=f"ranged-GET size in MiB, 1 to {MAX_PART_SIZE_MIB} (default 16; use >= the shard size on moto)")
     p.add_argument("--concurrency", type=bounded_int(MAX_CONCURRENCY), default=None,
-                   help=f"ranged GETs in flight, 1 to {MAX_CONCURRENCY} (default 8)")
+                   help=f"ranged GETs in flight, all shards' parts in one window, 1 to {MAX_CONCURRENCY} (default 16)")
     p.add_argument("--parallel-shards", type=bounded_int(MAX_CONCURRENCY), default=8,
-                   help=f"shards downloaded at once, 1 to {MAX_CONCURRENCY} (default 8)")
+                   help="kept for scripts of earlier versions; no effect (every shard's parts share the --concurrency window)")
     add_s3_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
