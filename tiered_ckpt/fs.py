@@ -233,6 +233,19 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def advise_sequential(fd: int, offset: int, nbytes: int) -> None:
+    """Tell the kernel ``[offset, offset + nbytes)`` of ``fd`` will be read once, in order
+    (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``, POSIX; Linux doubles the readahead window). Only a hint:
+    where it is unsupported (not Linux, a pipe) nothing happens and no error is raised."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or nbytes <= 0:
+        return
+    try:
+        advise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+    except OSError:
+        pass
+
+
 def write_all(fd: int, data: memoryview | bytes) -> None:
     """``write(2)`` until every byte is written (short writes happen on large buffers and signals)."""
     view = memoryview(data).cast("B")
@@ -241,6 +254,24 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         if n <= 0:  # pragma: no cover - POSIX write never returns 0 for a positive count on files
             raise OSError(errno.EIO, "write returned 0")
         view = view[n:]
+
+
+def writev_all(fd: int, views: list[memoryview]) -> int:
+    """``writev(2)`` (POSIX) of ``views`` in order until every byte is written (a short write resumes
+    inside the buffer it stopped in). Returns the bytes written (their sum); ``OSError`` propagates."""
+    bufs = [memoryview(v).cast("B") for v in views]
+    total = sum(b.nbytes for b in bufs)
+    i = 0  # bufs[i:] is what is left to write
+    while i < len(bufs):
+        n = os.writev(fd, bufs[i:]) if len(bufs) - i > 1 else os.write(fd, bufs[i])
+        if n <= 0:  # pragma: no cover - POSIX write never returns 0 for a positive count on files
+            raise OSError(errno.EIO, "write returned 0")
+        while i < len(bufs) and n >= bufs[i].nbytes:
+            n -= bufs[i].nbytes
+            i += 1
+        if n:
+            bufs[i] = bufs[i][n:]
+    return total
 
 
 def _unlink_quietly(path: str | os.PathLike[str]) -> None:
