@@ -256,24 +256,6 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def writev_all(fd: int, views: list[memoryview]) -> int:
-    """``writev(2)`` (POSIX) of ``views`` in order until every byte is written (a short write resumes
-    inside the buffer it stopped in). Returns the bytes written (their sum); ``OSError`` propagates."""
-    bufs = [memoryview(v).cast("B") for v in views]
-    total = sum(b.nbytes for b in bufs)
-    i = 0  # bufs[i:] is what is left to write
-    while i < len(bufs):
-        n = os.writev(fd, bufs[i:]) if len(bufs) - i > 1 else os.write(fd, bufs[i])
-        if n <= 0:  # pragma: no cover - POSIX write never returns 0 for a positive count on files
-            raise OSError(errno.EIO, "write returned 0")
-        while i < len(bufs) and n >= bufs[i].nbytes:
-            n -= bufs[i].nbytes
-            i += 1
-        if n:
-            bufs[i] = bufs[i][n:]
-    return total
-
-
 def _unlink_quietly(path: str | os.PathLike[str]) -> None:
     try:
         os.unlink(path)
