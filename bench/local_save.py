@@ -14,6 +14,7 @@ its peak RSS is its own; page cache dropped before each save where permitted):
   ours_4t     save_sharded(4 states): 4 ranks in parallel threads of one process
   ours_4p     4 fresh processes, each write_shard() its 512 MiB, then one commit_step()
   dd          dd if=/dev/zero of=F bs=16M iflag=count_bytes count=<bytes> conv=fsync  (zeros!)
+  dd_4        4 such dd processes in parallel, <bytes>/4 each (one file per rank)
   raw_1       Python loop of 16 MiB os.write() of the same array bytes, fsync at the end
   raw_4t      the same, 4 threads, one file per rank
   torch_1/4t  torch.save(torch.from_numpy state) + flush + fsync (4t: one file per rank, 4 threads)
@@ -28,6 +29,13 @@ load (into preallocated tensors) vs a raw read of the raw files into one buffer.
 
 Floors (issue 2): save throughput >= 0.8 x the faster raw write and >= 1.0 x DCP; peak RSS growth during
 our save <= 10% of the state.
+
+Issue 12 rows (``--issue12`` runs only their cases): cold-cache verified load >= 1.0 x dcp.load at 1 rank
+(ours_1 vs dcp_1) and at 4 ranks (load_sharded of ours_4t's 4-rank step vs dcp.load of the same 2 GiB,
+dcp_1); save at 4 ranks >= 0.9 x 4 parallel dd (ours_4p and ours_4t vs dd_4), 1 rank >= 1.0 x dd; the
+small tensors' save + warm load >= 10 x DCP's.
+
+    python bench/local_save.py --issue12 --reps 3       # 2 GiB: the issue 12 rows only
 """
 
 from __future__ import annotations
@@ -50,12 +58,15 @@ STEP = 1
 #: case -> (kind, ranks)
 CASES: dict[str, tuple[str, int]] = {
     "ours_1": ("ours", 1), "ours_4t": ("ours", 4), "ours_4p": ("ours_proc", 4),
-    "dd": ("dd", 1), "raw_1": ("raw", 1), "raw_4t": ("raw", 4),
+    "dd": ("dd", 1), "dd_4": ("dd", 4), "raw_1": ("raw", 1), "raw_4t": ("raw", 4),
     "torch_1": ("torch", 1), "torch_4t": ("torch", 4),
     "dcp_1": ("dcp", 1), "dcp_4": ("dcp", 4),
     "small_ours": ("ours", 1), "small_dcp": ("dcp", 1),
 }
-NO_LOAD = {"dd", "ours_4p"}  # dd wrote zeros; ours_4p's files are read exactly like ours_4t's
+NO_LOAD = {"dd", "dd_4", "ours_4p"}  # dd wrote zeros; ours_4p's files are read exactly like ours_4t's
+#: The cases of issue 12's rows (``--issue12``): cold verified load vs dcp.load at 1 and 4 ranks, save
+#: vs 1 and 4 parallel dd, 10,000 small tensors vs DCP.
+ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,dcp_1,small_ours,small_dcp"
 
 
 # ============================================================================================ state
@@ -213,11 +224,13 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
     case, path = task["case"], task["path"]
     kind, ranks = CASES[case]
     os.makedirs(path, exist_ok=True)
-    if kind == "dd":
-        cmd = ["dd", "if=/dev/zero", f"of={path}/zeros", "bs=16M", "iflag=count_bytes",
-               f"count={task['total_bytes']}", "conv=fsync", "status=none"]
+    if kind == "dd":  # dd_4: 4 dd processes in parallel, one file of total/4 bytes each
+        cmds = [["dd", "if=/dev/zero", f"of={path}/zeros_{r}", "bs=16M", "iflag=count_bytes",
+                 f"count={task['total_bytes'] // ranks}", "conv=fsync", "status=none"] for r in range(ranks)]
         with C.CpuTimer() as t:
-            subprocess.run(cmd, check=True)
+            procs = [subprocess.Popen(c) for c in cmds]
+            if any(p.wait() != 0 for p in procs):
+                raise RuntimeError(f"dd failed: {[p.returncode for p in procs]}")
         return {**t.as_dict()}
     if kind == "ours_proc":
         return _save_multiprocess(task)
@@ -491,7 +504,7 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
     rrows = []
     checks: list[tuple[str, bool]] = []
     raw1 = [c for c in ("dd", "raw_1") if c in res]
-    raw4 = [c for c in ("dd", "raw_1", "raw_4t") if c in res]
+    raw4 = [c for c in ("dd", "dd_4", "raw_1", "raw_4t") if c in res]
     for ours, raws, dcp_case in (("ours_1", raw1, "dcp_1"), ("ours_4t", raw4, "dcp_4"),
                                  ("ours_4p", raw4, "dcp_4"), ("small_ours", [], "small_dcp")):
         if ours not in res:
@@ -526,6 +539,13 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
         frac = max(rss) / payload_bytes(ours, args)
         checks.append(C.floor_check(f"peak RSS growth during save {ours} / state (max over reps, "
                                     f"{max(rss) / C.MiB:.1f} MiB)", frac, 0.10, higher_is_better=False))
+    rows12, checks12 = issue12_rows(args, res, times)
+    if rows12:
+        lines.append("")
+        lines.append("ISSUE 12 (medians; ratio = baseline time / ours, > 1 means ours is faster)")
+        lines.append(C.table(["row", "ours s", "baseline", "baseline s", "ratio", "floor", ""], rows12,
+                             align="lrlrrrl"))
+        checks += checks12
     resets = [r["save"].get("hwm_reset") for c in res for r in res[c] if "hwm_reset" in r["save"]]
     lines.append("")
     lines.append("FLOORS" + ("" if all(resets) else "  (VmHWM reset unsupported: RSS growth measured "
@@ -536,6 +556,44 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def issue12_rows(args: argparse.Namespace, res: dict[str, Any],
+                 times: Callable[..., list[float]]) -> tuple[list[list[str]], list[tuple[str, bool]]]:
+    """Issue 12's rows: (ours, baseline, floor) as table rows and floor checks. A time is the median
+    wall time of a case's save, or of its warm or cold load; a ``+`` sums two medians (save + load)."""
+    def med(spec: str) -> float:
+        total = 0.0
+        for part in spec.split("+"):
+            case, _, phase = part.partition(":")
+            ts = times(case) if not phase else times(case, "load", phase)
+            if not ts:
+                return float("nan")
+            total += C.median(ts)
+        return total
+
+    specs = [  # label, ours, baseline, baseline label, floor
+        ("load 1 rank, verified, cold cache", "ours_1:cold", "dcp_1:cold", "dcp.load", 1.0),
+        ("load 4 ranks, verified, cold cache", "ours_4t:cold", "dcp_1:cold", "dcp.load (same state)", 1.0),
+        ("save 4 ranks (processes)", "ours_4p", "dd_4", "4 x dd conv=fsync", 0.9),
+        ("save 4 ranks (threads)", "ours_4t", "dd_4", "4 x dd conv=fsync", 0.9),
+        ("save 1 rank", "ours_1", "dd", "dd conv=fsync", 1.0),
+        (f"{args.small_count} x {args.small_bytes} B save + load", "small_ours+small_ours:warm",
+         "small_dcp+small_dcp:warm", "DCP save + load", 10.0),
+    ]
+    rows, checks = [], []
+    for label, ours, base, base_label, floor in specs:
+        if ours.split(":")[0].split("+")[0] not in res or base.split(":")[0].split("+")[0] not in res:
+            continue
+        a, b = med(ours), med(base)
+        if a != a or b != b:  # NaN: a cold load was not possible
+            continue
+        r = C.ratio(b, a)
+        line, ok = C.floor_check(f"{label}: {base_label} / ours", r, floor)
+        checks.append((line, ok))
+        rows.append([label, C.fmt_num(a, ".3f"), base_label, C.fmt_num(b, ".3f"), C.fmt_num(r, ".2f") + "x",
+                     f">= {floor:g}x", "PASS" if ok else "FAIL"])
+    return rows, checks
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -543,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
     p.add_argument("--dir", default="/tmp", help="directory (filesystem) to benchmark (default /tmp)")
     p.add_argument("--cases", default="", help=f"comma-separated subset of: {', '.join(CASES)}")
+    p.add_argument("--issue12", action="store_true", help=f"only issue 12's cases ({ISSUE12})")
     p.add_argument("--small-count", type=int, default=10_000)
     p.add_argument("--small-bytes", type=int, default=4096)
     p.add_argument("--warm-only", action="store_true", help="never drop the page cache")
@@ -567,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.issue12 and not args.cases:
+        args.cases = ISSUE12
     out = run(args)
     text, ok = report(args, out)
     print(text)

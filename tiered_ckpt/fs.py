@@ -233,6 +233,19 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def advise_sequential(fd: int, offset: int, nbytes: int) -> None:
+    """Tell the kernel ``[offset, offset + nbytes)`` of ``fd`` will be read once, in order
+    (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``, POSIX; Linux doubles the readahead window). Only a hint:
+    where it is unsupported (not Linux, a pipe) nothing happens and no error is raised."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or nbytes <= 0:
+        return
+    try:
+        advise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+    except OSError:
+        pass
+
+
 def write_all(fd: int, data: memoryview | bytes) -> None:
     """``write(2)`` until every byte is written (short writes happen on large buffers and signals)."""
     view = memoryview(data).cast("B")

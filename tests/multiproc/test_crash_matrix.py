@@ -379,12 +379,14 @@ def test_sigkill_at_every_call_of_the_protocol(base: Path) -> None:
         name = f"rank_{rank:05d}.safetensors"
         assert f"fsync:{name}(tmp)#1" in distinct, distinct
         assert any(p.startswith(f"rename:{name}(tmp)+{name}") for p in distinct), distinct
-        assert sum(p.startswith(f"write:{name}(tmp)#") for p in distinct) >= 3, distinct
+        # a small shard goes out in one write (shard_io gathers small chunks); kills between the writes
+        # of one shard: test_sigkill_large_shards_partial_writes
+        assert f"write:{name}(tmp)#1" in distinct, distinct
     for p in ("write:manifest.json(tmp)#1", "fsync:manifest.json(tmp)#1",
               "link:manifest.json(tmp)+manifest.json#1", "unlink:manifest.json(tmp)#1"):
         assert p in distinct, distinct
     assert any(p.startswith("fsync:stepdir#") for p in distinct)
-    assert len(distinct) >= 40, distinct
+    assert len(distinct) >= 28, distinct  # 40 while every tensor of a small shard had its own write
 
 
 @pytest.mark.slow

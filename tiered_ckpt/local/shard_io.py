@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from tiered_ckpt.fs import start_writeback, write_all
-from tiered_ckpt.format.shard_file import CHUNK_BYTES, corrupt
+from tiered_ckpt.fs import advise_sequential, start_writeback, write_all
+from tiered_ckpt.format.shard_file import corrupt
 
 
 class Hasher(Protocol):
@@ -28,7 +28,7 @@ class Digest(Hasher, Protocol):
 
 
 class OverlappedHasher:
-    """Feeds chunks to ``hashers`` on a second thread, in order, at most ``depth`` chunks behind.
+    """Feeds chunks to ``hashers`` on a second thread, in order, at most ``depth`` feeds behind.
 
     hashlib and google_crc32c release the GIL on large buffers, so hashing overlaps the caller's I/O on
     a second core. Chunks must stay unmodified until :meth:`drain` returns (they are views, not copies).
@@ -41,7 +41,12 @@ class OverlappedHasher:
         self._pending: list[Future[None]] = []
 
     def feed(self, chunk: memoryview) -> None:
-        self._pending.append(self._pool.submit(_update_all, self._hashers, chunk))
+        """Queue one chunk (blocks while ``depth`` feeds are still being hashed)."""
+        self.feed_many([chunk])
+
+    def feed_many(self, chunks: Sequence[memoryview]) -> None:
+        """Queue several chunks as one task of the hashing thread (fewer thread hand-offs)."""
+        self._pending.append(self._pool.submit(_update_all, self._hashers, chunks))
         if len(self._pending) > self._depth:
             self._pending.pop(0).result()
 
@@ -60,46 +65,125 @@ class OverlappedHasher:
         self.drain()
 
 
-def write_stream(fd: int, chunks: Iterator[memoryview], hashers: list[Hasher],
-                 inline_hashers: Iterable[Hasher] = ()) -> int:
-    """Write every chunk to ``fd`` while a second thread feeds the same chunks to ``hashers`` (the
-    expensive ones: sha256); ``inline_hashers`` (cheap ones: CRC32C, several GB/s) are fed on the writing
-    thread itself, so that the two threads carry about the same CPU load on two cores. Returns bytes
-    written. An ``OSError`` from ``write(2)`` propagates after the hashing thread is drained."""
+#: Bytes gathered into one ``write(2)`` by :func:`write_stream` (and one hashing task): small tensors go
+#: out in few large writes; a 1 MiB chunk of a large tensor is written alone (measured with 4 ranks of
+#: 512 MiB in parallel: 8 MiB batches made the save slower, median 6.0 s against 3.7 s and 4 x dd 1.7 s,
+#: on a loaded machine).
+WRITE_BYTES = 1024 * 1024
+#: How many batches the hashing thread may lag behind the writes (the chunks are views of the caller's
+#: arrays: a deeper queue costs no memory).
+HASH_DEPTH = 16
+#: Granularity of the writeback hints (bytes): 1 MiB pieces keep 4 ranks' writeback interleaved on one
+#: disk better than one 8 MiB hint per batch (measured: 4 x 512 MiB, median 1.3-1.5 s against 2.7 s).
+WRITEBACK_BYTES = 1024 * 1024
+#: At most this many chunks in one batch.
+_MAX_IOV = 512
+
+
+def write_stream(fd: int, chunks: Iterable[memoryview], hashers: list[Hasher],
+                 inline_hashers: Iterable[Hasher] = (), *, write_bytes: int = WRITE_BYTES,
+                 writeback_bytes: int = WRITEBACK_BYTES) -> int:
+    """Write every chunk to ``fd`` (from its current offset, which must be 0) while a second thread feeds
+    the same chunks to ``hashers`` (the expensive ones: sha256); ``inline_hashers`` (cheap ones: CRC32C,
+    several GB/s) are fed on the writing thread itself. Consecutive chunks are gathered into batches of
+    about ``write_bytes`` (at most 512 chunks), each written with one ``write(2)`` and then handed to the
+    kernel's writeback (:func:`~tiered_ckpt.fs.start_writeback`) so that the final ``fsync`` has little
+    left to flush. Returns bytes written. An ``OSError`` from ``write(2)`` propagates after the hashing
+    thread is drained."""
     total = 0
-    with OverlappedHasher(hashers) as hasher:
-        for chunk in chunks:
-            hasher.feed(chunk)
-            for h in inline_hashers:
-                h.update(chunk)
-            write_all(fd, chunk)
-            start_writeback(fd, total, chunk.nbytes)  # the final fsync then has little left to flush
-            total += chunk.nbytes
+    inline = list(inline_hashers)
+    with OverlappedHasher(hashers, depth=HASH_DEPTH) as hasher:
+        for batch in _batches(chunks, write_bytes):
+            hasher.feed_many(batch)
+            for h in inline:
+                for c in batch:
+                    h.update(c)
+            # one write(2) per batch: small chunks are joined into one buffer (a copy of at most
+            # write_bytes of small tensors; writev would do without it, but one syscall name keeps the
+            # crash matrix's strace counters meaningful); a large chunk is written from its view
+            data = batch[0] if len(batch) == 1 else b"".join(batch)
+            write_all(fd, data)
+            n = data.nbytes if isinstance(data, memoryview) else len(data)
+            for off in range(0, n, writeback_bytes):
+                start_writeback(fd, total + off, min(writeback_bytes, n - off))
+            total += n
     return total
 
 
-def _update_all(hashers: list[Hasher], chunk: memoryview) -> None:
-    for h in hashers:
-        h.update(chunk)
+def _batches(chunks: Iterable[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
+    """Consecutive non-empty chunks, grouped into lists of about ``nbytes`` (a chunk is never split)."""
+    batch: list[memoryview] = []
+    size = 0
+    for c in chunks:
+        if c.nbytes == 0:
+            continue
+        batch.append(c)
+        size += c.nbytes
+        if size >= nbytes or len(batch) >= _MAX_IOV:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
-def read_verified(fd: int, size: int, hashers: list[Hasher], where: str) -> np.ndarray:
-    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer (a writable uint8 array,
-    not zero-filled first), feeding ``hashers`` chunk by chunk on a second thread (see
-    :class:`OverlappedHasher`). Raises ShardCorruptedError if the file is shorter; ``OSError`` from
-    ``read(2)`` propagates."""
+def _update_all(hashers: list[Hasher], chunks: Sequence[memoryview]) -> None:
+    for c in chunks:
+        for h in hashers:
+            h.update(c)
+
+
+#: Bytes of one ``preadv`` of :func:`read_verified` (large reads: fewer syscalls, larger block requests).
+#: Cold 2 GiB shard here: 1 MiB reads one at a time 4.3-11 s; 16-32 MiB blocks on 3-4 readers 1.6-1.9 s
+#: (dcp.load 3.0 s); 64 MiB blocks 3.6 s (the hashing waits longer for the first block).
+READ_BYTES = 32 * 1024 * 1024
+#: Reads of :func:`read_verified` in flight at once (threads, each on its own block, ahead of the hashing).
+READERS = 3
+
+
+def read_verified(fd: int, size: int, hashers: list[Hasher], where: str, *, read_bytes: int = READ_BYTES,
+                  readers: int = READERS) -> np.ndarray:
+    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer (a writable uint8 array of
+    shape ``(size,)``, not zero-filled first), feeding ``hashers`` with the bytes in file order.
+
+    The file is cut into blocks of ``read_bytes``; ``readers`` threads ``preadv(2)`` consecutive blocks
+    straight into the buffer (no intermediate copies; several reads in flight keep the disk queue full),
+    while the calling thread hashes each block as soon as it and all blocks before it are in (hashlib and
+    the zero-copy CRC32C release the GIL, so hashing overlaps reading on another core). The kernel is told
+    the file is read sequentially (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``: a larger readahead window).
+    No thread outlives the call, and no read writes into the buffer after it returns or raises.
+
+    Raises ShardCorruptedError if the file is shorter than ``size``; ``OSError`` from ``read(2)``
+    propagates (the first one in file order).
+    """
     buf = np.empty(size, dtype=np.uint8)
     view = memoryview(buf)
-    pos = 0
-    with OverlappedHasher(hashers) as hasher:
-        while pos < size:
-            n = os.preadv(fd, [view[pos : pos + CHUNK_BYTES]], pos)
-            if n == 0:
-                raise corrupt(where, f"file ended after {pos} of {size} bytes")
-            hasher.feed(view[pos : pos + n])
-            pos += n
+    advise_sequential(fd, 0, size)
+    blocks = [(pos, min(pos + read_bytes, size)) for pos in range(0, size, read_bytes)]
+    if len(blocks) <= 1 or readers <= 1:
+        for start, end in blocks:
+            _read_block(fd, view, start, end, size, where)
+            _update_all(hashers, [view[start:end]])
+        return buf
+    pool = ThreadPoolExecutor(max_workers=min(readers, len(blocks)), thread_name_prefix="tiered-ckpt-read")
+    try:
+        pending = [pool.submit(_read_block, fd, view, start, end, size, where) for start, end in blocks]
+        for (start, end), fut in zip(blocks, pending):
+            fut.result()
+            _update_all(hashers, [view[start:end]])
+    finally:  # on an error: drop the reads not started, wait for those running (they write into buf)
+        pool.shutdown(wait=True, cancel_futures=True)
     return buf
 
 
+def _read_block(fd: int, view: memoryview, start: int, end: int, size: int, where: str) -> None:
+    """``preadv(2)`` bytes ``[start, end)`` of ``fd`` into ``view[start:end]``, retrying short reads."""
+    pos = start
+    while pos < end:
+        n = os.preadv(fd, [view[pos:end]], pos)
+        if n == 0:
+            raise corrupt(where, f"file ended after {pos} of {size} bytes")
+        pos += n
 
-__all__ = ["Digest", "Hasher", "OverlappedHasher", "read_verified", "write_stream"]
+
+__all__ = ["Digest", "Hasher", "OverlappedHasher", "READERS", "READ_BYTES", "WRITE_BYTES", "read_verified",
+           "write_stream"]
