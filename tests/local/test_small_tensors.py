@@ -133,3 +133,20 @@ def test_commit_refuses_a_record_of_another_step_even_with_matching_header_bytes
     with pytest.raises(tc.ShardCorruptedError, match="header names rank 0 step 1"):
         tc.commit_step(tmp_path, 2, 2, recs, save_id=save_id)
     assert not (tmp_path / "step_0000000002" / "manifest.json").exists()
+
+
+def test_record_crc32c_is_the_crc32c_of_the_file_bytes(tmp_path: Path) -> None:
+    """The whole-file CRC32C in the shard record is combined from the header's and the pre-pass's chunk
+    CRCs (no second pass): it must equal the CRC32C of the file's bytes, computed independently, for
+    large multi-chunk tensors (combined), small ones (extended), empty ones, and both CRC threads."""
+    import google_crc32c
+
+    rng = np.random.default_rng(7)
+    states = [{"big": rng.standard_normal((3 << 20) // 8 + 5),  # > 3 MiB: several chunks, a partial last one
+               "mid": rng.integers(0, 255, 300_000, dtype=np.uint8), "small": np.arange(7, dtype=np.int16),
+               "empty": np.zeros((0, 3), np.float32), "more": np.full(8 << 20, 1.5)},  # 64 MiB more: 2 CRC threads
+              {"only_small": np.ones(3, np.float32)}]
+    m = tc.save_sharded(states, tmp_path, 1)
+    for rec in m.shards:
+        data = (tmp_path / "step_0000000001" / rec.path).read_bytes()
+        assert rec.crc32c == f"{google_crc32c.value(data):08x}"

@@ -19,6 +19,7 @@ Pure apart from loading the shared library; no file I/O.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Any, Iterable
 
@@ -145,6 +146,76 @@ class TensorChunkCrcs:
         return {k: tuple(v) for k, v in self._out.items()}
 
 
+#: CRC32C (Castagnoli) polynomial, bit-reflected.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC32C polynomial, reflected bit order (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    t, p = [], 1 << 30  # x^1
+    for _ in range(64):
+        t.append(p)
+        p = _multmodp(p, p)
+    return t
+
+
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=256)
+def _x8n(n: int) -> int:
+    """``x^(8 n)`` modulo the polynomial: the operator that shifts a CRC past ``n`` zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 63], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len2`` = len(B) in bytes,
+    without reading either (zlib's ``crc32_combine``, for the standard pre- and post-inverted CRC)."""
+    return _multmodp(_x8n(len2), crc1) ^ crc2 if len2 else crc1
+
+
+#: Below this many bytes an array's bytes are CRC'd a second time for the running CRC of the whole
+#: sequence (cheap: they are small and in cache); above it its chunk CRCs are combined (no second pass).
+COMBINE_MIN_BYTES = 256 * 1024
+
+
+def array_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> tuple[str, int, int]:
+    """``(chunk CRCs, crc, nbytes)``: :func:`array_chunk_crcs` of ``arrays``, plus the CRC32C and byte
+    count of all their bytes concatenated in that order (the data section of a shard), in one pass over
+    large arrays (their chunk CRCs are combined with :func:`crc32c_combine`)."""
+    out, crc, total = [], 0, 0
+    for a in arrays:
+        n = a.nbytes
+        if n == 0:
+            continue
+        hexes = array_chunk_crcs([a], chunk_bytes)
+        out.append(hexes)
+        if n < COMBINE_MIN_BYTES or _EXTEND is None:
+            crc = crc32c_extend(crc, a.reshape(-1).view(np.uint8))
+        else:
+            for i in range(0, len(hexes), 8):
+                crc = crc32c_combine(crc, int(hexes[i:i + 8], 16), min(chunk_bytes, n - (i // 8) * chunk_bytes))
+        total += n
+    return "".join(out), crc, total
+
+
 def array_chunk_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> str:
     """The per-chunk CRC32Cs of each C-contiguous array's bytes (chunk ``k`` of an array covering bytes
     ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, none for an empty array), as 8 lower-case
@@ -169,5 +240,5 @@ def array_chunk_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> str:
     return "".join(out)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Crc32c", "TensorChunkCrcs", "array_chunk_crcs", "crc32c_extend", "crc_hex",
+__all__ = ["DEFAULT_CHUNK_BYTES", "Crc32c", "TensorChunkCrcs", "array_chunk_crcs", "array_crcs", "crc32c_combine", "crc32c_extend", "crc_hex",
            "chunk_count"]

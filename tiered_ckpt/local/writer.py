@@ -2,8 +2,9 @@
 
 The shard is a safetensors file (:mod:`tiered_ckpt.format.shard_file`) streamed from the caller's arrays
 (no whole-state copy; small tensors packed into 1 MiB blocks) while a second thread computes its sha256
-and the writing thread its whole-file CRC32C (:mod:`tiered_ckpt.local.shard_io`); the per-chunk CRC32Cs of
-the header's tensor index are computed from the arrays first (:func:`chunk_crcs`); the file becomes
+(:mod:`tiered_ckpt.local.shard_io`); the per-chunk CRC32Cs of the header's tensor index are computed from
+the arrays first (:func:`chunk_crcs`), and the whole file's CRC32C is combined from them and the header's
+(:func:`~tiered_ckpt.format.crc32c.crc32c_combine`: no second CRC pass over the data); the file becomes
 durable under its final name through the local commit protocol
 (:class:`~tiered_ckpt.local.commit.LocalStepCommit`, steps 1-3).
 """
@@ -19,7 +20,7 @@ from typing import Any, Mapping
 
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from tiered_ckpt.format import shard_file as fmt
-from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, Crc32c, array_chunk_crcs
+from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, array_crcs, crc32c_combine, crc32c_extend, crc_hex
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.tensor_index import TensorRecord, encode_index
 from tiered_ckpt.fs import hostname
@@ -81,8 +82,9 @@ def write_shard(
     tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
     step_dir_name(step)  # validates step
     records = fmt.layout(entries)  # entries sorted into file order
+    crcs, data_crc, data_bytes = chunk_crcs(entries)
     meta = {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step, "tree": tree,
-            **encode_index(records, chunk_crcs(entries), DEFAULT_CHUNK_BYTES)}
+            **encode_index(records, crcs, DEFAULT_CHUNK_BYTES)}
     # Refuse an unstorable state before anything touches the disk (the real header differs at most in the
     # save id, at most 64 characters); with the save id given, this is the real header.
     sid = save_id if save_id and len(save_id) <= 64 else "x" * 64
@@ -95,7 +97,7 @@ def write_shard(
         raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: cannot prepare {r}") from e
     with hold:
         _prepare(hold, rank, replace)
-        return _write_claimed(hold, rank, meta, header, records, entries, param_shard)
+        return _write_claimed(hold, rank, meta, header, records, entries, param_shard, (data_crc, data_bytes))
 
 
 def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
@@ -130,14 +132,16 @@ def superseded_hint(root: Path, step: int) -> str:
 PARALLEL_CRC_BYTES = 64 << 20
 
 
-def chunk_crcs(entries: list[fmt.TensorEntry]) -> str:
-    """The header's ``crc32c`` string (every tensor's chunk CRC32Cs, in file order) computed from the
-    arrays in memory before anything is written (the header, which holds it, is written first): about
-    0.1 s per GiB per core; two threads for more than :data:`PARALLEL_CRC_BYTES`."""
+def chunk_crcs(entries: list[fmt.TensorEntry]) -> tuple[str, int, int]:
+    """``(crc32c string, data crc, data bytes)``: the header's ``crc32c`` string (every tensor's chunk
+    CRC32Cs, in file order) and the CRC32C of the whole data section (:func:`array_crcs`, chunk CRCs
+    combined: no second pass), computed from the arrays in memory before anything is written (the header,
+    which holds them, is written first): about 0.1 s per GiB per core; two threads for more than
+    :data:`PARALLEL_CRC_BYTES`."""
     arrays = [e.array for e in entries]
     total = sum(a.nbytes for a in arrays)
     if total < PARALLEL_CRC_BYTES or len(arrays) < 2:
-        return array_chunk_crcs(arrays, DEFAULT_CHUNK_BYTES)
+        return array_crcs(arrays, DEFAULT_CHUNK_BYTES)
     acc, cut = 0, len(arrays) - 1
     for i, a in enumerate(arrays):  # split by bytes, keeping the order
         acc += a.nbytes
@@ -145,15 +149,18 @@ def chunk_crcs(entries: list[fmt.TensorEntry]) -> str:
             cut = i + 1
             break
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiered-ckpt-crc") as pool:
-        parts = list(pool.map(lambda group: array_chunk_crcs(group, DEFAULT_CHUNK_BYTES), [arrays[:cut], arrays[cut:]]))
-    return "".join(parts)
+        (h1, c1, n1), (h2, c2, n2) = pool.map(lambda group: array_crcs(group, DEFAULT_CHUNK_BYTES),
+                                              [arrays[:cut], arrays[cut:]])
+    return h1 + h2, crc32c_combine(c1, c2, n2), n1 + n2
 
 
 def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], encoded: tuple[str | None, bytes],
                    records: list[TensorRecord], entries: list[fmt.TensorEntry],
-                   param_shard: tuple[int, int] | None) -> ShardRecord:
+                   param_shard: tuple[int, int] | None, data_crc: tuple[int, int]) -> ShardRecord:
     """Stream the shard into its temp name and make it durable (lifecycle step 3). The record carries no
-    tensors: the header holds the tensor index (format 2), named by ``header_sha256``."""
+    tensors: the header holds the tensor index (format 2), named by ``header_sha256``. ``data_crc``:
+    ``(CRC32C, bytes)`` of the data section from the pre-pass; the file's CRC32C is the header's combined
+    with it (the streaming pass computes only the sha256)."""
     step = hold.step
     offset, numel_ = param_shard if param_shard is not None else infer_param_shard(entries)
     header = encoded[1]
@@ -161,12 +168,11 @@ def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], encod
         header = fmt.encode_header(records, {**meta, "save_id": hold.save_id})
     name = shard_file_name(rank)
     sha = fmt.new_sha256()
-    crc = Crc32c()
     written: list[int] = []
     log.debug("rank %d step %d: writing %s (%d tensors)", rank, step, hold.step_dir / name, len(records))
 
     def write(fd: int) -> None:
-        written.append(write_stream(fd, fmt.iter_chunks(header, entries), [sha], inline_hashers=[crc]))
+        written.append(write_stream(fd, fmt.iter_chunks(header, entries), [sha]))
 
     try:
         hold.write_file(name, write)
@@ -174,7 +180,8 @@ def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], encod
         raise CheckpointWriteError.from_os_error(e, f"rank {rank} step {step}: writing {name} failed") from e
     return ShardRecord(rank=rank, path=name, sha256=sha.hexdigest(), size_bytes=written[0],
                        param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),
-                       save_id=hold.save_id, tensors=None, crc32c=crc.hexdigest(),
+                       save_id=hold.save_id, tensors=None,
+                       crc32c=crc_hex(crc32c_combine(crc32c_extend(0, header), data_crc[0], data_crc[1])),
                        header_sha256=hashlib.sha256(header).hexdigest(), crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES,
                        header_size_bytes=len(header))
 
