@@ -168,12 +168,15 @@ def load_sharded(
     sdir = r / step_dir_name(step)
     with sr.ReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:
         indexes: dict[int, tuple[TensorRecord, ...]] = {}
-        first = _load_rank(sdir, m, 0, verify, indexes=indexes)
+        # Every rank's shard is read at once; a rank that refers to a replicated value waits for rank 0's
+        # state only when it decodes (rank 0 is submitted first, so it always has a thread).
+        first_f = pool.submit(_load_rank, sdir, m, 0, verify, indexes=indexes)
 
         def resolve(path: tuple[str, ...]) -> Any:
-            return sr.copy_value(_get_path(first, path, f"step {m.step} rank 0"))
+            return sr.copy_value(_get_path(first_f.result(), path, f"step {m.step} rank 0"))
 
-        rest = list(pool.map(lambda k: _load_rank(sdir, m, k, verify, resolve, indexes), range(1, m.world_size)))
+        rest_f = [pool.submit(_load_rank, sdir, m, k, verify, resolve, indexes) for k in range(1, m.world_size)]
+        first, rest = first_f.result(), [f.result() for f in rest_f]
     # Slices of one global tensor agree and do not overlap across ranks (the manifest reader checked this
     # when manifests listed tensors; now the indexes are in the headers). load_shard reads one rank only.
     check_global_slices(m.step, sorted(indexes.items()))

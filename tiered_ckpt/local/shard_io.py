@@ -134,10 +134,12 @@ def _update_all(hashers: list[Hasher], chunks: Sequence[memoryview]) -> None:
 
 #: Bytes of one ``preadv`` of :func:`read_verified` (large reads: fewer syscalls, larger block requests).
 #: Cold 2 GiB shard here: 1 MiB reads one at a time 4.3-11 s; 16-32 MiB blocks on 3-4 readers 1.6-1.9 s
-#: (dcp.load 3.0 s); 64 MiB blocks 3.6 s (the hashing waits longer for the first block).
-READ_BYTES = 32 * 1024 * 1024
+#: (dcp.load 3.0 s); 64 MiB blocks 3.6 s (the hashing waits longer for the first block). On a quiet
+#: machine, 2 reps each: 16 MiB x 4 readers 1.55-1.74 s, 32 MiB x 3 1.57-2.18 s, 8 MiB x 6 1.90-2.08 s,
+#: one reader 5.8-6.1 s; a plain read without hashing 1.1-1.4 s.
+READ_BYTES = 16 * 1024 * 1024
 #: Reads of :func:`read_verified` in flight at once (threads, each on its own block, ahead of the hashing).
-READERS = 3
+READERS = 4
 
 
 def read_verified(fd: int, size: int, hashers: list[Hasher], where: str, *, read_bytes: int = READ_BYTES,
