@@ -102,8 +102,7 @@ def run_ours(loc: s3_infra.S3Location, root: Path, prefix: str, step: int, readb
     with Uploader(root, f"s3://{loc.bucket}/{prefix}", s3_client=client, part_size_bytes=part_mib * MiB,
                   max_concurrency=concurrency) as up:
         up.server_validates_checksums()  # probe outside the timing
-        if not readback:
-            up._server_validates = True
+        up._server_validates = not readback  # read-back forced on a validating server too (SeaweedFS): the A/B
         t = time.monotonic()
         um = up.upload_step(step)
         total = time.monotonic() - t
