@@ -9,7 +9,7 @@
   stager, until it returns (its upload is awaited outside the timing).
 
 Before each timed save the previous one is awaited (outside the timing), so the stall measures the
-snapshot alone, not a wait for the previous save. Floor asserted: tiered async stall <= 1.5 x copy.
+snapshot alone, not a wait for the previous save. Floor asserted: tiered async stall <= 1.2 x copy (issue 12; 1.5 x in issue 3).
 
 Usage: ``python bench/async_stall.py --size-mib 512 --reps 5 --dir /tmp/stall`` (exit 1 if the floor
 fails). Memory: about 4 x the state size. ``--smoke``: 4 MiB in 2 tensors, 5 reps, floor not enforced (a
@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     if dcp is not None:
         print(f"{'dcp.async_save()':28s} {res['dcp_async_stall_ms']:11.1f} {res['dcp_async_stall_ms'] / c:8.2f} "
               f"{res['dcp_async_background_ms']:14.1f}")
-    ok = res["tiered_async_stall_ms"] <= 1.5 * c
+    ok = res["tiered_async_stall_ms"] <= 1.2 * c
     res["floor_ok"] = ok
-    print(f"floor: tiered async stall <= 1.5 x copy: {'OK' if ok else 'FAILED'} "
+    print(f"floor: tiered async stall <= 1.2 x copy: {'OK' if ok else 'FAILED'} "
           f"({res['tiered_async_stall_ms'] / c:.2f} x)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
