@@ -5,6 +5,8 @@ HEAD and GET, interrupts, odd sizes, tmpfs without ``O_DIRECT``, memory)."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import signal
 import threading
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hostile_http import Behaviour, HostileS3, run_bounded
@@ -111,10 +114,12 @@ STEP = 3
 
 
 def _local_plan(tmp_path: Path, srv: HostileS3, *, numel: int = 3000, world_size: int = 2,
-                **behaviour: Any) -> tuple[RestorePlan, dict[int, bytes]]:
+                states: list[dict] | None = None, **behaviour: Any) -> tuple[RestorePlan, dict[int, bytes]]:
     """A step saved locally, its shards served by ``srv`` as ``ranged`` objects; a plan to fetch them."""
     root = tmp_path / "src"
-    save_sharded(make_states(STEP, world_size=world_size, numel=numel), root, STEP)
+    states = states if states is not None else make_states(STEP, world_size=world_size, numel=numel)
+    world_size = len(states)
+    save_sharded(states, root, STEP)
     m = read_manifest(root, STEP)
     sdir = root / step_dir_name(STEP)
     objs, datas = [], {}
@@ -167,3 +172,79 @@ def test_ctrl_c_during_a_stalled_part_returns_promptly(srv: HostileS3, tmp_path:
     sizes = {p: p.stat().st_size for p in targets.values()}
     time.sleep(0.2)
     assert {p: p.stat().st_size for p in targets.values()} == sizes  # nothing written after the return
+
+
+@pytest.mark.parametrize("part, conc", [(4096, 1), (4096, 8), (5000, 3), (10 * 1024 * 1024, 4)])
+def test_fetch_shards_of_odd_sizes(srv: HostileS3, tmp_path: Path, part: int, conc: int) -> None:
+    """Shards not a multiple of 4096 and one 200x the others; concurrency 1; a part bigger than every shard."""
+    states = [{"w": np.arange(20_003 if r == 0 else 7, dtype=np.float32), "r": r} for r in range(3)]
+    plan, datas = _local_plan(tmp_path, srv, states=states)
+    assert all(len(d) % 4096 for d in datas.values()) and len(datas[0]) > 200 * len(datas[1])
+    targets = _targets(tmp_path, plan)
+    with _hostile(srv) as st:
+        download.fetch_shards(st, plan, plan.objects, targets, part_size_bytes=part, concurrency=conc)
+    for rank, p in targets.items():
+        assert p.read_bytes() == datas[rank]
+
+
+class _NoDirectOS:
+    """``os`` for :mod:`tiered_ckpt.remote.download` on a file system refusing ``O_DIRECT`` with EINVAL at
+    ``open`` (``at="open"``, tmpfs before Linux 6.6) or at ``pwrite`` (``at="pwrite"``, an alignment the
+    device refuses); ``reopen_fails``: the buffered re-open after it fails (the temp file removed). Records
+    every close."""
+
+    def __init__(self, at: str, reopen_fails: bool = False) -> None:
+        self.at, self.reopen_fails, self.closed, self.direct_fds = at, reopen_fails, [], set()
+        self.refused = False
+
+    def open(self, path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            if self.at == "open":
+                raise OSError(errno.EINVAL, "Invalid argument", str(path))
+            fd = os.open(path, flags, *args)
+            self.direct_fds.add(fd)
+            return fd
+        if self.reopen_fails and self.refused:
+            raise OSError(errno.ENOENT, "No such file or directory", str(path))
+        return os.open(path, flags, *args)
+
+    def pwrite(self, fd: int, data: Any, off: int) -> int:
+        if fd in self.direct_fds and self.at == "pwrite":
+            self.refused = True
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.pwrite(fd, data, off)
+
+    def close(self, fd: int) -> None:
+        self.closed.append(fd)
+        self.direct_fds.discard(fd)
+        os.close(fd)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+@pytest.mark.parametrize("at", ["open", "pwrite"])
+def test_o_direct_refused_falls_back_to_buffered_writes(srv: HostileS3, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, at: str) -> None:
+    plan, datas = _local_plan(tmp_path, srv, numel=4096)
+    fake = _NoDirectOS(at)
+    monkeypatch.setattr(download, "os", fake)
+    targets = _targets(tmp_path, plan)
+    with _hostile(srv) as st:
+        download.fetch_shards(st, plan, plan.objects, targets, part_size_bytes=8192, concurrency=2)
+    for rank, p in targets.items():
+        assert p.read_bytes() == datas[rank]
+
+
+def test_a_failed_reopen_after_o_direct_is_refused_closes_each_fd_once(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the O_DIRECT descriptor was closed, the buffered re-open raised, and ``finally`` closed the
+    same number again: in a process with other threads, someone else's file (a double close)."""
+    dest = tmp_path / "f.tmp"
+    dest.write_bytes(b"\0" * 8192)
+    fake = _NoDirectOS("pwrite", reopen_fails=True)
+    monkeypatch.setattr(download, "os", fake)
+    buf = mmap.mmap(-1, 4096)
+    with pytest.raises(FileNotFoundError):
+        download._write_part(dest, memoryview(buf), 4096)
+    assert len(fake.closed) == len(set(fake.closed)) == 1, fake.closed
