@@ -248,3 +248,34 @@ def test_a_failed_reopen_after_o_direct_is_refused_closes_each_fd_once(tmp_path:
     with pytest.raises(FileNotFoundError):
         download._write_part(dest, memoryview(buf), 4096)
     assert len(fake.closed) == len(set(fake.closed)) == 1, fake.closed
+
+
+# ----------------------------------------------------------------------------- restore on moto
+
+from restore_util import files_under  # noqa: E402
+from tiered_ckpt import committed_steps  # noqa: E402
+from tiered_ckpt.remote.restore import restore_detailed  # noqa: E402
+
+
+@pytest.mark.parametrize("how", ["same_size", "other_size", "empty"])
+def test_an_object_replaced_between_head_and_get_commits_nothing(tmp_path: Path, s3_bucket: S3Location,
+                                                                 how: str) -> None:
+    save_sharded(make_states(STEP, world_size=2, numel=400_000), tmp_path / "src", STEP)  # 2 parts each
+    publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, tmp_path / "src", STEP)
+
+    def replace(plan: RestorePlan) -> None:  # after the HEADs, before any GET
+        o = plan.objects[1]
+        full = f"{s3_bucket.prefix}/{o.key}"
+        body = bytearray(s3_bucket.client.get_object(Bucket=s3_bucket.bucket, Key=full)["Body"].read())
+        body[-5] ^= 0xFF
+        new = {"same_size": bytes(body), "other_size": bytes(body) + b"x", "empty": b""}[how]
+        s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=full, Body=new)
+
+    dest = tmp_path / "dest"
+    with pytest.raises(ShardCorruptedError, match="rank.00001|rank 1") as err:
+        restore_detailed(s3_bucket.url, dest, s3_client=s3_bucket.client, on_plan=replace,
+                         download_part_size_bytes=1024 * 1024)
+    # before: the empty object's 416 InvalidRange was an UploadError ("the bucket cannot be read": no fallback)
+    assert isinstance(err.value, ObjectSizeError) == (how != "same_size"), repr(err.value)
+    assert committed_steps(dest) == []
+    assert [f for f in files_under(dest) if "rank_" in f] == []
