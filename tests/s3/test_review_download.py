@@ -279,3 +279,25 @@ def test_an_object_replaced_between_head_and_get_commits_nothing(tmp_path: Path,
     assert isinstance(err.value, ObjectSizeError) == (how != "same_size"), repr(err.value)
     assert committed_steps(dest) == []
     assert [f for f in files_under(dest) if "rank_" in f] == []
+
+
+def _status_kib(field: str) -> int:
+    import re
+    m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    assert m is not None
+    return int(m.group(1))
+
+
+@pytest.mark.slow  # publishes 64 MiB to moto
+def test_restore_memory_is_bounded_by_the_window_not_the_step(tmp_path: Path, s3_bucket: S3Location) -> None:
+    from _upload_util import make_step
+    MiB = 1024 * 1024
+    make_step(tmp_path / "src", STEP, world_size=4, shard_bytes=16 * MiB, seed=1)
+    publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, tmp_path / "src", STEP)
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS (VmHWM) := current RSS
+    before = _status_kib("VmRSS")
+    res = restore_detailed(s3_bucket.url, tmp_path / "dest", s3_client=s3_bucket.client,
+                           download_part_size_bytes=MiB, download_max_concurrency=4)
+    growth = _status_kib("VmHWM") - before
+    assert res.plan.total_bytes > 64 * MiB
+    assert growth < 4 * MiB // 1024 + 24 * 1024, f"peak RSS grew {growth} KiB for a window of 4 x 1 MiB"
