@@ -88,13 +88,13 @@ def test_a_short_body_is_retried(srv: HostileS3) -> None:
 def test_a_stalled_part_fails_within_the_stall_timeout(srv: HostileS3) -> None:
     srv.set(f"{PREFIX}/obj", Behaviour("ranged", data=DATA, mode="stall", fail_offset=4096, stall_after=100))
     settings = DeadlineSettings(stall_timeout_s=0.5, deadline_base_s=30.0)
-    with _hostile(srv, deadlines=settings, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.0, max_wait_s=0.0)) as st:
+    with _hostile(srv, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as st:
         t0 = time.monotonic()
         result = run_bounded(lambda: _read(st, 4096, 4096), 10)
         elapsed = time.monotonic() - t0
     assert isinstance(result, UploadError) and isinstance(result.last_exception, RequestDeadlineError), result
     assert "stalled: no bytes for 0.5 s" in str(result)
-    assert elapsed < 3
+    assert elapsed < 2
 
 
 def test_a_5xx_on_one_part_is_retried(srv: HostileS3) -> None:
@@ -174,7 +174,7 @@ def test_ctrl_c_during_a_stalled_part_returns_promptly(srv: HostileS3, tmp_path:
     assert {p: p.stat().st_size for p in targets.values()} == sizes  # nothing written after the return
 
 
-@pytest.mark.parametrize("part, conc", [(4096, 1), (4096, 8), (5000, 3), (10 * 1024 * 1024, 4)])
+@pytest.mark.parametrize("part, conc", [(16384, 1), (4096, 8), (5000, 3), (10 * 1024 * 1024, 4)])
 def test_fetch_shards_of_odd_sizes(srv: HostileS3, tmp_path: Path, part: int, conc: int) -> None:
     """Shards not a multiple of 4096 and one 200x the others; concurrency 1; a part bigger than every shard."""
     states = [{"w": np.arange(20_003 if r == 0 else 7, dtype=np.float32), "r": r} for r in range(3)]
@@ -301,3 +301,29 @@ def test_restore_memory_is_bounded_by_the_window_not_the_step(tmp_path: Path, s3
     growth = _status_kib("VmHWM") - before
     assert res.plan.total_bytes > 64 * MiB
     assert growth < 4 * MiB // 1024 + 24 * 1024, f"peak RSS grew {growth} KiB for a window of 4 x 1 MiB"
+
+
+def test_a_disk_error_mid_restore_leaves_no_thread_no_temp_and_no_step(tmp_path: Path, s3_bucket: S3Location,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered_ckpt.errors import CheckpointWriteError
+    save_sharded(make_states(STEP, world_size=3, numel=400_000), tmp_path / "src", STEP)
+    publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, tmp_path / "src", STEP)
+    real, calls, lock = download._write_part, [0], threading.Lock()
+
+    def failing(dest: Path, view: memoryview, off: int) -> None:
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+        if n == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dest))
+        real(dest, view, off)
+
+    monkeypatch.setattr(download, "_write_part", failing)
+    dest = tmp_path / "dest"
+    with pytest.raises(CheckpointWriteError):
+        restore_detailed(s3_bucket.url, dest, s3_client=s3_bucket.client, download_part_size_bytes=1024 * 1024,
+                         download_max_concurrency=4)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tiered-ckpt-download")]
+    assert committed_steps(dest) == []
+    assert not [f for f in files_under(dest) if "rank_" in f or f.endswith(".tmp")], files_under(dest)
+
