@@ -11,7 +11,15 @@ Behaviours (``Behaviour.kind``):
 - ``"trickle"``: GET answers 200 with ``Content-Length: size`` and sends one byte every ``interval_s``;
 - ``"trickle_headers"``: the status line and headers of GET/HEAD go out one byte every ``interval_s``;
 - ``"bigger"``: HEAD announces ``size`` bytes, GET ignores Range and streams ``big_size`` bytes (200);
-- ``"object"``: an honest object ``data`` (HEAD, GET, Range ignored: the whole body).
+- ``"object"``: an honest object ``data`` (HEAD, GET, Range ignored: the whole body);
+- ``"ranged"``: the object ``data`` with ranged GETs answered per ``mode``: ``"honest"`` (206, the bytes
+  asked for), ``"whole"`` (200 and the whole object), ``"other_range"`` (206 for the bytes one further on),
+  ``"short"`` (206 announcing the range, half of it sent, then the connection closed), ``"long_length"``
+  (206, the right ``Content-Range`` but ``Content-Length`` and body 100 bytes longer), ``"stall"`` (206,
+  ``stall_after`` bytes of the range starting at ``fail_offset`` sent, then nothing; other ranges
+  honest), ``"fail_first"`` (the first ``fail_times`` GETs of the range starting at ``fail_offset``
+  answer 503 ``SlowDown``, every other GET honest). :attr:`HostileS3.ranges` lists the Range headers
+  asked per key.
 
 Unknown keys answer 404 ``NoSuchKey``; a LIST (``GET /<bucket>?list-type=2``) answers an empty page, or
 what the behaviour set for the key :data:`LIST_KEY` says (``"endless"``: no Content-Length, zeros until
@@ -22,9 +30,10 @@ what the behaviour set for the key :data:`LIST_KEY` says (``"endless"``: no Cont
 
 from __future__ import annotations
 
+import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -45,6 +54,10 @@ class Behaviour:
     limit_bytes: int = 0
     interval_s: float = 1.0
     data: bytes = b""
+    mode: str = "honest"
+    fail_offset: int = 0
+    fail_times: int = 1
+    stall_after: int = 0
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -99,6 +112,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._trickle(key, b)
             elif b.kind == "bigger":
                 self._stream(key, b.big_size, b.big_size)
+            elif b.kind == "ranged":
+                self._ranged(key, b)
             else:
                 self._simple(200, b.data, "application/octet-stream")
         except OSError:  # the client went away (or shut its socket down): that is the point
@@ -114,7 +129,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _head(self, b: Behaviour) -> None:
-        size = len(b.data) if b.kind == "object" else b.size
+        size = len(b.data) if b.kind in ("object", "ranged") else b.size
         self.send_response(200)
         self.send_header("Content-Length", str(size))
         self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
@@ -155,6 +170,48 @@ class _Handler(BaseHTTPRequestHandler):
             self._count(key, 1)
         self.close_connection = True
 
+    def _ranged(self, key: str, b: Behaviour) -> None:
+        owner = self.server.owner
+        asked = self.headers.get("Range", "")
+        m = re.match(r"^bytes=(\d+)-(\d+)$", asked)
+        with owner.lock:
+            owner.ranges[key].append(asked)
+            n_asked = owner.ranges[key].count(asked)
+        total = len(b.data)
+        start, end = (int(m.group(1)), min(int(m.group(2)), total - 1)) if m else (0, total - 1)
+        if b.mode == "fail_first" and start == b.fail_offset and n_asked <= b.fail_times:
+            body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                    b"<Message>Please reduce your request rate.</Message></Error>")
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if b.mode == "whole":
+            return self._simple(200, b.data, "application/octet-stream")
+        shift = 1 if b.mode == "other_range" else 0
+        piece = b.data[start + shift:end + 1 + shift]
+        extra = b"x" * 100 if b.mode == "long_length" else b""
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start + shift}-{start + shift + len(piece) - 1}/{total}")
+        self.send_header("Content-Length", str(len(piece) + len(extra)))
+        self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+        self.end_headers()
+        if b.mode == "short":
+            self.wfile.write(piece[: len(piece) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        if b.mode == "stall" and start == b.fail_offset:
+            self.wfile.write(piece[: b.stall_after])
+            self.wfile.flush()
+            owner.stopping.wait(60)
+            self.close_connection = True
+            return
+        self.wfile.write(piece + extra)
+        self._count(key, len(piece) + len(extra))
+
     def _trickle_headers(self, b: Behaviour) -> None:
         head = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nETag: \"0123456789abcdef0123456789abcdef\"\r\n"
                 b"X-Padding: " + b"x" * 4096 + b"\r\n\r\n")
@@ -178,6 +235,7 @@ class HostileS3:
         self.behaviours: dict[str, Behaviour] = {}
         self.sent: Counter[str] = Counter()
         self.requests: Counter[tuple[str, str]] = Counter()
+        self.ranges: defaultdict[str, list[str]] = defaultdict(list)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._server = _Server(("127.0.0.1", 0), _Handler)

@@ -5,6 +5,8 @@ processes against the moto server:
   completes in between, so that later kills hit a committed step): after each kill ``ls`` reports exactly
   the bytes of the temp files left in the step directory, ``gc`` removes every one of
   them, and a final restore commits a step that verifies and equals the source byte for byte.
+- the same with every other kill during a restore with 4 ranged GETs in flight (issue 12's window);
+- two restores of one step into one root at once: both succeed (or one refuses), the step verifies;
 - ENOSPC at the commit point (strace makes the ``link`` of ``manifest.json`` fail with ENOSPC): the failed
   restore leaves no shard and no temp file behind, and the retry succeeds; also on a small tmpfs that
   holds the step once but not twice, where the retry used to fail with a real "disk full" because the
@@ -49,9 +51,10 @@ def _source(tmp_path: Path, loc: S3Location, shard_mib: int) -> Path:
     return src
 
 
-def _restore_cmd(loc: S3Location, dest: Path) -> list[str]:
+def _restore_cmd(loc: S3Location, dest: Path, concurrency: int = 1) -> list[str]:
     return python_cmd("-m", "tiered_ckpt.cli", "restore", "--remote", loc.url, "--local", dest,
-                      "--concurrency", "1", "--part-size-mib", "1", "--parallel-shards", "2", "--no-progress")
+                      "--concurrency", str(concurrency), "--part-size-mib", "1", "--parallel-shards", "2",
+                      "--no-progress")
 
 
 def _temps(sdir: Path) -> dict[str, int]:
@@ -104,6 +107,7 @@ def test_gc_after_ten_sigkills_of_restore_leaves_nothing(tmp_path: Path, s3_buck
     sdir = dest / step_dir_name(STEP)
     env = child_env(AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
     cmd = _restore_cmd(s3_bucket, dest)
+    wide = _restore_cmd(s3_bucket, dest, concurrency=4)  # every other kill: 4 parts in flight (issue 12 window)
     seed = int(os.environ.get("TC_LEFTOVER_SEED", "0")) or random.randrange(1, 2**31)
     rng = random.Random(seed)
     with capsys.disabled():
@@ -112,7 +116,7 @@ def test_gc_after_ten_sigkills_of_restore_leaves_nothing(tmp_path: Path, s3_buck
     for i in range(10):
         if i in (3, 7):  # a rerun that completes: later kills land in a committed step (re-downloads)
             assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 0
-        _kill_mid_download(cmd, env, sdir, rng.uniform(0.0, 0.06))
+        _kill_mid_download(wide if i % 2 else cmd, env, sdir, rng.uniform(0.0, 0.06))
         temps = _temps(sdir)
         rows = {r["step"]: r for r in _ls_json(dest, capsys)}
         if sdir.is_dir():
@@ -194,3 +198,24 @@ def test_enospc_at_the_manifest_leaves_nothing_and_the_retry_succeeds(tmp_path: 
     assert (left, res.returncode) == ([], 0), res.stderr
     assert not sdir_left  # the step directory the failed restore made is gone again
     _assert_restored(src, dest, capsys)
+
+
+@pytest.mark.slow
+def test_two_restores_of_one_step_into_one_root_at_once(tmp_path: Path, s3_bucket: S3Location,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """Two ``tiered-ckpt restore`` processes of the same step into the same root, started together (three
+    rounds, the second and third into the committed step): each exits 0 or refuses with a concurrent
+    writer, at least one commits, the step verifies and equals the source, and no temp file stays."""
+    src = _source(tmp_path, s3_bucket, shard_mib=4)
+    dest = tmp_path / "dest"
+    env = child_env(AWS_ENDPOINT_URL=s3_bucket.endpoint_url)
+    cmd = _restore_cmd(s3_bucket, dest)
+    for _ in range(3):
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        codes = [p.returncode for p in procs]
+        assert 0 in codes, outs
+        for code, (_, err) in zip(codes, outs):
+            assert code == 0 or "ConcurrentSaveError" in err or "writer" in err, (code, err)
+        _assert_restored(src, dest, capsys)

@@ -197,6 +197,7 @@ def _write_part(dest: Path, view: memoryview, off: int) -> None:
             if not direct or exc.errno != errno.EINVAL:
                 raise
             os.close(fd)
+            fd = -1  # closed: never closed twice (the number may be another thread's file by now)
             fd, direct = os.open(dest, _WRITE_FLAGS), False  # an alignment this device refuses
             k = os.pwrite(fd, view, off)
         if k != n:
@@ -204,7 +205,8 @@ def _write_part(dest: Path, view: memoryview, off: int) -> None:
         if not direct and _FADV_DONTNEED is not None:
             os.posix_fadvise(fd, off, n, _FADV_DONTNEED)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def _plan_parts(shards: list[_Shard], part_size: int) -> list[tuple[_Shard, int, int, int]]:

@@ -71,16 +71,16 @@ class RequestGuard:
     """The deadline and stall clock of one request (thread-safe; armed in the watchdog until finished)."""
 
     def __init__(self, what: str, settings: DeadlineSettings, *, request_bytes: int, expect_bytes: int,
-                 stall_from_start: bool, base_factor: float = 1.0, streamed: bool = False) -> None:
+                 stall_from_start: bool, base_factor: float = 1.0, streamed: bool = False,
+                 cancel: threading.Event | None = None) -> None:
         self.what = what
+        self._cancel = cancel  # once set, the request is cut at the next tick
         #: The call's 2xx body is streamed to the caller (GetObject); every other body botocore reads whole.
         self.streamed = streamed
         self._settings = settings
         self._lock = threading.Lock()
         self._started = self._progress_at = time.monotonic()
-        self._request_bytes = request_bytes
-        self._expect_bytes = expect_bytes
-        self._received = 0
+        self._request_bytes, self._expect_bytes, self._received = request_bytes, expect_bytes, 0
         self._extra_s = settings.deadline_base_s * (base_factor - 1.0)
         self._stall = stall_from_start
         self._connections: list[Any] = []
@@ -134,6 +134,8 @@ class RequestGuard:
                 elif self._stall and now - self._progress_at > self._settings.stall_timeout_s:
                     limit = self._settings.stall_timeout_s
                     self.reason, self.limit_s = f"stalled: no bytes for {limit:.1f} s", limit
+                elif self._cancel is not None and self._cancel.is_set():
+                    self.reason = "cancelled: the store's stop event is set"
                 else:
                     return False
                 conns = list(self._connections)
@@ -180,9 +182,7 @@ class _Watchdog:
 
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's thread is gone and its lock may be held; start afresh."""
-        self._cond = threading.Condition()
-        self._guards = set()
-        self._thread = None
+        self._cond, self._guards, self._thread = threading.Condition(), set(), None
 
     def _run(self) -> None:
         while True:
@@ -267,9 +267,7 @@ class GuardedBody:
     one the shutdown broke) raises :class:`RequestDeadlineError`; EOF or :meth:`close` disarms."""
 
     def __init__(self, body: Any, guard: RequestGuard) -> None:
-        self._body = body
-        self._guard = guard
-        self._done = False
+        self._body, self._guard, self._done = body, guard, False
 
     def _finish(self) -> None:
         if not self._done:
@@ -329,11 +327,12 @@ class GuardedBody:
 
 class GuardedClient:
     """The botocore client with every API call under a :class:`RequestGuard` (other attributes, e.g.
-    ``meta``, pass through). ``raw`` is the client itself."""
+    ``meta``, pass through). ``raw`` is the client itself. ``stop_event``: a GET or HEAD in flight when it
+    is set is cut within :data:`TICK_S` (its sockets shut down), even one the server stalls; requests
+    started after it (cleanup) are left alone."""
 
-    def __init__(self, client: Any, settings: DeadlineSettings) -> None:
-        self.raw = client
-        self.settings = settings
+    def __init__(self, client: Any, settings: DeadlineSettings, stop_event: threading.Event | None = None) -> None:
+        self.raw, self.settings, self.stop_event = client, settings, stop_event
         self._ops = frozenset(client.meta.method_to_api_mapping)
         self._planned: dict[tuple[str, str], int] = {}
         self._planned_lock = threading.Lock()
@@ -365,9 +364,10 @@ class GuardedClient:
             if planned is not None:
                 ranged = min(ranged, planned + 1) if ranged is not None else planned + 1
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
+        stop = self.stop_event if name in STALL_FROM_START else None
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
                              stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0),
-                             streamed=name == "get_object")
+                             streamed=name == "get_object", cancel=None if stop is None or stop.is_set() else stop)
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
@@ -395,6 +395,5 @@ class GuardedClient:
         return resp
 
 
-__all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard",
-           "STALL_FROM_START", "TICK_S",
-           "attach_connection", "current_guard", "veto_expired_request"]
+__all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard", "STALL_FROM_START",
+           "TICK_S", "attach_connection", "current_guard", "veto_expired_request"]

@@ -31,7 +31,7 @@ from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
-from tiered_ckpt.retry import OperationInterruptedError, is_retryable_s3_error
+from tiered_ckpt.retry import OperationInterruptedError, is_retryable_s3_error, s3_error_code_and_status
 from tiered_ckpt.store.base import ObjectInfo, ObjectSizeError, ProgressCallback, RemoteNotFoundError
 from tiered_ckpt.store.checksums import checksums_match
 from tiered_ckpt.store.objects import head_object, is_not_found
@@ -308,7 +308,7 @@ def read_range_attempt(
     store's ``GuardedClient``; the deadline counts ``len(out)``). Never reads past ``len(out)``.
 
     Raises :class:`RemoteNotFoundError` (404), :class:`ObjectSizeError` (another total size in
-    ``Content-Range``, another range or length: before any byte is read), ``ConnectionError`` (the body
+    ``Content-Range``, another range or length, HTTP 416: before any byte is read), ``ConnectionError`` (the body
     ended early; retryable), :class:`OperationInterruptedError` (a stop event set between chunks),
     ``ValueError`` (a range outside the object). Source: S3 GetObject ``Range`` / ``Content-Range``
     (RFC 9110 section 14)."""
@@ -320,6 +320,9 @@ def read_range_attempt(
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
+        if s3_error_code_and_status(exc)[1] == 416:  # InvalidRange: shorter than planned now (replaced)
+            raise ObjectSizeError(f"{what}: the server refuses bytes {offset}-{offset + n - 1} (HTTP 416); it is "
+                                  f"shorter than the planned {object_size} bytes (replaced after the plan?)") from exc
         raise
     body = resp["Body"]
     try:

@@ -77,7 +77,7 @@ class S3Store:
         install_request_hooks(client)
         self._raw_client = client
         self._deadlines = deadlines if deadlines is not None else DeadlineSettings()
-        self._client: Any = GuardedClient(client, self._deadlines)  # every request under its deadline
+        self._client: Any = GuardedClient(client, self._deadlines, stop_event)  # every request under its deadline
         self._bucket = bucket
         self._prefix = prefix
         self._keys = PrefixKeys(prefix)
