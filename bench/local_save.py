@@ -631,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     out = run(args)
     text, ok = report(args, out)
     print(text)
+    if args.smoke:
+        print("(--smoke: 4 MiB, warm cache, one repetition: the figures mean nothing; floors not enforced)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **out}, f, indent=1)
