@@ -159,14 +159,24 @@ def test_ctrl_c_during_a_stalled_part_returns_promptly(srv: HostileS3, tmp_path:
     targets = _targets(tmp_path, plan)
     stop = threading.Event()
     main = threading.get_ident()
-    timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
-    with _hostile(srv, stop_event=stop) as st:
+    sent: list[float] = []
+
+    def interrupt() -> None:  # once the stalled range has been asked for (not after a guessed delay)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not any("bytes=4096-" in r for rs in list(srv.ranges.values()) for r in rs):
+            time.sleep(0.01)
+        time.sleep(0.2)  # the server has sent its 10 bytes and stalls
+        sent.append(time.monotonic())
+        signal.pthread_kill(main, signal.SIGINT)
+
+    timer = threading.Thread(target=interrupt, daemon=True)
+    # a stall timeout far beyond the test's bound: only the stop can end the stalled GET in time
+    with _hostile(srv, stop_event=stop, deadlines=DeadlineSettings(stall_timeout_s=120.0)) as st:
         timer.start()
-        t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             download.fetch_shards(st, plan, plan.objects, targets, part_size_bytes=4096, concurrency=3,
                                   cancel=stop.set)
-        elapsed = time.monotonic() - t0
+        elapsed = time.monotonic() - sent[0]
     assert elapsed < 2.0, elapsed
     assert not [t for t in threading.enumerate() if t.name.startswith("tiered-ckpt-download")]
     sizes = {p: p.stat().st_size for p in targets.values()}
