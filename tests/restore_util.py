@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
+from botocore.exceptions import ClientError
 
 from tiered_ckpt import GlobalSlice, read_manifest, save_sharded
 from tiered_ckpt.layout import (MANIFEST_NAME, UPLOAD_MANIFEST_NAME, remote_latest_key, remote_save_key,
@@ -38,8 +40,16 @@ def save_step(root: Path, step: int, world_size: int = 4) -> list[dict]:
 
 
 def put(client, bucket: str, key: str, body: bytes) -> str:
-    """PUT ``body``; returns the object's ETag."""
-    return client.put_object(Bucket=bucket, Key=key, Body=body)["ETag"]
+    """PUT ``body``; returns the object's ETag. A test's setup, not what it tests: a transient 500
+    ``InternalError`` (SeaweedFS answers some under a fully loaded machine) is tried again, up to 5 times."""
+    for attempt in range(5):
+        try:
+            return client.put_object(Bucket=bucket, Key=key, Body=body)["ETag"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "InternalError" or attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def publish(client, bucket: str, prefix: str, root: Path, step: int, *, upload_manifest: bool = True,
