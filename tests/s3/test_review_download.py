@@ -36,6 +36,17 @@ PREFIX = "p"
 FAST = RetryPolicy(max_attempts=3, initial_wait_s=0.0, max_wait_s=0.0)
 
 
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT raises KeyboardInterrupt here and in children for this test, whatever an earlier test left
+    behind (a SIGINT set to SIG_IGN is inherited by child processes, whose Python then ignores Ctrl-C)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
 @pytest.fixture
 def srv() -> Any:
     with HostileS3() as s:
@@ -152,7 +163,7 @@ def test_fetch_shards_with_a_5xx_on_one_part(srv: HostileS3, tmp_path: Path) -> 
         assert asked.count("bytes=4096-8191") == 3 and len(asked) == -(-o.size_bytes // 4096) + 2
 
 
-def test_ctrl_c_during_a_stalled_part_returns_promptly(srv: HostileS3, tmp_path: Path) -> None:
+def test_ctrl_c_during_a_stalled_part_returns_promptly(srv: HostileS3, tmp_path: Path, default_sigint: None) -> None:
     """Before: the stop event was looked at between body chunks only, so a GET the server stalled held
     Ctrl-C for the whole stall timeout (60 s by default); now the watchdog cuts it within a tick."""
     plan, _ = _local_plan(tmp_path, srv, mode="stall", fail_offset=4096, stall_after=10)
