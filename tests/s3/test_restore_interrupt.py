@@ -18,16 +18,6 @@ from tiered_ckpt import committed_steps, save_sharded
 
 
 
-@pytest.fixture
-def default_sigint():
-    """SIGINT raises KeyboardInterrupt here and in children for this test, whatever an earlier test left
-    behind (a SIGINT set to SIG_IGN is inherited by child processes, whose Python then ignores Ctrl-C)."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
 @pytest.mark.slow  # two full CLI restores of 96 MiB (~10 s): out of the quick tier
 def test_sigint_mid_restore_stops_promptly_and_commits_nothing(tmp_path: Path, s3_bucket: S3Location, default_sigint: None) -> None:
     src = tmp_path / "src"

@@ -38,16 +38,6 @@ FAST = RetryPolicy(max_attempts=3, initial_wait_s=0.0, max_wait_s=0.0)
 
 
 @pytest.fixture
-def default_sigint():
-    """SIGINT raises KeyboardInterrupt here and in children for this test, whatever an earlier test left
-    behind (a SIGINT set to SIG_IGN is inherited by child processes, whose Python then ignores Ctrl-C)."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-@pytest.fixture
 def srv() -> Any:
     with HostileS3() as s:
         yield s
