@@ -23,12 +23,11 @@ from s3_infra import S3Location
 from tiered_ckpt import ShardCorruptedError, save_sharded
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.remote import download
-from tiered_ckpt.remote.restore import plan_restore
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.base import ObjectSizeError
 from tiered_ckpt.store.deadline import RequestDeadlineError
 from tiered_ckpt.store.s3 import S3Store, make_s3_client
-from tiered_ckpt.store.settings import DeadlineSettings, TransferSettings
+from tiered_ckpt.store.settings import DeadlineSettings
 
 KiB = 1024
 BUCKET = "hostile"
