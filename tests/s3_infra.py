@@ -134,6 +134,12 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 SEAWEEDFS_ENV_REMOVE = ("AWS_SESSION_TOKEN",)
 
 
+#: Each test makes a bucket of its own and SeaweedFS gives every bucket a volume; weed's own limit
+#: (free disk / volume size) let a full run's 45th bucket fail every PUT with 500 InternalError (CI,
+#: stop 18). Volumes are not preallocated, so a high count costs nothing until written.
+SEAWEEDFS_MAX_VOLUMES = 4000
+
+
 @contextmanager
 def run_seaweedfs_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
     """Run ``weed mini`` as a real process (a process group of its own) bound to 127.0.0.1 only, knowing
@@ -148,7 +154,8 @@ def run_seaweedfs_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
     last_error: Exception | None = None
     for _ in range(3):
         work = tempfile.mkdtemp(prefix="seaweedfs_")
-        server = WeedMini(work, TEST_AWS_ENV["AWS_ACCESS_KEY_ID"], TEST_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
+        server = WeedMini(work, TEST_AWS_ENV["AWS_ACCESS_KEY_ID"], TEST_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+                          max_volumes=SEAWEEDFS_MAX_VOLUMES)
         try:
             url = server.start(startup_timeout_s)
         except SeaweedFSError as exc:

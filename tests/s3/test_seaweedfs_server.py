@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -84,6 +85,22 @@ def test_argv_names_every_port(tmp_path: Path) -> None:
     assert flags["webdav"] == "false" and flags["admin.ui"] == "false" and flags["s3.port.lance"] == "0"
     ports = [v for k, v in flags.items() if k.endswith((".port", ".grpc"))]
     assert len(ports) == len(set(ports)) == 12  # S3, admin and the 9 others, each its own (+ admin gRPC)
+    assert "volume.max" not in flags  # weed's own limit unless asked
+    raised = weed_mini_argv(tmp_path, 12345, tmp_path / "ids.json", max_volumes=4000)
+    assert "-volume.max=4000" in raised
+
+
+def test_session_server_has_room_for_a_bucket_per_test(seaweedfs_server: str) -> None:
+    """Every test makes its own bucket, one SeaweedFS volume each; weed's default limit (free disk / volume
+    size) failed the 45th bucket's PUTs with 500 InternalError in a full run (CI, stop 18)."""
+    import s3_infra
+
+    assert s3_infra.SEAWEEDFS_MAX_VOLUMES >= 1000
+    pids = subprocess.run(["pgrep", "-x", "weed"], capture_output=True, text=True).stdout.split()
+    argvs = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids]
+    port = seaweedfs_server.rsplit(":", 1)[1].encode()
+    ours = [a for a in argvs if b"-s3.port=" + port in a]
+    assert len(ours) == 1 and f"-volume.max={s3_infra.SEAWEEDFS_MAX_VOLUMES}".encode() in ours[0]
 
 
 def test_a_server_that_cannot_start_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,7 +112,7 @@ def test_a_server_that_cannot_start_is_a_typed_error(tmp_path: Path, monkeypatch
         blocker.listen(1)
         taken = blocker.getsockname()[1]
         real = mod.weed_mini_argv
-        monkeypatch.setattr(mod, "weed_mini_argv", lambda d, p, i, ports=None: real(d, p, i, {"master.port": taken}))
+        monkeypatch.setattr(mod, "weed_mini_argv", lambda d, p, i, ports=None, **kw: real(d, p, i, {"master.port": taken}, **kw))
         server = WeedMini(tmp_path / "sw", "k", "s")
         with pytest.raises(SeaweedFSError, match=f"exited with code .*{taken}"):
             server.start(timeout_s=30)

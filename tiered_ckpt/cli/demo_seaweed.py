@@ -84,10 +84,13 @@ def _admin_port(taken: set[int]) -> int:
 
 
 def weed_mini_argv(data_dir: str | os.PathLike[str], s3_port: int, identity_file: str | os.PathLike[str],
-                   ports: dict[str, int] | None = None) -> list[str]:
+                   ports: dict[str, int] | None = None, max_volumes: int = 0) -> list[str]:
     """The ``weed mini`` command line: S3 on ``127.0.0.1:s3_port``, every other listener on a free
     loopback port (``ports`` overrides, by flag name without the dash), signatures checked against
-    ``identity_file``. Raises :class:`SeaweedFSError` without a ``weed`` binary."""
+    ``identity_file``. ``max_volumes`` > 0 sets ``-volume.max``; 0 leaves weed's own limit, free disk
+    divided by the volume size (up to 1 GiB each), and every bucket takes at least one volume of its own,
+    so on a disk with 45 GB free the 45th bucket's first PUT fails with 500 InternalError. Raises
+    :class:`SeaweedFSError` without a ``weed`` binary."""
     d = os.fspath(data_dir)
     chosen = dict(ports or {})
     taken = {s3_port, *chosen.values()}
@@ -104,15 +107,17 @@ def weed_mini_argv(data_dir: str | os.PathLike[str], s3_port: int, identity_file
             *(f"-{flag}={port}" for flag, port in sorted(chosen.items())),
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
             f"-s3.config={os.fspath(identity_file)}", f"-filer.localSocket={d}/filer.sock",
-            f"-s3.localSocket={d}/s3.sock"]
+            f"-s3.localSocket={d}/s3.sock", *([f"-volume.max={max_volumes}"] if max_volumes > 0 else [])]
 
 
 class WeedMini:
     """One ``weed mini`` process (a process group of its own) with its data, identity file and log under
     ``workdir``. :meth:`start` returns the S3 endpoint URL once S3 answers; :meth:`stop` ends the group."""
 
-    def __init__(self, workdir: str | os.PathLike[str], access_key: str, secret_key: str) -> None:
+    def __init__(self, workdir: str | os.PathLike[str], access_key: str, secret_key: str, *,
+                 max_volumes: int = 0) -> None:
         self.workdir = Path(workdir)
+        self.max_volumes = max_volumes  # see weed_mini_argv
         self._keys = (access_key, secret_key)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / "weed.log"
@@ -129,7 +134,7 @@ class WeedMini:
             os.fchmod(f.fileno(), 0o600)
             f.write(identity_config_json(*self._keys))
         port = _free_port()
-        argv = weed_mini_argv(data, port, identity)
+        argv = weed_mini_argv(data, port, identity, max_volumes=self.max_volumes)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          cwd=self.workdir, start_new_session=True)
