@@ -6,7 +6,8 @@ SPEC §11), ``catalogue`` (the one meaning of "remotely committed": current save
 ``transfer`` (send and confirm one shard through the ``ObjectStore`` interface), ``shard_upload`` and
 ``step_upload`` (one shard, one step from this node), ``upload`` (the ``Uploader``: backlog),
 ``retention`` (remote rotation, abandoned multipart uploads), ``restore_plan``, ``download`` and
-``restore`` (restore after cluster loss), ``verify`` (``verify --remote``), ``handle`` (the store a call
+``restore`` (restore after cluster loss), ``ranged_read`` (verified partial reads of one shard object by
+ranged GETs, for a reader without the shard locally), ``verify`` (``verify --remote``), ``handle`` (the store a call
 works on), ``daemon`` (the sidecar's loop: backoff, stall deadline, signals) and ``metrics``, ``errors``. The public names are re-exported
 by :mod:`tiered_ckpt`; this face re-exports nothing, so that importing one module stays cheap.
 """

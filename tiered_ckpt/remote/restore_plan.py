@@ -103,8 +103,10 @@ def check_ranks(ranks: Iterable[int] | None, world_size: int, step: int) -> tupl
     return out
 
 
-def _read_mirrored_manifest(store: ObjectStore, save: RemoteSave) -> tuple[ShardManifest, bytes]:
-    """GET ``manifest.json`` and check it against the upload manifest (sha256, step, save, per rank)."""
+def read_mirrored_manifest(store: ObjectStore, save: RemoteSave) -> tuple[ShardManifest, bytes]:
+    """GET ``manifest.json`` and check it against the upload manifest (sha256, step, save, per rank);
+    returns it with its exact bytes. Raises MissingShardError, ShardCorruptedError, ManifestError,
+    UploadError."""
     step, um = save.step, save.um
     mkey = save.key(MANIFEST_NAME)
     raw = get_or_none(store, mkey, max_bytes=MAX_REMOTE_MANIFEST_BYTES)
@@ -137,7 +139,7 @@ def plan_step(store: ObjectStore, save: RemoteSave, ranks: Iterable[int] | None,
     if um.prefix.strip("/") != store.prefix.strip("/"):
         log.warning("step %d: upload manifest was written under prefix %r, restoring from %s (a copied "
                     "bucket?)", step, um.prefix, store.url)
-    m, raw = _read_mirrored_manifest(store, save)
+    m, raw = read_mirrored_manifest(store, save)
     chosen = check_ranks(ranks, m.world_size, step)
 
     def confirm(rank: int) -> RemoteObject:
@@ -232,4 +234,4 @@ def plan_restore(remote_url: str, *, step: int | None = None, ranks: Iterable[in
 
 
 __all__ = ["STEP_FAULTS", "RemoteObject", "RestorePlan", "candidates", "check_ranks", "iter_plans", "plan_restore",
-           "plan_step"]
+           "plan_step", "read_mirrored_manifest"]
