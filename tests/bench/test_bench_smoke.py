@@ -47,9 +47,10 @@ SMOKES: dict[str, Smoke] = {
                         _json_has("out.json", "cases", "restore[default]")),
     "scale.py": Smoke(lambda d: ["--dir", str(d), "--json", str(d / "out.json")], "ratio = floor / median",
                       _json_has("out.json", "cases", "plan_rank")),
+    "dcp_backend.py": Smoke(lambda d: ["--dir", str(d), "--json", str(d / "out.json")], "ratio (DCP time / ours)", _json_has("out.json", "ours")),
 }
 #: Smoke runs measured over ~10 s on a 2-core machine are also `slow` (the quick tier stays quick).
-SLOW = {"local_save.py", "async_stall.py", "restore.py", "upload.py", "scale.py"}  # ~30 s; 2-3 s each (quick-tier budget)
+SLOW = {"local_save.py", "async_stall.py", "restore.py", "upload.py", "scale.py", "dcp_backend.py"}  # ~30 s; 2-3 s each (quick-tier budget)
 
 
 def test_every_bench_script_has_a_smoke_run() -> None:
