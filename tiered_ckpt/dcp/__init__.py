@@ -17,13 +17,15 @@ or through :func:`save`, :func:`async_save` and :func:`load` (which also turn DC
 ``CheckpointException`` into this package's typed errors).
 
 Modules: ``items`` (item names, byte encoding, dtypes), ``metadata_json`` (DCP's Metadata as JSON),
-``planners``, ``storage_writer``, ``storage_reader``, ``api``.
+``planners``, ``storage_writer``, ``storage_reader``, ``api``, ``manager`` (:class:`DCPCheckpointManager`:
+policy, DCP's async saves, rotation and upload gating at the commit, lineage, restore from the bucket).
 """
 
 from tiered_ckpt.dcp.api import async_save, load, save
+from tiered_ckpt.dcp.manager import DCPCheckpointManager
 from tiered_ckpt.dcp.planners import TieredLoadPlanner, TieredSavePlanner
 from tiered_ckpt.dcp.storage_reader import TieredStorageReader
 from tiered_ckpt.dcp.storage_writer import TieredStorageWriter
 
-__all__ = ["TieredLoadPlanner", "TieredSavePlanner", "TieredStorageReader", "TieredStorageWriter", "async_save",
-           "load", "save"]
+__all__ = ["DCPCheckpointManager", "TieredLoadPlanner", "TieredSavePlanner", "TieredStorageReader",
+           "TieredStorageWriter", "async_save", "load", "save"]

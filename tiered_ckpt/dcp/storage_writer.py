@@ -43,6 +43,7 @@ commits every rank's shard.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from torch.futures import Future
 from dataclasses import dataclass
@@ -67,7 +68,10 @@ from tiered_ckpt.fs import unlink_quietly
 from tiered_ckpt.layout import parse_step_dir_name, shard_file_name, step_dir_name
 from tiered_ckpt.local import commit_step, is_committed, new_save_id, step_path, write_shard
 from tiered_ckpt.local.commit import release_save_lock
+from tiered_ckpt.local.rotation import RotationPolicy, rotate
 from tiered_ckpt.local.writer import check_chunk_bytes
+
+log = logging.getLogger(__name__)
 
 #: ``manifest.extra`` key of the DCP backend, and its format.
 EXTRA_KEY = "dcp"
@@ -101,13 +105,18 @@ class TieredStorageWriter(StorageWriter):
     lifecycle). ``replace``: re-save a committed step (it is un-committed first); otherwise a committed
     step raises :class:`~tiered_ckpt.errors.CheckpointExistsError` in planning, before anything is
     written. ``extra``: JSON step metadata for the manifest (the key ``"dcp"`` is the backend's).
-    ``chunk_bytes``: the shards' CRC32C chunk size (power of two, 4 KiB .. 1 GiB).
+    ``chunk_bytes``: the shards' CRC32C chunk size (power of two, 4 KiB .. 1 GiB). ``rotation``: applied
+    right after the commit, in ``finish`` (:func:`tiered_ckpt.local.rotation.rotate`; a failure is logged,
+    the save stays committed). ``run_id``/``attempt``: the lineage the manifest records (default: the
+    root's ``run.json``; see :func:`~tiered_ckpt.local.save.commit_step`).
 
     Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or ``chunk_bytes``.
     """
 
     def __init__(self, root: str | os.PathLike[str], step: int, *, replace: bool = False,
-                 extra: dict[str, Any] | None = None, chunk_bytes: int = DCP_CHUNK_BYTES) -> None:
+                 extra: dict[str, Any] | None = None, chunk_bytes: int = DCP_CHUNK_BYTES,
+                 rotation: RotationPolicy | None = None, run_id: str | None = None,
+                 attempt: int | None = None) -> None:
         super().__init__()
         step_dir_name(step)  # validates step
         if extra is not None and (not isinstance(extra, dict) or EXTRA_KEY in extra):
@@ -117,6 +126,7 @@ class TieredStorageWriter(StorageWriter):
         self.replace = replace
         self.extra = dict(extra) if extra is not None else None
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.rotation, self.run_id, self.attempt = rotation, run_id, attempt
         self._reset_save()
 
     def _reset_save(self) -> None:
@@ -260,7 +270,12 @@ class TieredStorageWriter(StorageWriter):
         info = {"format": EXTRA_FORMAT, "metadata_rank": self.rank, "metadata_tensor": METADATA_TENSOR,
                 "metadata_bytes": len(self._metadata_bytes)}
         commit_step(self.root, self.step, len(results), records, {**(self.extra or {}), EXTRA_KEY: info},
-                    save_id=self.save_id, replace=self.replace)
+                    save_id=self.save_id, replace=self.replace, run_id=self.run_id, attempt=self.attempt)
+        if self.rotation is not None:
+            try:
+                rotate(self.root, self.rotation, rank=self.rank, just_committed=self.step)
+            except OSError as exc:  # the save itself succeeded; retention retries after the next one
+                log.error("step %d: rotation after the commit failed: %s", self.step, exc)
 
     def abort(self) -> None:
         """After a save that failed on some rank (call on every rank, after DCP returned): unless the step

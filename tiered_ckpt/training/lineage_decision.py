@@ -53,7 +53,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import utc_now
 from tiered_ckpt.local import new_run_id, read_manifest, read_run_record, set_aside_superseded, write_run_record
 from tiered_ckpt.training.resume import (RemoteView, current_local_steps, ensure_local, local_ranks_present,
-                                         offer_steps, publish_remote_lineage, read_remote_view)
+                                         offer_steps, publish_remote_lineage, read_remote_view, step_complete)
 
 if TYPE_CHECKING:
     from tiered_ckpt.training.dist import SaveCoordinator
@@ -185,13 +185,13 @@ class LineageDecider:
                         "newer current steps", self.rank, self.remote_url, remote.error)
         return Survey(merged, head["run_id"], head["started_at"], remote, ours)
 
-    def _steps(self, sv: Survey, *, offers: bool) -> tuple[set[int], list[set[int]]]:
+    def _steps(self, sv: Survey, *, offers: bool, whole: bool = False) -> tuple[set[int], list[set[int]]]:
         """Phase 2: the visible current steps (every root's and the bucket's) and, with ``offers``, what
-        each rank can load."""
+        each rank can load (``whole``: steps with every rank's shard, not just its own)."""
         local = current_local_steps(self.root, sv.merged)
         mine: dict[str, Any] = {"current": local}
         if offers:
-            mine["offer"] = offer_steps(self.root, self.rank, local, sv.remote_current)
+            mine["offer"] = offer_steps(self.root, None if whole else self.rank, local, sv.remote_current)
         got = self._gather(mine, "gathering the current steps")
         visible = set(sv.remote_current).union(*(g["current"] for g in got))
         return visible, [set(g["offer"]) for g in got] if offers else []
@@ -283,23 +283,45 @@ class LineageDecider:
                 raise WorldSizeMismatchError(f"step {step} was saved by {ws} ranks, but {self.world_size} are "
                                              f"loading it (resharding was not asked for)")
 
-    def at_load(self, step: int | None, *, known: RunLineage | None = None) -> tuple[int, RunLineage]:
+    def _restore_whole(self, sv: Survey, step: int) -> None:
+        """Rank 0 makes every rank's shard of ``step`` local in its root (the ranks of a resharding load
+        share one root), restoring what is missing from the bucket; the outcome gather is the barrier.
+        Raises restore's errors on every rank alike (their type where :data:`_GATHERED_ERRORS` has it)."""
+        mine: dict[str, Any] = {"rank": self.rank}
+        ws = sv.remote.world_size_of(step, sv.remote_lineage) if sv.remote is not None else None
+        if self.rank == 0 and ws is not None and not step_complete(self.root, step):
+            assert self.remote_url is not None
+            try:
+                ensure_local(self.root, self.remote_url, step, range(ws), s3_client=self._s3_client)
+            except Exception as exc:  # reported to every rank, not left waiting in the gather
+                mine["error"] = _error_entry(exc, f"restoring into {self.root}: ")
+        _raise_gathered(self._gather(mine, "restoring the step"), f"step {step} could not be restored")
+
+    def at_load(self, step: int | None, *, known: RunLineage | None = None,
+                resharding: bool = False) -> tuple[int, RunLineage]:
         """The step to load (``None``: the newest current step every rank can load) and the record the run
         continues in, recorded everywhere; this rank's shard of the step is made local from the bucket if
         missing. Every load decides, the manager's first and any later one (``known``: the record the
         manager runs in so far): loading a step older than a visible current step starts a new attempt.
+        ``resharding`` (:class:`tiered_ckpt.dcp.DCPCheckpointManager`: DCP reshards through its planner,
+        and any rank may read any shard): a step saved by another world size may be loaded (no
+        :class:`WorldSizeMismatchError`), a step counts as local only with every rank's shard present, and
+        rank 0 restores the whole step (the ranks share one root).
         Raises :class:`NoCheckpointError` (nothing, or not that step, is committed and current),
         :class:`MissingShardError` (it is, but not every rank can load it), ``UploadError`` (either, with a
         bucket that could not be read), :class:`WorldSizeMismatchError` (nothing is decided or downloaded
         then), ``ManifestError``, :class:`LineageError`, restore's errors."""
         sv = self.survey(known)
-        visible, offers = self._steps(sv, offers=True)
+        visible, offers = self._steps(sv, offers=True, whole=resharding)
         step = self._choose(sv, step, visible, offers)
-        self._check_world_size(sv, step)
+        if not resharding:
+            self._check_world_size(sv, step)
         lineage = decide(sv, visible, loaded=step)
         self._announce(sv, lineage, visible)
         self._record(sv, lineage)
-        if self.remote_url is not None and not local_ranks_present(self.root, step, [self.rank]):
+        if self.remote_url is not None and resharding:
+            self._restore_whole(sv, step)
+        elif self.remote_url is not None and not local_ranks_present(self.root, step, [self.rank]):
             ensure_local(self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client)
         return step, lineage
 

@@ -154,10 +154,9 @@ class CheckpointManager:
         With several ranks and a time policy or the preemption handler, this is a collective (a
         one-integer all-reduce on the manager's own group): call it on every rank at every step.
         """
-        due = self.policy.save_every_steps is not None and step % self.policy.save_every_steps == 0
         timed = self.policy.save_every_seconds is not None
-        if timed and (self._coord is None or self.rank == 0):
-            due = due or time.monotonic() - self._last_commit >= self.policy.save_every_seconds
+        judge = self._coord is None or self.rank == 0  # rank 0's clock decides
+        due = self.policy.due(step, time.monotonic() - self._last_commit if judge else None)
         preempt = self._preempt_requested.is_set()
         if self._coord is not None and (timed or self._preempt_handler_installed):
             due, preempt = self._coord.any_true([due, preempt])

@@ -67,5 +67,14 @@ class SavePolicy:
         if self.save_every_seconds is not None and self.save_every_seconds <= 0:
             raise ValueError(f"save_every_seconds must be > 0, got {self.save_every_seconds}")
 
+    def due(self, step: int, since_commit_s: float | None) -> bool:
+        """Whether ``step`` is due: ``step % save_every_steps == 0``, or ``since_commit_s`` (seconds since
+        the last successful commit; ``None``: this rank does not judge time, rank 0 does) reached
+        ``save_every_seconds``."""
+        if self.save_every_steps is not None and step % self.save_every_steps == 0:
+            return True
+        return self.save_every_seconds is not None and since_commit_s is not None \
+            and since_commit_s >= self.save_every_seconds
+
 
 __all__ = ["SaveOutcome", "SavePolicy"]

@@ -130,10 +130,23 @@ def local_ranks_present(root: PathLike, step: int, ranks: Iterable[int]) -> list
     return out
 
 
-def offer_steps(root: PathLike, rank: int, local_current: Sequence[int], remote_current: Sequence[int]) -> list[int]:
-    """The steps this rank can load: current local steps holding its shard, plus the bucket's current
+def step_complete(root: PathLike, step: int) -> bool:
+    """Whether ``step`` is committed in ``root`` with every rank's shard present (see
+    :func:`local_ranks_present`)."""
+    try:
+        n = read_manifest(root, step).world_size
+    except CheckpointError:
+        return False
+    return len(local_ranks_present(root, step, range(n))) == n
+
+
+def offer_steps(root: PathLike, rank: int | None, local_current: Sequence[int],
+                remote_current: Sequence[int]) -> list[int]:
+    """The steps this rank can load: current local steps holding its shard (``rank=None``: every rank's,
+    :func:`step_complete`, for a resharding load that may read any shard), plus the bucket's current
     steps (restorable). Ascending."""
-    local = [s for s in local_current if local_ranks_present(root, s, [rank])]
+    local = [s for s in local_current
+             if (step_complete(root, s) if rank is None else local_ranks_present(root, s, [rank]))]
     return sorted(set(local) | set(remote_current))
 
 
@@ -186,5 +199,5 @@ def prepare_load_from_remote(root: PathLike, remote_url: str, rank: int, step: i
     return step
 
 
-__all__ = ["RemoteView", "current_local_steps", "ensure_local", "local_ranks_present", "offer_steps",
+__all__ = ["RemoteView", "current_local_steps", "ensure_local", "local_ranks_present", "offer_steps", "step_complete",
            "prepare_load_from_remote", "publish_remote_lineage", "read_remote_view"]
