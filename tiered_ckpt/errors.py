@@ -78,6 +78,17 @@ class UnsupportedStateError(CheckpointError, TypeError):
     """A state value cannot be stored: an unsupported dtype, a non-string key, a non-JSON value."""
 
 
+class UnsupportedPlannerError(CheckpointError, TypeError):
+    """The DCP backend (:mod:`tiered_ckpt.dcp`) was handed a planner that is not its own: DCP's default load
+    planner unpickles byte items (``torch.load(weights_only=False)``) and its default save planner pickles
+    them, so only ``TieredSavePlanner`` / ``TieredLoadPlanner`` are accepted. The message names the class."""
+
+
+class DcpMetadataError(ManifestError):
+    """The DCP metadata of a step (JSON in the coordinator's shard, :mod:`tiered_ckpt.dcp`) is missing,
+    malformed, hostile or disagrees with the step's manifest; or the ranks of one load read different steps."""
+
+
 class UploadError(CheckpointError):
     """A remote (S3) operation failed after all retries; ``last_exception`` holds the final cause."""
 
@@ -125,6 +136,8 @@ __all__ = [
     "ConcurrentSaveError",
     "CheckpointWriteError",
     "UnsupportedStateError",
+    "UnsupportedPlannerError",
+    "DcpMetadataError",
     "UploadError",
     "ReshardError",
     "DistributedSaveError",

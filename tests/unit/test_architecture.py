@@ -1,6 +1,6 @@
 """The package's house rules (issue 9, docs/ARCHITECTURE.md), checked on the source with ``ast``:
 
-- layers import only downward (base -> format -> primitives -> local -> remote -> training -> face -> front);
+- layers import only downward (base -> format -> primitives -> local -> remote -> training (with dcp) -> face -> front);
 - no import of another folder's ``_private`` names or modules, no import circle;
 - no module over 400 lines, no function over 80 lines unless its docstring says "Long because";
 - the durable-commit calls (``os.fsync``, ``os.replace``, ``os.rename``, ``os.link``, ``Path.rename``) only in the local commit protocol
@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, int, str]] = [
     ("tiered_ckpt.local", 3, "local"),
     ("tiered_ckpt.remote", 4, "remote"),
     ("tiered_ckpt.training", 5, "training"), ("tiered_ckpt.torch", 5, "training"),
-    ("tiered_ckpt.data", 5, "training"),
+    ("tiered_ckpt.data", 5, "training"), ("tiered_ckpt.dcp", 5, "training"),
     ("tiered_ckpt", 6, "face"),  # the package's __init__: the public API
     ("tiered_ckpt.cli", 7, "front"), ("tiered_ckpt.examples", 7, "front"),
 ]

@@ -22,7 +22,7 @@ from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, Checkpoin
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES, array_crcs, crc32c_combine, crc32c_extend, crc_hex
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.format.tensor_index import TensorRecord, encode_index
+from tiered_ckpt.format.tensor_index import MAX_CRC_CHUNK_BYTES, MIN_CRC_CHUNK_BYTES, TensorRecord, encode_index
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.layout import shard_file_name, step_dir_name
 from tiered_ckpt.local.catalogue import read_run_record, write_root, superseded_in
@@ -55,6 +55,7 @@ def write_shard(
     save_id: str | None = None,
     replace: bool = False,
     param_shard: tuple[int, int] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> ShardRecord:
     """Write one rank's shard of ``step`` durably (call on every rank).
 
@@ -69,7 +70,10 @@ def write_shard(
     byte range, global slice, per-chunk CRC32Cs computed from the arrays before the write) is the
     header's tensor index (header format 2, issue 12).
     ``save_id``: shared by every rank of one save (``None``: adopt the one this process is already
-    writing for ``step``, or start a new one).
+    writing for ``step``, or start a new one). ``chunk_bytes``: the chunk size (bytes, a power of two in
+    ``[4096, 2**30]``) of the tensor index's per-chunk CRC32Cs, so the granularity of a verified partial
+    read (:class:`~tiered_ckpt.local.reader.ShardReader` reads at most ``2 * chunk_bytes`` more than asked
+    for per range); default 1 MiB, the DCP backend uses 16 KiB. ``ValueError`` for another value.
 
     Raises :class:`CheckpointExistsError` if ``step`` is committed and ``replace`` is false (with
     ``replace=True`` the old step is un-committed first, I2), :class:`ConcurrentSaveError` if another live
@@ -79,12 +83,13 @@ def write_shard(
     """
     r = write_root(root)
     shard_file_name(rank)  # validates rank
+    check_chunk_bytes(chunk_bytes)
     tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
     step_dir_name(step)  # validates step
     records = fmt.layout(entries)  # entries sorted into file order
-    crcs, data_crc, data_bytes = chunk_crcs(entries)
+    crcs, data_crc, data_bytes = chunk_crcs(entries, chunk_bytes)
     meta = {"format": fmt.FORMAT_VERSION, "rank": rank, "step": step, "tree": tree,
-            **encode_index(records, crcs, DEFAULT_CHUNK_BYTES)}
+            **encode_index(records, crcs, chunk_bytes)}
     # Refuse an unstorable state before anything touches the disk (the real header differs at most in the
     # save id, at most 64 characters); with the save id given, this is the real header.
     sid = save_id if save_id and len(save_id) <= 64 else "x" * 64
@@ -132,16 +137,26 @@ def superseded_hint(root: Path, step: int) -> str:
 PARALLEL_CRC_BYTES = 64 << 20
 
 
-def chunk_crcs(entries: list[fmt.TensorEntry]) -> tuple[str, int, int]:
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """``chunk_bytes`` if it is a power of two in ``[MIN_CRC_CHUNK_BYTES, MAX_CRC_CHUNK_BYTES]`` (what a
+    manifest accepts), else ``ValueError``."""
+    if (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+            or not MIN_CRC_CHUNK_BYTES <= chunk_bytes <= MAX_CRC_CHUNK_BYTES or chunk_bytes & (chunk_bytes - 1)):
+        raise ValueError(f"chunk_bytes must be a power of two in [{MIN_CRC_CHUNK_BYTES}, {MAX_CRC_CHUNK_BYTES}], "
+                         f"got {chunk_bytes!r}")
+    return chunk_bytes
+
+
+def chunk_crcs(entries: list[fmt.TensorEntry], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[str, int, int]:
     """``(crc32c string, data crc, data bytes)``: the header's ``crc32c`` string (every tensor's chunk
     CRC32Cs, in file order) and the CRC32C of the whole data section (:func:`array_crcs`, chunk CRCs
     combined: no second pass), computed from the arrays in memory before anything is written (the header,
     which holds them, is written first): about 0.1 s per GiB per core; two threads for more than
-    :data:`PARALLEL_CRC_BYTES`."""
+    :data:`PARALLEL_CRC_BYTES`. ``chunk_bytes``: the CRC chunk size."""
     arrays = [e.array for e in entries]
     total = sum(a.nbytes for a in arrays)
     if total < PARALLEL_CRC_BYTES or len(arrays) < 2:
-        return array_crcs(arrays, DEFAULT_CHUNK_BYTES)
+        return array_crcs(arrays, chunk_bytes)
     acc, cut = 0, len(arrays) - 1
     for i, a in enumerate(arrays):  # split by bytes, keeping the order
         acc += a.nbytes
@@ -149,7 +164,7 @@ def chunk_crcs(entries: list[fmt.TensorEntry]) -> tuple[str, int, int]:
             cut = i + 1
             break
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiered-ckpt-crc") as pool:
-        (h1, c1, n1), (h2, c2, n2) = pool.map(lambda group: array_crcs(group, DEFAULT_CHUNK_BYTES),
+        (h1, c1, n1), (h2, c2, n2) = pool.map(lambda group: array_crcs(group, chunk_bytes),
                                               [arrays[:cut], arrays[cut:]])
     return h1 + h2, crc32c_combine(c1, c2, n2), n1 + n2
 
@@ -182,8 +197,8 @@ def _write_claimed(hold: LocalStepCommit, rank: int, meta: dict[str, Any], encod
                        param_shard_offset=int(offset), param_shard_numel=int(numel_), host=hostname(),
                        save_id=hold.save_id, tensors=None,
                        crc32c=crc_hex(crc32c_combine(crc32c_extend(0, header), data_crc[0], data_crc[1])),
-                       header_sha256=hashlib.sha256(header).hexdigest(), crc32c_chunk_bytes=DEFAULT_CHUNK_BYTES,
+                       header_sha256=hashlib.sha256(header).hexdigest(), crc32c_chunk_bytes=meta["crc32c_chunk_bytes"],
                        header_size_bytes=len(header))
 
 
-__all__ = ["chunk_crcs", "infer_param_shard", "superseded_hint", "write_shard"]
+__all__ = ["check_chunk_bytes", "chunk_crcs", "infer_param_shard", "superseded_hint", "write_shard"]

@@ -1,0 +1,168 @@
+"""What the DCP backend refuses: DCP's default planners (they pickle), values that are neither tensors,
+JSON nor bytes (before anything is written), and hostile metadata (typed errors, never a KeyError or
+TypeError). A byte item carrying a pickle that would create a file comes back as the same bytes: nothing
+is unpickled (an audit hook on ``pickle.find_class`` sees no event)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+import tiered_ckpt.local as local
+from tiered_ckpt import dcp as tdcp
+from tiered_ckpt.dcp.items import METADATA_TENSOR
+from tiered_ckpt.errors import DcpMetadataError, UnsupportedPlannerError, UnsupportedStateError
+
+STEP = 4
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+_FIND_CLASS: list[Any] = []
+_WATCHING: list[bool] = []
+
+
+def _audit(event: str, args: Any) -> None:
+    if event == "pickle.find_class" and _WATCHING:
+        _FIND_CLASS.append(args)
+
+
+@pytest.fixture()
+def pickle_watch() -> Iterator[list[Any]]:
+    """Events ``pickle.find_class`` seen while the test body runs (the hook is installed once per process)."""
+    if not getattr(sys, "_tiered_ckpt_dcp_audit", False):
+        sys.addaudithook(_audit)
+        sys._tiered_ckpt_dcp_audit = True  # type: ignore[attr-defined]
+    _FIND_CLASS.clear()
+    _WATCHING.append(True)
+    try:
+        yield _FIND_CLASS
+    finally:
+        _WATCHING.clear()
+
+
+class _CreatesFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def dcp_failure(exc: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
+    """The one rank's exception that DCP wrapped (no process group: rank 0)."""
+    (err, _), = exc.value.failures.values()
+    return err
+
+
+def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
+        tmp_path: Path, pickle_watch: list[Any]) -> None:
+    probe, target = tmp_path / "probe", tmp_path / "pwned"
+    payload = pickle.dumps(_CreatesFile(str(target)))
+    pickle.loads(pickle.dumps(_CreatesFile(str(probe))))  # the payload is real: unpickling it creates a file
+    assert probe.exists() and pickle_watch  # ... and the hook sees it
+    pickle_watch.clear()
+    root = tmp_path / "run"
+    tdcp.save({"w": torch.ones(3), "loader": {"state": payload}}, root, STEP)
+    back: dict[str, Any] = {"w": torch.zeros(3), "loader": {"state": None}}
+    assert tdcp.load(back, root, STEP) == STEP
+    assert back["loader"]["state"] == payload
+    with pytest.raises(CheckpointException) as exc:
+        dcp.load({"w": torch.zeros(3), "loader": {"state": None}},
+                 storage_reader=tdcp.TieredStorageReader(root, STEP), planner=DefaultLoadPlanner())
+    err = dcp_failure(exc)
+    assert isinstance(err, UnsupportedPlannerError) and "DefaultLoadPlanner" in str(err)
+    assert not target.exists() and pickle_watch == []
+
+
+def test_default_save_planner_is_refused_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as exc:
+        dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=tdcp.TieredStorageWriter(tmp_path, STEP),
+                 planner=DefaultSavePlanner())
+    err = dcp_failure(exc)
+    assert isinstance(err, UnsupportedPlannerError) and "DefaultSavePlanner" in str(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, Opaque(), (1, Opaque())], ids=["set", "object", "in-tuple"])
+def test_unsupported_value_is_refused_before_writing(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(UnsupportedStateError, match="opt.bad"):
+        tdcp.save({"w": torch.ones(2), "opt": {"bad": bad}}, tmp_path, STEP)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------- hostile metadata
+
+
+def _rank(doc: dict[str, Any]) -> None:
+    doc["storage_data"][0][2] = 5
+
+
+def _outside(doc: dict[str, Any]) -> None:
+    doc["state_dict_metadata"]["w"]["chunks"][0][1] = [4]
+
+
+def _size_type(doc: dict[str, Any]) -> None:
+    doc["state_dict_metadata"]["w"]["size"] = "big"
+
+
+def _unplaced(doc: dict[str, Any]) -> None:
+    doc["storage_data"] = doc["storage_data"][1:]
+
+
+def _dtype(doc: dict[str, Any]) -> None:
+    doc["state_dict_metadata"]["w"]["dtype"] = "object"
+
+
+def _no_kind(doc: dict[str, Any]) -> None:
+    del doc["state_dict_metadata"]["n"]["kind"]
+
+
+MUTATIONS: dict[str, Callable[[dict[str, Any]], Any] | bytes] = {
+    "not-json": b"{\"format\": 1, ", "list": b"[]", "rank": _rank, "outside": _outside, "size-type": _size_type,
+    "unplaced": _unplaced, "dtype": _dtype, "no-kind": _no_kind}
+
+
+@pytest.fixture(scope="module")
+def good_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    root = tmp_path_factory.mktemp("good") / "run"
+    tdcp.save({"w": torch.arange(3.0), "n": 5}, root, STEP)
+    return dict(local.load_shard(root, 0, 1)), local.read_manifest(root).extra
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_hostile_metadata_raises_a_typed_error(tmp_path: Path, good_step: Any, name: str) -> None:
+    arrays, extra = good_step
+    mutate = MUTATIONS[name]
+    if isinstance(mutate, bytes):
+        raw = mutate
+    else:
+        doc = json.loads(arrays[METADATA_TENSOR].tobytes())
+        mutate(doc)
+        raw = json.dumps(doc).encode()
+    forged = {**arrays, METADATA_TENSOR: np.frombuffer(raw, np.uint8)}
+    root = tmp_path / "run"  # re-written as a well-formed, committed step: only the metadata's JSON is hostile
+    rec = local.write_shard(root, STEP, 0, forged, chunk_bytes=16384)
+    local.commit_step(root, STEP, 1, [rec], {"dcp": {**extra["dcp"], "metadata_bytes": len(raw)}})
+    with pytest.raises(DcpMetadataError, match="DCP metadata"):
+        tdcp.TieredStorageReader(root).read_metadata()
+    with pytest.raises(DcpMetadataError):
+        tdcp.load({"w": torch.zeros(3), "n": 0}, root)
+
+
+def test_manifest_without_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    local.save_sharded([{"w": np.ones(3)}], tmp_path, STEP)
+    with pytest.raises(DcpMetadataError, match="not saved through tiered_ckpt.dcp"):
+        tdcp.load({"w": torch.zeros(3)}, tmp_path)

@@ -1,0 +1,282 @@
+"""``TieredStorageReader``: a ``torch.distributed.checkpoint`` StorageReader for steps written by
+:class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter`, reading through the local tier's verified
+partial reads (:class:`tiered_ckpt.local.reader.ShardReader`) and, for a shard missing locally, ranged
+reads from the bucket (``tiered_ckpt.remote.ranged_read``).
+
+Who calls what, in DCP's numbered lifecycle (``dcp.load``):
+
+0. (all ranks) ``reset(checkpoint_id)`` when DCP is given a ``checkpoint_id`` (a step directory
+   ``<root>/step_XXXXXXXXXX``): root and step are taken from it; cached metadata is dropped.
+1. (all ranks) ``read_metadata()``: finds the step (the given one, or the newest committed step of the
+   root's lineage), reads ``manifest.json``, its ``extra["dcp"]`` and the metadata tensor of the shard it
+   names (verified: header sha256, per-chunk CRC32Cs), decodes the JSON strictly
+   (:func:`tiered_ckpt.dcp.metadata_json.decode`). Never unpickles anything. A typed error is kept in
+   :attr:`TieredStorageReader.metadata_error` too (DCP replaces it by an ``AssertionError``).
+2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator)``: the placement of every item.
+3. (all ranks) ``prepare_local_plan(plan)``: tags the plan with the step and save id this rank read.
+4. (coordinator) ``prepare_global_plan(plans)``: every rank must have read the same save
+   (:class:`~tiered_ckpt.errors.DcpMetadataError` otherwise: e.g. a step committed between two ranks'
+   ``read_metadata`` with ``step=None``).
+5. (all ranks) ``read_data(plan, planner)``: refuses a planner that is not
+   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner` (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`)
+   before reading anything; then, per ``ReadItem``, reads only the bytes it needs
+   (:func:`~tiered_ckpt.dcp.items.byte_range`: whole rows along dim 0 exactly, any other box through the
+   smallest contiguous range that covers it), verified chunk by chunk, through one shard reader per rank,
+   opened once per call and closed after; copies into ``planner.resolve_tensor`` and calls
+   ``commit_tensor``; byte items go to ``planner.load_bytes`` as they were stored.
+
+Bytes read are counted in :attr:`TieredStorageReader.stats` (a :class:`~tiered_ckpt.local.reader.ReadStats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from torch.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from tiered_ckpt.dcp import metadata_json
+from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
+from tiered_ckpt.dcp.planners import TieredLoadPlanner
+from tiered_ckpt.dcp.storage_writer import EXTRA_FORMAT, EXTRA_KEY, step_of_checkpoint_id
+from tiered_ckpt.errors import (CheckpointError, DcpMetadataError, MissingShardError, NoCheckpointError,
+                                ShardCorruptedError, UnsupportedPlannerError)
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
+from tiered_ckpt.local import new_save_id, pick_step, read_manifest, resolve_root, step_path
+from tiered_ckpt.local.reader import ReadStats, ShardReader
+
+
+@dataclass(frozen=True)
+class DcpStepInfo:
+    """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its name and
+    its size (bytes)."""
+
+    metadata_rank: int
+    metadata_tensor: str
+    metadata_bytes: int
+
+
+def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
+    """``m.extra["dcp"]``, validated against ``m``. Raises :class:`DcpMetadataError` (also for a step not
+    written through the DCP backend)."""
+    where = f"step {m.step}"
+    info = (m.extra or {}).get(EXTRA_KEY)
+    if not isinstance(info, dict):
+        raise DcpMetadataError(f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)")
+    if set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"} or info["format"] != EXTRA_FORMAT:
+        raise DcpMetadataError(f"{where}: extra.dcp is malformed or of an unknown format")
+    rank, name, n = info["metadata_rank"], info["metadata_tensor"], info["metadata_bytes"]
+    if (type(rank) is not int or not 0 <= rank < m.world_size or type(name) is not str or not 0 < len(name) <= MAX_NAME_LEN
+            or type(n) is not int or not 0 < n <= metadata_json.MAX_METADATA_BYTES):
+        raise DcpMetadataError(f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
+                               "out of range")
+    return DcpStepInfo(rank, name, n)
+
+
+class TieredStorageReader(StorageReader):
+    """Reads a DCP checkpoint from step ``step`` of the local root ``root`` (``None``: the newest committed
+    step of the root's lineage; ``root`` may be a step directory). ``remote_url`` (``s3://bucket/prefix``)
+    and ``endpoint_url``: where to read a shard that is missing locally (ranged, verified reads); the step's
+    manifest too when the root lacks the step and ``step`` is given. See the module docstring."""
+
+    def __init__(self, root: str | os.PathLike[str], step: int | None = None, *, remote_url: str | None = None,
+                 endpoint_url: str | None = None) -> None:
+        super().__init__()
+        self.root, self._asked = resolve_root(root, step)
+        self.remote_url = remote_url
+        self.endpoint_url = endpoint_url
+        self.stats = ReadStats()
+        self._forget()
+
+    def _forget(self) -> None:
+        self.step: int | None = self._asked
+        self.load_id = new_save_id()
+        self.metadata_error: CheckpointError | None = None
+        self.rank = 0
+        self._manifest: ShardManifest | None = None
+        self._metadata: Metadata | None = None
+        self._placement: dict[MetadataIndex, ItemLocation] = {}
+        self._remote: Any = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(step_path(self.root, self.step)) if self.step is not None else str(self.root)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a step directory ``<root>/step_XXXXXXXXXX`` (no I/O)."""
+        try:
+            step_of_checkpoint_id(checkpoint_id)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            root, self._asked = step_of_checkpoint_id(checkpoint_id)
+            self.root = root.absolute()
+        self._forget()
+
+    # ------------------------------------------------------------------------------ 1. metadata
+
+    def read_metadata(self) -> Metadata:
+        """The step's DCP metadata (read once per load; see the module docstring, step 1). Raises
+        :class:`NoCheckpointError`, :class:`DcpMetadataError`, :class:`ManifestError`,
+        :class:`MissingShardError`, :class:`ShardCorruptedError`."""
+        if self._metadata is not None:
+            return self._metadata
+        try:
+            m = self._find_manifest()
+            info = dcp_step_info(m)
+            rd = self._open_rank(m, info.metadata_rank)
+            try:
+                rec = rd.tensor_record(info.metadata_tensor)
+                if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
+                    raise DcpMetadataError(f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the manifest "
+                                           f"says U8 ({info.metadata_bytes},)")
+                raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
+            finally:
+                rd.close()
+            md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
+        except CheckpointError as e:
+            self.metadata_error = e
+            raise
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        self._manifest, self._metadata, self.step = m, md, m.step
+        return md
+
+    def _find_manifest(self) -> ShardManifest:
+        try:
+            root, step = pick_step(self.root, self._asked)
+            return read_manifest(root, step)
+        except NoCheckpointError:
+            if self.remote_url is None or self._asked is None:
+                raise
+        return self._remote_step(self._asked, None).manifest
+
+    def _remote_step(self, step: int, save_id: str | None) -> Any:
+        """The bucket's copy of ``step`` (``tiered_ckpt.remote.ranged_read``, imported only here), opened
+        once per load; its manifest must name ``save_id`` (the local manifest's) when one is given."""
+        if self._remote is None:
+            from tiered_ckpt.remote.ranged_read import open_remote_step
+
+            self._remote = open_remote_step(self.remote_url, step, endpoint_url=self.endpoint_url)
+        if save_id is not None and self._remote.manifest.save_id != save_id:
+            raise DcpMetadataError(f"step {step}: the bucket holds save {self._remote.manifest.save_id}, the local "
+                                   f"manifest names save {save_id}")
+        return self._remote
+
+    def _open_rank(self, m: ShardManifest, rank: int) -> Any:
+        """A verified reader of rank ``rank`` 's shard: the local file, or (missing locally, with a
+        ``remote_url``) ranged reads of the bucket's copy."""
+        try:
+            return ShardReader(step_path(self.root, m.step), m, rank, self.stats)
+        except MissingShardError:
+            if self.remote_url is None:
+                raise
+        return self._remote_step(m.step, m.save_id).shard_reader(rank, stats=self.stats)
+
+    # ------------------------------------------------------------------------------ 2-4. planning
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._manifest is None or not isinstance(metadata.storage_data, dict):
+            raise DcpMetadataError("set_up_storage_reader needs the metadata of this reader's read_metadata")
+        self._placement = metadata.storage_data
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        m = self._manifest
+        return dataclasses.replace(plan, storage_data=(m.step, m.save_id) if m is not None else None)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        seen = {p.storage_data for p in plans}
+        if len(seen) != 1:
+            raise DcpMetadataError(f"the ranks of one load read different saves (step, save id): {sorted(map(str, seen))[:4]}")
+        return plans
+
+    # ------------------------------------------------------------------------------ 5. data
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` (see the module docstring, step 5). Raises
+        :class:`UnsupportedPlannerError` (before reading anything), :class:`DcpMetadataError` (an item the
+        metadata does not place, or stored unlike the metadata says), and the shard readers' errors."""
+        if not isinstance(planner, TieredLoadPlanner):
+            raise UnsupportedPlannerError(
+                f"TieredStorageReader loads only with tiered_ckpt.dcp.TieredLoadPlanner, not "
+                f"{type(planner).__module__}.{type(planner).__qualname__} (DCP's default load planner "
+                "unpickles byte items read from storage)")
+        m, md = self._manifest, self._metadata
+        if m is None or md is None:
+            raise DcpMetadataError("read_data before read_metadata")
+        readers: dict[int, Any] = {}
+        try:
+            for item in sorted(plan.items, key=lambda it: self._locate(it).rank):
+                loc = self._locate(item)
+                rd = readers.get(loc.rank)
+                if rd is None:
+                    rd = readers[loc.rank] = self._open_rank(m, loc.rank)
+                if item.type == LoadItemType.BYTE_IO:
+                    self._read_bytes(rd, loc, item, planner)
+                else:
+                    self._read_tensor(rd, loc, item, planner, md)
+        finally:
+            for rd in readers.values():
+                rd.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _locate(self, item: ReadItem) -> ItemLocation:
+        loc = self._placement.get(item.storage_index)
+        if loc is None:
+            raise DcpMetadataError(f"step {self.step}: the metadata does not place {item.storage_index.fqn[:80]!r} "
+                                   f"at {list(item.storage_index.offset or [])[:8]}")
+        return loc
+
+    @staticmethod
+    def _read_bytes(rd: Any, loc: ItemLocation, item: ReadItem, planner: LoadPlanner) -> None:
+        rec = rd.tensor_record(loc.name)
+        if rec.dtype != "U8" or len(rec.shape) != 1:
+            raise DcpMetadataError(f"byte item {loc.name[:80]!r} is stored as {rec.dtype} {rec.shape}, not U8 1-D")
+        planner.load_bytes(item, io.BytesIO(bytes(rd.read_range(loc.name, 0, rec.nbytes))))
+
+    @staticmethod
+    def _read_tensor(rd: Any, loc: ItemLocation, item: ReadItem, planner: LoadPlanner, md: Metadata) -> None:
+        rec = rd.tensor_record(loc.name)
+        tmd = md.state_dict_metadata.get(item.storage_index.fqn)
+        dtype = TORCH_DTYPE_OF_CODE.get(rec.dtype)
+        if not isinstance(tmd, TensorStorageMetadata) or dtype is None or STORABLE_DTYPES[tmd.properties.dtype] != rec.dtype:
+            raise DcpMetadataError(f"tensor {loc.name[:80]!r} is stored as {rec.dtype}, the metadata says "
+                                   f"{getattr(getattr(tmd, 'properties', None), 'dtype', 'no tensor')}")
+        want = next((tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(item.storage_index.offset or ())),
+                    None)
+        if want != rec.shape:
+            raise DcpMetadataError(f"tensor {loc.name[:80]!r} has shape {rec.shape}, its chunk in the metadata {want}")
+        try:
+            start, end, strides = byte_range(rec.shape, tuple(item.storage_offsets), tuple(item.lengths),
+                                             dtype.itemsize)
+        except ValueError as e:
+            raise DcpMetadataError(f"read of {loc.name[:80]!r}: {e}") from None
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            raise ShardCorruptedError(f"read of {loc.name[:80]!r}: destination of shape {tuple(target.shape)}, "
+                                      f"the read item is {tuple(item.lengths)}")
+        if end > start:
+            mv = rd.read_range(loc.name, start, end)
+            if mv.readonly:
+                mv = memoryview(bytearray(mv))
+            src = torch.frombuffer(mv, dtype=dtype).as_strided(tuple(item.lengths), strides, 0)
+            target.copy_(src)
+        planner.commit_tensor(item, target)
+
+
+__all__ = ["DcpStepInfo", "TieredStorageReader", "dcp_step_info"]
