@@ -12,7 +12,7 @@ import torch
 
 from tiered_ckpt.errors import CheckpointError, UnsupportedStateError
 from tiered_ckpt.training.torch_tensors import (PinnedBufferPool, finish_host_copies, host_array, numpy_to_tensor,
-                                                to_json_value)
+                                                refuse_dtensor, to_json_value)
 
 __all__ = ["capture_optimizer", "restore_optimizer"]
 
@@ -38,7 +38,8 @@ def capture_optimizer(
     For a ``ZeroRedundancyOptimizer`` only this rank's partition (its local optimizer) is captured,
     with no consolidation; ``kind`` is then ``"zero_local"``. Tensor state (``exp_avg``, ...) becomes
     arrays (aliasing CPU tensors); non-tensor state becomes JSON. Raises ``UnsupportedStateError`` if
-    the optimizer holds a parameter that ``model`` does not name.
+    the optimizer holds a parameter that ``model`` does not name, or a DTensor state (FSDP2: naming
+    ``optim/<param>/<key>``; save through :mod:`tiered_ckpt.dcp`).
     """
     local = optimizer.optim if _is_zero(optimizer) else optimizer
     # ZeRO keeps the hyper-parameters users and schedulers change in its global groups (copied into
@@ -104,7 +105,8 @@ def restore_optimizer(
     """Load a :func:`capture_optimizer` result into ``optimizer`` (no ``step()`` is taken).
 
     Parameters are matched by name, group by group (their order inside a group may differ); raises
-    ``CheckpointError`` if the groups or their sets of parameter names differ (e.g. a ZeRO partition of another world size: reshard first).
+    ``CheckpointError`` if the groups or their sets of parameter names differ (e.g. a ZeRO partition of another world size: reshard first),
+    ``UnsupportedStateError`` (before anything changes) if a parameter is a DTensor (FSDP2: use ``tiered_ckpt.dcp``).
     """
     zero = _is_zero(optimizer)
     local = optimizer.optim if zero else optimizer
@@ -120,6 +122,8 @@ def restore_optimizer(
     sd_state: dict[int, dict[str, Any]] = {}
     index = 0
     for gi, (group, sgroup) in enumerate(zip(local.param_groups, saved_groups)):
+        for p in group["params"]:
+            refuse_dtensor(f"optimizer parameter {names.get(id(p))!r}", p)
         live_names = [names.get(id(p)) for p in group["params"]]
         if sorted(map(str, live_names)) != sorted(sgroup["params"]):  # order may differ: matched by name
             raise CheckpointError(

@@ -48,7 +48,7 @@ from tiered_ckpt.training.torch_optim import capture_optimizer, restore_optimize
 from tiered_ckpt.training.torch_rng import RandomGenerator, capture_rng_state, restore_rng_state
 from tiered_ckpt.training.torch_tensors import DEFAULT_PINNED_POOL  # noqa: F401  (importable here, as before)
 from tiered_ckpt.training.torch_tensors import (PinnedBufferPool, finish_host_copies, host_array, numpy_to_tensor,
-                                                tensor_to_numpy, to_json_value)
+                                                refuse_dtensor, tensor_to_numpy, to_json_value)
 
 __all__ = [
     "tensor_to_numpy",
@@ -81,7 +81,9 @@ class HasStateDict(Protocol):
 def capture_model(model: torch.nn.Module, *, pool: PinnedBufferPool | None = None) -> dict[str, np.ndarray]:
     """``model.state_dict()`` (parameters and persistent buffers) as ``{name: ndarray}``.
 
-    CPU arrays alias the live tensors; see the module docstring.
+    CPU arrays alias the live tensors; see the module docstring. Raises ``UnsupportedStateError`` naming
+    the key for a DTensor (a model sharded with FSDP2 ``fully_shard`` or tensor parallel): such a model is
+    saved through :mod:`tiered_ckpt.dcp` (``get_state_dict`` + ``tiered_ckpt.dcp.save``).
     """
     out: dict[str, Any] = {}
     pending = False
@@ -97,9 +99,13 @@ def capture_model(model: torch.nn.Module, *, pool: PinnedBufferPool | None = Non
 def restore_model(model: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, strict: bool = True) -> None:
     """Copy ``arrays`` into ``model`` bit-exactly (``load_state_dict``; dtype must match).
 
-    Raises ``CheckpointError`` on a missing/unexpected key (with ``strict``) or a dtype/shape mismatch.
+    Raises ``CheckpointError`` on a missing/unexpected key (with ``strict``) or a dtype/shape mismatch,
+    ``UnsupportedStateError`` (before anything changes) when the model holds DTensors (FSDP2: use
+    ``tiered_ckpt.dcp``).
     """
     current = model.state_dict()
+    for name, cur in current.items():
+        refuse_dtensor(repr(f"model/{name}"), cur)
     sd = {}
     for name, a in arrays.items():
         t = numpy_to_tensor(np.asarray(a))

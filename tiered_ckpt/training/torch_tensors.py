@@ -6,6 +6,7 @@ for the dtype mapping and aliasing rules.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping, MutableMapping
 
 import ml_dtypes
@@ -16,7 +17,7 @@ from numpy.typing import DTypeLike
 from tiered_ckpt.errors import UnsupportedStateError
 
 __all__ = ["tensor_to_numpy", "numpy_to_tensor", "PinnedBufferPool", "DEFAULT_PINNED_POOL", "host_array",
-           "finish_host_copies", "to_json_value"]
+           "finish_host_copies", "to_json_value", "is_dtensor", "refuse_dtensor"]
 
 # torch dtype -> (integer view dtype for torch, numpy dtype of the stored array). None = direct.
 _VIEW_DTYPES: dict[torch.dtype, tuple[torch.dtype, DTypeLike]] = {
@@ -54,13 +55,41 @@ class PinnedBufferPool:
         return buf
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel). Imports nothing:
+    no DTensor can exist before ``torch.distributed.tensor`` is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def refuse_dtensor(where: str, t: Any) -> None:
+    """Raise ``UnsupportedStateError`` naming ``where`` if ``t`` is a DTensor (else nothing).
+
+    The arrays of this module hold one process's whole tensors; a DTensor is a shard of a global tensor
+    with placements on a device mesh, which only a DCP state dict describes: ``tiered_ckpt.dcp`` saves it.
+    """
+    if not is_dtensor(t):
+        return
+    try:
+        layout = f" (global shape {tuple(t.shape)}, placements {tuple(t.placements)}, mesh {tuple(t.device_mesh.shape)})"
+    except Exception:  # noqa: BLE001 - the message must not fail on an odd DTensor
+        layout = ""
+    raise UnsupportedStateError(
+        f"{where} is a DTensor{layout}: a sharded model (FSDP2 fully_shard, tensor parallel) cannot be "
+        "captured as arrays; save it through tiered_ckpt.dcp instead (state = get_state_dict(model, optimizer) "
+        "from torch.distributed.checkpoint.state_dict, then tiered_ckpt.dcp.save / async_save; load with "
+        "tiered_ckpt.dcp.load and set_state_dict)")
+
+
 def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array with the same bytes (a view when ``t`` is contiguous).
 
     bfloat16/float8 become ``ml_dtypes`` arrays through an integer view. Raises
-    ``UnsupportedStateError`` for dtypes without a numpy counterpart (complex32, quantized, ...) and
-    ``ValueError`` for non-CPU tensors (copy them to host first).
+    ``UnsupportedStateError`` for a DTensor (see :func:`refuse_dtensor`) and for dtypes without a numpy
+    counterpart (complex32, quantized, ...), and ``ValueError`` for non-CPU tensors (copy them to host first).
     """
+    refuse_dtensor("the tensor", t)
     if t.device.type != "cpu":
         raise ValueError(f"tensor_to_numpy needs a CPU tensor, got device {t.device}")
     t = t.detach()
@@ -90,7 +119,10 @@ DEFAULT_PINNED_POOL = PinnedBufferPool()
 
 def host_array(name: str, t: torch.Tensor, pool: PinnedBufferPool | None) -> tuple[np.ndarray | torch.Tensor, bool]:
     """``(array_or_pinned_tensor, needs_sync)`` for one tensor: a CPU tensor's aliasing array, or the
-    pinned host tensor a device-to-host copy is filling (pass to :func:`finish_host_copies` after all)."""
+    pinned host tensor a device-to-host copy is filling (pass to :func:`finish_host_copies` after all).
+
+    Raises ``UnsupportedStateError`` naming ``name`` (e.g. ``model/<param>``) for a DTensor."""
+    refuse_dtensor(repr(name), t)
     if t.device.type == "cpu":
         return tensor_to_numpy(t), False
     return (pool or DEFAULT_PINNED_POOL).host_copy(name, t.detach()), True
