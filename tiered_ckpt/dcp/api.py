@@ -4,7 +4,9 @@ planners, and DCP's ``CheckpointException`` turned back into this package's type
 DCP wraps every rank's failure into ``torch.distributed.checkpoint.api.CheckpointException`` (a
 ``BaseException``) and replaces a failed ``read_metadata`` by an ``AssertionError``; these helpers raise
 the lowest failing rank's :class:`~tiered_ckpt.errors.CheckpointError` instead (the DCP exception is its
-``__context__``), or this rank's ``read_metadata`` error, and otherwise let DCP's exception through.
+``__context__``), or this rank's ``read_metadata`` error, or DCP's own reason (a state whose keys or
+shapes the checkpoint lacks: DCP's planner raises ``RuntimeError``/``ValueError``) as a plain
+``CheckpointError``; only a failure that is no ``Exception`` lets DCP's exception through.
 """
 
 from __future__ import annotations
@@ -29,12 +31,21 @@ PathLike = str | os.PathLike[str]
 
 
 def typed_error(exc: CheckpointException, fallback: CheckpointError | None = None) -> CheckpointError | None:
-    """The lowest rank's :class:`CheckpointError` among ``exc.failures``, else ``fallback``."""
+    """The lowest rank's :class:`CheckpointError` among ``exc.failures``, else ``fallback``, else DCP's
+    own reason (an ``Exception`` of the lowest failing rank: e.g. a key missing from the checkpoint, a
+    size mismatch) as a :class:`CheckpointError` naming the rank and the reason; ``None`` when no rank
+    failed with an ``Exception`` (a ``KeyboardInterrupt``: DCP's exception goes through)."""
     for rank in sorted(exc.failures):
         err = exc.failures[rank][0]
         if isinstance(err, CheckpointError):
             return err
-    return fallback
+    if fallback is not None:
+        return fallback
+    for rank in sorted(exc.failures):
+        err = exc.failures[rank][0]
+        if isinstance(err, Exception):
+            return CheckpointError(f"DCP failed on rank {rank}: {type(err).__name__}: {str(err)[:2000]}")
+    return None
 
 
 @contextlib.contextmanager
@@ -115,7 +126,9 @@ def load(state_dict: dict[str, Any], root: PathLike, step: int | None = None, *,
     replaced: tuples come back as lists) from step ``step`` of ``root`` (``None``: the newest committed
     step), resharding through DCP's planner when the world size differs. ``remote_url``/``endpoint_url``:
     see :class:`TieredStorageReader`. Returns the step loaded. Raises the typed error of the lowest
-    failing rank (``NoCheckpointError``, ``DcpMetadataError``, ``ShardCorruptedError``, ...)."""
+    failing rank (``NoCheckpointError``, ``DcpMetadataError``, ``ShardCorruptedError``, ...; a
+    ``CheckpointError`` with DCP's reason for a state whose keys or shapes the checkpoint lacks).
+    Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16 tensor, cast."""
     reader = TieredStorageReader(root, step, remote_url=remote_url, endpoint_url=endpoint_url)
     with typed_errors(reader):
         dcp.load(state_dict, storage_reader=reader, planner=TieredLoadPlanner(), process_group=process_group,

@@ -5,7 +5,8 @@
   tensor: ``"<fqn>@"``) and ``"<fqn>@b"`` for a byte item. The part after the last ``@`` never holds an
   ``@``, so two items never share a name; the DCP metadata tensor, :data:`METADATA_TENSOR`, holds no
   ``@`` and so never meets an item's name. In the file, ``%`` and ``/`` are escaped (``%25``, ``%2F``) as
-  :func:`tiered_ckpt.format.shard_file.flatten_state` does for every top-level key (:func:`stored_name`).
+  :func:`tiered_ckpt.format.shard_file.flatten_state` does for every top-level key (:func:`stored_name`);
+  a key that is not valid Unicode (a lone surrogate) is refused.
 - **Bytes.** A non-tensor value (DCP's ``BYTE_IO`` item) is stored as a 1-D ``uint8`` tensor: the tag
   ``b"J"`` + UTF-8 JSON for a JSON-able value (``None``, ``bool``, ``int``, ``float`` (NaN and
   infinities as Python's ``json`` writes them), ``str``, lists, tuples, dicts with ``str`` keys; **tuples
@@ -92,13 +93,18 @@ def stored_name(key: str) -> str:
 
 def check_item(index: MetadataIndex, dtype: torch.dtype | None) -> None:
     """Refuse, before anything is written, an item a shard cannot hold: a tensor of a dtype outside
-    :data:`STORABLE_DTYPES` (``dtype``; ``None`` for a byte item) or a name over the shard's limit.
+    :data:`STORABLE_DTYPES` (``dtype``; ``None`` for a byte item), a name over the shard's limit or a
+    name with a lone surrogate (no UTF-8 for it).
     Raises :class:`UnsupportedStateError` naming the key."""
     if dtype is not None and dtype not in STORABLE_DTYPES:
         raise UnsupportedStateError(f"state key {index.fqn[:200]!r}: a tensor of dtype {dtype} cannot be stored; "
                                     f"storable: {sorted(DTYPE_BY_NAME)}")
     if len(stored_name(item_name(index))) > MAX_NAME_LEN:
         raise UnsupportedStateError(f"state key {index.fqn[:80]!r}...: name longer than {MAX_NAME_LEN} characters")
+    try:
+        index.fqn.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: the shard's JSON header would not be valid UTF-8 JSON
+        raise UnsupportedStateError(f"state key {index.fqn[:80]!r} is not valid Unicode (a lone surrogate)") from None
 
 
 def tensor_array(t: torch.Tensor, fqn: str) -> np.ndarray:
@@ -145,7 +151,11 @@ def encode_value(value: Any, fqn: str) -> bytes:
     if isinstance(value, (bytes, bytearray)):
         return BYTES_TAG + bytes(value)
     doc = _jsonable(value, f"state key {fqn!r}")
-    return JSON_TAG + json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
+    try:
+        return JSON_TAG + json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
+    except ValueError as e:  # an int over Python's digit limit for str()
+        raise UnsupportedStateError(f"state key {fqn[:200]!r}: value cannot be stored as JSON "
+                                    f"({str(e)[:100]})") from None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

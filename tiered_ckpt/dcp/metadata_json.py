@@ -16,9 +16,10 @@ by that shard's sha256 and per-chunk CRC32Cs). Format 1::
                              "modules": [str, ...]}}
 
 (``TensorProperties.layout`` is always ``torch.strided``.) :func:`decode` checks every field's type and
-range, every chunk inside its tensor, every storage entry naming an fqn of the metadata (a byte item with
-a null offset, a tensor chunk with a chunk's offsets), no entry twice, every chunk and byte item stored,
-every rank below the manifest's ``world_size``; the input is capped at :data:`MAX_METADATA_BYTES`. Every
+range, every chunk inside its tensor, the chunks tiling it exactly (no overlap, no gap), every storage
+entry naming an fqn of the metadata (a byte item with a null offset, a tensor chunk with a chunk's
+offsets), no entry twice, every chunk and byte item stored, every rank below the manifest's
+``world_size``; the input is capped at :data:`MAX_METADATA_BYTES`. Every
 failure raises :class:`~tiered_ckpt.errors.DcpMetadataError` (never ``KeyError``/``TypeError``).
 """
 
@@ -36,7 +37,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from tiered_ckpt.dcp.items import DTYPE_BY_NAME, DTYPE_NAME, ItemLocation
 from tiered_ckpt.errors import DcpMetadataError, ManifestError, UnsupportedStateError
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
-from tiered_ckpt.format.validate import MAX_NUMEL, check_keys, fail, int_field, int_list, loads_json, str_field
+from tiered_ckpt.format.validate import (MAX_NUMEL, check_keys, fail, first_overlap, int_field, int_list, loads_json,
+                                         str_field)
 from tiered_ckpt.layout import MAX_WORLD_SIZE
 
 FORMAT = 1
@@ -159,9 +161,19 @@ def _dec_tensor(obj: dict[str, Any], what: str) -> TensorStorageMetadata:
         if len(off) != len(size) or len(sz) != len(size) or any(o + s > d for o, s, d in zip(off, sz, size)):
             raise fail(f"{what}.chunks[{i}] lies outside the tensor of size {list(size)[:8]}")
         out.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))
+    _check_tiling(out, size, what)
     props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=_bool(obj["requires_grad"], what),
                              memory_format=fmt, pin_memory=_bool(obj["pin_memory"], what))
     return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=out)
+
+
+def _check_tiling(chunks: list[ChunkStorageMetadata], size: tuple[int, ...], what: str) -> None:
+    """The non-empty chunks tile the tensor exactly: no two overlap and their volumes add up to its
+    numel (what DCP's save planner checks in ``_validate_global_plan``); otherwise a load would leave part
+    of the tensor unread or read it twice, silently."""
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0]
+    if sum(math.prod(b[1]) for b in boxes) != math.prod(size) or first_overlap(boxes) is not None:
+        raise fail(f"{what}.chunks do not tile the tensor of size {list(size)[:8]} (a chunk is missing or two overlap)")
 
 
 def _dec_state(obj: Any) -> dict[str, Any]:
@@ -257,7 +269,7 @@ def decode(raw: bytes, world_size: int, where: str = "DCP metadata") -> Metadata
         raise DcpMetadataError(f"{where}: world size {world_size} out of range")
     try:
         obj = check_keys(loads_json(raw, where), where, _TOP_KEYS)
-        if obj["format"] != FORMAT or isinstance(obj["format"], bool):
+        if type(obj["format"]) is not int or obj["format"] != FORMAT:
             raise fail(f"format {str(obj['format'])[:20]!r} is not {FORMAT}")
         sdm = _dec_state(obj["state_dict_metadata"])
         return Metadata(state_dict_metadata=sdm, planner_data=_dec_planner(obj["planner_data"]),

@@ -65,9 +65,10 @@ from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, Concurre
                                 UnsupportedStateError)
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import unlink_quietly
-from tiered_ckpt.layout import parse_step_dir_name, shard_file_name, step_dir_name
+from tiered_ckpt.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.local import commit_step, is_committed, new_save_id, step_path, write_shard
 from tiered_ckpt.local.commit import release_save_lock
+from tiered_ckpt.local.save import check_written_shard
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
 from tiered_ckpt.local.writer import check_chunk_bytes
 
@@ -135,7 +136,7 @@ class TieredStorageWriter(StorageWriter):
         self.save_id: str | None = None
         self._placement: dict[MetadataIndex, ItemLocation] = {}
         self._metadata_bytes: bytes | None = None
-        self._written_rank: int | None = None
+        self._written: ShardRecord | None = None
 
     # ------------------------------------------------------------------------------ 0. identity
 
@@ -222,7 +223,7 @@ class TieredStorageWriter(StorageWriter):
                                        storage_data=ItemLocation(sp.rank, stored_name(key))))
         rec = write_shard(self.root, self.step, sp.rank, arrays, save_id=sp.save_id, replace=self.replace,
                           chunk_bytes=self.chunk_bytes)
-        self._written_rank = sp.rank
+        self._written = rec
         results.append(WriteResult(index=MetadataIndex(SHARD_RESULT_FQN), size_in_bytes=rec.size_bytes,
                                    storage_data=rec.to_json()))
         fut: Future[list[WriteResult]] = Future()
@@ -235,9 +236,10 @@ class TieredStorageWriter(StorageWriter):
             raise UnsupportedStateError(f"state key {item.index.fqn[:200]!r}: the planner resolved a "
                                         f"{type(t).__name__}, not a tensor")
         want = tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else tuple(t.shape)
-        if tuple(t.shape) != want:
-            raise UnsupportedStateError(f"state key {item.index.fqn[:200]!r}: tensor of shape {tuple(t.shape)}, "
-                                        f"the plan says {want}")
+        want_dtype = item.tensor_data.properties.dtype if item.tensor_data is not None else t.dtype
+        if tuple(t.shape) != want or t.dtype != want_dtype:  # the state changed after planning
+            raise UnsupportedStateError(f"state key {item.index.fqn[:200]!r}: tensor of shape {tuple(t.shape)} "
+                                        f"and dtype {t.dtype}, the plan says {want} and {want_dtype}")
         return tensor_array(t, item.index.fqn)
 
     def _stored_metadata(self, planner: TieredSavePlanner) -> Metadata:
@@ -279,15 +281,21 @@ class TieredStorageWriter(StorageWriter):
 
     def abort(self) -> None:
         """After a save that failed on some rank (call on every rank, after DCP returned): unless the step
-        got committed, this rank's shard of this save is removed and the writer lock released if it is
-        still this save's. Nothing happens for a save that wrote nothing here. Never raises for a missing
+        got committed, this rank's shard of this save is removed if the file is still this save's (not
+        when another save of the step has replaced it since) and the writer lock released if it is still
+        this save's. Nothing happens for a save that wrote nothing here. Never raises for a missing
         file."""
         sdir = step_path(self.root, self.step)
         if self.save_id is None or is_committed(sdir):
             return
-        if self._written_rank is not None:
-            unlink_quietly(sdir / shard_file_name(self._written_rank))
-            self._written_rank = None
+        rec, self._written = self._written, None
+        if rec is not None:
+            try:
+                check_written_shard(sdir, rec, self.step, self.save_id)
+            except CheckpointError:
+                pass  # gone, or another save's file now: not ours to remove
+            else:
+                unlink_quietly(sdir / rec.path)
         release_save_lock(sdir, self.save_id)
 
 
