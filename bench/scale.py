@@ -2,6 +2,7 @@
 
     python bench/scale.py [--ranks 512] [--tensors 2000] [--reps 3] [--json bench/out/scale.json]
     python bench/scale.py --smoke            # 8 ranks x 50 tensors, 1 rep, no floors enforced
+    python bench/scale.py --dcp-only         # only the DCP metadata rows (no files, no moto)
 
 Real files with tiny tensors (``--tensor-bytes``, 16 by default: every tensor a float32 slice of a global
 tensor split over all ranks, as FSDP shards parameters), so a step is a few hundred MB at most. Setup (not
@@ -15,6 +16,14 @@ timed): every rank's shard is written with ``write_shard``; then, per repetition
 * ``plan_rank`` / ``plan_all`` (unless ``--no-remote``): ``plan_restore`` against an embedded moto
   server for one rank and for the whole step (LIST, GET pointer, upload manifest and manifest, HEAD of
   each shard to fetch).
+
+* ``dcp metadata``: the size of the DCP backend's metadata (``tiered_ckpt.dcp``: DCP's global ``Metadata``
+  as JSON, the uint8 tensor the coordinator's shard holds) for the same job saved through DCP, FSDP-style:
+  ``--tensors`` global tensors, each sharded along dim 0 over all ``--ranks`` (one chunk per rank, as
+  ``fully_shard`` does), torchtitan-like names. Built directly as a ``Metadata`` object (no processes),
+  encoded with ``tiered_ckpt.dcp.metadata_json.encode``, decoded (strictly validated) with ``decode``, as
+  every loading rank's ``read_metadata`` does; reported with its bytes per tensor x chunk (it grows with
+  tensors x chunks, not with tensor sizes). No floor.
 
 Manifest bytes are reported against the same step's manifest in the per-tensor design this round left
 (every tensor record, chunk CRC32Cs included, in ``manifest.json``), built from the shards' own headers:
@@ -91,6 +100,81 @@ def manifest_with_tensors_bytes(root: Path, step: int) -> int:
     return len(manifest_with_tensors(sdir, m).to_json().encode())
 
 
+def dcp_metadata(ranks: int, tensors: int) -> tuple:
+    """``(Metadata, encoded bytes, encode seconds)`` of an FSDP-style DCP save: ``tensors`` float32 tensors
+    of ``[ranks * 16, 4096]``, each one chunk of 16 rows per rank, placed as TieredStorageWriter places
+    them (rank, stored name), with DefaultSavePlanner's flatten mapping."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from tiered_ckpt.dcp import metadata_json
+    from tiered_ckpt.dcp.items import ItemLocation, item_name, stored_name
+
+    rows, cols = 16, 4096
+    sdm, planner_data, placement = {}, {}, {}
+    sizes = torch.Size((rows, cols))
+    for k in range(tensors):
+        layer, j = divmod(k, 8)
+        fqn = f"model.layers.{layer}.mlp.w{j}.weight"
+        chunks = []
+        for r in range(ranks):
+            off = torch.Size((r * rows, 0))
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=sizes))
+            idx = MetadataIndex(fqn, off)
+            placement[idx] = ItemLocation(r, stored_name(item_name(idx)))
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((ranks * rows, cols)), chunks)
+        planner_data[fqn] = ("model", fqn[len("model."):])
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=placement,
+                  storage_meta=StorageMeta(checkpoint_id="/ckpt/run/step_0000000001", save_id=new_save_id()),
+                  version="1.0.0")
+    t = time.perf_counter()
+    raw = metadata_json.encode(md)
+    return md, raw, time.perf_counter() - t
+
+
+def time_dcp_metadata(ranks: int, tensors: int, reps: int) -> dict:
+    """The ``dcp metadata`` rows: bytes, bytes per tensor x chunk, encode and decode times (``reps``)."""
+    from tiered_ckpt.dcp import metadata_json
+
+    md, raw, t_enc = dcp_metadata(ranks, tensors)
+    enc, dec = [t_enc], []
+    for rep in range(reps):
+        if rep:
+            t = time.perf_counter()
+            metadata_json.encode(md)
+            enc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        back = metadata_json.decode(raw, ranks)
+        dec.append(time.perf_counter() - t)
+        assert len(back.storage_data) == ranks * tensors
+        del back
+    chunks = ranks * tensors
+    out = {"bytes": len(raw), "tensors": tensors, "chunks_per_tensor": ranks, "tensor_x_chunks": chunks,
+           "bytes_per_tensor_x_chunk": len(raw) / chunks, "encode_s": enc, "decode_s": dec,
+           "max_bytes": metadata_json.MAX_METADATA_BYTES}
+    print(f"dcp metadata: {tensors} tensors x {ranks} chunks = {chunks:,} chunks: {len(raw):,} bytes "
+          f"({len(raw) / MiB:.1f} MiB), {len(raw) / chunks:.0f} bytes per tensor x chunk; encode {median(enc):.3f} s, "
+          f"decode {median(dec):.3f} s (median of {reps})", flush=True)
+    return out
+
+
+def dcp_rows(d: dict) -> list[list[str]]:
+    return [["dcp metadata bytes", f"{d['bytes']:,}", f"{d['bytes_per_tensor_x_chunk']:.0f} B / tensor x chunk", "-",
+             "reported", "-"],
+            ["dcp metadata encode", f"{median(d['encode_s']):.3f} s", "%.3f-%.3f" % spread(d["encode_s"]), "-",
+             "reported", "-"],
+            ["dcp metadata decode", f"{median(d['decode_s']):.3f} s", "%.3f-%.3f" % spread(d["decode_s"]), "-",
+             "reported", "-"]]
+
+
+def dcp_note(d: dict) -> str:
+    return (f"DCP metadata grows as tensors x chunks: {d['bytes_per_tensor_x_chunk']:.0f} bytes per tensor x chunk "
+            f"here ({d['tensors']} tensors x {d['chunks_per_tensor']} chunks, FSDP-style: chunks = ranks), independent "
+            f"of tensor sizes; every loading rank reads and decodes all of it; cap {d['max_bytes']:,} bytes "
+            f"(~{d['max_bytes'] / d['bytes_per_tensor_x_chunk'] / 1e6:.0f} M tensor x chunks)")
+
+
 def time_ls(root: Path) -> float:
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", str(root), "--json"], check=True,
@@ -109,9 +193,20 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="8 ranks x 50 tensors, 1 rep, floors not enforced")
+    ap.add_argument("--dcp-only", action="store_true", help="only the DCP metadata rows (no files, no moto)")
     args = ap.parse_args()
     if args.smoke:
         args.ranks, args.tensors, args.ls_steps, args.reps = 8, 50, 5, 1
+    dcp = time_dcp_metadata(args.ranks, args.tensors, args.reps)
+    if args.dcp_only:
+        print()
+        print(table(["row", "ours (median)", "min-max / per chunk", "ratio", "floor", ""], dcp_rows(dcp)))
+        print(dcp_note(dcp))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"ranks": args.ranks, "tensors": args.tensors, "dcp_metadata": dcp},
+                                            indent=1))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir))
     root = work / "run"
     times: dict[str, list[float]] = {}
@@ -181,6 +276,7 @@ def main() -> int:
     result["manifest_bytes"] = mbytes
     result["manifest_bytes_with_tensor_records"] = legacy
     result["cases"] = {}
+    result["dcp_metadata"] = dcp
     for case, xs in times.items():
         med = median(xs)
         lo, hi = spread(xs)
@@ -193,7 +289,8 @@ def main() -> int:
     print()
     print(f"{args.ranks} ranks x {args.tensors} tensors of {args.tensor_bytes} bytes; ratio = floor / median "
           "(manifest: per-tensor design / ours)")
-    print(table(["row", "ours (median)", "min-max / per-tensor", "ratio", "floor", ""], rows))
+    print(table(["row", "ours (median)", "min-max / per-tensor", "ratio", "floor", ""], rows + dcp_rows(dcp)))
+    print(dcp_note(dcp))
     result["pass"] = ok
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

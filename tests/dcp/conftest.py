@@ -1,5 +1,59 @@
-"""Tier 'local': the DCP backend's tests (tiered_ckpt.dcp on the local tier; multi-rank ones are slow)."""
+"""Tier 'local': the DCP backend's tests (tiered_ckpt.dcp on the local tier; multi-rank ones are slow).
+
+Shared: ``pickle_watch`` (events ``pickle.find_class`` seen by one process-wide audit hook, installed once:
+every module must use this one, or a second hook guarded by the same flag would never be installed) and
+``hostile_pickle`` (pickle bytes that would create a file when unpickled)."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
 
 from tiers import tier_hook
 
 pytest_collection_modifyitems = tier_hook(__file__, "local")
+
+_FIND_CLASS: list[Any] = []
+_WATCHING: list[bool] = []
+
+
+def _audit(event: str, args: Any) -> None:
+    if event == "pickle.find_class" and _WATCHING:
+        _FIND_CLASS.append(args)
+
+
+@pytest.fixture()
+def pickle_watch() -> Iterator[list[Any]]:
+    """Events ``pickle.find_class`` seen while the test body runs (the hook is installed once per process)."""
+    if not getattr(sys, "_tiered_ckpt_dcp_audit", False):
+        sys.addaudithook(_audit)
+        sys._tiered_ckpt_dcp_audit = True  # type: ignore[attr-defined]
+    _FIND_CLASS.clear()
+    _WATCHING.append(True)
+    try:
+        yield _FIND_CLASS
+    finally:
+        _WATCHING.clear()
+
+
+class _CreatesFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture()
+def hostile_pickle(tmp_path: Path, pickle_watch: list[Any]) -> Callable[[Path], bytes]:
+    """``make(target)``: pickle bytes that create ``target`` when unpickled. Checked first: such a payload,
+    unpickled, creates its file and the watch sees it (the watch is then cleared)."""
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_CreatesFile(str(probe))))
+    assert probe.exists() and pickle_watch
+    pickle_watch.clear()
+    return lambda target: pickle.dumps(_CreatesFile(str(target)))

@@ -6,10 +6,8 @@ is unpickled (an audit hook on ``pickle.find_class`` sees no event)."""
 from __future__ import annotations
 
 import json
-import pickle
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -26,37 +24,6 @@ from tiered_ckpt.errors import DcpMetadataError, UnsupportedPlannerError, Unsupp
 STEP = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-_FIND_CLASS: list[Any] = []
-_WATCHING: list[bool] = []
-
-
-def _audit(event: str, args: Any) -> None:
-    if event == "pickle.find_class" and _WATCHING:
-        _FIND_CLASS.append(args)
-
-
-@pytest.fixture()
-def pickle_watch() -> Iterator[list[Any]]:
-    """Events ``pickle.find_class`` seen while the test body runs (the hook is installed once per process)."""
-    if not getattr(sys, "_tiered_ckpt_dcp_audit", False):
-        sys.addaudithook(_audit)
-        sys._tiered_ckpt_dcp_audit = True  # type: ignore[attr-defined]
-    _FIND_CLASS.clear()
-    _WATCHING.append(True)
-    try:
-        yield _FIND_CLASS
-    finally:
-        _WATCHING.clear()
-
-
-class _CreatesFile:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (self.path, "w"))
-
-
 def dcp_failure(exc: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
     """The one rank's exception that DCP wrapped (no process group: rank 0)."""
     (err, _), = exc.value.failures.values()
@@ -64,12 +31,9 @@ def dcp_failure(exc: pytest.ExceptionInfo[CheckpointException]) -> BaseException
 
 
 def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
-        tmp_path: Path, pickle_watch: list[Any]) -> None:
-    probe, target = tmp_path / "probe", tmp_path / "pwned"
-    payload = pickle.dumps(_CreatesFile(str(target)))
-    pickle.loads(pickle.dumps(_CreatesFile(str(probe))))  # the payload is real: unpickling it creates a file
-    assert probe.exists() and pickle_watch  # ... and the hook sees it
-    pickle_watch.clear()
+        tmp_path: Path, pickle_watch: list[Any], hostile_pickle: Callable[[Path], bytes]) -> None:
+    target = tmp_path / "pwned"
+    payload = hostile_pickle(target)
     root = tmp_path / "run"
     tdcp.save({"w": torch.ones(3), "loader": {"state": payload}}, root, STEP)
     back: dict[str, Any] = {"w": torch.zeros(3), "loader": {"state": None}}

@@ -17,8 +17,7 @@ from s3_servers import both_servers
 from tiered_ckpt import Uploader
 from tiered_ckpt.errors import MissingShardError, NoCheckpointError, ShardCorruptedError
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
-from tiered_ckpt.local import read_manifest, save_sharded
-from tiered_ckpt.local import writer
+from tiered_ckpt.local import commit_step, new_save_id, read_manifest, write_shard
 from tiered_ckpt.local.reader import ReadStats, ShardReader
 from tiered_ckpt.remote.ranged_read import open_remote_step
 from tiered_ckpt.retry import RetryPolicy
@@ -30,18 +29,14 @@ FAST_RETRY = RetryPolicy(max_attempts=2, initial_wait_s=0.05, max_wait_s=0.1)
 GOLDEN_V1 = Path(__file__).resolve().parent.parent / "golden" / "v1" / "zero2"
 
 
-@pytest.fixture
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shards written with 4 KiB chunks (until write_shard takes ``chunk_bytes=``)."""
-    monkeypatch.setattr(writer, "DEFAULT_CHUNK_BYTES", C)
-
-
 def _uploaded(tmp_path: Path, loc: S3Location, layout: str = "flat") -> Path:
     root = tmp_path / "node"
     rng = np.random.default_rng(7)
     states = [{"w": rng.standard_normal(N).astype(np.float32), "b": rng.integers(0, 9, (3, 5), dtype=np.int64),
                "empty": np.zeros((0, 4), np.float32), "rank": r} for r in range(2)]
-    save_sharded(states, root, 1)
+    save_id = new_save_id()
+    recs = [write_shard(root, 1, r, st, save_id=save_id, chunk_bytes=C) for r, st in enumerate(states)]
+    commit_step(root, 1, len(states), recs, save_id=save_id)
     with Uploader(root, loc.url, s3_client=loc.client, retry=FAST_RETRY, key_layout=layout) as up:
         up.upload_step(1)
     return root
@@ -58,8 +53,7 @@ def _replace_object(loc: S3Location, key: str, body: bytes) -> None:
 
 
 @both_servers
-def test_ranges_byte_equal_and_bytes_fetched_within_a_chunk(tmp_path: Path, s3_bucket: S3Location,
-                                                             small_chunks: None) -> None:
+def test_ranges_byte_equal_and_bytes_fetched_within_a_chunk(tmp_path: Path, s3_bucket: S3Location) -> None:
     """read_range of the first bytes, a middle span, a chunk-straddling span, the last byte, an empty range
     and the whole tensor equal the local file's bytes; the manifest is the local one byte for byte; the
     header costs one GET of its recorded size; each range fetches at least its bytes and at most one
@@ -95,7 +89,7 @@ def test_ranges_byte_equal_and_bytes_fetched_within_a_chunk(tmp_path: Path, s3_b
 
 
 @both_servers
-def test_flipped_data_byte_fails_only_its_chunk(tmp_path: Path, s3_bucket: S3Location, small_chunks: None) -> None:
+def test_flipped_data_byte_fails_only_its_chunk(tmp_path: Path, s3_bucket: S3Location) -> None:
     """One byte of chunk 5 of "w" flipped in the bucket's object (same size): a read touching chunk 5 is
     ShardCorruptedError naming the step, rank, tensor and chunk; ranges beside it still read correctly."""
     root = _uploaded(tmp_path, s3_bucket)
@@ -116,7 +110,7 @@ def test_flipped_data_byte_fails_only_its_chunk(tmp_path: Path, s3_bucket: S3Loc
         assert bytes(rd.read_range("w", 6 * C, 4 * N)) == want[6 * C:]
 
 
-def test_flipped_header_byte_is_refused(tmp_path: Path, s3_bucket: S3Location, small_chunks: None) -> None:
+def test_flipped_header_byte_is_refused(tmp_path: Path, s3_bucket: S3Location) -> None:
     """A byte of the JSON header flipped in the bucket: the header fails its sha256 before it is parsed."""
     root = _uploaded(tmp_path, s3_bucket)
     with open_remote_step(s3_bucket.url, 1, s3_client=s3_bucket.client) as rs:
@@ -128,8 +122,7 @@ def test_flipped_header_byte_is_refused(tmp_path: Path, s3_bucket: S3Location, s
 
 
 @both_servers
-def test_replaced_or_deleted_object_is_a_typed_error(tmp_path: Path, s3_bucket: S3Location,
-                                                     small_chunks: None) -> None:
+def test_replaced_or_deleted_object_is_a_typed_error(tmp_path: Path, s3_bucket: S3Location) -> None:
     """A shard object replaced by a shorter one: ObjectSizeError (a ShardCorruptedError) before any byte is
     read, both for a range inside the new size (Content-Range) and past it (HTTP 416); a deleted one:
     MissingShardError."""
@@ -149,7 +142,7 @@ def test_replaced_or_deleted_object_is_a_typed_error(tmp_path: Path, s3_bucket: 
             rs.shard_reader(1).header()
 
 
-def test_hashed_key_layout(tmp_path: Path, s3_bucket: S3Location, small_chunks: None) -> None:
+def test_hashed_key_layout(tmp_path: Path, s3_bucket: S3Location) -> None:
     """A save uploaded with the ``hashed`` key layout is read at its spread keys."""
     root = _uploaded(tmp_path, s3_bucket, layout="hashed")
     with open_remote_step(s3_bucket.url, 1, s3_client=s3_bucket.client) as rs:

@@ -121,18 +121,22 @@ def async_save(state_dict: dict[str, Any], root: PathLike, step: int, *, process
 
 
 def load(state_dict: dict[str, Any], root: PathLike, step: int | None = None, *, process_group: Any = None,
-         remote_url: str | None = None, endpoint_url: str | None = None) -> int:
+         remote_url: str | None = None, endpoint_url: str | None = None, s3_client: Any = None) -> int:
     """``dcp.load`` into ``state_dict`` (in place, as DCP does; tensors are copied into, non-tensor values
     replaced: tuples come back as lists) from step ``step`` of ``root`` (``None``: the newest committed
-    step), resharding through DCP's planner when the world size differs. ``remote_url``/``endpoint_url``:
-    see :class:`TieredStorageReader`. Returns the step loaded. Raises the typed error of the lowest
-    failing rank (``NoCheckpointError``, ``DcpMetadataError``, ``ShardCorruptedError``, ...; a
-    ``CheckpointError`` with DCP's reason for a state whose keys or shapes the checkpoint lacks).
-    Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16 tensor, cast."""
-    reader = TieredStorageReader(root, step, remote_url=remote_url, endpoint_url=endpoint_url)
-    with typed_errors(reader):
-        dcp.load(state_dict, storage_reader=reader, planner=TieredLoadPlanner(), process_group=process_group,
-                 no_dist=_no_dist())
+    step), resharding through DCP's planner when the world size differs. ``remote_url``/``endpoint_url``/
+    ``s3_client``: where to read what the root lacks (see :class:`TieredStorageReader`). Returns the step
+    loaded. Raises the typed error of the lowest failing rank (``NoCheckpointError``, ``DcpMetadataError``,
+    ``ShardCorruptedError``, ...; a ``CheckpointError`` with DCP's reason for a state whose keys or shapes
+    the checkpoint lacks). Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16
+    tensor, cast."""
+    reader = TieredStorageReader(root, step, remote_url=remote_url, endpoint_url=endpoint_url, s3_client=s3_client)
+    try:
+        with typed_errors(reader):
+            dcp.load(state_dict, storage_reader=reader, planner=TieredLoadPlanner(), process_group=process_group,
+                     no_dist=_no_dist())
+    finally:
+        reader.close()
     if reader.step is None:  # pragma: no cover - dcp.load returned without reading the metadata
         raise CheckpointError("dcp.load finished without reading the step's metadata")
     return reader.step

@@ -74,7 +74,8 @@ class DCPCheckpointManager:
     initialized). ``save_every_steps`` / ``save_every_seconds``: :class:`SavePolicy`. ``keep_last``,
     ``upload_gated``, ``max_pending_uploads``, ``keep_every_steps``: :class:`RotationPolicy`, applied at
     each commit. ``remote_url`` (``s3://bucket/prefix``, the sidecar's) and ``remote_s3_client`` (an
-    injected botocore client; default boto3's chain): where :meth:`load` restores from.
+    injected botocore client; default boto3's chain): where :meth:`load` restores from (the restore and
+    the DCP reader's ranged reads of a shard still missing both use the client).
     ``async_mode``: ``"thread"``, ``"process"`` (needs torch.distributed initialized) or ``None``
     (synchronous). ``collective_timeout_s``: timeout of the manager's gloo groups (seconds).
 
@@ -99,6 +100,7 @@ class DCPCheckpointManager:
         self.rotation = RotationPolicy(keep_last, upload_gated, max_pending_uploads, keep_every_steps=keep_every_steps)
         self.async_mode = async_mode
         self.remote_url = remote_url
+        self._remote_s3_client = remote_s3_client
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.root.mkdir(parents=True, exist_ok=True)
@@ -195,7 +197,8 @@ class DCPCheckpointManager:
         self.wait()
         step, self._lineage = self._decider.at_load(step, known=self._lineage, resharding=True)
         pg = self._coord.policy_group if self._coord is not None else None
-        return api.load(into, self.root, step, process_group=pg, remote_url=self.remote_url)
+        return api.load(into, self.root, step, process_group=pg, remote_url=self.remote_url,
+                        s3_client=self._remote_s3_client)
 
     @property
     def run_id(self) -> str | None:

@@ -25,7 +25,25 @@ Who calls what, in DCP's numbered lifecycle (``dcp.load``):
    opened once per call and closed after; copies into ``planner.resolve_tensor`` and calls
    ``commit_tensor``; byte items go to ``planner.load_bytes`` as they were stored.
 
-Bytes read are counted in :attr:`TieredStorageReader.stats` (a :class:`~tiered_ckpt.local.reader.ReadStats`).
+Where the bytes come from (``remote_url`` given; ``tiered_ckpt.remote.ranged_read``, imported only then):
+
+- the root holds the step (its ``manifest.json``): every rank's shard from disk; a rank whose shard file is
+  missing (another node's, a partial restore, deleted) is read from the bucket's copy of the same save
+  (the bucket's current save of the step must carry the local manifest's save id and the same record of
+  that shard, :class:`~tiered_ckpt.errors.DcpMetadataError` otherwise). Without ``remote_url``:
+  :class:`~tiered_ckpt.errors.MissingShardError` naming the shard.
+- the root lacks the step (or, ``step=None``, holds no committed step at all): the manifest, the metadata
+  and every rank's ranges from the bucket: the given step's current save, or for ``step=None`` the prefix's
+  newest current step, as ``tiered-ckpt restore`` picks them (the root's ``run.json`` merged in, when it
+  names the bucket's run). Nothing is written locally.
+
+Bucket reads are ranged GETs of the chunk-aligned spans the ranges need, every chunk checked against the
+CRC32C in the shard's verified header (a shard without chunk checksums is fetched whole and checked
+against its sha256). The bucket's copy is opened once per load (catalogue LIST, upload manifest and
+manifest GETs) and closed at the end of ``read_data``, by :meth:`~TieredStorageReader.close` or ``reset``.
+
+Bytes read are counted in :attr:`TieredStorageReader.stats` (a :class:`~tiered_ckpt.local.reader.ReadStats`:
+disk and bucket), those fetched from the bucket also in :attr:`TieredStorageReader.remote_stats`.
 """
 
 from __future__ import annotations
@@ -33,14 +51,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from torch.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from tiered_ckpt.dcp import metadata_json
 from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
@@ -50,7 +68,7 @@ from tiered_ckpt.errors import (CheckpointError, DcpMetadataError, MissingShardE
                                 ShardCorruptedError, UnsupportedPlannerError)
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
-from tiered_ckpt.local import new_save_id, pick_step, read_manifest, resolve_root, step_path
+from tiered_ckpt.local import new_save_id, pick_step, read_manifest, read_run_record, resolve_root, step_path
 from tiered_ckpt.local.reader import ReadStats, ShardReader
 
 
@@ -81,22 +99,47 @@ def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
     return DcpStepInfo(rank, name, n)
 
 
+@dataclass
+class TeeStats(ReadStats):
+    """A :class:`ReadStats` that also counts every read in ``total``."""
+
+    total: ReadStats | None = field(default=None, repr=False, compare=False)
+
+    def add(self, n: int) -> None:
+        super().add(n)
+        if self.total is not None:
+            self.total.add(n)
+
+
 class TieredStorageReader(StorageReader):
     """Reads a DCP checkpoint from step ``step`` of the local root ``root`` (``None``: the newest committed
-    step of the root's lineage; ``root`` may be a step directory). ``remote_url`` (``s3://bucket/prefix``)
-    and ``endpoint_url``: where to read a shard that is missing locally (ranged, verified reads); the step's
-    manifest too when the root lacks the step and ``step`` is given. See the module docstring."""
+    step of the root's lineage; ``root`` may be a step directory). ``remote_url`` (``s3://bucket/prefix``,
+    where the sidecar uploads), ``endpoint_url`` and ``s3_client`` (an injected botocore client; default
+    boto3's chain): where to read what the root lacks, a rank's shard or the whole step (ranged, verified
+    reads; see the module docstring). :attr:`stats`: bytes read from disk and bucket; :attr:`remote_stats`:
+    from the bucket. Call :meth:`close` after a load that stopped before ``read_data`` finished (DCP's
+    lifecycle has no call for that)."""
 
     def __init__(self, root: str | os.PathLike[str], step: int | None = None, *, remote_url: str | None = None,
-                 endpoint_url: str | None = None) -> None:
+                 endpoint_url: str | None = None, s3_client: Any = None) -> None:
         super().__init__()
         self.root, self._asked = resolve_root(root, step)
         self.remote_url = remote_url
         self.endpoint_url = endpoint_url
+        self.s3_client = s3_client
         self.stats = ReadStats()
+        self.remote_stats = TeeStats(total=self.stats)
+        self._remote: Any = None
         self._forget()
 
+    def close(self) -> None:
+        """Close the bucket's copy if one is open (the store this reader built). Idempotent."""
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
+
     def _forget(self) -> None:
+        self.close()
         self.step: int | None = self._asked
         self.load_id = new_save_id()
         self.metadata_error: CheckpointError | None = None
@@ -104,7 +147,7 @@ class TieredStorageReader(StorageReader):
         self._manifest: ShardManifest | None = None
         self._metadata: Metadata | None = None
         self._placement: dict[MetadataIndex, ItemLocation] = {}
-        self._remote: Any = None
+        self._from_bucket = False  # the manifest came from the bucket: every rank is read there
 
     @property
     def checkpoint_id(self) -> str:
@@ -134,7 +177,7 @@ class TieredStorageReader(StorageReader):
         if self._metadata is not None:
             return self._metadata
         try:
-            m = self._find_manifest()
+            m, self._from_bucket = self._find_manifest()
             info = dcp_step_info(m)
             rd = self._open_rank(m, info.metadata_rank)
             try:
@@ -146,44 +189,63 @@ class TieredStorageReader(StorageReader):
             finally:
                 rd.close()
             md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
-        except CheckpointError as e:
-            self.metadata_error = e
+        except BaseException as e:
+            if isinstance(e, CheckpointError):
+                self.metadata_error = e
+            self.close()
             raise
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self._manifest, self._metadata, self.step = m, md, m.step
         return md
 
-    def _find_manifest(self) -> ShardManifest:
+    def _find_manifest(self) -> tuple[ShardManifest, bool]:
+        """The step's manifest and whether it came from the bucket (the root lacks the step, or holds no
+        committed step when ``step=None``, and a ``remote_url`` is given)."""
         try:
             root, step = pick_step(self.root, self._asked)
-            return read_manifest(root, step)
+            return read_manifest(root, step), False
         except NoCheckpointError:
-            if self.remote_url is None or self._asked is None:
+            if self.remote_url is None:
                 raise
-        return self._remote_step(self._asked, None).manifest
+        return self._remote_step(self._asked, None).manifest, True
 
-    def _remote_step(self, step: int, save_id: str | None) -> Any:
-        """The bucket's copy of ``step`` (``tiered_ckpt.remote.ranged_read``, imported only here), opened
-        once per load; its manifest must name ``save_id`` (the local manifest's) when one is given."""
+    def _remote_step(self, step: int | None, save_id: str | None) -> Any:
+        """The bucket's copy of ``step`` (``None``: the newest current step), opened once per load
+        (:func:`tiered_ckpt.remote.ranged_read.open_remote_step`, imported only here); its manifest must
+        name ``save_id`` (the local manifest's) when one is given."""
         if self._remote is None:
             from tiered_ckpt.remote.ranged_read import open_remote_step
 
-            self._remote = open_remote_step(self.remote_url, step, endpoint_url=self.endpoint_url)
-        if save_id is not None and self._remote.manifest.save_id != save_id:
-            raise DcpMetadataError(f"step {step}: the bucket holds save {self._remote.manifest.save_id}, the local "
-                                   f"manifest names save {save_id}")
-        return self._remote
+            self._remote = open_remote_step(self.remote_url, step, endpoint_url=self.endpoint_url,
+                                            s3_client=self.s3_client, local_lineage=read_run_record(self.root))
+        rs = self._remote
+        if (step is not None and rs.step != step) or (save_id is not None and rs.manifest.save_id != save_id):
+            raise DcpMetadataError(f"step {step}: the bucket's current save is step {rs.step} save "
+                                   f"{rs.manifest.save_id}, the local manifest names save {save_id}")
+        return rs
 
     def _open_rank(self, m: ShardManifest, rank: int) -> Any:
         """A verified reader of rank ``rank`` 's shard: the local file, or (missing locally, with a
-        ``remote_url``) ranged reads of the bucket's copy."""
-        try:
-            return ShardReader(step_path(self.root, m.step), m, rank, self.stats)
-        except MissingShardError:
-            if self.remote_url is None:
-                raise
-        return self._remote_step(m.step, m.save_id).shard_reader(rank, stats=self.stats)
+        ``remote_url``; every rank when the manifest came from the bucket) ranged reads of the bucket's
+        copy of the same save. Raises :class:`MissingShardError` naming the shard without ``remote_url``."""
+        if self._from_bucket:
+            rs = self._remote_step(m.step, m.save_id)
+        else:
+            try:
+                return ShardReader(step_path(self.root, m.step), m, rank, self.stats)
+            except MissingShardError as e:
+                if self.remote_url is None:
+                    raise MissingShardError(f"{e} (no remote_url given to read it from the bucket)") from None
+                missing = e
+            try:
+                rs = self._remote_step(m.step, m.save_id)
+            except NoCheckpointError as e:
+                raise MissingShardError(f"{missing}, and the bucket cannot supply it: {e}") from None
+        if rs.manifest.shards[rank] != m.shards[rank]:
+            raise DcpMetadataError(f"step {m.step} rank {rank}: the bucket's manifest records the shard unlike "
+                                   "the local manifest")
+        return rs.shard_reader(rank, stats=self.remote_stats)
 
     # ------------------------------------------------------------------------------ 2-4. planning
 
@@ -231,6 +293,7 @@ class TieredStorageReader(StorageReader):
         finally:
             for rd in readers.values():
                 rd.close()
+            self.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

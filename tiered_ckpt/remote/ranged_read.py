@@ -3,7 +3,7 @@ shard locally (the DCP reader of :mod:`tiered_ckpt.dcp` on another node, or afte
 
 Lifecycle (who calls what):
 
-1. :func:`open_remote_step` (one per load): chooses the save as restore does
+1. :func:`open_remote_step` (one per load): chooses the save (of a step, or of the newest step) as restore does
    (:func:`~tiered_ckpt.remote.catalogue.read_catalogue` and
    :func:`~tiered_ckpt.remote.restore_plan.candidates`: the current save of ``step`` under the prefix's
    run record, merged with the caller's ``local_lineage`` when both name one run), then GETs its mirrored
@@ -107,33 +107,36 @@ class RemoteStep:
         self.close()
 
 
-def open_remote_step(remote_url: str, step: int, *, endpoint_url: str | None = None,
+def open_remote_step(remote_url: str, step: int | None, *, endpoint_url: str | None = None,
                      store: ObjectStore | None = None, s3_client: Any = None,
                      local_lineage: RunLineage | None = None) -> RemoteStep:
     """Open the current remotely committed save of ``step`` under ``remote_url`` (``s3://bucket/prefix``)
-    for ranged reads. ``store``: an open store to use (left open by :meth:`RemoteStep.close`); otherwise
-    one is built over ``s3_client`` (default: boto3's chain, ``endpoint_url`` or ``AWS_ENDPOINT_URL``).
-    ``local_lineage``: the reading root's run record, merged with the bucket's when both name one run
-    (so that a save the root's record supersedes is not chosen, as restore does).
+    for ranged reads; ``step=None``: of the newest current step, as restore (without fallback) picks it
+    (``RemoteStep.step`` says which). ``store``: an open store to use (left open by
+    :meth:`RemoteStep.close`); otherwise one is built over ``s3_client`` (default: boto3's chain,
+    ``endpoint_url`` or ``AWS_ENDPOINT_URL``). ``local_lineage``: the reading root's run record, merged
+    with the bucket's when both name one run (so that a save the root's record supersedes is not chosen,
+    as restore does).
 
     Raises :class:`NoCheckpointError` (no current save of ``step``: never fully uploaded, superseded,
-    or of another run), :class:`MissingShardError` / :class:`ShardCorruptedError` /
-    :class:`ManifestError` (its manifest is missing, differs from the upload manifest's record or is
-    invalid), :class:`UploadError` (the bucket cannot be read), ``ValueError`` (bad URL or step)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    or of another run; for ``None``: no current step at all), :class:`MissingShardError` /
+    :class:`ShardCorruptedError` / :class:`ManifestError` (its manifest is missing, differs from the
+    upload manifest's record or is invalid), :class:`UploadError` (the bucket cannot be read),
+    ``ValueError`` (bad URL or step)."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
     handle = StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url)
     try:
         st = handle.store
         cat = read_catalogue(st, lineage=local_lineage)
         save = candidates(cat, st, step, False)[0]
         if isinstance(save, SaveFault):
-            raise ManifestError(f"step {step}: {save.reason}")
+            raise ManifestError(f"step {save.step}: {save.reason}")
         m, raw = read_mirrored_manifest(st, save)
     except BaseException:
         handle.__exit__(None, None, None)
         raise
-    return RemoteStep(st.url, step, save, m, raw, st, handle if handle.owned else None)
+    return RemoteStep(st.url, save.step, save, m, raw, st, handle if handle.owned else None)
 
 
 def check_chunks(view: memoryview, t: TensorRecord, first: int, chunk_bytes: int, where: str) -> None:
