@@ -71,11 +71,11 @@ def test_unsupported_value_is_refused_before_writing(tmp_path: Path, bad: Any) -
 
 
 def _rank(doc: dict[str, Any]) -> None:
-    doc["storage_data"][0][2] = 5
+    doc["state_dict_metadata"]["w"]["chunks"][0][0] = 5
 
 
 def _outside(doc: dict[str, Any]) -> None:
-    doc["state_dict_metadata"]["w"]["chunks"][0][1] = [4]
+    doc["state_dict_metadata"]["w"]["chunks"][0][1] = 4
 
 
 def _size_type(doc: dict[str, Any]) -> None:
@@ -83,7 +83,7 @@ def _size_type(doc: dict[str, Any]) -> None:
 
 
 def _unplaced(doc: dict[str, Any]) -> None:
-    doc["storage_data"] = doc["storage_data"][1:]
+    del doc["state_dict_metadata"]["n"]["rank"]
 
 
 def _dtype(doc: dict[str, Any]) -> None:

@@ -62,6 +62,7 @@ from torch.futures import Future
 
 from tiered_ckpt.dcp import metadata_json
 from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
+from tiered_ckpt.dcp.placement import Placement
 from tiered_ckpt.dcp.planners import TieredLoadPlanner
 from tiered_ckpt.dcp.storage_writer import EXTRA_FORMAT, EXTRA_KEY, step_of_checkpoint_id
 from tiered_ckpt.errors import (CheckpointError, DcpMetadataError, MissingShardError, NoCheckpointError,
@@ -250,7 +251,7 @@ class TieredStorageReader(StorageReader):
     # ------------------------------------------------------------------------------ 2-4. planning
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._manifest is None or not isinstance(metadata.storage_data, dict):
+        if self._manifest is None or not isinstance(metadata.storage_data, Placement):
             raise DcpMetadataError("set_up_storage_reader needs the metadata of this reader's read_metadata")
         self._placement = metadata.storage_data
         self.rank = int(kwargs.get("rank") or 0)
