@@ -15,6 +15,7 @@ from tiered_ckpt.dcp import DCPCheckpointManager, TieredStorageWriter
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, WorldSizeMismatchError
 from tiered_ckpt.local import committed_steps, read_manifest, save_sharded
 from tiered_ckpt.local.rotation import RotationPolicy
+from tiered_ckpt.training import SaveOutcome
 from tiered_ckpt.training.lineage_decision import LineageDecider
 
 
@@ -30,7 +31,8 @@ def raw(t: torch.Tensor) -> bytes:
 
 def test_saves_rotate_record_the_lineage_load_back_and_fail_at_the_next_call(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    with DCPCheckpointManager(root, save_every_steps=1, keep_last=2) as mgr:
+    outcomes: list[SaveOutcome] = []
+    with DCPCheckpointManager(root, save_every_steps=1, keep_last=2, on_save_outcome=outcomes.append) as mgr:
         for step in range(1, 6):
             assert mgr.should_save(step)
             mgr.save(step, state(step))
@@ -43,6 +45,10 @@ def test_saves_rotate_record_the_lineage_load_back_and_fail_at_the_next_call(tmp
         with pytest.raises(CheckpointExistsError):
             mgr.save(6, state(6))  # the failure surfaces here, and nothing else is done
         assert committed_steps(root) == [4, 5]
+    assert [(o.step, o.rank, o.committed_here, o.error) for o in outcomes[:5]] == [(s, 0, True, None) for s in range(1, 6)]
+    assert all(o.seconds > 0 and o.stage_seconds > 0 for o in outcomes)
+    (failed,) = outcomes[5:]  # the failed background save is reported too, with its error
+    assert (failed.step, failed.committed_here) == (5, False) and failed.error.startswith("CheckpointExistsError: ")
     into = {"model": {"w": torch.zeros(16, 4), "b": torch.zeros(3, dtype=torch.int64)},
             "optim": {"m": torch.zeros(16, 4, dtype=torch.bfloat16)}, "extra": {"step": 0}}
     with DCPCheckpointManager(root, async_mode=None) as mgr:

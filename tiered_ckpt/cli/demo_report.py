@@ -10,8 +10,11 @@ from typing import Any
 from tiered_ckpt.redact import redact_url
 
 MiB = 1024 * 1024
+#: ``DemoConfig.model`` -> how the report names it.
+MODEL_LABELS = {"zero": "ZeRO-1", "fsdp2": "FSDP2"}
+_CHECKPOINTED_BY = {"zero": "CheckpointManager", "fsdp2": "torch.distributed.checkpoint + DCPCheckpointManager"}
 
-__all__ = ["DemoReport", "format_report", "plot_curves", "MiB"]
+__all__ = ["DemoReport", "format_report", "plot_curves", "MiB", "MODEL_LABELS"]
 
 
 @dataclass
@@ -21,7 +24,8 @@ class DemoReport:
     ``bytes_*``: bytes; ``save_s``: seconds of each committed save's background write + hash + commit on
     rank 0 (from the jobs' :class:`~tiered_ckpt.training.SaveOutcome` records); ``upload_latency_s``:
     seconds from a step's local commit to the sidecar's uploaded marker; ``restore_s``: seconds of the
-    restore (download + verify + local commit); ``stage_s``: stage name -> seconds."""
+    restore (download + verify + local commit); ``stage_s``: stage name -> seconds. ``model``: the
+    training job (``"zero"`` or ``"fsdp2"``, :data:`MODEL_LABELS`)."""
 
     steps: int
     remote_url: str
@@ -46,6 +50,7 @@ class DemoReport:
     plot_path: Path | None = None
     wall_s: float = 0.0
     stage_s: dict[str, float] = field(default_factory=dict)
+    model: str = "zero"
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("baseline", "resumed", "phase_of_step")}
@@ -77,7 +82,8 @@ def plot_curves(report: DemoReport, path: Path) -> Path:
         ax.text(x + 0.7, ax.get_ylim()[1], text, color="red", va="top", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"tiered-ckpt demo: max |loss difference| = {report.max_abs_diff:.3g}")
+    ax.set_title(f"tiered-ckpt demo ({MODEL_LABELS.get(report.model, report.model)}): "
+                 f"max |loss difference| = {report.max_abs_diff:.3g}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -93,7 +99,9 @@ def format_report(r: DemoReport) -> str:
     lines = [
         "",
         "tiered-ckpt demo report",
-        f"  steps                  {r.steps} (4 ranks, ZeRO-1, gloo); crash at step {r.crash_at}, resumed from "
+        f"  model                  {r.model}: 4-rank {MODEL_LABELS.get(r.model, r.model)} job, gloo, "
+        f"checkpointed by {_CHECKPOINTED_BY.get(r.model, '?')}",
+        f"  steps                  {r.steps}; crash at step {r.crash_at}, resumed from "
         f"local step {r.resumed_from_local}; cluster loss at step {r.loss_at}, restored step {r.restored_step}",
         f"  bucket                 {r.remote_url} ({redact_url(r.endpoint)})",
         f"  bytes written locally  {r.bytes_written / MiB:.1f} MiB in {r.steps_saved} checkpoints",

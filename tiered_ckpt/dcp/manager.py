@@ -47,7 +47,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -60,7 +60,7 @@ from tiered_ckpt.local import committed_steps
 from tiered_ckpt.local.rotation import RotationPolicy
 from tiered_ckpt.training.dist import SaveCoordinator
 from tiered_ckpt.training.lineage_decision import LineageDecider
-from tiered_ckpt.training.outcomes import SavePolicy
+from tiered_ckpt.training.outcomes import SaveOutcome, SavePolicy
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,13 @@ class DCPCheckpointManager:
     the DCP reader's ranged reads of a shard still missing both use the client).
     ``async_mode``: ``"thread"``, ``"process"`` (needs torch.distributed initialized) or ``None``
     (synchronous). ``collective_timeout_s``: timeout of the manager's gloo groups (seconds).
+    ``on_save_outcome``: called with each save's :class:`~tiered_ckpt.training.SaveOutcome` on every rank
+    (``seconds``: from the end of staging to DCP's future completing, i.e. write + ``finish``'s commit and
+    rotation; the whole save when synchronous; ``stage_seconds``: how long ``save`` blocked to stage;
+    ``committed_here``: this rank is DCP's coordinator, which commits), in the thread that completes DCP's
+    future (the background thread when async), before the next save starts. As for
+    :class:`tiered_ckpt.CheckpointManager`: quick, no call into the manager; an exception it raises is
+    logged and does not change the save's result.
 
     Raises ``ValueError`` for a bad setting, ``CheckpointError`` for a ``process_group`` without
     torch.distributed initialized.
@@ -88,7 +95,8 @@ class DCPCheckpointManager:
                  keep_last: int = 3, upload_gated: bool = False, max_pending_uploads: int = 8,
                  keep_every_steps: int | None = None, remote_url: str | None = None,
                  remote_s3_client: Any = None, async_mode: str | None = "thread",
-                 collective_timeout_s: float = 600.0) -> None:
+                 collective_timeout_s: float = 600.0,
+                 on_save_outcome: Callable[[SaveOutcome], None] | None = None) -> None:
         if async_mode not in _ASYNC_MODES:
             raise ValueError(f"async_mode must be 'thread', 'process' or None, got {async_mode!r}")
         distributed = dist.is_available() and dist.is_initialized()
@@ -116,6 +124,7 @@ class DCPCheckpointManager:
         self._pending_step: int | None = None
         self._last_commit = time.monotonic()
         self._closed = False
+        self._on_save_outcome = on_save_outcome
 
     # -------------------------------------------------------------------------------- policy
 
@@ -147,18 +156,38 @@ class DCPCheckpointManager:
         kw: dict[str, Any] = dict(rotation=self.rotation, run_id=self._lineage.run_id, attempt=self._lineage.attempt,
                                   extra=dict(extra) if extra is not None else None)
         pg = self._coord.save_group if self._coord is not None else None
+        t0 = time.perf_counter()
         if self.async_mode is None:
-            api.save(state, self.root, step, process_group=pg, **kw)
+            try:
+                api.save(state, self.root, step, process_group=pg, **kw)
+            except BaseException as exc:
+                self._record(step, time.perf_counter() - t0, 0.0, exc)
+                raise
             self._last_commit = time.monotonic()
+            self._record(step, time.perf_counter() - t0, 0.0, None)
             return
         fut = api.async_save(state, self.root, step, process_group=pg, async_stager=self._stager,
                              async_checkpointer_type=_ASYNC_MODES[self.async_mode], **kw)
-        fut.add_done_callback(self._on_done)
+        staged = time.perf_counter()
+        fut.add_done_callback(lambda f: self._on_done(f, step, staged, staged - t0))
         self._future, self._pending_step = fut, step
 
-    def _on_done(self, fut: Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is None:
+    def _on_done(self, fut: Future[Any], step: int, staged: float, stage_s: float) -> None:
+        exc = fut.exception() if not fut.cancelled() else CheckpointError("the save was cancelled")
+        if exc is None:
             self._last_commit = time.monotonic()
+        self._record(step, time.perf_counter() - staged, stage_s, exc)
+
+    def _record(self, step: int, seconds: float, stage_s: float, exc: BaseException | None) -> None:
+        """Hand the :class:`SaveOutcome` of ``step`` to ``on_save_outcome`` (if any)."""
+        if self._on_save_outcome is None:
+            return
+        outcome = SaveOutcome(step, self.rank, seconds, stage_s, committed_here=exc is None and self.rank == 0,
+                              error=None if exc is None else f"{type(exc).__name__}: {exc}")
+        try:
+            self._on_save_outcome(outcome)
+        except Exception:  # a reporting hook must not turn a committed save into a failed one
+            log.exception("rank %d step %d: on_save_outcome callback failed", self.rank, step)
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its failure as ``CheckpointError``

@@ -8,9 +8,12 @@ Run (4 ranks, gloo on CPU)::
 
 (or one ``python .../train_fsdp2.py`` process per rank with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set). Run it again with the same arguments after a crash and it resumes from the newest
-step committed under ``--root``; the loss curve continues exactly as if it had never stopped. Run it at
-another world size (same global batch: ``--batch-per-rank`` times the world size) and DCP reshards the
-checkpoint while loading it.
+step committed under ``--root`` (with ``--remote-url``, restored from the bucket first when the local tier
+lost it); the loss curve continues exactly as if it had never stopped. Run it at another world size (same
+global batch: ``--batch-per-rank`` times the world size) and DCP reshards the checkpoint while loading it.
+Its checkpointing flags are ``train_zero``'s (``--ckpt-every``, ``--keep-last``, ``--sync-save``,
+``--upload-gated``, ``--remote-url``, ``--events-log``; no ``--handle-sigterm``: the DCP manager has no
+preemption handler), so ``tiered-ckpt demo --model fsdp2`` drives it as it drives ``train_zero``.
 
 Model, data, schedule: ``TinyGPT``, ``load_corpus`` and ``lr_at`` of ``train_zero`` (imported, not
 copied); dropout from each rank's own torch CPU RNG (seeded apart); data order from
@@ -23,17 +26,22 @@ The checkpoint of step ``S`` is a DCP state dict::
     {"model":    get_state_dict(model, optimizer)[0],      # DTensors: each rank writes its shards
      "optim":    get_state_dict(model, optimizer)[1],      # Adam moments (DTensors), steps, param groups
      "progress": {"step": S, "data": {"epoch": e, "batch_in_epoch": b}},   # JSON, the same on every rank
-     "rng":      {"rank<r>": {...}}}                       # this rank's RNG streams (JSON + raw bytes)
+     "rng":      ["<rank 0's streams as JSON>", ...]}      # every rank's RNG streams, one JSON string each
 
-saved with ``tiered_ckpt.dcp.async_save`` (DCP's thread mode, on a gloo process group of its own, so the
-save's collectives never interleave with FSDP's) every ``--ckpt-every`` steps and at the stop step; the
-next save first waits for the previous one. The RNG streams are those of
-:func:`tiered_ckpt.training.torch_rng.capture_rng_state` (as ``train_zero`` saves them), with arrays
-turned into JSON lists and the torch CPU state into raw ``bytes`` (the values our planners store).
-On start, rank 0 finds the newest committed step (``tiered_ckpt.latest_step``), every rank loads it
-with ``tiered_ckpt.dcp.load`` into a template state and applies it with ``set_state_dict``, the
-sampler's position and the RNG streams. A rank with no RNG entry in the checkpoint (a world larger than
-the saved one) keeps its fresh seeding.
+checkpointed through :class:`tiered_ckpt.dcp.DCPCheckpointManager` (the README's three lines): the
+manager is made on every rank, ``mgr.load(into=state)`` on start, ``mgr.save(step, state)`` when
+``mgr.should_save(step)`` (every ``--ckpt-every`` steps) and at the stop step. The saves are DCP's
+``async_save`` (thread mode on the manager's own gloo group, so the save's collectives never interleave
+with FSDP's; ``--sync-save``: ``dcp.save``); the next save first waits for the previous one; rotation
+(``--keep-last``, ``--upload-gated``) runs at each commit. ``--events-log``: rank 0 appends each save's
+:class:`~tiered_ckpt.training.SaveOutcome` and the step it resumed from
+(:class:`tiered_ckpt.training.JobEventLog`, as ``train_zero`` does). The RNG streams are those of
+:func:`tiered_ckpt.training.torch_rng.capture_rng_state` (as ``train_zero`` saves them) as JSON (arrays
+as lists, the torch CPU state in base64), gathered from every rank before each save (an all-gather of
+bytes, no pickle) into one list, the same on every rank, so DCP stores it once and a load at any world
+size reads the same item: rank ``r`` restores entry ``r``; a rank beyond the saved world (a larger world)
+keeps its fresh seeding. On load the template state is applied with ``set_state_dict``, the sampler's
+position and the RNG streams.
 
 Determinism: one intra-op thread, gloo's fixed collective algorithms, the RNG streams and data position
 restored: a resumed run takes the floating-point path of the uninterrupted one. ``--dump-loaded`` /
@@ -44,6 +52,7 @@ to a safetensors file on rank 0, after the load and at the end (for tests).
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import os
@@ -60,10 +69,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import tiered_ckpt as tc
-from tiered_ckpt import dcp as tdcp
 from tiered_ckpt.data import DataPosition, ShuffledBatchSampler
+from tiered_ckpt.dcp import DCPCheckpointManager
 from tiered_ckpt.examples.train_zero import ModelConfig, TinyGPT, _init_dist, load_corpus, lr_at
 from tiered_ckpt.torch import capture_rng_state, restore_rng_state
+from tiered_ckpt.training import JobEventLog
 
 log = logging.getLogger("train_fsdp2")
 
@@ -76,6 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--root", default="ckpt_train_fsdp2", help="checkpoint directory (this node's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, lr} JSON lines here")
+    p.add_argument("--events-log", default=None,
+                   help="rank 0 appends JSON-line events here: each save's outcome (step, seconds, error) and "
+                        "the step it resumed from (tiered_ckpt.training.events)")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--sync-save", action="store_true", help="save synchronously (dcp.save; default: async)")
     p.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds to sleep per step (tests)")
     p.add_argument("--data-bytes", type=int, default=32768)
     p.add_argument("--batch-per-rank", type=int, default=4)
@@ -85,6 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-resume", action="store_true", help="start fresh even if a checkpoint exists")
+    p.add_argument("--remote-url", default=None,
+                   help="s3://bucket/prefix the upload sidecar writes to: a resume restores from it a step the "
+                        "local tier lacks (a lost cluster); S3 settings from boto3's chain (AWS_ENDPOINT_URL, ...)")
+    p.add_argument("--upload-gated", action="store_true",
+                   help="rotation deletes a local step only once the sidecar has uploaded it")
     p.add_argument("--dump-loaded", default=None, help="rank 0 writes the global tensors after the load here")
     p.add_argument("--dump-final", default=None, help="rank 0 writes the global tensors at the end here")
     return p.parse_args(argv)
@@ -107,55 +127,61 @@ def build(cfg: ModelConfig, args: argparse.Namespace) -> tuple[torch.nn.Module, 
 # ---------------------------------------------------------------------------------------- the state
 
 
-def rng_to_dcp(state: dict[str, Any]) -> dict[str, Any]:
-    """:func:`capture_rng_state`'s result as values a DCP state of our planners holds: the Python and
-    NumPy key arrays as JSON lists of ints, the torch CPU state (uint8) as raw ``bytes``."""
+def rng_to_json(state: dict[str, Any]) -> str:
+    """:func:`capture_rng_state`'s result as one JSON string: the Python and NumPy key arrays as lists of
+    ints, the torch CPU state (uint8) in base64."""
     py, npy = state["python"], state["numpy"]
-    return {"python": {**py, "state": py["state"].tolist()}, "numpy": {**npy, "keys": npy["keys"].tolist()},
-            "torch_cpu": state["torch_cpu"].tobytes()}
+    return json.dumps({"python": {**py, "state": py["state"].tolist()}, "numpy": {**npy, "keys": npy["keys"].tolist()},
+                       "torch_cpu": base64.b64encode(state["torch_cpu"].tobytes()).decode("ascii")})
 
 
-def rng_from_dcp(saved: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`rng_to_dcp` (what :func:`restore_rng_state` takes)."""
-    return {"python": dict(saved["python"]), "numpy": dict(saved["numpy"]),
-            "torch_cpu": np.frombuffer(saved["torch_cpu"], dtype=np.uint8).copy()}
+def rng_from_json(text: str) -> dict[str, Any]:
+    """Inverse of :func:`rng_to_json` (what :func:`restore_rng_state` takes)."""
+    saved = json.loads(text)
+    return {"python": saved["python"], "numpy": saved["numpy"],
+            "torch_cpu": np.frombuffer(base64.b64decode(saved["torch_cpu"]), dtype=np.uint8).copy()}
+
+
+def all_gather_text(text: str, world: int) -> list[str]:
+    """Every rank's ``text``, in rank order (a collective: two all-gathers of uint8 tensors, no pickle)."""
+    mine = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    n = torch.tensor([mine.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    buf = torch.zeros(int(max(sizes)), dtype=torch.uint8)
+    buf[: mine.numel()] = mine
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    return [bytes(b[: int(k)].numpy()).decode() for b, k in zip(bufs, sizes)]
 
 
 def dcp_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, position: DataPosition,
-              rank: int) -> dict[str, Any]:
+              rng: list[str]) -> dict[str, Any]:
     """The DCP state dict of the module docstring (model and optimizer tensors alias the live ones)."""
     msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd, "progress": {"step": step, "data": position.to_json()},
-            "rng": {f"rank{rank}": rng_to_dcp(capture_rng_state())}}
+    return {"model": msd, "optim": osd, "progress": {"step": step, "data": position.to_json()}, "rng": rng}
 
 
-def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
+def resume(mgr: DCPCheckpointManager, model: torch.nn.Module, opt: torch.optim.Optimizer,
            sampler: ShuffledBatchSampler, rank: int) -> int:
-    """Load the newest committed step under ``--root`` into the model, the optimizer, the sampler and the
-    RNG streams; returns it (0 when nothing is committed: then nothing is touched)."""
-    found = [0, 0]  # (step, its world size), rank 0's decision for every rank
-    if rank == 0 and os.path.isdir(args.root):
-        newest = tc.latest_step(args.root)
-        if newest is not None:
-            found = [newest, tc.read_manifest(args.root, newest).world_size]
-    decision = torch.tensor(found, dtype=torch.int64)
-    dist.broadcast(decision, src=0)
-    step, saved_world = (int(x) for x in decision)
-    if not step:
+    """``mgr.load(into=...)`` of the newest step (restored from the bucket first if only it has it) into
+    the model, the optimizer, the sampler and the RNG streams; returns it (0: nothing to load, a fresh
+    start, and nothing is touched)."""
+    # get_state_dict of a fresh optimizer initializes its state (an AdamW step with zero gradients and lr 0:
+    # the parameters stay as they are, the step count becomes 1); the load overwrites all of it, and a
+    # fresh start drops it again, so that its first real step is step 1.
+    state = dcp_state(model, opt, 0, DataPosition(), [])
+    try:
+        step = mgr.load(into=state)
+    except tc.NoCheckpointError:
+        opt.state.clear()
         return 0
-    # get_state_dict of a fresh optimizer initializes its state (a step with zero grads and lr 0):
-    # harmless here, the load overwrites all of it; a fresh start never calls it before step 1.
-    state = dcp_state(model, opt, 0, DataPosition(), rank)
-    if rank >= saved_world:  # every saved rank stored its own streams; a new rank keeps its seeding
-        del state["rng"]
-    loaded = tdcp.load(state, args.root, step)
-    assert loaded == step, (loaded, step)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if int(state["progress"]["step"]) != step:
         raise tc.CheckpointError(f"step {step}: its progress record says step {state['progress']['step']}")
     sampler.seek(DataPosition.from_json(state["progress"]["data"]))
-    if "rng" in state:
-        restore_rng_state(rng_from_dcp(state["rng"][f"rank{rank}"]))
+    if rank < len(state["rng"]):  # every saved rank stored its own streams; a new rank keeps its seeding
+        restore_rng_state(rng_from_json(state["rng"][rank]))
     return step
 
 
@@ -203,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     rank, world = _init_dist()
-    save_group = dist.new_group(backend="gloo")  # the async saves' own collectives
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.n_layers, seq_len=args.seq_len)
     model, opt = build(cfg, args)
     torch.manual_seed(args.seed * 1000 + 1 + rank)  # per-rank streams (dropout), checkpointed per rank
@@ -214,14 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     window = cfg.seq_len + 1
     windows = torch.from_numpy(data[: len(data) // window * window].astype(np.int64).reshape(-1, window))
     sampler = ShuffledBatchSampler(len(windows), args.batch_per_rank * world, seed=args.seed)
-    step = 0 if args.no_resume else resume(args, model, opt, sampler, rank)
+    events = JobEventLog(args.events_log) if (args.events_log and rank == 0) else None
+    mgr = DCPCheckpointManager(args.root, save_every_steps=args.ckpt_every, keep_last=args.keep_last,
+                               upload_gated=args.upload_gated, remote_url=args.remote_url,
+                               async_mode=None if args.sync_save else "thread", collective_timeout_s=120.0,
+                               on_save_outcome=events.save if events is not None else None)
+    step = 0 if args.no_resume else resume(mgr, model, opt, sampler, rank)
     if step:
         dump_global(model, opt, args.dump_loaded, rank)
         if rank == 0:
             print(f"resumed from step {step}", flush=True)
+            if events is not None:
+                events.resumed(step)
     stop_at = min(args.stop_at or args.steps, args.steps)
     log_f = open(args.loss_log, "a") if (args.loss_log and rank == 0) else None
-    pending = None
     try:
         model.train()
         while step < stop_at:
@@ -232,19 +263,18 @@ def main(argv: list[str] | None = None) -> int:
             if log_f is not None:
                 log_f.write(json.dumps({"step": step, "loss": value, "lr": lr}) + "\n")
                 log_f.flush()
-            if step % args.ckpt_every == 0 or step == stop_at:
-                if pending is not None:
-                    pending.result()  # one save in flight at a time
-                pending = tdcp.async_save(dcp_state(model, opt, step, sampler.position, rank), args.root, step,
-                                          process_group=save_group, extra={"loss": value, "lr": lr})
+            if mgr.should_save(step) or step == stop_at:  # async: returns once DCP has staged the state
+                rng = all_gather_text(rng_to_json(capture_rng_state()), world)
+                mgr.save(step, dcp_state(model, opt, step, sampler.position, rng), extra={"loss": value, "lr": lr})
             if args.sleep_per_step:
                 time.sleep(args.sleep_per_step)
-        if pending is not None:
-            pending.result()
+        mgr.close()  # waits for the last save, raises its failure
         dump_global(model, opt, args.dump_final, rank)
     finally:
         if log_f is not None:
             log_f.close()
+        if events is not None:
+            events.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,110 @@
+"""Rank processes of tests/dcp/test_dcp_reshard_bytes.py: real gloo, one OS process per rank, 4 ranks.
+
+Run as ``python tests/dcp/dcp_reshard_bytes_worker.py OUT_DIR`` with RANK, WORLD_SIZE=4, MASTER_ADDR and
+MASTER_PORT set (``spawn.start_ranks``). No training loop:
+
+1. all 4 ranks: an FSDP2 model (``fully_shard`` on two ``Linear(1024, 1024)`` and the root: 4 MiB
+   weights) and AdamW after one optimizer step (so both moments hold values); its DCP state
+   (``get_state_dict``) saved with ``tiered_ckpt.dcp.save`` as step 1 of ``OUT_DIR/ckpt``; every global
+   tensor kept (``full_tensor()``);
+2. ranks 0-2 (a 3-rank gloo group and device mesh; rank 3 only joins their creation): the same model
+   sharded over 3 ranks, zeroed, loaded with ``dcp.load`` through a :class:`TieredStorageReader` (DCP
+   reshards 4 -> 3); each rank writes ``OUT_DIR/result_<rank>.json``: ``bytes_read`` (the reader's
+   stats over the whole load: metadata, headers, data), ``bytes_needed`` (the sum over its state's leaves
+   of the DTensors' local shards, the plain (replicated) tensors and the byte items' stored bytes) and
+   ``bad`` (the keys whose loaded local shard differs from that slice of the 4-rank global tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from tiered_ckpt import dcp as tdcp
+from tiered_ckpt.dcp.items import encode_value
+
+WIDTH = 1024  # Linear(WIDTH, WIDTH): a 4 MiB float32 weight
+
+
+def build(mesh: DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def flat_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def save_four(out: Path) -> dict[str, torch.Tensor]:
+    """Step 1 of the module docstring; returns the flattened key -> global tensor (or value)."""
+    model, opt = build(init_device_mesh("cpu", (4,)))
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().mean().backward()
+    opt.step()
+    state = flat_state(model, opt)
+    tdcp.save(state, out / "ckpt", 1)
+    flat, _ = flatten_state_dict(state)
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in flat.items()}
+
+
+def load_three(out: Path, mesh: DeviceMesh, pg, full: dict[str, torch.Tensor]) -> dict:
+    model, opt = build(mesh)
+    state = flat_state(model, opt)
+    flat, _ = flatten_state_dict(state)
+    for v in flat.values():
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).detach().zero_()
+    reader = tdcp.TieredStorageReader(out / "ckpt", 1)
+    dcp.load(state, storage_reader=reader, planner=tdcp.TieredLoadPlanner(), process_group=pg)
+    flat, _ = flatten_state_dict(state)
+    needed, bad = 0, []
+    for key, v in flat.items():
+        if isinstance(v, DTensor):
+            local = v.to_local()
+            needed += local.nbytes
+            off = v.device_mesh.get_local_rank() * -(-v.shape[0] // mesh.size())  # FSDP2: torch.chunk on dim 0
+            ok = torch.equal(local, full[key][off:off + local.shape[0]])
+        elif isinstance(v, torch.Tensor):
+            needed += v.nbytes
+            ok = torch.equal(v, full[key])
+        else:
+            needed += len(encode_value(v, key))
+            ok = v == full[key] or (isinstance(full[key], tuple) and v == list(full[key]))
+        if not ok:
+            bad.append(key)
+    return {"bytes_read": reader.stats.bytes_read, "bytes_needed": needed, "bad": bad, "keys": len(flat)}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    full = save_four(out)
+    dist.barrier()
+    pg = dist.new_group([0, 1, 2])
+    mesh = DeviceMesh("cpu", [0, 1, 2])  # every rank of the job joins the creation of its group
+    if rank < 3:
+        (out / f"result_{rank}.json").write_text(json.dumps(load_three(out, mesh, pg, full)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
