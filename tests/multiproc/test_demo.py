@@ -54,7 +54,7 @@ def test_demo_on_seaweedfs(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     p = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "demo", "--server", "seaweedfs", "--model", "fsdp2",
                                   "--workdir", work,
-                                  "--steps", "20", "--ckpt-every", "5", "--no-plot"), env=env, capture_output=True,
+                                  "--steps", "16", "--ckpt-every", "4", "--no-plot"), env=env, capture_output=True,
                        text=True, timeout=600)
     out = p.stdout
     assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{p.stderr[-3000:]}"
