@@ -94,13 +94,13 @@ def _sub(old: str, new: str) -> Callable[[str], str]:
 
 PWN_PATH = "/nonexistent-dir/pwned"  # never created: the audit hook sees any attempt to open it
 PICKLE = pickle.dumps(_Pwn(PWN_PATH))
-W_CHUNKS = '"chunks":[[0,0,0,2,3]]'  # [rank, offsets..., sizes...]
+W_CHUNKS = '"chunks":[0,0,0,2,3]'  # per chunk: rank, offsets, sizes
 # name -> (metadata edit, forged arrays, metadata_bytes override, expected error)
 FORGED: dict[str, tuple[Callable[[str], str] | None, dict[str, Any], int | None, type[CheckpointError]]] = {
     "size-2**40": (_sub('"size":[2,3],', '"size":[1099511627776,3],'), {}, None, CheckpointError),
     "size-2**40-whole-chunk": (lambda t: _sub('"size":[2,3],', '"size":[1099511627776,3],')(
-        _sub(W_CHUNKS, '"chunks":[[0,0,0,1099511627776,3]]')(t)), {}, None, CheckpointError),
-    "negative-offset": (_sub(W_CHUNKS, '"chunks":[[0,-1,0,2,3]]'), {}, None, DcpMetadataError),
+        _sub(W_CHUNKS, '"chunks":[0,0,0,1099511627776,3]')(t)), {}, None, CheckpointError),
+    "negative-offset": (_sub(W_CHUNKS, '"chunks":[0,-1,0,2,3]'), {}, None, DcpMetadataError),
     "nan-size": (_sub('"size":[2,3]', '"size":[NaN,3]'), {}, None, DcpMetadataError),
     "non-utf8": (None, {}, None, DcpMetadataError),  # raw bytes below
     "deep-nesting": (_sub('"format":1', '"format":' + "[" * 100_000 + "]" * 100_000), {}, None, DcpMetadataError),
@@ -110,19 +110,19 @@ FORGED: dict[str, tuple[Callable[[str], str] | None, dict[str, Any], int | None,
     "metadata-bytes-disagree": (None, {}, 7, DcpMetadataError),
     "metadata-bytes-2**40": (None, {}, 2**40, DcpMetadataError),
     # chunks that do not tile the tensor: forged shards that match them would load part of w silently
-    "chunk-missing": (_sub(W_CHUNKS, '"chunks":[[0,0,0,1,3]]'), {"w@0,0": np.ones((1, 3), np.float32)},
+    "chunk-missing": (_sub(W_CHUNKS, '"chunks":[0,0,0,1,3]'), {"w@0,0": np.ones((1, 3), np.float32)},
                       None, DcpMetadataError),
     "no-chunks": (_sub(W_CHUNKS, '"chunks":[]'), {}, None, DcpMetadataError),
-    "chunks-overlap": (_sub(W_CHUNKS, '"chunks":[[0,0,0,2,3],[0,1,0,1,3]]'),
+    "chunks-overlap": (_sub(W_CHUNKS, '"chunks":[0,0,0,2,3,0,1,0,1,3]'),
                        {"w@1,0": np.full((1, 3), 7, np.float32)}, None, DcpMetadataError),
-    "chunks-same-offsets": (_sub(W_CHUNKS, '"chunks":[[0,0,0,2,3],[0,0,0,0,3]]'), {}, None, DcpMetadataError),
-    "chunk-rank-outside-world": (_sub(W_CHUNKS, '"chunks":[[1,0,0,2,3]]'), {}, None, DcpMetadataError),
-    "chunk-bool-or-float": (_sub(W_CHUNKS, '"chunks":[[0,0.0,0,2,3]]'), {}, None, DcpMetadataError),
-    "chunk-int-over-int64": (_sub(W_CHUNKS, '"chunks":[[0,0,0,2,' + str(2**70) + ']]'), {}, None, DcpMetadataError),
+    "chunks-same-offsets": (_sub(W_CHUNKS, '"chunks":[0,0,0,2,3,0,0,0,0,3]'), {}, None, DcpMetadataError),
+    "chunk-rank-outside-world": (_sub(W_CHUNKS, '"chunks":[1,0,0,2,3]'), {}, None, DcpMetadataError),
+    "chunk-bool-or-float": (_sub(W_CHUNKS, '"chunks":[0,0.0,0,2,3]'), {}, None, DcpMetadataError),
+    "chunk-int-over-int64": (_sub(W_CHUNKS, '"chunks":[0,0,0,2,' + str(2**70) + ']'), {}, None, DcpMetadataError),
     "bytes-rank-outside-world": (_sub('"kind":"bytes","rank":0', '"kind":"bytes","rank":3'), {}, None,
                                  DcpMetadataError),
     # the names follow from the chunks: a chunk at other offsets names a tensor the shard lacks
-    "item-on-missing-tensor": (_sub(W_CHUNKS, '"chunks":[[0,1,0,1,3],[0,0,0,1,3]]'), {"w@0,0": np.zeros((1, 3), np.float32)},
+    "item-on-missing-tensor": (_sub(W_CHUNKS, '"chunks":[0,1,0,1,3,0,0,0,1,3]'), {"w@0,0": np.zeros((1, 3), np.float32)},
                                None, ShardCorruptedError),
     "item-on-other-dtype": (None, {"w@0,0": np.zeros((2, 3), np.int32)}, None, DcpMetadataError),
     "item-on-other-shape": (None, {"w@0,0": np.zeros((3, 2), np.float32)}, None, DcpMetadataError),

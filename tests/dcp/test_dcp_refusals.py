@@ -71,11 +71,11 @@ def test_unsupported_value_is_refused_before_writing(tmp_path: Path, bad: Any) -
 
 
 def _rank(doc: dict[str, Any]) -> None:
-    doc["state_dict_metadata"]["w"]["chunks"][0][0] = 5
+    doc["state_dict_metadata"]["w"]["chunks"][0] = 5  # the rank of the first chunk
 
 
 def _outside(doc: dict[str, Any]) -> None:
-    doc["state_dict_metadata"]["w"]["chunks"][0][1] = 4
+    doc["state_dict_metadata"]["w"]["chunks"][1] = 4  # the offset of the first chunk
 
 
 def _size_type(doc: dict[str, Any]) -> None:
