@@ -240,5 +240,17 @@ def array_chunk_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> str:
     return "".join(out)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Crc32c", "TensorChunkCrcs", "array_chunk_crcs", "array_crcs", "crc32c_combine", "crc32c_extend", "crc_hex",
+def first_bad_chunk(data: Any, chunk_bytes: int, expected: Iterable[str]) -> int | None:
+    """Index (from 0) of the first chunk of ``data`` (a buffer of bytes; chunk ``k`` covers bytes
+    ``[k * chunk_bytes, (k + 1) * chunk_bytes)``, the last one shorter) whose CRC32C differs from
+    ``expected[k]`` (8 hex digits each), or ``None`` when every chunk matches: one pass over the buffer in
+    C (:func:`array_chunk_crcs`), one string comparison."""
+    want = "".join(expected)
+    got = array_chunk_crcs([np.frombuffer(data, dtype=np.uint8)], chunk_bytes)
+    if got == want:
+        return None
+    return next((k for k in range(0, max(len(got), len(want)), 8) if got[k:k + 8] != want[k:k + 8]), 0) // 8
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "first_bad_chunk", "Crc32c", "TensorChunkCrcs", "array_chunk_crcs", "array_crcs", "crc32c_combine", "crc32c_extend", "crc_hex",
            "chunk_count"]

@@ -36,9 +36,10 @@ from typing import Any
 import numpy as np
 
 from tiered_ckpt.format import shard_file as fmt
-from tiered_ckpt.format.crc32c import Crc32c, crc32c_extend, crc_hex
+from tiered_ckpt.format.crc32c import Crc32c, first_bad_chunk
 from tiered_ckpt.errors import ManifestError, MissingShardError, ShardCorruptedError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
+from tiered_ckpt.fs import advise_sequential
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.safe_read import open_file
 
@@ -201,6 +202,7 @@ class ShardReader:
         self.where = f"step {manifest.step} rank {rank} ({self.record.path})"
         self.stats = stats
         self._fd = open_shard(sdir, self.record, self.where)
+        advise_sequential(self._fd, 0, self.record.size_bytes)  # a load reads most of it, in file order
         self._header: fmt.ParsedHeader | None = None
         self._trusted = False  # the whole file was verified against its sha256
         self._tensors: dict[str, TensorRecord] = {}
@@ -219,11 +221,6 @@ class ShardReader:
     @property
     def has_checksums(self) -> bool:
         return self.record.header_sha256 is not None
-
-    def _read(self, offset: int, n: int) -> bytearray:
-        buf = bytearray(n)
-        pread_exact(self._fd, memoryview(buf), offset, self.where, self.stats)
-        return buf
 
     def _verify_whole(self) -> None:
         verify_fd_stream(self._fd, self.record, "sha256", self.where, self.stats)
@@ -248,31 +245,37 @@ class ShardReader:
             raise ShardCorruptedError(f"{self.where}: no tensor {name[:80]!r}")
         return t
 
-    def read_range(self, name: str, start: int, end: int) -> memoryview:
-        """Bytes ``[start, end)`` of tensor ``name`` (offsets within the tensor), verified."""
+    def read_range(self, name: str, start: int, end: int, out: memoryview | None = None) -> memoryview:
+        """Bytes ``[start, end)`` of tensor ``name`` (offsets within it), verified; into ``out`` (``end - start``
+        writable bytes, returned) if given: read straight into it when the range is chunk-aligned (no copy)."""
         t = self.tensor_record(name)
-        if not 0 <= start <= end <= t.nbytes:
-            raise ValueError(f"range [{start}, {end}) outside tensor {name!r} of {t.nbytes} bytes")
+        if not 0 <= start <= end <= t.nbytes or out is not None and out.nbytes != end - start:
+            raise ValueError(f"range [{start}, {end}) outside tensor {name!r} of {t.nbytes} bytes, or out of another size")
         if start == end:
-            return memoryview(b"")
-        hdr = self.header()
-        base = hdr.data_start + t.data_offsets[0]
-        if self._trusted:
-            return memoryview(self._read(base + start, end - start))
+            return out if out is not None else memoryview(b"")
+        base = self.header().data_start + t.data_offsets[0]
         cs = self.record.crc32c_chunk_bytes
-        if cs is None or t.crc32c is None:  # no chunk checksums for this tensor: verify the whole file
-            self._verify_whole()
-            return memoryview(self._read(base + start, end - start))
-        k0, k1 = start // cs, -(-end // cs)
-        a, b = k0 * cs, min(k1 * cs, t.nbytes)
-        buf = self._read(base + a, b - a)
-        mv = memoryview(buf)
-        for k in range(k0, k1):
-            lo, hi = k * cs - a, min((k + 1) * cs, t.nbytes) - a
-            if crc_hex(crc32c_extend(0, mv[lo:hi])) != t.crc32c[k]:
-                raise ShardCorruptedError(f"{self.where}: tensor {name[:80]!r} chunk {k} (bytes "
-                                          f"[{k * cs}, {k * cs + hi - lo})) fails its CRC32C (corrupt data)")
-        return mv[start - a : end - a]
+        if self._trusted or cs is None or t.crc32c is None:  # no chunk checksums: verify the whole file once
+            if not self._trusted:
+                self._verify_whole()
+            a = b = k0 = 0
+        else:
+            k0 = start // cs
+            a, b = k0 * cs, min(-(-end // cs) * cs, t.nbytes)
+        exact = a == b or (a, b) == (start, end)
+        buf = out if out is not None and exact else memoryview(np.empty(end - start if exact else b - a, np.uint8))
+        pread_exact(self._fd, buf, base + (start if a == b else a), self.where, self.stats)
+        if a != b:
+            bad = first_bad_chunk(buf, cs, t.crc32c[k0:-(-end // cs)])
+            if bad is not None:
+                k = k0 + bad
+                raise ShardCorruptedError(f"{self.where}: tensor {name[:80]!r} chunk {k} (bytes [{k * cs}, "
+                                          f"{min((k + 1) * cs, t.nbytes)})) fails its CRC32C (corrupt data)")
+        view = buf if exact else buf[start - a:end - a]
+        if out is not None and view is not out:
+            out[:] = view
+            return out
+        return view
 
     def read_tensor(self, name: str) -> np.ndarray:
         """Tensor ``name`` whole, verified, as a writable array of its dtype and shape."""
@@ -280,11 +283,8 @@ class ShardReader:
         dt = fmt.numpy_dtype(t.dtype)
         if t.nbytes == 0:
             return np.empty(t.shape, dtype=dt)
-        mv = self.read_range(name, 0, t.nbytes)
-        arr = np.frombuffer(mv, dtype=dt, count=numel(t.shape))
-        if not arr.flags.writeable:  # pragma: no cover - views of a bytearray are writable
-            arr = arr.copy()
-        return arr.reshape(t.shape)
+        arr = np.frombuffer(self.read_range(name, 0, t.nbytes), dtype=dt, count=numel(t.shape))
+        return arr.reshape(t.shape)  # writable: a view of a fresh buffer
 
     def materialize(self, node: Any, where: str, depth: int = 0) -> Any:
         """Rebuild the value of a state-tree node (``d``/``t``/``v``) of this file, reading its tensors

@@ -50,7 +50,7 @@ import numpy as np
 
 from tiered_ckpt.errors import ManifestError, MissingShardError, ShardCorruptedError
 from tiered_ckpt.format import shard_file as fmt
-from tiered_ckpt.format.crc32c import crc32c_extend, crc_hex
+from tiered_ckpt.format.crc32c import first_bad_chunk
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
 from tiered_ckpt.format.tensor_index import MAX_HEADER_BYTES
@@ -143,13 +143,13 @@ def check_chunks(view: memoryview, t: TensorRecord, first: int, chunk_bytes: int
     """``view`` holds tensor ``t``'s bytes from chunk ``first`` on (whole chunks, the tensor's last one
     possibly short); check each chunk's CRC32C against ``t.crc32c``. Raises ShardCorruptedError naming
     the tensor and the chunk."""
-    crcs = t.crc32c or ()
-    for i, lo in enumerate(range(0, view.nbytes, chunk_bytes)):
-        k = first + i
-        hi = min(lo + chunk_bytes, view.nbytes)
-        if k >= len(crcs) or crc_hex(crc32c_extend(0, view[lo:hi])) != crcs[k]:
-            raise ShardCorruptedError(f"{where}: tensor {t.name[:80]!r} chunk {k} (bytes [{k * chunk_bytes}, "
-                                      f"{k * chunk_bytes + hi - lo})) fails its CRC32C (corrupt data in the bucket)")
+    n = -(-view.nbytes // chunk_bytes)
+    bad = first_bad_chunk(view, chunk_bytes, (t.crc32c or ())[first:first + n])
+    if bad is not None:
+        k = first + bad
+        hi = min((bad + 1) * chunk_bytes, view.nbytes)
+        raise ShardCorruptedError(f"{where}: tensor {t.name[:80]!r} chunk {k} (bytes [{k * chunk_bytes}, "
+                                  f"{k * chunk_bytes + hi - bad * chunk_bytes})) fails its CRC32C (corrupt data in the bucket)")
 
 
 class RemoteShardReader:
@@ -252,10 +252,19 @@ class RemoteShardReader:
             raise ShardCorruptedError(f"{self.where}: no tensor {name[:80]!r}")
         return t
 
-    def read_range(self, name: str, start: int, end: int) -> memoryview:
+    def read_range(self, name: str, start: int, end: int, out: memoryview | None = None) -> memoryview:
         """Bytes ``[start, end)`` of tensor ``name`` (offsets within the tensor), verified, in a fresh
-        writable buffer. Raises ``ValueError`` (a range outside the tensor), ShardCorruptedError
+        writable buffer (or copied into ``out``, ``end - start`` writable bytes, and that returned). Raises ``ValueError`` (a range outside the tensor), ShardCorruptedError
         (a chunk fails its CRC32C: step, rank, tensor and chunk named), MissingShardError, UploadError."""
+        view = self._range(name, start, end)
+        if out is None:
+            return view
+        if out.nbytes != end - start:
+            raise ValueError(f"out holds {out.nbytes} bytes for a range of {end - start}")
+        out[:] = view
+        return out
+
+    def _range(self, name: str, start: int, end: int) -> memoryview:
         t = self.tensor_record(name)
         if not 0 <= start <= end <= t.nbytes:
             raise ValueError(f"range [{start}, {end}) outside tensor {name!r} of {t.nbytes} bytes")
