@@ -5,14 +5,12 @@ states and ranks, DCP's own planning errors, and ``load(step=None)`` under the l
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import resource
-import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -32,30 +30,10 @@ from tiered_ckpt.local.lineage import write_run_record
 STEP = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-_EVENTS: list[Any] = []
-_ON: list[bool] = []
-
-
-def _audit(event: str, args: Any) -> None:
-    if _ON and event in ("pickle.find_class", "open") and (event != "open" or "pwned" in str(args[0])):
-        _EVENTS.append((event, args))
-
-
-@pytest.fixture()
-def no_unpickling() -> Iterator[list[Any]]:
-    """``pickle.find_class`` events (and opens of a ``pwned`` file) seen while the test body runs."""
-    if not getattr(sys, "_tiered_ckpt_hostile_audit", False):
-        sys.addaudithook(_audit)
-        sys._tiered_ckpt_hostile_audit = True  # type: ignore[attr-defined]
-    _EVENTS.clear()
-    _ON.append(True)
-    try:
-        yield _EVENTS
-    finally:
-        _ON.clear()
-
-
 class _Pwn:
+    """Unpickled, it opens ``path`` for writing (the ``pickle_watch`` fixture of conftest.py sees any open of a
+    path holding "pwned")."""
+
     def __init__(self, path: str) -> None:
         self.path = path
 
@@ -134,7 +112,7 @@ FORGED: dict[str, tuple[Callable[[str], str] | None, dict[str, Any], int | None,
 
 @pytest.mark.parametrize("name", list(FORGED))
 def test_forged_step_is_a_typed_error_and_nothing_is_unpickled(tmp_path: Path, good: Any, name: str,
-                                                               no_unpickling: list[Any]) -> None:
+                                                               pickle_watch: list[Any]) -> None:
     edit, arrays, md_bytes, expected = FORGED[name]
     text = good[2]
     meta: str | bytes = edit(text) if edit is not None else text
@@ -148,13 +126,13 @@ def test_forged_step_is_a_typed_error_and_nothing_is_unpickled(tmp_path: Path, g
         tdcp.load(back, root)
     assert type(exc.value) is expected or expected is CheckpointError, repr(exc.value)
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) < 256 * 1024  # KiB: nothing allocated
-    assert no_unpickling == [] and not os.path.exists(PWN_PATH)
+    assert pickle_watch == [] and not os.path.exists(PWN_PATH)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 @pytest.mark.parametrize("planner", [type("MyLoadPlanner", (DefaultLoadPlanner,), {})(), None],
                          ids=["default-subclass", "none"])
-def test_reader_refuses_other_load_planners(tmp_path: Path, planner: Any, no_unpickling: list[Any]) -> None:
+def test_reader_refuses_other_load_planners(tmp_path: Path, planner: Any, pickle_watch: list[Any]) -> None:
     """A ``DefaultLoadPlanner`` subclass, or ``planner=None`` (DCP then builds a DefaultLoadPlanner), is
     refused before a byte item carrying a pickle is handed to it."""
     tdcp.save({"w": torch.ones(2), "loader": PICKLE}, tmp_path, STEP)
@@ -162,7 +140,7 @@ def test_reader_refuses_other_load_planners(tmp_path: Path, planner: Any, no_unp
     with pytest.raises(UnsupportedPlannerError, match="DefaultLoadPlanner|MyLoadPlanner"):
         with typed_errors(reader):
             dcp.load({"w": torch.zeros(2), "loader": b""}, storage_reader=reader, planner=planner, no_dist=True)
-    assert no_unpickling == [] and not os.path.exists(PWN_PATH)
+    assert pickle_watch == [] and not os.path.exists(PWN_PATH)
 
 
 def test_dcp_planning_errors_are_typed(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
 from tiered_ckpt.dcp.items import DTYPE_BY_NAME, DTYPE_NAME
