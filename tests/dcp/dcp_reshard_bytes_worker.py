@@ -12,7 +12,11 @@ MASTER_PORT set (``spawn.start_ranks``). No training loop:
    reshards 4 -> 3); each rank writes ``OUT_DIR/result_<rank>.json``: ``bytes_read`` (the reader's
    stats over the whole load: metadata, headers, data), ``bytes_needed`` (the sum over its state's leaves
    of the DTensors' local shards, the plain (replicated) tensors and the byte items' stored bytes) and
-   ``bad`` (the keys whose loaded local shard differs from that slice of the 4-rank global tensor).
+   ``bad`` (the keys whose loaded local shard differs from that slice of the 4-rank global tensor);
+3. ranks 0-1 (a 2-rank group and mesh): the model trained one step at 2 ranks, saved as step 2; then all
+   4 ranks load step 2 (DCP reshards 2 -> 4) and write ``OUT_DIR/grow_<rank>.json`` (``bytes_read``,
+   ``bytes_needed``; rank 0 also ``bad``: the keys whose reassembled ``full_tensor()`` differs from the
+   2-rank original).
 """
 
 from __future__ import annotations
@@ -91,6 +95,38 @@ def load_three(out: Path, mesh: DeviceMesh, pg, full: dict[str, torch.Tensor]) -
     return {"bytes_read": reader.stats.bytes_read, "bytes_needed": needed, "bad": bad, "keys": len(flat)}
 
 
+def save_two(out: Path, mesh: DeviceMesh, pg) -> dict[str, torch.Tensor]:
+    """Ranks 0-1: step 3 of the module docstring's save; the flattened key -> global tensor (or value)."""
+    model, opt = build(mesh)
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(10 + dist.get_rank()))
+    model(x).square().mean().backward()
+    opt.step()
+    state = flat_state(model, opt)
+    tdcp.save(state, out / "ckpt", 2, process_group=pg)
+    flat, _ = flatten_state_dict(state)
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in flat.items()}
+
+
+def load_four(out: Path, full: dict[str, torch.Tensor] | None) -> dict:
+    """All 4 ranks: step 2 (saved by 2) loaded at 4; bytes read and needed, and (``full`` given) the keys
+    whose reassembled value differs from it."""
+    model, opt = build(init_device_mesh("cpu", (4,)))
+    state = flat_state(model, opt)
+    flat, _ = flatten_state_dict(state)
+    for v in flat.values():
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).detach().zero_()
+    reader = tdcp.TieredStorageReader(out / "ckpt", 2)
+    dcp.load(state, storage_reader=reader, planner=tdcp.TieredLoadPlanner())
+    flat, _ = flatten_state_dict(state)
+    needed = sum(v.to_local().nbytes if isinstance(v, DTensor) else v.nbytes if isinstance(v, torch.Tensor)
+                 else len(encode_value(v, k)) for k, v in flat.items())
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in flat.items()}  # a collective
+    bad = None if full is None else [k for k, v in whole.items() if not (
+        torch.equal(v, full[k]) if isinstance(v, torch.Tensor) else v == full[k] or v == list(full[k]))]
+    return {"bytes_read": reader.stats.bytes_read, "bytes_needed": needed, "bad": bad, "keys": len(flat)}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -102,6 +138,12 @@ def main() -> None:
     mesh = DeviceMesh("cpu", [0, 1, 2])  # every rank of the job joins the creation of its group
     if rank < 3:
         (out / f"result_{rank}.json").write_text(json.dumps(load_three(out, mesh, pg, full)))
+    dist.barrier()
+    pg2 = dist.new_group([0, 1])
+    mesh2 = DeviceMesh("cpu", [0, 1])
+    full2 = save_two(out, mesh2, pg2) if rank < 2 else None
+    dist.barrier()
+    (out / f"grow_{rank}.json").write_text(json.dumps(load_four(out, full2 if rank == 0 else None)))
     dist.barrier()
     dist.destroy_process_group()
 
