@@ -173,6 +173,7 @@ def rolled_back(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_ls_verify_list_superseded(rolled_back: Path) -> None:
     root = rolled_back
     assert tc.committed_steps(root) == [100]
@@ -203,6 +204,7 @@ def test_ls_verify_list_superseded(rolled_back: Path) -> None:
     assert proc.returncode == 1 and lines(proc)[-1].startswith("step 700: superseded")
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_gc_superseded(rolled_back: Path) -> None:
     root = rolled_back
     before = sorted(os.listdir(root / SUPERSEDED_DIR))
@@ -237,6 +239,7 @@ def test_ls_shows_pins(tmp_path: Path) -> None:
     assert [r["pinned"] for r in json.loads(run("ls", root, "--json").stdout)] == [True, False]
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_malformed_run_record_is_one_line(tmp_path: Path) -> None:
     root = tmp_path / "run"
     tc.save_sharded([state(1, 0)], root, 1)

@@ -87,6 +87,7 @@ def test_ls_empty_and_missing(tmp_path: Path) -> None:
     assert json.loads(run("ls", tmp_path, "--json").stdout) == []
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_verify_good(run_dir: Path) -> None:
     proc = run("verify", run_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -149,6 +150,7 @@ def _dead_owner() -> str:
     return f"{hostname()}.{2**22 + 12345}.1"
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_gc_removes_leftovers_of_dead_writers(run_dir: Path) -> None:
     dead = _dead_owner()
     left = run_dir / "step_0000000040"

@@ -86,6 +86,7 @@ def test_debug_restore_logs_no_credentials(uploaded: S3Location, tmp_path: Path)
     assert "restored step 3" in out and " DEBUG tiered_ckpt." in out and " botocore." not in out
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_log_wire_shows_botocore_redacted(uploaded: S3Location, tmp_path: Path) -> None:
     rc, out = _cli("--log-level", "DEBUG", "--log-wire", "ls", "--remote", uploaded.url, *_s3(uploaded))
     assert rc == 0, out
@@ -162,6 +163,7 @@ def _listen_address(port: int) -> str | None:
 
 
 @pytest.mark.parametrize("extra, expected", [([], "127.0.0.1"), (["--metrics-host", "0.0.0.0"], "0.0.0.0")])
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_sidecar_metrics_bind(tmp_path: Path, s3_bucket: S3Location, extra: list[str], expected: str) -> None:
     port = free_port()
     root = tmp_path / "node"

@@ -119,6 +119,7 @@ def test_download_refuses_a_head_size_other_than_planned_before_any_byte(srv: Ho
     assert not dest.exists()
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_trickling_body_fails_within_the_stall_timeout(srv: HostileS3) -> None:
     srv.set(f"{PREFIX}/latest", Behaviour("trickle", size=1000, interval_s=0.3))
     settings = DeadlineSettings(stall_timeout_s=1.0, deadline_base_s=30.0)
@@ -133,6 +134,7 @@ def test_trickling_body_fails_within_the_stall_timeout(srv: HostileS3) -> None:
     assert srv.requests[("GET", f"{PREFIX}/latest")] == 2  # retried: a deadline hit is retryable
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_trickling_headers_fail_within_the_deadline(srv: HostileS3) -> None:
     srv.set(f"{PREFIX}/slow", Behaviour("trickle_headers", interval_s=0.05))
     settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.5)
@@ -146,6 +148,7 @@ def test_trickling_headers_fail_within_the_deadline(srv: HostileS3) -> None:
     assert elapsed < 3.5
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: Path) -> None:
     """The ranged GETs of s3transfer run under the same deadlines (its worker threads, its body reads)."""
     srv.set(f"{PREFIX}/shard", Behaviour("trickle", size=100_000, interval_s=0.3))

@@ -211,6 +211,7 @@ def _counting_client(loc: S3Location) -> tuple[object, Counter]:
     return client, seen
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_request_counts_per_step_are_the_documented_formula_in_both_layouts(
         tmp_path: Path, s3_bucket: S3Location) -> None:
     """docs/sidecar.md "Requests per step": two nodes of L = 2 ranks (W = 4), single-PUT shards (s = 1),

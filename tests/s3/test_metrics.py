@@ -6,6 +6,7 @@ import math
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import s3_infra
@@ -21,6 +22,7 @@ def _scrape(port: int) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_metrics_endpoint(tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
     root = tmp_path / "node"
     for s in (1, 2):

@@ -69,6 +69,7 @@ def _local_shards(root: Path, step: int) -> dict[str, bytes]:
     return {rec.path: (root / step_dir_name(step) / rec.path).read_bytes() for rec in read_manifest(root, step).shards}
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_no_list_multipart_uploads_upload_and_restore_work(
         tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -57,6 +57,7 @@ def keys(loc: s3_infra.S3Location) -> list[str]:
 
 
 @both_servers
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
         tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
     root = tmp_path / "node"

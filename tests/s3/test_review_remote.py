@@ -404,6 +404,7 @@ class _SmallHeadHugeGet(BaseHTTPRequestHandler):
         self.close_connection = True
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_download_of_a_small_shard_meets_the_deadline_of_its_planned_size(tmp_path: Any) -> None:
     """A 4 KiB shard whose GET trickles: s3transfer asks for ``bytes=0-<download part size - 1>`` (64 MiB
     by default), so the deadline counted 64 MiB, not the 4 KiB planned (before: 1 s + 64 MiB at

@@ -272,6 +272,7 @@ def test_a_symlinked_local_manifest_is_never_uploaded(tmp_path: Path, s3_bucket:
     assert list_keys(s3_bucket) == []
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_runs_with_an_external_stop_event_leave_no_thread_behind(tmp_path: Path,
                                                                   s3_bucket: s3_infra.S3Location) -> None:
     """``run(stop_event=E)`` relays E to the store's stop event while it runs; the relay ends with the run

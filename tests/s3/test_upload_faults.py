@@ -56,6 +56,7 @@ def test_slowdown_resets_and_flipped_byte_are_retried_and_verified(
     assert _no_mpu(s3_bucket)
 
 
+@pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_dead_bucket_fails_cleanly_then_recovers(tmp_path: Path, s3_bucket: s3_infra.S3Location,
                                                  fault_proxy: s3_infra.FaultProxy) -> None:
     from tiered_ckpt.remote.metrics import UploadMetrics
