@@ -346,9 +346,11 @@ class TieredStorageReader(StorageReader):
                                       f"the read item is {tuple(item.lengths)}")
         if end <= start:
             return target, []
-        if target.is_contiguous() and target.dtype == dtype and end - start == target.nbytes:
-            # whole rows into a contiguous destination: read straight into its memory, no copy, in blocks of
-            # READ_BYTES (multiples of every chunk size: each block verifies on its own)
+        if (target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+                and end - start == target.nbytes):
+            # whole rows into a contiguous host destination: read straight into its memory, no copy, in blocks
+            # of READ_BYTES (multiples of every chunk size: each block verifies on its own); a destination
+            # off the host (CUDA) has no numpy view: read to host memory and copied
             out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             cuts = [start, *range((start // READ_BYTES + 1) * READ_BYTES, end, READ_BYTES), end]
             return target, [functools.partial(rd.read_range, loc.name, a, b, out=out[a - start:b - start])
