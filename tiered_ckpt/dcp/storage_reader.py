@@ -42,6 +42,10 @@ CRC32C in the shard's verified header (a shard without chunk checksums is fetche
 against its sha256). The bucket's copy is opened once per load (catalogue LIST, upload manifest and
 manifest GETs) and closed at the end of ``read_data``, by :meth:`~TieredStorageReader.close` or ``reset``.
 
+A load that fails (a chunk failing its CRC32C, a missing shard) raises before ``commit_tensor`` of the
+failed items, but destination tensors may already hold part of the new bytes, as with DCP's own reader:
+load again or start fresh, never train on after the error.
+
 Bytes read are counted in :attr:`TieredStorageReader.stats` (a :class:`~tiered_ckpt.local.reader.ReadStats`:
 disk and bucket), those fetched from the bucket also in :attr:`TieredStorageReader.remote_stats`.
 """
