@@ -1,5 +1,5 @@
-"""The byte-level GPT of :mod:`tiered_ckpt.examples.train_zero` under FSDP2, checkpointed through
-``torch.distributed.checkpoint`` (DCP) into the local tier by :mod:`tiered_ckpt.dcp`.
+"""train_zero's byte-level GPT under FSDP2, checkpointed through DCP into the tiers (tiered_ckpt.dcp).
+
 
 Run (4 ranks, gloo on CPU)::
 
@@ -28,7 +28,7 @@ The checkpoint of step ``S`` is a DCP state dict::
      "progress": {"step": S, "data": {"epoch": e, "batch_in_epoch": b}},   # JSON, the same on every rank
      "rng":      ["<rank 0's streams as JSON>", ...]}      # every rank's RNG streams, one JSON string each
 
-checkpointed through :class:`tiered_ckpt.dcp.DCPCheckpointManager` (the README's three lines): the
+checkpointed through :class:`tiered_ckpt.dcp.DCPCheckpointManager` (the README's pattern): the
 manager is made on every rank, ``mgr.load(into=state)`` on start, ``mgr.save(step, state)`` when
 ``mgr.should_save(step)`` (every ``--ckpt-every`` steps) and at the stop step. The saves are DCP's
 ``async_save`` (thread mode on the manager's own gloo group, so the save's collectives never interleave
