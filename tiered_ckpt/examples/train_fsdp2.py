@@ -1,6 +1,5 @@
 """train_zero's byte-level GPT under FSDP2, checkpointed through DCP into the tiers (tiered_ckpt.dcp).
 
-
 Run (4 ranks, gloo on CPU)::
 
     python -m torch.distributed.run --nproc_per_node=4 -m tiered_ckpt.examples.train_fsdp2 \
