@@ -67,13 +67,19 @@ def save_four(out: Path) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in flat.items()}
 
 
-def load_three(out: Path, mesh: DeviceMesh, pg, full: dict[str, torch.Tensor]) -> dict:
+def zeroed_state(mesh: DeviceMesh) -> dict:
+    """The DCP state of a fresh model sharded over ``mesh``, every tensor zeroed: what a load must fill."""
     model, opt = build(mesh)
     state = flat_state(model, opt)
     flat, _ = flatten_state_dict(state)
     for v in flat.values():
         if isinstance(v, torch.Tensor):
             (v.to_local() if isinstance(v, DTensor) else v).detach().zero_()
+    return state
+
+
+def load_three(out: Path, mesh: DeviceMesh, pg, full: dict[str, torch.Tensor]) -> dict:
+    state = zeroed_state(mesh)
     reader = tdcp.TieredStorageReader(out / "ckpt", 1)
     dcp.load(state, storage_reader=reader, planner=tdcp.TieredLoadPlanner(), process_group=pg)
     flat, _ = flatten_state_dict(state)
@@ -110,12 +116,7 @@ def save_two(out: Path, mesh: DeviceMesh, pg) -> dict[str, torch.Tensor]:
 def load_four(out: Path, full: dict[str, torch.Tensor] | None) -> dict:
     """All 4 ranks: step 2 (saved by 2) loaded at 4; bytes read and needed, and (``full`` given) the keys
     whose reassembled value differs from it."""
-    model, opt = build(init_device_mesh("cpu", (4,)))
-    state = flat_state(model, opt)
-    flat, _ = flatten_state_dict(state)
-    for v in flat.values():
-        if isinstance(v, torch.Tensor):
-            (v.to_local() if isinstance(v, DTensor) else v).detach().zero_()
+    state = zeroed_state(init_device_mesh("cpu", (4,)))
     reader = tdcp.TieredStorageReader(out / "ckpt", 2)
     dcp.load(state, storage_reader=reader, planner=tdcp.TieredLoadPlanner())
     flat, _ = flatten_state_dict(state)

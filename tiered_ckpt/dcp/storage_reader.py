@@ -70,7 +70,7 @@ from tiered_ckpt.dcp import metadata_json
 from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
 from tiered_ckpt.dcp.placement import Placement
 from tiered_ckpt.dcp.planners import TieredLoadPlanner
-from tiered_ckpt.dcp.storage_writer import EXTRA_FORMAT, EXTRA_KEY, step_of_checkpoint_id
+from tiered_ckpt.dcp.storage_writer import EXTRA_FORMAT, EXTRA_KEY, is_step_checkpoint_id, step_of_checkpoint_id
 from tiered_ckpt.errors import (CheckpointError, DcpMetadataError, MissingShardError, NoCheckpointError,
                                 ShardCorruptedError, UnsupportedPlannerError)
 from tiered_ckpt.format.manifest import ShardManifest
@@ -164,11 +164,7 @@ class TieredStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` names a step directory ``<root>/step_XXXXXXXXXX`` (no I/O)."""
-        try:
-            step_of_checkpoint_id(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return is_step_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:

@@ -101,6 +101,16 @@ def step_of_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, 
     return p.parent, step
 
 
+def is_step_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint_id`` names a step directory ``<root>/step_XXXXXXXXXX`` (no I/O): the writer's and
+    the reader's ``validate_checkpoint_id``."""
+    try:
+        step_of_checkpoint_id(checkpoint_id)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 class TieredStorageWriter(StorageWriter):
     """Writes a DCP save as step ``step`` of the local root ``root`` (see the module docstring for the
     lifecycle). ``replace``: re-save a committed step (it is un-committed first); otherwise a committed
@@ -148,11 +158,7 @@ class TieredStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` names a step directory ``<root>/step_XXXXXXXXXX`` (no I/O)."""
-        try:
-            step_of_checkpoint_id(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return is_step_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new save begins; with ``checkpoint_id`` (a step directory) it goes to that root and step."""
@@ -299,4 +305,4 @@ class TieredStorageWriter(StorageWriter):
         release_save_lock(sdir, self.save_id)
 
 
-__all__ = ["DCP_CHUNK_BYTES", "EXTRA_FORMAT", "EXTRA_KEY", "ShardPlan", "TieredStorageWriter", "step_of_checkpoint_id"]
+__all__ = ["DCP_CHUNK_BYTES", "EXTRA_FORMAT", "EXTRA_KEY", "ShardPlan", "TieredStorageWriter", "is_step_checkpoint_id", "step_of_checkpoint_id"]
