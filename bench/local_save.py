@@ -15,6 +15,9 @@ its peak RSS is its own; page cache dropped before each save where permitted):
   ours_4p     4 fresh processes, each write_shard() its 512 MiB, then one commit_step()
   dd          dd if=/dev/zero of=F bs=16M iflag=count_bytes count=<bytes> conv=fsync  (zeros!)
   dd_4        4 such dd processes in parallel, <bytes>/4 each (one file per rank)
+  ddr/ddr_4   the same dd, but copying random bytes from a file on /dev/shm (tmpfs, in RAM: reading it is a
+              memcpy) instead of /dev/zero: a disk or host that treats zero blocks specially (thin
+              provisioning, zero detection) writes zeros several times faster than checkpoint data
   raw_1       Python loop of 16 MiB os.write() of the same array bytes, fsync at the end
   raw_4t      the same, 4 threads, one file per rank
   torch_1/4t  torch.save(torch.from_numpy state) + flush + fsync (4t: one file per rank, 4 threads)
@@ -32,8 +35,10 @@ our save <= 10% of the state.
 
 Issue 12 rows (``--issue12`` runs only their cases): cold-cache verified load >= 1.0 x dcp.load at 1 rank
 (ours_1 vs dcp_1) and at 4 ranks (load_sharded of ours_4t's 4-rank step vs dcp.load of the same 2 GiB,
-dcp_1); save at 4 ranks >= 0.9 x 4 parallel dd (ours_4p and ours_4t vs dd_4), 1 rank >= 1.0 x dd; the
-small tensors' save + warm load >= 10 x DCP's.
+dcp_1); save at 4 ranks >= 0.9 x 4 parallel dd (ours_4p and ours_4t vs dd_4 and ddr_4), 1 rank >= 1.0 x dd
+(and ddr); the small tensors' save + warm load >= 10 x DCP's. Each save row is reported against dd of
+zeros and dd of random bytes: where the two differ, the disk treats zeros specially, and dd of random
+bytes is the baseline that writes what a checkpoint writes.
 
     python bench/local_save.py --issue12 --reps 3       # 2 GiB: the issue 12 rows only
 """
@@ -58,15 +63,15 @@ STEP = 1
 #: case -> (kind, ranks)
 CASES: dict[str, tuple[str, int]] = {
     "ours_1": ("ours", 1), "ours_4t": ("ours", 4), "ours_4p": ("ours_proc", 4),
-    "dd": ("dd", 1), "dd_4": ("dd", 4), "raw_1": ("raw", 1), "raw_4t": ("raw", 4),
+    "dd": ("dd", 1), "dd_4": ("dd", 4), "ddr": ("ddr", 1), "ddr_4": ("ddr", 4), "raw_1": ("raw", 1), "raw_4t": ("raw", 4),
     "torch_1": ("torch", 1), "torch_4t": ("torch", 4),
     "dcp_1": ("dcp", 1), "dcp_4": ("dcp", 4),
     "small_ours": ("ours", 1), "small_dcp": ("dcp", 1),
 }
-NO_LOAD = {"dd", "dd_4", "ours_4p"}  # dd wrote zeros; ours_4p's files are read exactly like ours_4t's
+NO_LOAD = {"dd", "dd_4", "ddr", "ddr_4", "ours_4p"}  # dd wrote zeros or a copy; ours_4p's files are read exactly like ours_4t's
 #: The cases of issue 12's rows (``--issue12``): cold verified load vs dcp.load at 1 and 4 ranks, save
 #: vs 1 and 4 parallel dd, 10,000 small tensors vs DCP.
-ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,dcp_1,small_ours,small_dcp"
+ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,ddr,ddr_4,dcp_1,small_ours,small_dcp"
 
 
 # ============================================================================================ state
@@ -224,13 +229,24 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
     case, path = task["case"], task["path"]
     kind, ranks = CASES[case]
     os.makedirs(path, exist_ok=True)
-    if kind == "dd":  # dd_4: 4 dd processes in parallel, one file of total/4 bytes each
-        cmds = [["dd", "if=/dev/zero", f"of={path}/zeros_{r}", "bs=16M", "iflag=count_bytes",
-                 f"count={task['total_bytes'] // ranks}", "conv=fsync", "status=none"] for r in range(ranks)]
-        with C.CpuTimer() as t:
-            procs = [subprocess.Popen(c) for c in cmds]
-            if any(p.wait() != 0 for p in procs):
-                raise RuntimeError(f"dd failed: {[p.returncode for p in procs]}")
+    if kind in ("dd", "ddr"):  # dd_4/ddr_4: 4 dd processes in parallel, one file of total/4 bytes each
+        nbytes = task["total_bytes"] // ranks
+        src = "/dev/zero"
+        if kind == "ddr":  # random bytes from RAM (tmpfs), written before the clock starts
+            src = f"/dev/shm/tiered-ckpt-bench-{os.getpid()}"
+            with open(src, "wb") as f:
+                for off in range(0, nbytes, CHUNK):
+                    f.write(os.urandom(min(CHUNK, nbytes - off)))
+        cmds = [["dd", f"if={src}", f"of={path}/dd_{r}", "bs=16M", "iflag=count_bytes",
+                 f"count={nbytes}", "conv=fsync", "status=none"] for r in range(ranks)]
+        try:
+            with C.CpuTimer() as t:
+                procs = [subprocess.Popen(c) for c in cmds]
+                if any(p.wait() != 0 for p in procs):
+                    raise RuntimeError(f"dd failed: {[p.returncode for p in procs]}")
+        finally:
+            if src != "/dev/zero":
+                os.unlink(src)
         return {**t.as_dict()}
     if kind == "ours_proc":
         return _save_multiprocess(task)
@@ -503,8 +519,8 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
     lines.append("RATIOS (throughput of ours / other, medians; > 1 means ours is faster)")
     rrows = []
     checks: list[tuple[str, bool]] = []
-    raw1 = [c for c in ("dd", "raw_1") if c in res]
-    raw4 = [c for c in ("dd", "dd_4", "raw_1", "raw_4t") if c in res]
+    raw1 = [c for c in ("dd", "ddr", "raw_1") if c in res]
+    raw4 = [c for c in ("dd", "dd_4", "ddr", "ddr_4", "raw_1", "raw_4t") if c in res]
     for ours, raws, dcp_case in (("ours_1", raw1, "dcp_1"), ("ours_4t", raw4, "dcp_4"),
                                  ("ours_4p", raw4, "dcp_4"), ("small_ours", [], "small_dcp")):
         if ours not in res:
@@ -573,9 +589,12 @@ def issue12_rows(args: argparse.Namespace, res: dict[str, Any],
     specs = [  # label, ours, baseline, baseline label, floor
         ("load 1 rank, verified, cold cache", "ours_1:cold", "dcp_1:cold", "dcp.load", 1.0),
         ("load 4 ranks, verified, cold cache", "ours_4t:cold", "dcp_1:cold", "dcp.load (same state)", 1.0),
-        ("save 4 ranks (processes)", "ours_4p", "dd_4", "4 x dd conv=fsync", 0.9),
-        ("save 4 ranks (threads)", "ours_4t", "dd_4", "4 x dd conv=fsync", 0.9),
-        ("save 1 rank", "ours_1", "dd", "dd conv=fsync", 1.0),
+        ("save 4 ranks (processes)", "ours_4p", "dd_4", "4 x dd conv=fsync, zeros", 0.9),
+        ("save 4 ranks (threads)", "ours_4t", "dd_4", "4 x dd conv=fsync, zeros", 0.9),
+        ("save 1 rank", "ours_1", "dd", "dd conv=fsync, zeros", 1.0),
+        ("save 4 ranks (processes)", "ours_4p", "ddr_4", "4 x dd conv=fsync, random bytes", 0.9),
+        ("save 4 ranks (threads)", "ours_4t", "ddr_4", "4 x dd conv=fsync, random bytes", 0.9),
+        ("save 1 rank", "ours_1", "ddr", "dd conv=fsync, random bytes", 1.0),
         (f"{args.small_count} x {args.small_bytes} B save + load", "small_ours+small_ours:warm",
          "small_dcp+small_dcp:warm", "DCP save + load", 10.0),
     ]
