@@ -47,7 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="every rank's shard must be in ROOT (a shared root); without it a node-local root "
                         "is checked for the ranks it holds")
     p.add_argument("--fast", action="store_true",
-                   help="verify CRC32C instead of sha256 (sha256 for steps saved without CRC32C)")
+                   help="ROOT: hash each shard with CRC32C instead of sha256 (sha256 for steps saved without "
+                        "CRC32C). --remote: download no shard; compare the checksum the server stores for each "
+                        "shard object (CRC32C, or SHA-256 for one sent in one PUT) with the one recorded at "
+                        "upload: catches an object replaced or re-uploaded since the commit and a wrong part, "
+                        "never bytes rotting at rest on the server (only the full check, without --fast, reads "
+                        "them); where the server stores no checksums the line says 'size only'")
     p.add_argument("--remote", metavar="S3_URL", default=None, type=s3_url,
                    help="verify the steps under s3://bucket/prefix against their upload manifests")
     add_s3_args(p)
