@@ -106,7 +106,9 @@ class Uploader:
     """Uploads committed steps of ``local_root`` to ``remote_url`` (``s3://bucket/prefix``).
 
     ``s3_client``: an injected botocore S3 client (shared; see ``tiered_ckpt.store.make_s3_client``);
-    ``None`` builds one from boto3's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...). Transfer:
+    ``None`` builds one from boto3's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), for
+    ``endpoint_url`` when given (as :func:`~tiered_ckpt.remote.restore.restore` does; both at once raise
+    ``ValueError``). Transfer:
     ``multipart_threshold_bytes``, ``part_size_bytes``, ``max_concurrency`` (parts in flight, all shards
     together), ``max_concurrent_shards`` (shards read at once). Defaults (16 MiB parts, 10 in flight) come
     from ``bench/upload.py``: parts of 32 MiB and more cost moto (and the client) measurably more CPU per
@@ -119,7 +121,7 @@ class Uploader:
     SPEC §11 fencing). ``key_layout``: ``"flat"`` (default) or ``"hashed"``: shard objects spread over 256
     hashed prefixes for jobs whose request rate one S3 prefix cannot take (``docs/sidecar.md``, "Key
     layout"; every sidecar of a job the same). Restore and retention read the layout from each save's upload
-    manifest. Raises ``ValueError`` for an unknown layout.
+    manifest. Raises ``ValueError`` for an unknown layout, or for both ``s3_client`` and ``endpoint_url``.
 
     Thread-safety: one :meth:`upload_step` at a time per instance (``run`` does that).
     """
@@ -130,6 +132,7 @@ class Uploader:
         remote_url: str,
         *,
         s3_client: Any = None,
+        endpoint_url: str | None = None,
         max_concurrency: int = 10,
         max_concurrent_shards: int = 4,
         multipart_threshold_bytes: int = 64 * MiB,
@@ -146,6 +149,8 @@ class Uploader:
     ) -> None:
         from tiered_ckpt.store import S3Store, TransferSettings, WriteSettings, make_s3_client
 
+        if s3_client is not None and endpoint_url is not None:
+            raise ValueError("pass s3_client or endpoint_url, not both")
         if max_concurrent_shards < 1:
             raise ValueError(f"max_concurrent_shards must be >= 1, got {max_concurrent_shards}")
         if key_layout not in KEY_LAYOUTS:
@@ -165,7 +170,7 @@ class Uploader:
         transfer = TransferSettings(multipart_threshold_bytes=multipart_threshold_bytes,
                                     part_size_bytes=part_size_bytes, max_concurrency=max_concurrency)
         client = s3_client if s3_client is not None else make_s3_client(
-            max_pool_connections=max(32, max_concurrency + 2 * max_concurrent_shards + 4))
+            endpoint_url=endpoint_url, max_pool_connections=max(32, max_concurrency + 2 * max_concurrent_shards + 4))
         self.store: ObjectStore = S3Store(client, self.bucket, self.prefix, transfer=transfer, retry=self.retry,
                                           write=self.write, stop_event=self.stop_event)
         self._part_executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tc-upload-part")
