@@ -17,6 +17,7 @@ import argparse
 import importlib
 import logging
 import sys
+import textwrap
 import traceback
 from typing import NoReturn, Sequence
 
@@ -58,7 +59,16 @@ _FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse
 class _HelpFormatter(argparse.HelpFormatter):
     """``--help`` shows each option's default, once: ``(default: X)`` is appended to the help of an
     option that takes a value and has a default (not ``None``, not empty), unless its help already says
-    ``default``; flags (``store_true``) and positionals are left as written."""
+    ``default``; flags (``store_true``) and positionals are left as written. Lines are never broken at a
+    hyphen (a flag name stays whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # never break inside a hyphenated word: "--log-level", "tiered-ckpt-demo" stay whole
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
