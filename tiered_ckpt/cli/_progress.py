@@ -16,6 +16,7 @@ person watches it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from typing import IO, TYPE_CHECKING, Any
@@ -52,6 +53,14 @@ def progress_enabled(args: argparse.Namespace, stream: IO[str] | None = None) ->
         return False
 
 
+def _columns(stream: IO[str]) -> int | None:
+    """The terminal width of ``stream``, or ``None`` when it is not known (0, not a terminal)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or None
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return None
+
+
 class Progress:
     """A byte-count tqdm bar on ``stream`` (default ``sys.stderr`` when it starts), fed from transfer
     threads; nothing at all when not ``enabled``. Call :meth:`start` (or :meth:`on_plan`) once the total
@@ -78,8 +87,11 @@ class Progress:
                 self.bar.close()
             self._net = self._shown = 0
             self._bars += 1
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                            file=self._stream if self._stream is not None else sys.stderr, dynamic_ncols=True)
+            stream = self._stream if self._stream is not None else sys.stderr
+            # a terminal that reports no width (a fresh pty, some CI runners) gets 80 columns, not an empty bar
+            width = _columns(stream)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=stream,
+                            dynamic_ncols=width is not None, ncols=None if width is not None else 80)
 
     def on_plan(self, plan: Any) -> None:
         """``restore_detailed(on_plan=...)``: a bar for ``plan.total_bytes`` of ``plan.step``; a later plan
