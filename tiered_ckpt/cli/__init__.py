@@ -17,13 +17,14 @@ import argparse
 import importlib
 import logging
 import sys
+import textwrap
 import traceback
 from typing import NoReturn, Sequence
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.redact import redact_text
 from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level, print_error
-from tiered_ckpt.cli._logs import cli_logging, redacted_stdout, register_credentials
+from tiered_ckpt.cli._logs import cli_logging, default_log_level, redacted_stdout, register_credentials
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
 _MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd"]
@@ -38,19 +39,87 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"tiered-ckpt: error: {msg} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="tiered-ckpt",
-        description="Tiered checkpoints: local per-rank shards, S3 upload sidecar, restore.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (the same as "
-                   "--log-level DEBUG, plus tracebacks; secrets redacted)")
-    p.add_argument("--log-level", default="WARNING", type=log_level,
+class _TopParser(_Parser):
+    """The ``tiered-ckpt`` parser itself: after parsing, a ``--log-level`` not given on the command line
+    is the command's default (:func:`tiered_ckpt.cli._logs.default_log_level`: INFO for
+    ``upload --watch``, WARNING otherwise), so ``args.log_level`` is always a level name."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "log_level", None) is None:
+            ns.log_level = default_log_level(ns)
+        return ns, rest
+
+
+#: Actions that take no value: their default (``False``) goes without saying in ``--help``.
+_FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
+                 argparse._CountAction, argparse._AppendConstAction, argparse.BooleanOptionalAction)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default, once: ``(default: X)`` is appended to the help of an
+    option that takes a value and has a default (not ``None``, not empty), unless its help already says
+    ``default``; flags (``store_true``) and positionals are left as written. Lines are never broken at a
+    hyphen (a flag name stays whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # never break inside a hyphenated word: "--log-level", "tiered-ckpt-demo" stay whole
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or isinstance(action, _FLAG_ACTIONS) or d is None or d is argparse.SUPPRESS
+                or d == [] or d == "" or "default" in text.lower()):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+def _version() -> str:
+    """The installed distribution's version (``tiered-ckpt``), else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tiered-ckpt")
+    except PackageNotFoundError:
+        import tiered_ckpt
+
+        return str(getattr(tiered_ckpt, "__version__", "unknown"))
+
+
+def _add_global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """``--debug``, ``--log-level``, ``--log-wire``: on the top parser with their defaults and on every
+    subcommand with ``default=SUPPRESS`` (``tiered-ckpt ls ROOT --debug`` works and the subcommand's
+    namespace does not overwrite a value given before it; each subcommand's ``--help`` lists them)."""
+    g = p if top else p.add_argument_group("global options (also accepted before the subcommand)")
+    kw = {} if top else {"default": argparse.SUPPRESS}
+    g.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (the same as "
+                   "--log-level DEBUG, plus tracebacks; secrets redacted)", **kw)
+    g.add_argument("--log-level", type=log_level, metavar="LEVEL",
                    help="level of tiered_ckpt's own log on stderr: DEBUG, INFO, WARNING, ERROR or CRITICAL "
-                        "(default WARNING)")
-    p.add_argument("--log-wire", action="store_true",
+                        "(default: INFO for the 'upload --watch' sidecar, one line per step uploaded; WARNING "
+                        "for every other command)", **({"default": None} if top else kw))
+    g.add_argument("--log-wire", action="store_true",
                    help="also log botocore/urllib3/s3transfer at DEBUG (every HTTP request; credentials, "
-                        "session tokens, signatures and URL user info redacted)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+                        "session tokens, signatures and URL user info redacted)", **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tiered-ckpt`` parser: the global options, ``--version``, and each module of
+    :data:`_MODULES`'s subcommands (every one of them with the global options too, and defaults in
+    ``--help``)."""
+    p = _TopParser(
+        prog="tiered-ckpt",
+        description="Tiered checkpoints: local per-rank shards, S3 upload sidecar, restore.",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the version of tiered-ckpt and exit")
+    _add_global_options(p, top=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for mod in _MODULES:
         try:
@@ -60,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         m.register(sub)
+    for sp in sub.choices.values():
+        sp.formatter_class = _HelpFormatter
+        _add_global_options(sp, top=False)
     return p
 
 

@@ -2,7 +2,9 @@
 none and never touches the root logger).
 
 * The ``tiered_ckpt`` logger gets its own stderr handler (``propagate`` off) at ``--log-level``
-  (``--debug``: DEBUG). The root logger is left alone.
+  (``--debug``: DEBUG; without either, :func:`resolve_log_level`'s per-command default: INFO for the
+  ``upload --watch`` sidecar, whose INFO lines say what it uploaded, WARNING for every other command).
+  The root logger is left alone.
 * botocore, boto3, urllib3 and s3transfer (the wire loggers) go to the same handler at WARNING, so that
   their warnings pass the filter too instead of Python's unfiltered last-resort handler; their DEBUG
   wire logging (request headers, canonical requests, signatures) only with ``--log-wire``.
@@ -58,6 +60,31 @@ def register_credentials(args: argparse.Namespace | None = None) -> None:
     for name in ENDPOINT_ENV:
         register_url_credentials(os.environ.get(name))
     register_url_credentials(getattr(args, "endpoint_url", None))
+
+
+#: The default level of every command but the sidecar's (:func:`default_log_level`).
+DEFAULT_LOG_LEVEL = "WARNING"
+#: The sidecar's (``upload --watch``) default level: one INFO line per step uploaded, and its start/stop.
+SIDECAR_LOG_LEVEL = "INFO"
+
+
+def default_log_level(args: argparse.Namespace) -> str:
+    """The level name of a command run without ``--log-level``: :data:`SIDECAR_LOG_LEVEL` for
+    ``upload --watch`` (a long-running process whose log is its only output), :data:`DEFAULT_LOG_LEVEL`
+    otherwise."""
+    if getattr(args, "command", None) == "upload" and getattr(args, "watch", False):
+        return SIDECAR_LOG_LEVEL
+    return DEFAULT_LOG_LEVEL
+
+
+def resolve_log_level(args: argparse.Namespace) -> int:
+    """The ``logging`` level of the ``tiered_ckpt`` logger for parsed CLI ``args``: DEBUG with
+    ``--debug``, else ``--log-level`` (a name checked by :func:`tiered_ckpt.cli._common.log_level`), else
+    :func:`default_log_level`."""
+    if getattr(args, "debug", False):
+        return logging.DEBUG
+    name = getattr(args, "log_level", None) or default_log_level(args)
+    return int(getattr(logging, name))
 
 
 def make_handler() -> logging.Handler:
@@ -120,5 +147,6 @@ def redacted_stdout() -> Iterator[None]:
             sys.stdout = original
 
 
-__all__ = ["CREDENTIAL_ENV", "ENDPOINT_ENV", "LOG_FORMAT", "WIRE_LOGGERS", "cli_logging", "make_handler",
-           "redacted_stdout", "register_credentials"]
+__all__ = ["CREDENTIAL_ENV", "DEFAULT_LOG_LEVEL", "ENDPOINT_ENV", "LOG_FORMAT", "SIDECAR_LOG_LEVEL", "WIRE_LOGGERS",
+           "cli_logging", "default_log_level", "make_handler", "redacted_stdout", "register_credentials",
+           "resolve_log_level"]

@@ -304,15 +304,17 @@ class _Demo:
         if sorted(resumed) != list(range(1, cfg.steps + 1)):
             raise DemoError(f"compare: the interrupted story logged {len(resumed)} of {cfg.steps} steps")
         diff = max(abs(resumed[s] - baseline[s]) for s in baseline)
-        saves = [o.seconds for name in ("phase1", "phase2", "phase3")
-                 for o in read_job_events(self.events_log(name)).saves if o.ok]
+        outcomes = [o for name in ("phase1", "phase2", "phase3")
+                    for o in read_job_events(self.events_log(name)).saves if o.ok]
+        saves = [o.seconds for o in outcomes]
         res = self.restored
         return DemoReport(
             steps=cfg.steps, model=cfg.model, remote_url=self.target.remote_url, endpoint=self.target.endpoint, baseline=baseline,
             resumed=resumed, phase_of_step=phase_of, crash_at=self.crash_at, resumed_from_local=self.resumed_local,
             loss_at=self.loss_at, restored_step=res.plan.step, bytes_written=sum(self.written.values()),
             bytes_uploaded=sum(s.size_bytes for s in self.remote), steps_saved=len(self.written),
-            steps_uploaded=len(self.remote), save_s=saves, upload_latency_s=self.upload_lat,
+            steps_uploaded=len(self.remote), save_s=saves,
+            saves_unlogged=sorted(set(self.written) - {o.step for o in outcomes}), upload_latency_s=self.upload_lat,
             restore_s=res.seconds, restore_bytes=res.bytes_downloaded, max_abs_diff=diff,
             max_abs_diff_all_runs=max(all_diffs), stage_s=dict(self.stage_s))
 

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where checkpoints, logs and the plot go (default: a new temp directory, kept)")
     p.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
     p.add_argument("--ckpt-every", type=positive_int, default=5, help="checkpoint every N steps (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's initialisation and the data order (every run of the story uses it)")
     p.add_argument("--endpoint-url", default=None, help="a real S3 / MinIO instead of the embedded server")
     p.add_argument("--server", choices=("moto", "seaweedfs"), default="moto",  # demo_procs.DEMO_SERVERS
                    help="the local S3 server without --endpoint-url: moto (embedded, default) or seaweedfs "

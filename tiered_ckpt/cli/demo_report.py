@@ -22,7 +22,9 @@ class DemoReport:
     """The story's figures. Steps are training steps (1-based); ``baseline``/``resumed``: step -> mean
     loss over the ranks; ``phase_of_step``: step -> the run (1, 2, 3) whose value ``resumed`` holds.
     ``bytes_*``: bytes; ``save_s``: seconds of each committed save's background write + hash + commit on
-    rank 0 (from the jobs' :class:`~tiered_ckpt.training.SaveOutcome` records); ``upload_latency_s``:
+    rank 0 (from the jobs' :class:`~tiered_ckpt.training.SaveOutcome` records); ``saves_unlogged``: the
+    committed steps of ``steps_saved`` without such a record (a job SIGKILLed between a commit and its
+    record: the save happened, its time is unknown); ``upload_latency_s``:
     seconds from a step's local commit to the sidecar's uploaded marker; ``restore_s``: seconds of the
     restore (download + verify + local commit); ``stage_s``: stage name -> seconds. ``model``: the
     training job (``"zero"`` or ``"fsdp2"``, :data:`MODEL_LABELS`)."""
@@ -42,6 +44,7 @@ class DemoReport:
     steps_saved: int = 0
     steps_uploaded: int = 0
     save_s: list[float] = field(default_factory=list)
+    saves_unlogged: list[int] = field(default_factory=list)
     upload_latency_s: list[float] = field(default_factory=list)
     restore_s: float = 0.0
     restore_bytes: int = 0
@@ -91,10 +94,23 @@ def plot_curves(report: DemoReport, path: Path) -> Path:
     return path
 
 
+def _unlogged(r: DemoReport) -> str:
+    """What the save times' ``n`` leaves out, e.g. `` of 12 checkpoints; step 10: save time not logged,
+    its job was SIGKILLed between the commit and the record``; nothing when every checkpoint's time is
+    there. (Only the jobs before the cluster loss, steps up to ``loss_at``, are SIGKILLed.)"""
+    if not r.saves_unlogged:
+        return ""
+    steps = ", ".join(map(str, r.saves_unlogged))
+    killed = all(s <= r.loss_at for s in r.saves_unlogged)
+    why = f", {'its job was' if len(r.saves_unlogged) == 1 else 'their jobs were'} SIGKILLed between the commit and the record"
+    return (f" of {r.steps_saved} checkpoints; step{'' if len(r.saves_unlogged) == 1 else 's'} {steps}: "
+            f"save time not logged{why if killed else ''}")
+
+
 def format_report(r: DemoReport) -> str:
     """The report as text: the figures, then one row per step of both curves."""
-    def stats(xs: list[float]) -> str:
-        return f"mean {sum(xs) / len(xs):.3f} s, max {max(xs):.3f} s (n={len(xs)})" if xs else "n/a"
+    def stats(xs: list[float], what: str = "") -> str:
+        return f"mean {sum(xs) / len(xs):.3f} s, max {max(xs):.3f} s (n={len(xs)}{what})" if xs else "n/a"
 
     lines = [
         "",
@@ -106,7 +122,7 @@ def format_report(r: DemoReport) -> str:
         f"  bucket                 {r.remote_url} ({redact_url(r.endpoint)})",
         f"  bytes written locally  {r.bytes_written / MiB:.1f} MiB in {r.steps_saved} checkpoints",
         f"  bytes uploaded         {r.bytes_uploaded / MiB:.1f} MiB in {r.steps_uploaded} remotely committed steps",
-        f"  save time (background write+hash+commit)  {stats(r.save_s)}",
+        f"  save time (background write+hash+commit)  {stats(r.save_s, _unlogged(r))}",
         f"  upload time (local commit -> remote commit)  {stats(r.upload_latency_s)}",
         f"  restore time           {r.restore_s:.2f} s for {r.restore_bytes / MiB:.1f} MiB (download + sha256 "
         f"verify + local commit)",

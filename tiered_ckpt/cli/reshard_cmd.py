@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rule", action="append", default=[], metavar="KEY=RULE",
                    help=f"rule for per-rank state at KEY (repeatable); RULE one of {', '.join(NAMED_RULES)}")
     p.add_argument("--replace", action="store_true", help="overwrite the step if committed in OUT")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output: step, world sizes, OUT, save id and byte counts")
     p.set_defaults(func=cmd_reshard)
 
 

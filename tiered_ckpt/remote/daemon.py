@@ -114,6 +114,26 @@ class WaitingStep:
     lock: Path | None = None
 
 
+def _log_committed(step: int, um: Any, timing: Any) -> None:
+    """The sidecar's one INFO line per step committed remotely (its default level shows it): shards and
+    MiB of the upload manifest ``um``, how they were confirmed (``confirmed_by``, see
+    :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`), and this node's seconds and MiB sent
+    (``timing``: the uploader's ``last_timing``; either may be ``None``, then its part is left out)."""
+    shards = tuple(getattr(um, "shards", ()))
+    hows: dict[str, int] = {}
+    for sh in shards:
+        hows[sh.confirmed_by] = hows.get(sh.confirmed_by, 0) + 1
+    how = ", ".join(_CONFIRMED_BY.get(k, k) + (f" ({n})" if len(hows) > 1 else "") for k, n in sorted(hows.items()))
+    what = (f": {len(shards)} shard(s), {sum(sh.size_bytes for sh in shards) / 2**20:.1f} MiB, confirmed by {how}"
+            if shards else "")
+    mine = "" if timing is None else f" in {timing.total_s:.2f} s ({timing.bytes_sent / 2**20:.1f} MiB sent by this node)"
+    log.info("step %d: committed remotely%s%s", step, what, mine)
+
+
+#: How the per-step line names :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`.
+_CONFIRMED_BY = {"server-checksum": "server checksum", "read-back": "read-back"}
+
+
 class UploadLoop:
     """The sidecar loop of one :class:`~tiered_ckpt.remote.upload.Uploader` (module docstring). State
     (waiting steps, failure backoffs) lives here across :meth:`run` calls; one thread at a time."""
@@ -198,7 +218,7 @@ class UploadLoop:
     def _try(self, step: int, w: WaitingStep | None) -> bool:
         """Upload/poll ``step`` once; returns whether it is now remotely committed."""
         try:
-            self.up.upload_step(step)
+            um = self.up.upload_step(step)
         except StepIncompleteError as e:
             self._on_incomplete(step, e)
             return False
@@ -220,6 +240,7 @@ class UploadLoop:
             self._failed_at[step] = time.monotonic()
             return False
         self._failed_at.pop(step, None)
+        _log_committed(step, um, getattr(self.up, "last_timing", None))
         if w is not None and w.stalled:
             log.info("step %d: committed remotely after %.0f s stalled; released", step,
                      time.monotonic() - w.since)
