@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--watch", action="store_true", help="run as the sidecar until SIGTERM/SIGINT")
     mode.add_argument("--once", action="store_true", help="upload every pending step, then exit (default)")
-    mode.add_argument("--step", type=step_number, default=None, help="upload this step only")
+    p.add_argument("--step", type=step_number, default=None,
+                   help="with --once (the default): upload this step only (exit 1 if it is not committed locally)")
     # argparse applies ``type`` to a string default too: a bad TIERED_CKPT_* value is a usage error as well
     p.add_argument("--metrics-port", type=port, default=_env("TIERED_CKPT_METRICS_PORT"),
                    help="serve Prometheus /metrics on this port (env TIERED_CKPT_METRICS_PORT)")
@@ -157,10 +158,13 @@ def cmd_upload(args: argparse.Namespace) -> int:
     from tiered_ckpt.remote.metrics import UploadMetrics
     from tiered_ckpt.errors import RunMismatchError
     from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, save_entry_name
+    from tiered_ckpt.local.catalogue import committed_steps
     from tiered_ckpt.remote.upload import StepIncompleteError
 
     port = args.metrics_port
     metrics = UploadMetrics()
+    if args.watch and args.step is not None:
+        raise CliError("--step uploads one step once; it cannot be combined with --watch", EXIT_USAGE)
     if args.watch:
         up = build_uploader(args, metrics=metrics)
         poll = args.poll_interval_s if args.poll_interval_s is not None else 2.0
@@ -177,6 +181,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     rc = EXIT_OK
     try:
+        if args.step is not None and args.step not in committed_steps(up.local_root):
+            raise CliError(f"step {args.step} is not committed under {args.local} (tiered-ckpt ls {args.local} "
+                           "lists the committed steps)", EXIT_FAULT)
         steps = [args.step] if args.step is not None else up.pending_steps()
         if up.policy.skip_intermediate and args.step is None:
             steps = up.select_pending()
@@ -219,6 +226,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
                 print_error(f"step {s}: {type(e).__name__}: {e}")
         if up.policy.keep_remote_last is not None:
             up.apply_remote_retention()
+    except KeyboardInterrupt:  # SIGINT/SIGTERM: cut whatever is in flight; close() waits for the aborts
+        up.cancel()
+        raise
     finally:
         if bar is not None:
             bar.close()
