@@ -17,13 +17,16 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from _upload_util import list_keys
+from _upload_util import list_keys, make_step
 from restore_util import files_under, publish
 from s3_infra import S3Location
 from s3_servers import seaweedfs_only
 from spawn import child_env, python_cmd
 from tiered_ckpt import committed_steps, save_sharded
-from tiered_ckpt.layout import LATEST_POINTER_NAME, UPLOAD_MANIFEST_NAME, UPLOADED_MARKER_NAME, step_dir_name
+from tiered_ckpt.format.lineage import RunLineage
+from tiered_ckpt.fs import utc_now
+from tiered_ckpt.layout import (LATEST_POINTER_NAME, RUN_RECORD_NAME, UPLOAD_MANIFEST_NAME, UPLOADED_MARKER_NAME,
+                                step_dir_name)
 
 MiB = 1024 * 1024
 #: The bound the issue sets: from the signal to the process gone.
@@ -72,16 +75,18 @@ def _first_part_landed(loc: S3Location) -> bool:
 
 
 @seaweedfs_only
-@pytest.mark.parametrize("mode, sig, rc", [("--once", signal.SIGINT, 130), ("--once", signal.SIGTERM, 143),
-                                           ("--watch", signal.SIGINT, 0)], ids=["once-SIGINT", "once-SIGTERM",
-                                                                                 "watch-SIGINT"])
-def test_signal_mid_upload_stops_within_2s(big_root: Path, s3_bucket: S3Location, mode: str, sig: int, rc: int,
-                                           default_sigint: None) -> None:
-    """``--once``: parts in flight cut, 130/143 and the one line; ``--watch`` (SIGTERM: tests/multiproc/
-    test_sidecar.py): its clean stop, exit 0. Either way no multipart upload is left and nothing is committed;
-    the shards queued behind the first four (ranks 4-7) are never started."""
+@pytest.mark.parametrize("mode, sig, level, rc", [("--once", signal.SIGINT, "WARNING", 130),
+                                                  ("--once", signal.SIGTERM, "INFO", 143),
+                                                  ("--watch", signal.SIGINT, "INFO", 0)],
+                         ids=["once-SIGINT", "once-SIGTERM", "watch-SIGINT"])
+def test_signal_mid_upload_stops_within_2s(big_root: Path, s3_bucket: S3Location, mode: str, sig: int, level: str,
+                                           rc: int, default_sigint: None) -> None:
+    """``--once``: parts in flight cut, 130/143 and the one line (all of stderr at the default level);
+    ``--watch`` (SIGTERM: tests/multiproc/test_sidecar.py): its clean stop, exit 0. Either way no multipart
+    upload is left and nothing is committed; the shards queued behind the first four (ranks 4-7) are never
+    started (the INFO log names each shard started)."""
     # 5 MiB parts, 2 in flight: the 512 MiB take many seconds, so the signal lands mid-upload
-    proc = subprocess.Popen(python_cmd("-m", "tiered_ckpt.cli", "--log-level", "INFO", "upload", mode, "--local",
+    proc = subprocess.Popen(python_cmd("-m", "tiered_ckpt.cli", "--log-level", level, "upload", mode, "--local",
                                        big_root, "--remote", s3_bucket.url, "--endpoint-url", s3_bucket.endpoint_url,
                                        "--path-style", "--part-size-mib", "5", "--multipart-threshold-mib", "5",
                                        "--max-concurrency", "2", "--no-progress"),
@@ -89,8 +94,10 @@ def test_signal_mid_upload_stops_within_2s(big_root: Path, s3_bucket: S3Location
     _wait(lambda: _first_part_landed(s3_bucket), "multipart part on the server", proc)
     elapsed, out, err = _signal_and_wait(proc, sig)
     assert (proc.returncode, out, elapsed < STOP_WITHIN_S) == (rc, "", True), (elapsed, err)
-    assert "Traceback" not in err and " WARNING " not in err and " ERROR " not in err, err
-    if rc:
+    assert "Traceback" not in err and " ERROR " not in err, err
+    if level == "WARNING":
+        assert err == LINE[sig]
+    elif rc:
         assert err.endswith(LINE[sig]), err
     assert not re.search(r"rank [4-7]: uploading", err), err
     assert not s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads")
@@ -196,3 +203,45 @@ def test_sigint_during_a_stalled_verify_remote_stops_within_2s(stalling, tmp_pat
     _wait(valve.stalled.is_set, "shard GET", proc)
     elapsed, out, err = _signal_and_wait(proc, signal.SIGINT)
     assert (proc.returncode, out, err, elapsed < STOP_WITHIN_S) == (130, "", LINE[signal.SIGINT], True), elapsed
+
+
+def _upload_args(root: Path, loc: S3Location, *flags: str) -> list[str]:
+    return ["upload", "--local", str(root), "--remote", loc.url, "--endpoint-url", loc.endpoint_url, "--path-style",
+            "--no-progress", "--poll-interval-s", "0.1", *flags]
+
+
+def test_upload_once_step_uploads_that_step_only(tmp_path: Path, s3_bucket: S3Location, capsys) -> None:
+    """``--once --step N`` (refused as mutually exclusive before): step N alone; a step not committed
+    locally is one line and exit 1; ``--watch --step`` is a usage error."""
+    from tiered_ckpt.cli import main
+
+    root = tmp_path / "node"
+    for step in (2, 3):
+        make_step(root, step, world_size=2, shard_bytes=16 * 1024)
+    assert main(_upload_args(root, s3_bucket, "--once", "--step", "2")) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("step 2: committed remotely (") and out.out.count("\n") == 1 and not out.err
+    assert [(root / step_dir_name(s) / UPLOADED_MARKER_NAME).is_file() for s in (2, 3)] == [True, False]
+    assert len([k for k in list_keys(s3_bucket) if k.endswith(UPLOAD_MANIFEST_NAME)]) == 1
+    assert main(_upload_args(root, s3_bucket, "--once", "--step", "9")) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"tiered-ckpt: error: step 9 is not committed under {root} ")
+    assert out.err.count("\n") == 1
+    assert main(_upload_args(root, s3_bucket, "--watch", "--step", "2")) == 2
+    assert "--watch" in capsys.readouterr().err
+
+
+def test_watch_on_a_prefix_of_another_run_is_one_line(tmp_path: Path, s3_bucket: S3Location, capsys) -> None:
+    """The sidecar stops on a prefix claimed by another run with the CLI's one line (it also logged an
+    ERROR line before)."""
+    from tiered_ckpt.cli import main
+
+    root = tmp_path / "node"
+    root.mkdir()
+    (root / RUN_RECORD_NAME).write_text(RunLineage.first("runA", utc_now()).to_json())
+    make_step(root, 3, world_size=2, shard_bytes=16 * 1024)
+    s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{RUN_RECORD_NAME}",
+                                Body=RunLineage.first("runB", utc_now()).to_json().encode())
+    assert main(_upload_args(root, s3_bucket, "--watch")) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tiered-ckpt: error: ") and "runB" in lines[0], lines

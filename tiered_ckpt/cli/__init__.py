@@ -1,11 +1,8 @@
 """``tiered-ckpt`` command line: ``ls | verify | gc`` (local tier) and, from their own modules,
 ``upload | restore | demo | reshard``.
 
-Exit codes: 0 fine, 1 a checkpoint fault was found or an operation failed, 2 usage error, 130 stopped by
-SIGINT (Ctrl-C), 143 by SIGTERM. Failures print one line (``tiered-ckpt: error: ...``) on stderr, never a
-traceback (``--debug`` shows it). A signal stops any command within a second or two (transfers in flight
-cut, multipart uploads aborted, nothing committed) and prints ``tiered-ckpt: interrupted (SIGINT)`` (or
-``(SIGTERM)``); ``upload --watch`` stops cleanly on both instead (exit 0, :mod:`tiered_ckpt.remote.daemon`).
+Exit codes: 0 fine, 1 a checkpoint fault was found or an operation failed, 2 usage error. Failures
+print one line (``tiered-ckpt: error: ...``) on stderr, never a traceback (``--debug`` shows it).
 
 Logging (:mod:`tiered_ckpt.cli._logs`): the ``tiered_ckpt`` logger on stderr at ``--log-level``; the
 HTTP wire (botocore, urllib3, s3transfer) only with ``--log-wire``. Every log record, error line and
@@ -24,7 +21,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Iterator, NoReturn, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.redact import redact_text
@@ -70,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``tiered-ckpt ARGV``; returns the exit code. SIGINT and SIGTERM interrupt it (130, 143)."""
+    """Run ``tiered-ckpt ARGV``; returns the exit code (module docstring). SIGINT (Ctrl-C) and SIGTERM stop
+    any command within a second or two: transfers in flight cut, multipart uploads aborted, nothing
+    committed; one line ``tiered-ckpt: interrupted (SIGINT)`` (or ``(SIGTERM)``), exit 130 (143). Only
+    ``upload --watch`` stops cleanly on both instead (exit 0: :mod:`tiered_ckpt.remote.daemon`)."""
     with _signals_interrupt():
         try:
             parser = build_parser()
@@ -101,7 +101,7 @@ def _signals_interrupt() -> Iterator[None]:
     signal is remembered for the exit code; a handler of the embedding program, or a signal inherited as
     ignored, is left alone. ``upload --watch`` installs its own (a clean stop) while it runs."""
     _received.clear()
-    previous = {}
+    previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):

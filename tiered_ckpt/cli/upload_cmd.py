@@ -158,7 +158,6 @@ def cmd_upload(args: argparse.Namespace) -> int:
     from tiered_ckpt.remote.metrics import UploadMetrics
     from tiered_ckpt.errors import RunMismatchError
     from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, save_entry_name
-    from tiered_ckpt.local.catalogue import committed_steps
     from tiered_ckpt.remote.upload import StepIncompleteError
 
     port = args.metrics_port
@@ -181,21 +180,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     rc = EXIT_OK
     try:
-        if args.step is not None and args.step not in committed_steps(up.local_root):
-            raise CliError(f"step {args.step} is not committed under {args.local} (tiered-ckpt ls {args.local} "
-                           "lists the committed steps)", EXIT_FAULT)
-        steps = [args.step] if args.step is not None else up.pending_steps()
-        if up.policy.skip_intermediate and args.step is None:
-            steps = up.select_pending()
-        if bar is not None:
-            from tiered_ckpt.local import read_manifest
-            total = 0
-            for s in steps:
-                try:
-                    total += read_manifest(up.local_root, s).total_bytes
-                except Exception:  # noqa: BLE001 - only for the progress total
-                    pass
-            bar.reset(total=total)
+        steps = _steps_to_upload(args, up, bar)
         if args.step is None:
             try:
                 up.abort_abandoned_uploads()
@@ -239,3 +224,27 @@ def cmd_upload(args: argparse.Namespace) -> int:
     elif not results:
         print("nothing to upload")
     return rc
+
+
+def _steps_to_upload(args: argparse.Namespace, up: "Uploader", bar: Any) -> list[int]:
+    """``--step N`` (a :class:`CliError`, exit 1, when N is not committed locally), else the pending steps
+    (newest first; only the newest with ``--skip-intermediate``); sets the progress bar's total."""
+    from tiered_ckpt.local import read_manifest
+    from tiered_ckpt.local.catalogue import committed_steps
+
+    if args.step is not None:
+        if args.step not in committed_steps(up.local_root):
+            raise CliError(f"step {args.step} is not committed under {args.local} (tiered-ckpt ls {args.local} "
+                           "lists the committed steps)", EXIT_FAULT)
+        steps = [args.step]
+    else:
+        steps = up.select_pending() if up.policy.skip_intermediate else up.pending_steps()
+    if bar is not None:
+        total = 0
+        for s in steps:
+            try:
+                total += read_manifest(up.local_root, s).total_bytes
+            except Exception:  # noqa: BLE001 - only for the progress total
+                pass
+        bar.reset(total=total)
+    return steps
