@@ -14,12 +14,15 @@ loses its user info.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import sys
 import textwrap
+import threading
 import traceback
-from typing import NoReturn, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.redact import redact_text
@@ -136,15 +139,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Run ``tiered-ckpt ARGV``; returns the exit code (module docstring). SIGINT (Ctrl-C) and SIGTERM stop
+    any command within a second or two: transfers in flight cut, multipart uploads aborted, nothing
+    committed; one line ``tiered-ckpt: interrupted (SIGINT)`` (or ``(SIGTERM)``), exit 130 (143). Only
+    ``upload --watch`` stops cleanly on both instead (exit 0: :mod:`tiered_ckpt.remote.daemon`)."""
+    with _signals_interrupt():
+        try:
+            parser = build_parser()
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+                return int(e.code or 0)
+            register_credentials(args)
+            level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
+            with cli_logging(level, wire=args.log_wire), redacted_stdout():
+                return _run(args)
+        except KeyboardInterrupt:  # before the command ran (imports, parsing) or after it
+            return _interrupted()
+
+
+#: The signals received by the running :func:`main` (the first decides the exit code).
+_received: list[int] = []
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    _received.append(signum)
+    raise KeyboardInterrupt  # the commands cut their transfers on it, as on Ctrl-C
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """While inside (main thread only): SIGTERM raises ``KeyboardInterrupt`` as SIGINT does, and the
+    signal is remembered for the exit code; a handler of the embedding program, or a signal inherited as
+    ignored, is left alone. ``upload --watch`` installs its own (a clean stop) while it runs."""
+    _received.clear()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):
+                previous[sig] = signal.signal(sig, _raise_interrupt)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
-        return int(e.code or 0)
-    register_credentials(args)
-    level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
-    with cli_logging(level, wire=args.log_wire), redacted_stdout():
-        return _run(args)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupted() -> int:
+    """The one line of an interrupted command; its exit code 128 + the signal (130 SIGINT, 143 SIGTERM)."""
+    sig = signal.Signals(_received[0] if _received else signal.SIGINT)
+    print(f"tiered-ckpt: interrupted ({sig.name})", file=sys.stderr)
+    return 128 + sig.value
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -155,9 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     except CliError as e:
         print_error(str(e))
         return e.code
-    except KeyboardInterrupt:
-        print("tiered-ckpt: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # SIGINT or SIGTERM: the command has cut its transfers
+        return _interrupted()
     except (CheckpointError, OSError, ValueError) as e:
         if args.debug:
             _print_traceback()

@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--watch", action="store_true", help="run as the sidecar until SIGTERM/SIGINT")
     mode.add_argument("--once", action="store_true", help="upload every pending step, then exit (default)")
-    mode.add_argument("--step", type=step_number, default=None, help="upload this step only")
+    p.add_argument("--step", type=step_number, default=None,
+                   help="with --once (the default): upload this step only (exit 1 if it is not committed locally)")
     # argparse applies ``type`` to a string default too: a bad TIERED_CKPT_* value is a usage error as well
     p.add_argument("--metrics-port", type=port, default=_env("TIERED_CKPT_METRICS_PORT"),
                    help="serve Prometheus /metrics on this port (env TIERED_CKPT_METRICS_PORT)")
@@ -161,6 +162,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
 
     port = args.metrics_port
     metrics = UploadMetrics()
+    if args.watch and args.step is not None:
+        raise CliError("--step uploads one step once; it cannot be combined with --watch", EXIT_USAGE)
     if args.watch:
         up = build_uploader(args, metrics=metrics)
         poll = args.poll_interval_s if args.poll_interval_s is not None else 2.0
@@ -177,18 +180,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     rc = EXIT_OK
     try:
-        steps = [args.step] if args.step is not None else up.pending_steps()
-        if up.policy.skip_intermediate and args.step is None:
-            steps = up.select_pending()
-        if bar is not None:
-            from tiered_ckpt.local import read_manifest
-            total = 0
-            for s in steps:
-                try:
-                    total += read_manifest(up.local_root, s).total_bytes
-                except Exception:  # noqa: BLE001 - only for the progress total
-                    pass
-            bar.reset(total=total)
+        steps = _steps_to_upload(args, up, bar)
         if args.step is None:
             try:
                 up.abort_abandoned_uploads()
@@ -219,6 +211,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
                 print_error(f"step {s}: {type(e).__name__}: {e}")
         if up.policy.keep_remote_last is not None:
             up.apply_remote_retention()
+    except KeyboardInterrupt:  # SIGINT/SIGTERM: cut whatever is in flight; close() waits for the aborts
+        up.cancel()
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -229,3 +224,27 @@ def cmd_upload(args: argparse.Namespace) -> int:
     elif not results:
         print("nothing to upload")
     return rc
+
+
+def _steps_to_upload(args: argparse.Namespace, up: "Uploader", bar: Any) -> list[int]:
+    """``--step N`` (a :class:`CliError`, exit 1, when N is not committed locally), else the pending steps
+    (newest first; only the newest with ``--skip-intermediate``); sets the progress bar's total."""
+    from tiered_ckpt.local import read_manifest
+    from tiered_ckpt.local.catalogue import committed_steps
+
+    if args.step is not None:
+        if args.step not in committed_steps(up.local_root):
+            raise CliError(f"step {args.step} is not committed under {args.local} (tiered-ckpt ls {args.local} "
+                           "lists the committed steps)", EXIT_FAULT)
+        steps = [args.step]
+    else:
+        steps = up.select_pending() if up.policy.skip_intermediate else up.pending_steps()
+    if bar is not None:
+        total = 0
+        for s in steps:
+            try:
+                total += read_manifest(up.local_root, s).total_bytes
+            except Exception:  # noqa: BLE001 - only for the progress total
+                pass
+        bar.reset(total=total)
+    return steps

@@ -226,7 +226,8 @@ class UploadLoop:
             log.info("step %d: upload interrupted by stop", step)
             return False
         except RunMismatchError:
-            log.error("step %d: %s is claimed by another run; the sidecar stops", step, self.up.store.url)
+            # raised to run_sidecar's caller, whose one line says it (the CLI's: exit 1); not logged twice
+            log.debug("step %d: %s is claimed by another run; the sidecar stops", step, self.up.store.url)
             raise
         except StepSupersededError as e:
             log.warning("step %d: %s", step, e)

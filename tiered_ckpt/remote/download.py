@@ -295,8 +295,8 @@ def fetch_shards(store: ObjectStore, plan: RestorePlan, objects: Sequence[Remote
     w = _Window(_plan_parts([s for s in shards if s.obj.size_bytes], part), max(1, min(part, biggest)), conc)
     n_threads = max(1, min(conc, len(w.parts)))
     with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="tiered-ckpt-download") as pool:
-        futs = [pool.submit(_worker, store, plan, w, on_progress, on_verified) for _ in range(n_threads)]
-        try:
+        try:  # from the first submit: an interrupt between two would leave the started workers uncut
+            futs = [pool.submit(_worker, store, plan, w, on_progress, on_verified) for _ in range(n_threads)]
             for f in futs:
                 f.result()
         except BaseException:  # KeyboardInterrupt: stop taking parts; the threads end within one chunk
@@ -320,9 +320,9 @@ def _fetch_whole(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest:
 
 
 def fetch_shard(store: ObjectStore, plan: RestorePlan, obj: RemoteObject, dest: Path,
-                on_progress: ProgressCallback | None = None) -> None:
-    """:func:`fetch_shards` of one object into ``dest`` (verify's download); same errors."""
-    fetch_shards(store, plan, [obj], {obj.rank: dest}, on_progress=on_progress)
+                on_progress: ProgressCallback | None = None, cancel: Callable[[], None] | None = None) -> None:
+    """:func:`fetch_shards` of one object into ``dest`` (verify's download); same errors and ``cancel``."""
+    fetch_shards(store, plan, [obj], {obj.rank: dest}, on_progress=on_progress, cancel=cancel)
 
 
 __all__ = ["fetch_shard", "fetch_shards", "hash_file", "transfer_of"]

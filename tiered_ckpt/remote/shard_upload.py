@@ -59,8 +59,9 @@ class ShardSender:
     bounding the parts in memory (all shards together), the retry policy, ``server_validates`` (a cached
     probe), ``force_read_back`` (``UploadPolicy.verify``), the stop event, ``on_progress(delta_bytes)``
     the ``on_sent(bytes)`` metrics hook, ``on_abort_failed(key, upload_id, exc)`` for a multipart upload
-    that could not be aborted (the uploader records it: :mod:`tiered_ckpt.remote.pending_aborts`), and
-    ``key_layout`` (``flat``, ``hashed``: where new saves' shard objects go; :mod:`tiered_ckpt.layout`)."""
+    that could not be aborted (the uploader records it: :mod:`tiered_ckpt.remote.pending_aborts`),
+    ``key_layout`` (``flat``, ``hashed``: where new saves' shard objects go; :mod:`tiered_ckpt.layout`), and
+    ``cancel()`` (sets the stop event and cuts the requests in flight: Ctrl-C of a one-shot upload)."""
 
     store: ObjectStore
     part_executor: ThreadPoolExecutor
@@ -73,6 +74,7 @@ class ShardSender:
     on_sent: Callable[[int], None] | None = None
     on_abort_failed: Callable[[str, str, BaseException], None] | None = None
     key_layout: str = "flat"
+    cancel: Callable[[], None] | None = None
 
 
 def _retryable(e: BaseException) -> bool:
@@ -119,6 +121,8 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
     :class:`LocalStepGoneError` (file gone), ``LocalShardError`` (local rot), ``UploadError`` (after
     retries; ``OperationInterruptedError`` on stop)."""
     step, store = commit.step, sender.store
+    if sender.stop_event.is_set():  # a shard taken up after a stop: not a request more
+        raise OperationInterruptedError(f"step {step} rank {rec.rank}: stopped before its upload")
     key = commit.shard_key(rec.rank)  # in the commit's key layout (flat or hashed)
     done = commit.confirmed(rec)
     if done is not None:

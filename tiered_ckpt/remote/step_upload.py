@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -90,7 +91,9 @@ def check_lineage(store: ObjectStore, local_root: Path, m: ShardManifest, *,
 def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, commit: RemoteStepCommit,
                          sdir: Path, stats: StepStats) -> None:
     """Step 3 of the commit protocol for every shard of the step present in ``sdir``; raises the first
-    failure after every transfer has ended (the others are logged)."""
+    failure after every transfer has ended (the others are logged). An interrupt of this thread (Ctrl-C,
+    SIGTERM) cancels the transfers (``sender.cancel``: requests in flight cut, multipart uploads aborted)
+    and propagates once they have ended."""
     step, m = commit.step, commit.manifest
     # any entry counts (send_shard refuses a symlink, FIFO or directory loudly); absent: another node's
     local = [rec for rec in m.shards if os.path.lexists(sdir / rec.path)]
@@ -99,12 +102,14 @@ def _upload_local_shards(sender: ShardSender, executor: ThreadPoolExecutor, comm
     log.debug("step %d: %d of %d shard(s) on this node, %d bytes", step, len(local), m.world_size,
               sum(r.size_bytes for r in local))
     futures = [executor.submit(upload_shard, sender, commit, sdir, rec, stats) for rec in local]
-    errors = []
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001 - collected; the first is raised below
-            errors.append(e)
+    try:
+        errors = [e for e in (f.exception() for f in futures) if e is not None]  # the first is raised below
+    except BaseException:  # an interrupt of this thread: cut the transfers rather than wait them out
+        (sender.cancel or sender.stop_event.set)()
+        for f in futures:
+            f.cancel()
+        concurrent.futures.wait(futures)  # each shard ends within a tick or two, its upload aborted
+        raise
     if errors:
         for e in errors[1:]:
             if isinstance(e, OperationInterruptedError):  # a requested stop, not a failure

@@ -116,7 +116,8 @@ class Uploader:
     memory every time), and 10 in flight matches ``aws s3 cp``. ``retry``: whole-operation retries on top
     of botocore's (see ``tiered_ckpt.retry``). ``write``: SSE / storage class
     (``tiered_ckpt.store.WriteSettings``). ``metrics``: a :class:`tiered_ckpt.remote.metrics.UploadMetrics`.
-    ``stop_event``: cuts retries short and aborts in-flight multipart uploads. ``adopt_prefix``: take over
+    ``stop_event``: cuts retries short and aborts in-flight multipart uploads (their parts in flight finish;
+    :meth:`cancel` cuts those too). ``adopt_prefix``: take over
     a prefix whose ``run.json`` names another run (``--adopt-prefix``; otherwise ``RunMismatchError``,
     SPEC §11 fencing). ``key_layout``: ``"flat"`` (default) or ``"hashed"``: shard objects spread over 256
     hashed prefixes for jobs whose request rate one S3 prefix cannot take (``docs/sidecar.md``, "Key
@@ -162,6 +163,7 @@ class Uploader:
         self.retry = retry if retry is not None else RetryPolicy()
         self.write = write if write is not None else WriteSettings()
         self.stop_event = stop_event if stop_event is not None else threading.Event()
+        self.cancel_event = threading.Event()  # set by cancel(): every request in flight is cut
         self.metrics = metrics
         self.stale_multipart_age_s = stale_multipart_age_s
         self.on_progress = on_progress
@@ -172,7 +174,7 @@ class Uploader:
         client = s3_client if s3_client is not None else make_s3_client(
             endpoint_url=endpoint_url, max_pool_connections=max(32, max_concurrency + 2 * max_concurrent_shards + 4))
         self.store: ObjectStore = S3Store(client, self.bucket, self.prefix, transfer=transfer, retry=self.retry,
-                                          write=self.write, stop_event=self.stop_event)
+                                          write=self.write, stop_event=self.stop_event, cancel_event=self.cancel_event)
         self._part_executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tc-upload-part")
         self._shard_executor = ThreadPoolExecutor(max_concurrent_shards, thread_name_prefix="tc-upload-shard")
         self._sender = ShardSender(
@@ -181,7 +183,7 @@ class Uploader:
             retry=self.retry, server_validates=self.server_validates_checksums,
             force_read_back=self.policy.verify == "read-back", stop_event=self.stop_event,
             on_progress=on_progress, on_sent=self._count_sent, on_abort_failed=self._record_failed_abort,
-            key_layout=key_layout)
+            key_layout=key_layout, cancel=self.cancel)
         #: The probe's cached answer; tests and benches set it to act as a validating server would.
         self._server_validates: bool | None = None
         self._probe_lock = threading.Lock()
@@ -341,6 +343,12 @@ class Uploader:
     def stalled_steps(self) -> list[int]:
         """Steps the loop reported stalled and still keeps (ascending)."""
         return sorted(s for s, w in (self._loop.waiting.items() if self._loop else ()) if w.stalled)
+
+    def cancel(self) -> None:
+        """Stop now (Ctrl-C or SIGTERM of ``upload --once``): the stop event, and every request in flight cut,
+        parts too (a sidecar's stop lets those finish); the multipart uploads started are aborted."""
+        self.cancel_event.set()
+        self.stop_event.set()
 
     def close(self) -> None:
         """Release the loop's stalled locks, stop the executors, close the store."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tiered_ckpt.errors import CheckpointError, MissingShardError, NoCheckpointError
 from tiered_ckpt.local.scan import COMMITTED, CORRUPT, INCOMPLETE, UNCOMMITTED, StepStatus
@@ -69,7 +69,8 @@ def scan_remote(remote_url: str, *, step: int | None = None, fast: bool = False,
     :class:`~tiered_ckpt.errors.UploadError` when the bucket cannot be read at all,
     ``ManifestError`` when its ``run.json`` is unreadable.
     """
-    with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
+    handle = StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url)
+    with handle as st:  # Ctrl-C cuts the download in flight (handle.cancel), never waits it out
         cat = read_catalogue(st)
         saves = {(s.step, s.save_id): s for s in cat.saves}
         out = []
@@ -83,11 +84,12 @@ def scan_remote(remote_url: str, *, step: int | None = None, fast: bool = False,
                 out.append(RemoteStepStatus(rs.step, CORRUPT, f"{rs.state}: {rs.reason}", save_id=rs.save_id))
             else:
                 note = "" if rs.status == CURRENT else rs.status
-                out.append(_check_save(st, save, rs.latest, fast, note))
+                out.append(_check_save(st, save, rs.latest, fast, note, handle.cancel))
         return out
 
 
-def _check_save(store: ObjectStore, save: RemoteSave, latest: bool, fast: bool, note: str) -> RemoteStepStatus:
+def _check_save(store: ObjectStore, save: RemoteSave, latest: bool, fast: bool, note: str,
+                cancel: Callable[[], None] | None = None) -> RemoteStepStatus:
     step = save.step
     try:
         plan = plan_step(store, save, None, from_pointer=latest)
@@ -109,7 +111,7 @@ def _check_save(store: ObjectStore, save: RemoteSave, latest: bool, fast: bool, 
         for obj in plan.objects:
             path = Path(tmp) / f"rank_{obj.rank}.part"
             try:
-                fetch_shard(store, plan, obj, path, None)
+                fetch_shard(store, plan, obj, path, None, cancel)
             except MissingShardError as exc:
                 return RemoteStepStatus(step, INCOMPLETE, str(exc), m.world_size, plan.total_bytes, m.save_id)
             except CheckpointError as exc:

@@ -72,9 +72,8 @@ class RequestGuard:
 
     def __init__(self, what: str, settings: DeadlineSettings, *, request_bytes: int, expect_bytes: int,
                  stall_from_start: bool, base_factor: float = 1.0, streamed: bool = False,
-                 cancel: threading.Event | None = None) -> None:
-        self.what = what
-        self._cancel = cancel  # once set, the request is cut at the next tick
+                 cancel: tuple[threading.Event | None, ...] = ()) -> None:
+        self.what, self._cancel = what, [e for e in cancel if e is not None and not e.is_set()]  # one set: cut
         #: The call's 2xx body is streamed to the caller (GetObject); every other body botocore reads whole.
         self.streamed = streamed
         self._settings = settings
@@ -134,14 +133,15 @@ class RequestGuard:
                 elif self._stall and now - self._progress_at > self._settings.stall_timeout_s:
                     limit = self._settings.stall_timeout_s
                     self.reason, self.limit_s = f"stalled: no bytes for {limit:.1f} s", limit
-                elif self._cancel is not None and self._cancel.is_set():
+                elif any(e.is_set() for e in self._cancel):
                     self.reason = "cancelled: the store's stop event is set"
                 else:
                     return False
                 conns = list(self._connections)
             else:
                 return True
-        logger.warning("%s: %s; closing its connection", self.what, self.reason)
+        quiet = self.reason.startswith("cancelled")  # a stop asked for is no fault: no warning
+        (logger.debug if quiet else logger.warning)("%s: %s; closing its connection", self.what, self.reason)
         for conn in conns:
             _shutdown(conn)
         return True
@@ -329,10 +329,11 @@ class GuardedClient:
     """The botocore client with every API call under a :class:`RequestGuard` (other attributes, e.g.
     ``meta``, pass through). ``raw`` is the client itself. ``stop_event``: a GET or HEAD in flight when it
     is set is cut within :data:`TICK_S` (its sockets shut down), even one the server stalls; requests
-    started after it (cleanup) are left alone."""
+    started after it (cleanup) are left alone. ``cancel_event``: the same for every request, uploads too."""
 
-    def __init__(self, client: Any, settings: DeadlineSettings, stop_event: threading.Event | None = None) -> None:
-        self.raw, self.settings, self.stop_event = client, settings, stop_event
+    def __init__(self, client: Any, settings: DeadlineSettings, stop_event: threading.Event | None = None,
+                 cancel_event: threading.Event | None = None) -> None:
+        self.raw, self.settings, self.stop_event, self.cancel_event = client, settings, stop_event, cancel_event
         self._ops = frozenset(client.meta.method_to_api_mapping)
         self._planned: dict[tuple[str, str], int] = {}
         self._planned_lock = threading.Lock()
@@ -356,8 +357,7 @@ class GuardedClient:
         return attr
 
     def _call(self, name: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        request_bytes = _body_len(kwargs.get("Body"))
-        ranged = _range_len(kwargs.get("Range"))
+        request_bytes, ranged = _body_len(kwargs.get("Body")), _range_len(kwargs.get("Range"))
         if name == "get_object" and self._planned:
             with self._planned_lock:
                 planned = self._planned.get((kwargs.get("Bucket", ""), kwargs.get("Key", "")))
@@ -365,17 +365,18 @@ class GuardedClient:
                 ranged = min(ranged, planned + 1) if ranged is not None else planned + 1
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         stop = self.stop_event if name in STALL_FROM_START else None
+        cut = self.cancel_event if name != "create_multipart_upload" else None  # a cut create may leak an upload
         guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
                              stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0),
-                             streamed=name == "get_object", cancel=None if stop is None or stop.is_set() else stop)
+                             streamed=name == "get_object", cancel=(stop, cut))
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
         try:
             resp = method(*args, **kwargs)
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: no guard is left armed behind it
             _WATCHDOG.disarm(guard)
-            if guard.reason is not None:
+            if guard.reason is not None and isinstance(exc, Exception):
                 raise guard.error() from exc
             raise
         finally:

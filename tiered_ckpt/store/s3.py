@@ -58,8 +58,9 @@ class S3Store:
     call). ``prefix``: keys are stored as ``<prefix>/<key>`` (no leading or trailing ``/``; ``""`` for the
     bucket root). ``stop_event``: once set, retries stop, waits are cut short and in-flight transfers are
     cancelled (an interrupted multipart upload is aborted by s3transfer), raising
-    :class:`~tiered_ckpt.retry.OperationInterruptedError`. ``deadlines``: the stall timeout and byte-scaled
-    deadline of every single request (:mod:`tiered_ckpt.store.deadline`; a hit is retried like a timeout).
+    :class:`~tiered_ckpt.retry.OperationInterruptedError`. ``cancel_event`` (set with ``stop_event``): every request
+    in flight is cut, uploads too. ``deadlines``: the stall timeout and byte-scaled deadline of every single
+    request (:mod:`tiered_ckpt.store.deadline`; a hit is retried like a timeout).
 
     Every method is thread-safe and wrapped once in :func:`~tiered_ckpt.retry.call_with_retries`; errors
     that outlast the retries are :class:`~tiered_ckpt.errors.UploadError` with ``last_exception`` set.
@@ -68,19 +69,16 @@ class S3Store:
 
     def __init__(
         self, client: BaseClient, bucket: str, prefix: str = "", *, transfer: TransferSettings | None = None,
-        retry: RetryPolicy | None = None, write: WriteSettings | None = None,
-        stop_event: threading.Event | None = None, deadlines: DeadlineSettings | None = None,
-    ) -> None:
+        retry: RetryPolicy | None = None, write: WriteSettings | None = None, stop_event: threading.Event | None = None,
+        deadlines: DeadlineSettings | None = None, cancel_event: threading.Event | None = None) -> None:
         parse_s3_url(format_s3_url(bucket, prefix))  # validates bucket and prefix
         if prefix != prefix.strip("/"):
             raise ValueError(f"prefix must not start or end with '/': {prefix!r}")
         install_request_hooks(client)
         self._raw_client = client
         self._deadlines = deadlines if deadlines is not None else DeadlineSettings()
-        self._client: Any = GuardedClient(client, self._deadlines, stop_event)  # every request under its deadline
-        self._bucket = bucket
-        self._prefix = prefix
-        self._keys = PrefixKeys(prefix)
+        self._client: Any = GuardedClient(client, self._deadlines, stop_event, cancel_event)  # per-request deadlines
+        self._bucket, self._prefix, self._keys = bucket, prefix, PrefixKeys(prefix)
         self._transfer = transfer if transfer is not None else TransferSettings()
         self._retry = retry if retry is not None else RetryPolicy()
         self._write = write if write is not None else WriteSettings()
