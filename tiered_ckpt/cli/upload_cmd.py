@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
                                      bounded_int, human_bytes, nonneg_seconds, port, positive_seconds, positive_int,
                                      print_error, print_json, s3_url, step_number)
+from tiered_ckpt.cli._progress import Progress, add_progress_args, progress_enabled
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.redact import redact_text
 from tiered_ckpt.retry import OperationInterruptedError
@@ -108,8 +109,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where shard objects go: flat (default, in the save's prefix) or hashed (spread over "
                         "256 prefixes shards/<hh>/ for jobs past one S3 prefix's request rate; every node "
                         "the same; env TIERED_CKPT_KEY_LAYOUT)")
-    p.add_argument("--shutdown-timeout-s", type=nonneg_seconds, default=30.0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--shutdown-timeout-s", type=nonneg_seconds, default=30.0,
+                   help="--watch: seconds a stopping sidecar waits for its in-flight parts before it exits "
+                        "anyway (default 30)")
+    add_progress_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_upload)
 
@@ -170,17 +173,14 @@ def cmd_upload(args: argparse.Namespace) -> int:
         return run_sidecar(up, poll_interval_s=poll, metrics_port=port, metrics_host=args.metrics_host,
                            shutdown_timeout_s=args.shutdown_timeout_s, max_poll_interval_s=args.max_poll_interval_s)
 
-    bar = None
-    if not args.no_progress and not args.json and sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="upload", file=sys.stderr)
-    up = build_uploader(args, metrics=metrics, on_progress=(bar.update if bar is not None else None))
+    progress = Progress(progress_enabled(args))
+    up = build_uploader(args, metrics=metrics, on_progress=progress if progress.enabled else None)
     if port is not None:
         metrics.serve(port, addr=args.metrics_host)
     results: list[dict[str, Any]] = []
     rc = EXIT_OK
     try:
-        steps = _steps_to_upload(args, up, bar)
+        steps = _steps_to_upload(args, up, progress)
         if args.step is None:
             try:
                 up.abort_abandoned_uploads()
@@ -215,8 +215,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         up.cancel()
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
         metrics.close()
         up.close()
     if args.json:
@@ -226,7 +225,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return rc
 
 
-def _steps_to_upload(args: argparse.Namespace, up: "Uploader", bar: Any) -> list[int]:
+def _steps_to_upload(args: argparse.Namespace, up: "Uploader", progress: Progress) -> list[int]:
     """``--step N`` (a :class:`CliError`, exit 1, when N is not committed locally), else the pending steps
     (newest first; only the newest with ``--skip-intermediate``); sets the progress bar's total."""
     from tiered_ckpt.local import read_manifest
@@ -239,12 +238,12 @@ def _steps_to_upload(args: argparse.Namespace, up: "Uploader", bar: Any) -> list
         steps = [args.step]
     else:
         steps = up.select_pending() if up.policy.skip_intermediate else up.pending_steps()
-    if bar is not None:
+    if progress.enabled:
         total = 0
         for s in steps:
             try:
                 total += read_manifest(up.local_root, s).total_bytes
             except Exception:  # noqa: BLE001 - only for the progress total
                 pass
-        bar.reset(total=total)
+        progress.start(total, "upload")
     return steps

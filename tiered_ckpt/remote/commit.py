@@ -302,7 +302,7 @@ class RemoteStepCommit:
         key = self.upload_manifest_key
         try:
             self.store.put_bytes(key, body, if_none_match=True)
-            log.info("step %d: save %s committed remotely (%s)", self.step, self.save_id, self.store.url)
+            log.debug("step %d: save %s committed remotely (%s)", self.step, self.save_id, self.store.url)
             return body
         except PreconditionFailedError:
             pass
@@ -348,7 +348,7 @@ class RemoteStepCommit:
                     self.store.put_bytes(LATEST_POINTER_NAME, body, if_none_match=True)
                 else:
                     self.store.put_bytes(LATEST_POINTER_NAME, body, if_match=etag)
-                log.info("step %d: latest pointer moved forward to attempt %d", self.step, ptr.attempt)
+                log.debug("step %d: latest pointer moved forward to attempt %d", self.step, ptr.attempt)
                 return
             except PreconditionFailedError:
                 continue  # someone moved it meanwhile: look again

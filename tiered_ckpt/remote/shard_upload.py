@@ -152,7 +152,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
                 stats.read_back_s += time.monotonic() - t
         return sent, how
 
-    log.info("step %d rank %d: uploading %d bytes to %s/%s", step, rec.rank, rec.size_bytes, store.url, key)
+    log.debug("step %d rank %d: uploading %d bytes to %s/%s", step, rec.rank, rec.size_bytes, store.url, key)
     try:
         sent, how = call_with_retries(f"step {step} rank {rec.rank}: upload {store.url}/{key}", attempt,
                                       policy=sender.retry, stop_event=sender.stop_event, is_retryable=_retryable)
@@ -167,7 +167,7 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
         stats.bytes_sent += sent.size_bytes
     if sender.on_sent is not None:
         sender.on_sent(sent.size_bytes)
-    log.info("step %d rank %d: confirmed (%s, ETag %s)", step, rec.rank, how.confirmed_by, how.etag)
+    log.debug("step %d rank %d: confirmed (%s, ETag %s)", step, rec.rank, how.confirmed_by, how.etag)
 
 
 __all__ = ["ShardSender", "StepStats", "upload_shard"]
