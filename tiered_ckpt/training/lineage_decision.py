@@ -181,8 +181,9 @@ class LineageDecider:
                             "its record is left alone", self.rank, self.remote_url, remote.lineage.run_id,
                             merged.run_id)
         if remote is not None and not remote.readable:
-            log.warning("rank %d: %s could not be read (%s): deciding from the local tier, as if it held "
-                        "newer current steps", self.rank, self.remote_url, remote.error)
+            log.warning("rank %d: %s could not be read (%s): only the local tier's steps are considered (the "
+                        "bucket may hold newer ones); with no step here, the load fails", self.rank,
+                        self.remote_url, remote.error)
         return Survey(merged, head["run_id"], head["started_at"], remote, ours)
 
     def _steps(self, sv: Survey, *, offers: bool, whole: bool = False) -> tuple[set[int], list[set[int]]]:
