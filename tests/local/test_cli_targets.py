@@ -142,6 +142,9 @@ def test_root_and_step_checks_shared_with_reshard(run_dir: Path, not_a_root: Pat
     with pytest.raises(CliError, match="is not a checkpoint root") as info:
         require_checkpoint_root(not_a_root)
     assert info.value.code == 1
+    with pytest.raises(CliError) as info:  # reshard has no --allow-empty: no hint
+        require_checkpoint_root(not_a_root, hint="")
+    assert str(info.value) == f"{not_a_root} is not a checkpoint root (no run.json and no step_* directories)"
     with pytest.raises(CliError) as info:
         require_checkpoint_root(not_a_root / "nope")
     assert (str(info.value), info.value.code) == (f"{not_a_root / 'nope'}: directory does not exist", 1)

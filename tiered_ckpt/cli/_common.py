@@ -116,8 +116,10 @@ def steps_text(steps: Sequence[int]) -> str:
 
 
 def _holds_run(root: Path) -> bool:
-    """``root`` holds a ``run.json``, a step entry or a trash directory of ours (any kind of entry: a
-    hostile one is the scan's to report). Raises CliError when it cannot be listed."""
+    """``root`` holds a ``run.json``, a step entry, or a leftover only this package makes (a trash directory,
+    an owner-named temp file: a killed restore's) (any kind of entry: a hostile one is the scan's to report).
+    Raises CliError when it cannot be listed."""
+    from tiered_ckpt.fs import temp_owner
     from tiered_ckpt.layout import RUN_RECORD_NAME, TRASH_PREFIX, parse_step_dir_name
 
     try:
@@ -125,14 +127,19 @@ def _holds_run(root: Path) -> bool:
     except OSError as e:
         raise CliError(f"{root}: cannot list the directory: {e.strerror or e}") from None
     return any(n == RUN_RECORD_NAME or n.startswith(TRASH_PREFIX) or parse_step_dir_name(n) is not None
-               for n in names)
+               or temp_owner(n) is not None for n in names)
 
 
-def require_checkpoint_root(root: Path, allow_empty: bool = False, *, as_given: bool = False) -> Path:
+ALLOW_EMPTY_HINT = "; pass --allow-empty to accept an empty directory"
+
+
+def require_checkpoint_root(root: Path, allow_empty: bool = False, *, as_given: bool = False,
+                            hint: str = ALLOW_EMPTY_HINT) -> Path:
     """``root`` when it is an existing directory that holds a run (``run.json`` or a step directory; a
     step directory given as ``root`` counts as its run's, unless ``as_given``: the writers' and ``gc``'s
     reading, the directory as named). ``allow_empty``: any existing directory. Raises :class:`CliError`
-    (exit 1): does not exist, not a directory, or (without ``allow_empty``) holds no run."""
+    (exit 1): does not exist, not a directory, or (without ``allow_empty``) holds no run (the line ends
+    with ``hint``: ``""`` for a command without ``--allow-empty``)."""
     from tiered_ckpt.local.catalogue import resolve_root
 
     if not root.exists():
@@ -141,8 +148,7 @@ def require_checkpoint_root(root: Path, allow_empty: bool = False, *, as_given: 
         raise CliError(f"{root} is not a directory")
     if allow_empty or _holds_run(root if as_given else resolve_root(root)[0]):
         return root
-    raise CliError(f"{root} is not a checkpoint root (no run.json and no step_* directories); pass "
-                   "--allow-empty to accept an empty directory")
+    raise CliError(f"{root} is not a checkpoint root (no run.json and no step_* directories){hint}")
 
 
 def require_step(root: Path, step: int) -> None:

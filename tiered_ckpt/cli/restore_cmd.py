@@ -160,7 +160,7 @@ def remote_empty_line(args: argparse.Namespace, client: Any, step: int | None = 
     if not claimed and not steps and not args.allow_empty:
         raise CliError(f"{args.remote} is not a checkpoint prefix (no run.json and no step_* objects)"
                        + NOT_A_PREFIX_HINT)
-    if step is not None and step not in steps and (claimed or steps):
+    if step is not None and step not in steps:
         raise CliError(f"step {step} does not exist under {args.remote} ({steps_text(steps)})")
     return f"no steps {'yet ' if claimed and not steps else ''}under {args.remote}"
 
