@@ -103,6 +103,19 @@ def test_a_fifo_run_record_is_named_once(run_dir: Path, capsys: pytest.CaptureFi
         assert (rc, out) == (1, "")
         # before: "ManifestError: <path>: <path> is a FIFO, ..."
         assert error_line(err) == f"{fifo} is a FIFO, not a regular file; refusing to open it"
+    assert main(["--debug", "ls", str(run_dir)]) == 1  # --debug: the traceback and the class name
+    err = capsys.readouterr().err
+    assert "Traceback" in err
+    assert err.splitlines()[-1] == f"tiered-ckpt: error: ManifestError: {fifo} is a FIFO, not a regular file; refusing to open it"
+
+
+def test_os_errors_read_path_colon_reason() -> None:
+    from tiered_ckpt.cli import error_text
+
+    assert error_text(FileNotFoundError(2, "No such file or directory", "/x/y")) == "/x/y: No such file or directory"
+    assert error_text(PermissionError(13, "Permission denied", "/a", None, "/b")) == "/a -> /b: Permission denied"
+    assert error_text(OSError(28, "No space left on device")) == "No space left on device"
+    assert error_text(tc.ManifestError("m")) == "m"
 
 
 def test_gc_says_what_it_skipped_and_why(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
