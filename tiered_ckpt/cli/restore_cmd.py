@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.cli._common import (ALLOW_EMPTY_HELP, EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY,
-                                     MAX_PART_SIZE_MIB, CliError, bounded_int, human_bytes, parse_ranks, print_json,
-                                     print_table, s3_url, step_number, steps_text)
+from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
+                                     bounded_int, human_bytes, parse_ranks, print_json, print_table, s3_url,
+                                     step_number, steps_text)
 
 MiB = 1024 * 1024
 
@@ -94,7 +94,6 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
     from tiered_ckpt.errors import RankOutOfRangeError
-
     from tiered_ckpt.remote.restore_plan import RestorePlan
 
 
