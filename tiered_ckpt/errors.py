@@ -124,6 +124,43 @@ class RunMismatchError(UploadError):
         self.ours = ours
 
 
+class RemoteAccessError(UploadError):
+    """The bucket cannot be used at all, whatever the operation: it does not exist, no credentials were
+    found or the server refused them, access was denied, or the endpoint could not be reached. The message
+    says which in the user's terms (the bucket or URL, the endpoint host without user info, and what to
+    do). An :class:`UploadError` (every failed remote operation is one), so handlers of remote failures
+    catch it too; ``last_exception`` holds the cause."""
+
+
+class RemoteListError(UploadError):
+    """Listing a bucket prefix (its objects or its multipart uploads) failed: after the store's retries, or
+    because the server's pages cannot be followed (a truncated page without a continuation token, or the
+    token it was sent). An :class:`UploadError` for the handlers of remote failures, worded as a listing."""
+
+
+class NoSuchStepError(NoCheckpointError):
+    """The step asked for does not exist at all (no step directory locally; no object of it in the bucket),
+    as opposed to one that exists uncommitted or was never fully uploaded. ``steps``: the steps there are."""
+
+    def __init__(self, message: str, *, steps: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.steps = tuple(steps)
+
+
+class NotACheckpointRootError(NoCheckpointError):
+    """The directory or bucket prefix holds no run record (``run.json``) and no step at all: a wrong path
+    or URL, not a run before its first save (which has its ``run.json``)."""
+
+
+class RankOutOfRangeError(CheckpointError, ValueError):
+    """Ranks were asked for that the step does not have (outside ``range(world_size)``). ``ranks``: the
+    offending ones; ``world_size`` and ``step``: of the step."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), world_size: int = 0, step: int = 0) -> None:
+        super().__init__(message)
+        self.ranks, self.world_size, self.step = tuple(ranks), world_size, step
+
+
 __all__ = [
     "SaveTimeoutError",
     "CheckpointError",
@@ -143,4 +180,9 @@ __all__ = [
     "DistributedSaveError",
     "LineageError",
     "RunMismatchError",
+    "RemoteAccessError",
+    "RemoteListError",
+    "NoSuchStepError",
+    "NotACheckpointRootError",
+    "RankOutOfRangeError",
 ]

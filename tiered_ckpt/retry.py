@@ -58,12 +58,15 @@ happen inside each request's deadline), a 64 MiB part after about 6 x 316 s. Cal
 s3transfer transfers and ends a read-back between chunks (a single request already in flight runs to its
 deadline).
 
-Every retry is logged at WARNING through ``logging.getLogger(__name__)`` before the wait. A
-``threading.Event`` (the daemon's stop event) cuts a wait short: no further attempt is made once it is
-set, and :class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not
-retryable, are raised as :class:`~tiered_ckpt.errors.UploadError` with ``last_exception`` set (an
-``UploadError`` raised by the operation itself, e.g. a typed ``PreconditionFailedError``, passes through
-unchanged).
+Logging (``logging.getLogger(__name__)``): one WARNING per operation, at its first failure, with the
+attempt count; the later attempts at DEBUG; a success after retries at INFO. A ``threading.Event`` (the
+daemon's stop event) cuts a wait short: no further attempt is made once it is set, and
+:class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not retryable, are
+raised as :class:`~tiered_ckpt.errors.RemoteAccessError` when the bucket cannot be used at all (missing
+bucket, credentials, denied, endpoint unreachable: :mod:`tiered_ckpt.store.access`), else as the caller's
+``error`` class (:class:`~tiered_ckpt.errors.UploadError`; ``RemoteListError`` for a listing), with
+``last_exception`` set (an ``UploadError`` raised by the operation itself, e.g. a typed
+``PreconditionFailedError``, passes through unchanged).
 
 Source: tenacity (``Retrying``, ``stop_after_attempt``, ``stop_when_event_set``; the wait is our own
 :meth:`RetryPolicy.wait_s`, the shape of tenacity's ``wait_exponential_jitter`` but capped after the
@@ -83,6 +86,7 @@ import tenacity
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.redact import redact_text
+from tiered_ckpt.store.access import access_error
 
 logger = logging.getLogger(__name__)
 
@@ -260,15 +264,16 @@ class _StopRequested(Exception):
 
 
 def _describe(exc: BaseException | None) -> str:
-    """One line about ``exc`` for a retry WARNING or an ``UploadError`` message: the S3 error code and HTTP
-    status when there is one, else the exception's text with URL user info and credentials masked
-    (``tiered_ckpt.redact``: botocore's "Could not connect to the endpoint URL: ..." carries the URL)."""
+    """One line about ``exc`` for a retry log line or an ``UploadError`` message, without Python class
+    names: the S3 error code and HTTP status when there is one, else the exception's text (its class name
+    only when it has none) with URL user info and credentials masked (``tiered_ckpt.redact``: botocore's
+    "Could not connect to the endpoint URL: ..." carries the URL)."""
     if exc is None:
         return "no exception"
     code, status = s3_error_code_and_status(exc)
     if code is not None:
-        return f"{type(exc).__name__} {code} (HTTP {status})"
-    return f"{type(exc).__name__}: {redact_text(str(exc))}"
+        return f"{code} (HTTP {status})"
+    return redact_text(str(exc)) or type(exc).__name__
 
 
 def call_with_retries(
@@ -279,6 +284,8 @@ def call_with_retries(
     stop_event: threading.Event | None = None,
     is_retryable: Callable[[BaseException], bool] = is_retryable_s3_error,
     passthrough: tuple[type[BaseException], ...] = (),
+    target: str | None = None,
+    error: type[UploadError] = UploadError,
 ) -> T:
     """Run ``fn()`` and retry it per ``policy`` while ``is_retryable(exc)`` holds; return its result.
 
@@ -287,11 +294,14 @@ def call_with_retries(
     further attempts and cuts a running backoff short.
 
     ``passthrough``: exception types that, when not retryable, are re-raised unchanged instead of
-    wrapped (the store passes ``OSError`` so that a full local disk stays an ``OSError``).
+    wrapped (the store passes ``OSError`` so that a full local disk stays an ``OSError``). ``target``: the
+    ``s3://bucket/prefix`` the operation works on, named by a ``RemoteAccessError`` (default: the URL in
+    ``op_name``). ``error``: the class of the other final failures.
 
     Raises:
-        UploadError: the last failure was not retryable, or ``policy.max_attempts`` attempts failed;
-            ``last_exception`` holds it (an ``UploadError`` raised by ``fn`` itself is re-raised as is).
+        RemoteAccessError: the bucket cannot be used at all (module docstring).
+        UploadError: (``error``) the last failure was not retryable, or ``policy.max_attempts`` attempts
+            failed; ``last_exception`` holds it (an ``UploadError`` raised by ``fn`` itself is re-raised as is).
         OperationInterruptedError: ``stop_event`` was set before a retry.
         BaseException: a ``KeyboardInterrupt``/``SystemExit`` from ``fn`` propagates untouched.
     """
@@ -301,14 +311,11 @@ def call_with_retries(
         exc = state.outcome.exception() if state.outcome is not None else None
         last["exc"] = exc
         wait_s = state.next_action.sleep if state.next_action is not None else 0.0
-        logger.warning(
-            "%s failed (attempt %d/%d), retrying in %.2f s: %s",
-            op_name,
-            state.attempt_number,
-            policy.max_attempts,
-            wait_s,
-            _describe(exc),
-        )
+        first = state.attempt_number == 1  # one WARNING per operation; its later attempts at DEBUG
+        logger.log(logging.WARNING if first else logging.DEBUG,
+                   "%s failed (attempt %d of %d), retrying in %.2f s%s: %s", op_name, state.attempt_number,
+                   policy.max_attempts, wait_s, " (further attempts logged at DEBUG)" if first else "",
+                   _describe(exc))
 
     def _sleep(seconds: float) -> None:
         if stop_event is None:
@@ -319,16 +326,15 @@ def call_with_retries(
     stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
     if stop_event is not None:
         stop = stop | tenacity.stop_when_event_set(stop_event)
-    retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(is_retryable),
-        stop=stop,
-        wait=lambda state: policy.wait_s(state.attempt_number),
-        sleep=_sleep,
-        before_sleep=_before_sleep,
-        reraise=True,
-    )
+    retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(is_retryable), stop=stop,
+                                 wait=lambda state: policy.wait_s(state.attempt_number), sleep=_sleep,
+                                 before_sleep=_before_sleep, reraise=True)
     try:
-        return retrying(fn)
+        result = retrying(fn)
+        attempts = retrying.statistics.get("attempt_number", 1)
+        if attempts > 1:
+            logger.info("%s succeeded at attempt %d of %d", op_name, attempts, policy.max_attempts)
+        return result
     except _StopRequested:
         raise OperationInterruptedError(
             f"{op_name}: stopped while waiting to retry after {_describe(last['exc'])}",
@@ -343,12 +349,22 @@ def call_with_retries(
                 raise OperationInterruptedError(
                     f"{op_name}: stopped after attempt {attempts}: {_describe(exc)}", last_exception=exc
                 ) from exc
-            message = f"{op_name} failed after {attempts} attempt(s): {_describe(exc)}"
-        else:
-            if passthrough and isinstance(exc, passthrough):
-                raise
-            message = f"{op_name} failed (not retryable): {_describe(exc)}"
-        raise UploadError(message, last_exception=exc) from exc
+        elif passthrough and isinstance(exc, passthrough):
+            raise
+        raise _final_error(exc, op_name, target, error, attempts, retried=is_retryable(exc)) from exc
+
+
+def _final_error(exc: BaseException, op_name: str, target: str | None, error: type[UploadError], attempts: int,
+                 *, retried: bool) -> UploadError:
+    """What :func:`call_with_retries` raises for its last failure ``exc``: a ``RemoteAccessError`` when the
+    bucket cannot be used at all (:func:`tiered_ckpt.store.access.access_error`), else ``error``."""
+    code, status = s3_error_code_and_status(exc)
+    access = access_error(exc, code=code, status=status, names=_class_names(exc), op_name=op_name,
+                          target=target, attempts=attempts)
+    if access is not None:
+        return access
+    how = f"after {attempts} attempt(s)" if retried else "(not retryable)"
+    return error(f"{op_name} failed {how}: {_describe(exc)}", last_exception=exc)
 
 
 __all__ = [

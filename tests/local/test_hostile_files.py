@@ -236,7 +236,7 @@ def expected(case: Case, w: dict) -> dict[str, object]:
                    verify=[1, f"step 1: corrupt: {msg}\n", ""], ls_state="corrupt")
     elif case.target == RUN_RECORD_NAME:
         msg = refusal(entry, case.kind)
-        err = f"tiered-ckpt: error: ManifestError: {entry}: {msg}\n"  # scan names run.json once more
+        err = f"tiered-ckpt: error: {msg}\n"  # the path once (before: scan named run.json once more)
         out.update(load=["ManifestError", msg], verify=[1, "", err], ls=[1, "", err])
     else:  # the step directory: never a step of the run; a symlinked one is reported
         out["load"] = ["NoCheckpointError", f"step 1 is not committed under {root}"]

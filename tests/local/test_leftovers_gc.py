@@ -51,7 +51,7 @@ def test_gc_removes_dead_download_leftovers_only(tmp_path: Path, capsys) -> None
     root, sdir, files = _leftovers(tmp_path)
     before = {p.name for p in sdir.iterdir()}
     assert main(["gc", str(root), "--json"]) == 0
-    removed = sorted(json.loads(capsys.readouterr().out))
+    removed = sorted(json.loads(capsys.readouterr().out)["removed"])
     assert removed == sorted(str(p) for p in list(files)[:2] + [list(files)[4]])
     assert {p.name for p in sdir.iterdir()} == before - {list(files)[0].name, list(files)[1].name}
     assert not list(files)[4].exists()

@@ -135,7 +135,8 @@ def test_two_sidecars_commit_one_hashed_step_and_an_abandoned_save_lists_its_sha
         with pytest.raises(StepIncompleteError):
             up_a.upload_step(5)
         rows = list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client)
-        assert [(r.step, r.state, r.objects) for r in rows] == [(5, "no upload manifest", 3)]  # manifest + 2 shards
+        # every object of the save: manifest, 2 shards, their 2 confirmation records
+        assert [(r.step, r.state, r.objects) for r in rows] == [(5, "no upload manifest", 5)]
         um = up_b.upload_step(5)
         assert um.key_layout == "hashed"
         assert up_a.upload_step(5) == um

@@ -152,8 +152,8 @@ def test_hashed_key_layout(tmp_path: Path, s3_bucket: S3Location) -> None:
 
 
 def test_missing_step_is_no_checkpoint_error(tmp_path: Path, s3_bucket: S3Location) -> None:
-    """A step the prefix does not hold (and an empty prefix): NoCheckpointError naming the step."""
-    with pytest.raises(NoCheckpointError, match="step 3 has no upload_manifest.json"):
+    """A step the prefix does not hold (here an empty prefix): NoCheckpointError naming the prefix."""
+    with pytest.raises(NoCheckpointError, match=f"{s3_bucket.url} is not a checkpoint prefix"):
         open_remote_step(s3_bucket.url, 3, s3_client=s3_bucket.client)
 
 

@@ -190,7 +190,7 @@ def test_local_step_of_another_save_is_not_overwritten_without_replace(
 
 @both_servers
 def test_empty_bucket(s3_bucket: S3Location, tmp_path: Path) -> None:
-    with pytest.raises(NoCheckpointError, match="no remotely committed step"):
+    with pytest.raises(NoCheckpointError, match="is not a checkpoint prefix"):  # no run.json, no step
         _restore(s3_bucket, tmp_path)
     assert list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client) == []
 

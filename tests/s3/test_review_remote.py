@@ -24,7 +24,7 @@ from hostile_http import Behaviour, HostileS3, run_bounded
 from spawn import python_cmd
 from tiered_ckpt import Uploader
 from tiered_ckpt.local import save_sharded
-from tiered_ckpt.errors import UploadError
+from tiered_ckpt.errors import RemoteListError, UploadError
 from tiered_ckpt.remote.transfer import SentShard, TransitCorruptionError, confirm_shard
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.s3 import S3Store, make_s3_client
@@ -131,7 +131,7 @@ def test_endless_list_page_is_refused_within_a_bounded_size(endless_xml: str) ->
     GBs at loopback speed). The store must stop reading it at a fixed cap."""
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: list(store.list_keys("")), 30)
-    assert type(result) is UploadError, result
+    assert type(result) is RemoteListError, result  # a listing's failure, worded as one
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
 
@@ -148,7 +148,7 @@ def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str, k
 def test_endless_chunked_list_page_is_refused_within_a_bounded_size(endless_xml: str) -> None:
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: list(store.list_keys("chunked")), 30)
-    assert type(result) is UploadError, result
+    assert type(result) is RemoteListError, result  # a listing's failure, worded as one
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
 
@@ -208,7 +208,7 @@ def test_list_keys_refuses_a_repeated_continuation_token(same_page: str) -> None
     """Before: list_keys yielded the same key for ever (a sidecar sweep or ``ls --remote`` never ended)."""
     with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: _first(store.list_keys(""), 300), 20)
-    assert type(result) is UploadError, result
+    assert type(result) is RemoteListError, result  # a listing's failure, worded as one
     assert "continuation token" in str(result)
     assert _SamePage.pages == 2
 
@@ -216,7 +216,7 @@ def test_list_keys_refuses_a_repeated_continuation_token(same_page: str) -> None
 def test_list_multipart_uploads_refuses_a_repeated_marker(same_page: str) -> None:
     with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: _first(store.list_multipart_uploads(""), 300), 20)
-    assert type(result) is UploadError, result
+    assert type(result) is RemoteListError, result  # a listing's failure, worded as one
     assert "marker" in str(result)
     assert _SamePage.pages == 2
 

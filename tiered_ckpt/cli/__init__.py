@@ -1,8 +1,10 @@
 """``tiered-ckpt`` command line: ``ls | verify | gc`` (local tier) and, from their own modules,
 ``upload | restore | demo | reshard``.
 
-Exit codes: 0 fine, 1 a checkpoint fault was found or an operation failed, 2 usage error. Failures
-print one line (``tiered-ckpt: error: ...``) on stderr, never a traceback (``--debug`` shows it).
+Exit codes: 0 fine, 1 a checkpoint fault was found or an operation failed, 2 usage error; 141 (silently)
+when stdout was closed under the command (``tiered-ckpt ls | head -1``), as for coreutils' tools. Failures
+print one line (``tiered-ckpt: error: ...``) on stderr in the user's terms: what failed, on which object
+or path, and what to do; never a traceback or a Python class name (``--debug`` shows both).
 
 Logging (:mod:`tiered_ckpt.cli._logs`): the ``tiered_ckpt`` logger on stderr at ``--log-level``; the
 HTTP wire (botocore, urllib3, s3transfer) only with ``--log-wire``. Every log record, error line and
@@ -17,6 +19,7 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
 import signal
 import sys
 import textwrap
@@ -202,15 +205,47 @@ def _run(args: argparse.Namespace) -> int:
         return e.code
     except KeyboardInterrupt:  # SIGINT or SIGTERM: the command has cut its transfers
         return _interrupted()
+    except BrokenPipeError:
+        return _stdout_closed()
     except (CheckpointError, OSError, ValueError) as e:
         if args.debug:
             _print_traceback()
-        print_error(f"{type(e).__name__}: {e}")
+        print_error(f"{type(e).__name__}: {e}" if args.debug else error_text(e))
         return EXIT_FAULT
     except Exception as e:  # a bug: its traceback, but never a secret in it
         _print_traceback()
         print_error(f"{type(e).__name__}: {e}")
         return EXIT_FAULT
+
+
+def error_text(e: BaseException) -> str:
+    """The words of a failure for its error line, without its Python class name (``--debug`` adds it): a
+    :class:`CheckpointError`'s message (each says what failed, on which object or path); an ``OSError``
+    as ``path: reason`` (``path -> path2: reason`` for a rename); any other error's message (its class name
+    only when it has none)."""
+    if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{paths}: {e.strerror}" if paths else e.strerror
+    return str(e) or type(e).__name__
+
+
+#: Exit status of a command whose stdout was closed under it (``tiered-ckpt ls | head -1``): that of a
+#: coreutils tool killed by SIGPIPE (128 + 13), with nothing on stderr.
+EXIT_STDOUT_CLOSED = 141
+
+
+def _stdout_closed() -> int:
+    """stdout's reader went away: end silently with :data:`EXIT_STDOUT_CLOSED`. stdout is pointed at
+    /dev/null first, so that the interpreter's last flush of what is still buffered does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture): nothing to quiet
+        pass
+    return EXIT_STDOUT_CLOSED
 
 
 def _print_traceback() -> None:

@@ -1,4 +1,4 @@
-"""Shared pieces of the subcommands: exit codes, error lines, JSON output, table printing."""
+"""Shared pieces of the subcommands: exit codes, error lines, JSON output, table printing, and the checks of\na command's target (a checkpoint root, a step, a destination other than the source)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 EXIT_OK, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
@@ -93,6 +95,92 @@ def parse_ranks(text: str) -> list[int]:
     for lo, hi in spans:
         out.update(range(lo, hi + 1))
     return sorted(out)
+
+
+# ------------------------------------------------------------------ targets: roots, steps, prefixes
+# A wrong path, URL or step must not pass as "nothing there yet" (issue 14): each command checks its
+# target with these and fails with one line (exit 1) naming it; ``--allow-empty`` accepts an existing
+# directory or prefix that holds no run. A root with its ``run.json`` and no step is a fresh run (normal).
+
+ALLOW_EMPTY_HELP = ("accept a target that holds no run (no run.json, no step): print 'no steps' and exit 0, "
+                    "as for an empty run; without it such a directory or prefix is an error (a typo)")
+
+
+def steps_text(steps: Sequence[int]) -> str:
+    """``"steps: 5, 10, 15"`` (at most ten named: the first and last five, and the count), ``"no steps"``."""
+    if not steps:
+        return "no steps"
+    shown = [str(s) for s in steps] if len(steps) <= 10 else \
+        [str(s) for s in steps[:5]] + ["..."] + [str(s) for s in steps[-5:]]
+    return f"steps: {', '.join(shown)}" + (f"; {len(steps)} in all" if len(steps) > 10 else "")
+
+
+def _holds_run(root: Path) -> bool:
+    """``root`` holds a ``run.json``, a step entry, or a leftover only this package makes (a trash directory,
+    an owner-named temp file: a killed restore's) (any kind of entry: a hostile one is the scan's to report).
+    Raises CliError when it cannot be listed."""
+    from tiered_ckpt.fs import temp_owner
+    from tiered_ckpt.layout import RUN_RECORD_NAME, TRASH_PREFIX, parse_step_dir_name
+
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        raise CliError(f"{root}: cannot list the directory: {e.strerror or e}") from None
+    return any(n == RUN_RECORD_NAME or n.startswith(TRASH_PREFIX) or parse_step_dir_name(n) is not None
+               or temp_owner(n) is not None for n in names)
+
+
+ALLOW_EMPTY_HINT = "; pass --allow-empty to accept an empty directory"
+
+
+def require_checkpoint_root(root: Path, allow_empty: bool = False, *, as_given: bool = False,
+                            hint: str = ALLOW_EMPTY_HINT) -> Path:
+    """``root`` when it is an existing directory that holds a run (``run.json`` or a step directory; a
+    step directory given as ``root`` counts as its run's, unless ``as_given``: the writers' and ``gc``'s
+    reading, the directory as named). ``allow_empty``: any existing directory. Raises :class:`CliError`
+    (exit 1): does not exist, not a directory, or (without ``allow_empty``) holds no run (the line ends
+    with ``hint``: ``""`` for a command without ``--allow-empty``)."""
+    from tiered_ckpt.local.catalogue import resolve_root
+
+    if not root.exists():
+        raise CliError(f"{root}: directory does not exist")
+    if not root.is_dir():
+        raise CliError(f"{root} is not a directory")
+    if allow_empty or _holds_run(root if as_given else resolve_root(root)[0]):
+        return root
+    raise CliError(f"{root} is not a checkpoint root (no run.json and no step_* directories){hint}")
+
+
+def require_step(root: Path, step: int) -> None:
+    """Return when ``step`` exists under the run ``root`` (a step directory, committed or not, or a
+    superseded entry of it). Raises :class:`CliError`: exit 1 naming the steps there when it does not,
+    usage (exit 2) when ``root`` is the directory of another step."""
+    from tiered_ckpt.layout import SUPERSEDED_DIR, parse_remote_step_entry, step_dir_name
+    from tiered_ckpt.local.catalogue import all_step_dirs, resolve_root
+    from tiered_ckpt.safe_read import list_in_root
+
+    try:
+        r, _ = resolve_root(root, step)
+    except ValueError as e:  # ROOT is step_X's directory and --step asks for another
+        raise CliError(str(e), EXIT_USAGE) from None
+    if os.path.lexists(r / step_dir_name(step)) or any(
+            (parse_remote_step_entry(n) or (None,))[0] == step for n in list_in_root(r, SUPERSEDED_DIR)):
+        return
+    raise CliError(f"step {step} does not exist under {root} ({steps_text(all_step_dirs(r))})")
+
+
+def require_other_root(out: Path, root: Path, flag: str = "--out") -> None:
+    """A usage error (exit 2) when ``out`` (a destination, the directory as given) is the source run
+    directory ``root`` or one of its step directories (``reshard --out ROOT``)."""
+    from tiered_ckpt.layout import parse_step_dir_name
+    from tiered_ckpt.local.catalogue import resolve_root
+
+    src = os.path.realpath(resolve_root(root)[0])
+    dst = Path(os.path.abspath(out))
+    if os.path.realpath(dst) == src or (parse_step_dir_name(dst.name) is not None
+                                        and os.path.realpath(dst.parent) == src):
+        raise CliError(f"{flag} {out} is the source run directory {root} or one of its step directories; pass "
+                       "another directory", EXIT_USAGE)
 
 
 # ------------------------------------------------------------------ argparse ``type=`` validators

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc, gc_superseded, scan
-from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes, nonneg_seconds, parse_ranks,
-                      print_json, print_table, s3_url, step_number)
+from tiered_ckpt.layout import RUN_RECORD_NAME
+from tiered_ckpt.local.catalogue import resolve_root
+from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc_report, scan
+from tiered_ckpt.cli._common import (ALLOW_EMPTY_HELP, EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes,
+                                     nonneg_seconds, parse_ranks, print_json, print_table, require_checkpoint_root,
+                                     require_step, s3_url, step_number)
 
 #: ``verify --remote URL`` calls ``scan_remote(url, *, step, fast, s3_client) -> list[StepStatus]`` of this module
 #: (the uploader's side of issue 6: every remote step checked against its upload manifest). Until that
@@ -26,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tiered_ckpt.cli.restore_cmd import add_s3_args  # remote listing lives with restore
 
     add_s3_args(p)
+    p.add_argument("--allow-empty", action="store_true", help=ALLOW_EMPTY_HELP)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("verify", help="fully verify steps (sizes, sha256 or CRC32C, headers)",
@@ -57,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="verify the steps under s3://bucket/prefix against their upload manifests")
     add_s3_args(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--allow-empty", action="store_true", help=ALLOW_EMPTY_HELP)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", help="remove leftovers of dead writers",
@@ -71,7 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "ones and ones being read or uploaded")
     p.add_argument("--min-age-s", type=nonneg_seconds, default=60.0,
                    help="leave uncommitted directories younger than this alone (default 60)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output: {\"removed\": [paths], \"skipped\": [{\"path\", \"reason\"}]}")
+    p.add_argument("--allow-empty", action="store_true", help=ALLOW_EMPTY_HELP)
     p.set_defaults(func=cmd_gc)
 
 
@@ -82,13 +90,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return cmd_ls_remote(args)
     if args.root is None:
         raise CliError("ls needs ROOT or --remote s3://bucket/prefix", EXIT_USAGE)
-    _require_root(args.root)
+    require_checkpoint_root(args.root, args.allow_empty)
     rows = scan(args.root, verify=False, require_all=False)
     if args.json:
         print_json([s.to_dict() for s in rows])
         return EXIT_OK
     if not rows:
-        print(f"no steps under {args.root}")
+        print(_no_steps_line(args.root))
         return EXIT_OK
     print_table(["step", "state", "world_size", "size", "leftover", "note"],
                 [[s.step, s.state, s.world_size if s.world_size is not None else "-", human_bytes(s.size_bytes),
@@ -97,18 +105,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _require_root(root: Path, what: str = "") -> None:
-    """A typo in a path must not pass as "nothing there": exit 1 naming the missing directory."""
+    """A typo in a path must not pass as "nothing there": exit 1 naming the missing directory (``upload
+    --local``, which waits for a fresh root to fill; the other commands call
+    :func:`~tiered_ckpt.cli._common.require_checkpoint_root`)."""
     if not root.exists():
         raise CliError(f"{what}{root}: directory does not exist")
     if not root.is_dir():
         raise CliError(f"{what}{root} is not a directory")
 
 
-def _scan_remote(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
-    from tiered_ckpt.cli.restore_cmd import make_client
-    from tiered_ckpt.remote.verify import scan_remote
-
-    return list(scan_remote(args.remote, step=args.step, fast=args.fast, s3_client=make_client(args)))
+def _no_steps_line(root: Path) -> str:
+    """``no steps yet under ROOT`` for a fresh run (its ``run.json`` is there), else ``no steps under ROOT``
+    (a directory accepted with ``--allow-empty``, or one whose only step entries are not directories)."""
+    fresh = os.path.lexists(resolve_root(root)[0] / RUN_RECORD_NAME)
+    return f"no steps {'yet ' if fresh else ''}under {root}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -117,18 +127,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.ranks) if args.ranks is not None else None
     if ranks is not None and not ranks:
         raise CliError(f"bad rank list {args.ranks!r} (expected e.g. 0-1,4)", EXIT_USAGE)
+    empty = ""
     if args.remote is not None:
         if ranks is not None:
             raise CliError("--ranks is for a node-local ROOT, not --remote", EXIT_USAGE)
-        rows = _scan_remote(args)
+        from tiered_ckpt.cli.restore_cmd import make_client, remote_empty_line
+        from tiered_ckpt.remote.verify import scan_remote
+
+        client = make_client(args)
+        rows = list(scan_remote(args.remote, step=args.step, fast=args.fast, s3_client=client))
+        if not rows:  # a wrong URL or step fails here; an empty run says so
+            empty = remote_empty_line(args, client, args.step)
     else:
-        _require_root(args.root)
+        require_checkpoint_root(args.root, args.allow_empty)
+        if args.step is not None:
+            require_step(args.root, args.step)
         rows = scan(args.root, verify=True, step=args.step, fast=args.fast, ranks=ranks,
                     require_all=args.require_all)
+        empty = "" if rows else _no_steps_line(args.root)
     if args.json:
         print_json([s.to_dict() for s in rows])
     elif not rows:
-        print(f"no steps under {args.remote or args.root}")
+        print(empty)
     else:
         for s in rows:
             print(_verify_line(s))
@@ -154,18 +174,17 @@ def _shown(p: Path) -> str:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    _require_root(args.root)
-    kept: list[tuple[Path, str]] = []
-    removed: list[Path] = []
-    if args.superseded:
-        removed, kept = gc_superseded(args.root)
-    removed += gc(args.root, force=args.force, min_age_s=args.min_age_s)
+    require_checkpoint_root(args.root, args.allow_empty, as_given=True)  # gc sweeps the directory as named
+    rep = gc_report(args.root, force=args.force, min_age_s=args.min_age_s, superseded=args.superseded)
     if args.json:
-        print_json([str(p) for p in removed])
-    else:
-        for p in removed:
-            print(f"removed {_shown(p)}")
-        for p, why in kept:
-            print(f"kept superseded {_shown(p)}: {why}")
-        print(f"{len(removed)} leftover(s) removed")
+        print_json({"removed": [str(p) for p in rep.removed],
+                    "skipped": [{"path": str(p), "reason": why} for p, why in rep.skipped]})
+        return EXIT_OK
+    for p in rep.removed:
+        print(f"removed {_shown(p)}")
+    for p, why in rep.kept_superseded:
+        print(f"kept superseded {_shown(p)}: {why}")
+    for p, why in rep.skipped_others:
+        print(f"skipped {_shown(p)}: {why}")
+    print(f"{len(rep.removed)} leftover(s) removed" + (f", {len(rep.skipped)} skipped" if rep.skipped else ""))
     return EXIT_OK

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
                                      bounded_int, human_bytes, parse_ranks, print_json, print_table, s3_url,
-                                     step_number)
+                                     step_number, steps_text)
 
 MiB = 1024 * 1024
 
@@ -61,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_s3_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="a prefix that holds no step (an empty or fresh run) is not an error: print 'no steps "
+                        "under URL: nothing restored' and exit 0 (a job's start script: restore if there is "
+                        "something, else start fresh)")
     p.set_defaults(func=cmd_restore)
 
 
@@ -88,6 +93,7 @@ def _check_url(url: str) -> None:
 if TYPE_CHECKING:
     from tqdm import tqdm
 
+    from tiered_ckpt.errors import RankOutOfRangeError
     from tiered_ckpt.remote.restore_plan import RestorePlan
 
 
@@ -120,17 +126,54 @@ class _Progress:
 
 
 def _check_local(local: Path) -> None:
-    """``--local`` must be a directory or a path one can make (exit 1, one line, nothing fetched)."""
+    """``--local`` must be a directory or a path one can make, and writable (exit 1, one line, before any
+    request): a directory is made and removed in it, or in its nearest existing ancestor, to find out."""
     from tiered_ckpt.remote.restore import not_a_directory
 
     bad = not_a_directory(local)
     if bad is not None:
         why = "" if bad == Path(local).absolute() else f" ({bad} is not one)"
         raise CliError(f"--local {local} is not a directory{why}", EXIT_FAULT)
+    where = Path(local).absolute()
+    while not os.path.lexists(where) and where != where.parent:
+        where = where.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tiered-ckpt-probe.", dir=where))
+    except OSError as e:
+        what = "is not writable" if where == Path(local).absolute() else "cannot be created"
+        raise CliError(f"--local {local} {what}: a directory cannot be made in {where} ({e.strerror or e}); "
+                       "nothing was downloaded", EXIT_FAULT) from None
+
+
+NOT_A_PREFIX_HINT = "; pass --allow-empty to accept an empty prefix"
+
+
+def remote_empty_line(args: argparse.Namespace, client: Any, step: int | None = None) -> str:
+    """What ``ls --remote`` / ``verify --remote`` print when they found no step of ``args.remote``
+    (``step``: the one asked for): ``no steps yet under URL`` for a claimed run; ``no steps under URL``
+    for a prefix that holds no run, with ``--allow-empty``. Raises :class:`CliError` (exit 1) for a prefix
+    that holds no run (a typo) and for a ``step`` that does not exist."""
+    from tiered_ckpt.remote.catalogue import remote_target
+
+    claimed, steps = remote_target(args.remote, s3_client=client)
+    if not claimed and not steps and not args.allow_empty:
+        raise CliError(f"{args.remote} is not a checkpoint prefix (no run.json and no step_* objects)"
+                       + NOT_A_PREFIX_HINT)
+    if step is not None and step not in steps:
+        raise CliError(f"step {step} does not exist under {args.remote} ({steps_text(steps)})")
+    return f"no steps {'yet ' if claimed and not steps else ''}under {args.remote}"
+
+
+def _ranks_error(e: RankOutOfRangeError, args: argparse.Namespace) -> CliError:
+    """``--ranks`` outside the chosen step's world size: a usage error naming the valid ranks."""
+    ws, step = e.world_size, e.step
+    valid = f"ranks 0-{ws - 1}" if ws > 1 else "rank 0"
+    return CliError(f"--ranks {args.ranks}: step {step} has world size {ws} ({valid})", EXIT_USAGE)
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from tiered_ckpt.remote.restore import plan_restore, restore_detailed
+    """``tiered-ckpt restore``: the target checks and error words (:func:`_restore`: the restore)."""
+    from tiered_ckpt.errors import NoCheckpointError, NoSuchStepError, NotACheckpointRootError, RankOutOfRangeError
 
     ranks = parse_ranks(args.ranks) if args.ranks is not None else None  # bounded before anything else
     if ranks is not None and not ranks:
@@ -138,6 +181,28 @@ def cmd_restore(args: argparse.Namespace) -> int:
     _check_url(args.remote)
     _check_local(args.local)
     client = make_client(args)
+    try:
+        return _restore(args, client, ranks)
+    except RankOutOfRangeError as e:
+        raise _ranks_error(e, args) from e
+    except NotACheckpointRootError as e:
+        if not args.allow_empty:
+            raise CliError(str(e) + NOT_A_PREFIX_HINT) from e
+        print(f"no steps under {args.remote}: nothing restored")
+    except NoSuchStepError:
+        raise
+    except NoCheckpointError:
+        from tiered_ckpt.remote.catalogue import remote_target
+
+        if not args.allow_empty or args.step is not None or remote_target(args.remote, s3_client=client)[1]:
+            raise
+        print(f"no steps yet under {args.remote}: nothing restored")  # a claimed prefix before its first upload
+    return EXIT_OK
+
+
+def _restore(args: argparse.Namespace, client: Any, ranks: list[int] | None) -> int:
+    from tiered_ckpt.remote.restore import plan_restore, restore_detailed
+
     if args.dry_run:
         plan = plan_restore(args.remote, step=args.step, ranks=ranks, fallback=args.fallback, s3_client=client)
         if args.json:
@@ -184,12 +249,14 @@ def cmd_ls_remote(args: argparse.Namespace) -> int:
     from tiered_ckpt.remote.restore import list_remote_steps
 
     _check_url(args.remote)
-    rows = list_remote_steps(args.remote, s3_client=make_client(args))
+    client = make_client(args)
+    rows = list_remote_steps(args.remote, s3_client=client)
+    empty = remote_empty_line(args, client) if not rows else ""  # a wrong URL fails here
     if args.json:
         print_json([s.to_dict() for s in rows])
         return EXIT_OK
     if not rows:
-        print(f"no steps under {args.remote}")
+        print(empty)
         return EXIT_OK
     print_table(["step", "state", "world_size", "size", "latest", "attempt", "save", "note"],
                 [[s.step, s.shown_state, s.world_size if s.world_size is not None else "-",

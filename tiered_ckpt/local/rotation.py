@@ -110,7 +110,8 @@ def superseded_entries(root: str | os.PathLike[str]) -> list[SupersededStep]:
     try:
         return list(lineage.superseded_local_steps(root))
     except ManifestError as e:
-        raise ManifestError(f"{Path(root) / RUN_RECORD_NAME}: {e}") from e
+        where = str(Path(root) / RUN_RECORD_NAME)
+        raise ManifestError(str(e) if str(e).startswith(where) else f"{where}: {e}") from e  # named once
 
 
 def _superseded_to_remove(root: str | os.PathLike[str], policy: RotationPolicy,

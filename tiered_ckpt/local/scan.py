@@ -16,8 +16,9 @@ Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_s
 superseded them; they are not verified and are never a fault. ``gc(superseded=True)`` removes them.
 
 Leftovers (issue 11): every row counts the bytes of temp files of dead writers in its step directory
-(``leftover_bytes``: a killed save's temps, a killed restore's downloads), and ``gc`` removes those files
-by the owner token in their names (:mod:`tiered_ckpt.local.leftovers`), also in the root itself. The
+(``leftover_bytes``: a killed save's temps, a killed restore's downloads), and ``gc``
+(:mod:`tiered_ckpt.local.sweep`, re-exported here) removes those files by the owner token in their names
+(:mod:`tiered_ckpt.local.leftovers`), also in the root itself, and reports what it left alone. The
 ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held`.
 """
 
@@ -26,26 +27,24 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from tiered_ckpt.fs import is_real_dir, owner_alive, temp_owner
-from tiered_ckpt.locks import stale_lock_files
+from tiered_ckpt.fs import is_real_dir
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices
-from tiered_ckpt.layout import SAVE_LOCK_NAME, SUPERSEDED_DIR, step_dir_name
+from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local.reader import stream_verified_header
-from tiered_ckpt.local.catalogue import (all_step_dirs, is_committed, looks_like_run_root, read_manifest,
-                                         read_manifest_bytes, resolve_root, symlinked_step_entries, write_root)
+from tiered_ckpt.local.catalogue import (all_step_dirs, read_manifest, read_manifest_bytes, resolve_root,
+                                         symlinked_step_entries)
 from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
-from tiered_ckpt.local.leftovers import leftover_bytes, remove_dead_temps
+from tiered_ckpt.local.leftovers import leftover_bytes
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
-from tiered_ckpt.local.rotation import remove_superseded_step, superseded_entries
-from tiered_ckpt.local.trash import is_trash_name, move_to_trash, put_back, remove_trash, trash_owner
-from tiered_ckpt.safe_read import kind_of, list_dir, list_in_root, read_json_record, regular_files
+from tiered_ckpt.local.rotation import superseded_entries
+from tiered_ckpt.local.sweep import GcReport, gc, gc_report, gc_superseded
+from tiered_ckpt.safe_read import kind_of, list_dir, regular_files
 
 log = logging.getLogger(__name__)
 
@@ -269,117 +268,5 @@ def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None 
     return sorted(out, key=lambda st: (st.step, st.state == SUPERSEDED, st.path or ""))
 
 
-def _writer_alive(sdir: Path) -> bool:
-    """Whether a live process may still be writing into ``sdir``: its save lock or a temp file names a
-    live owner."""
-    owner = (read_json_record(sdir / SAVE_LOCK_NAME) or {}).get("owner", "")  # never follows or blocks
-    if owner and owner_alive(str(owner)):
-        return True
-    names = list_dir(sdir)  # the step directory opened O_NOFOLLOW
-    return any((o := temp_owner(n)) is not None and owner_alive(o) for n in names)
-
-
-def gc_superseded(root: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """Remove every superseded step of ``root`` (SPEC §11, ``gc --superseded``) through
-    :func:`tiered_ckpt.local.lineage.remove_superseded`, except pinned ones and ones a live reader or
-    uploader holds. Returns ``(removed paths, [(kept path, why)])``. Raises :class:`ManifestError` for an
-    unreadable ``run.json``, ``OSError`` from a removal."""
-    removed: list[Path] = []
-    kept: list[tuple[Path, str]] = []
-    r = write_root(root)  # a remover: only inside the directory named
-    if resolve_root(r)[0] != r:  # named like a step, no run.json or step yet: read as a step of its parent,
-        return removed, kept      # it has no superseded steps of its own
-    for e in sorted(superseded_entries(r), key=lambda e: (e.step, str(e.path))):
-        why = remove_superseded_step(r, e)
-        if why:
-            kept.append((Path(e.path), why))
-        else:
-            removed.append(Path(e.path))
-    return removed, kept
-
-
-def gc(root: str | os.PathLike[str], *, force: bool = False, min_age_s: float = 60.0,
-       superseded: bool = False) -> list[Path]:
-    """Remove leftovers of dead writers under ``root`` and return what was removed (I3):
-
-    - uncommitted step directories whose writer is dead (not touched for ``min_age_s`` seconds, so that
-      a writer that has only just made the directory is left alone; looked at again inside the trash after
-      the rename, and put back if a writer claimed it meanwhile);
-    - temp files and stale lock files of dead owners inside committed steps, and owner-named temp files
-      of dead owners in ``root`` itself: also the downloads of a killed restore, whatever suffix the
-      download tool added to the staged temp name (:mod:`tiered_ckpt.local.leftovers`);
-    - trash directories left by an interrupted rotation or ``gc --superseded``, in ``root`` and in
-      ``root/superseded/`` (not those of a live deleter, which may still put the step back);
-    - with ``superseded``, superseded steps (:func:`gc_superseded`: not pinned or locked ones).
-
-    ``root`` is the run root as given, even when it is named like a step directory (nothing outside it is
-    touched). Committed current steps are never removed, and without ``superseded`` no superseded one either.
-    ``force`` also removes leftovers whose owner cannot be checked (another host) or is alive: only for
-    an operator who knows no job is running.
-    """
-    r = write_root(root)  # a remover: only inside the directory named, whatever its name looks like
-    removed: list[Path] = gc_superseded(r)[0] if superseded else []
-    now = time.time()
-    if not os.path.lexists(r):
-        return removed
-    removed += _sweep_trash_dirs(r, list_in_root(r, None), force)
-    # remove_superseded's trash of a set-aside entry lies in superseded/ (opened O_NOFOLLOW: [] for a symlink)
-    removed += _sweep_trash_dirs(r / SUPERSEDED_DIR, list_in_root(r, SUPERSEDED_DIR), force)
-    removed += remove_dead_temps(r, force=force, owned_only=True)  # e.g. a killed restore's run.json temp
-    for step in all_step_dirs(r):
-        sdir = r / step_dir_name(step)
-        if not is_committed(sdir):  # lexists: a dangling or odd manifest.json still counts (never swept)
-            if looks_like_run_root(sdir):  # a run root named like a step (restore --local x/step_...): not ours
-                log.warning("gc: %s holds a run of its own (run.json or step directories); left alone", sdir)
-                continue
-            try:
-                age = now - os.lstat(sdir).st_mtime
-            except OSError:
-                continue
-            if not force and (age < min_age_s or _writer_alive(sdir)):
-                continue
-            try:
-                trash = move_to_trash(sdir, owned=False)
-                if not force and (is_committed(trash) or _writer_alive(trash)):  # one raced in: as delete_step
-                    put_back(trash, sdir)
-                    continue
-            except OSError:
-                continue
-            remove_trash(trash, durable=False)
-            removed.append(sdir)
-            log.info("gc: removed uncommitted step directory %s", sdir)
-            continue
-        removed += remove_dead_temps(sdir, force=force)  # a killed writer's or restore's temps and downloads
-        for f in stale_lock_files(sdir):
-            _rm(f, removed)
-        lock = sdir / SAVE_LOCK_NAME
-        if lock.exists() and (force or not _writer_alive(sdir)):
-            _rm(lock, removed)
-    return removed
-
-
-def _sweep_trash_dirs(directory: Path, names: list[str], force: bool) -> list[Path]:
-    """Remove the trash directories among ``names`` in ``directory`` (not symlinks), except those of a live
-    deleter (``force``: those too), which may still put the step back (``delete_step``)."""
-    removed = []
-    for name in sorted(names):
-        p = directory / name
-        if is_trash_name(name) and p.is_dir() and not p.is_symlink():
-            owner = trash_owner(name)
-            if not force and owner is not None and owner_alive(owner):
-                continue
-            remove_trash(p, durable=False)
-            removed.append(p)
-    return removed
-
-
-def _rm(p: Path, removed: list[Path]) -> None:
-    try:
-        os.unlink(p)
-        removed.append(p)
-    except OSError:
-        pass
-
-
-__all__ = ["COMMITTED", "CORRUPT", "INCOMPLETE", "SUPERSEDED", "UNCOMMITTED", "StepStatus", "format_ranks", "gc",
-           "gc_superseded", "held_ranks", "inspect_step", "scan"]
+__all__ = ["COMMITTED", "CORRUPT", "INCOMPLETE", "SUPERSEDED", "UNCOMMITTED", "GcReport", "StepStatus", "format_ranks",
+           "gc", "gc_report", "gc_superseded", "held_ranks", "inspect_step", "scan"]

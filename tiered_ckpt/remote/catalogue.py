@@ -31,11 +31,12 @@ from typing import Any
 from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
-from tiered_ckpt.layout import (LATEST_POINTER_NAME, PINNED_MARKER_NAME, UPLOAD_MANIFEST_NAME, parse_remote_step_entry,
+from tiered_ckpt.layout import (PINNED_MARKER_NAME, RUN_RECORD_NAME, UPLOAD_MANIFEST_NAME, parse_remote_step_entry,
                                 parse_spread_shard_key, save_entry_name, save_shard_key)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
-from tiered_ckpt.remote.limits import MAX_POINTER_BYTES, MAX_UPLOAD_MANIFEST_BYTES
+from tiered_ckpt.remote.limits import MAX_UPLOAD_MANIFEST_BYTES
 from tiered_ckpt.remote.lineage import read_remote_record
+from tiered_ckpt.remote.pointer import read_latest_pointer, read_latest_pointer_versioned
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -176,52 +177,31 @@ def _rank(s: RemoteSave) -> tuple[int, str, str]:
     return (s.um.attempt, s.um.created_at, s.um.save_id)
 
 
-def read_latest_pointer(store: ObjectStore) -> LatestPointer | None:
-    """GET ``<prefix>/latest``; ``None`` when absent or unreadable (a warning: LIST is used then)."""
-    raw = get_or_none(store, LATEST_POINTER_NAME, max_bytes=MAX_POINTER_BYTES)
-    if raw is None:
-        return None
-    try:
-        return LatestPointer.from_json(raw)
-    except ManifestError as exc:
-        log.warning("%s: ignoring a malformed latest pointer: %s", object_url(store, LATEST_POINTER_NAME), exc)
-        return None
-
-
-def read_latest_pointer_versioned(store: ObjectStore) -> tuple[LatestPointer | None, str | None]:
-    """``(pointer, etag)`` for a conditional move of ``latest``: HEAD for the ETag, then GET.
-
-    ``etag`` is ``None`` when no object exists (write with ``If-None-Match: *``); a malformed pointer
-    gives ``(None, etag)`` with a warning (it is replaced with ``If-Match``)."""
-    info = store.head(LATEST_POINTER_NAME)
-    if info is None:
-        return None, None
-    if info.size_bytes > MAX_POINTER_BYTES:  # over its cap: replaced with If-Match, like a malformed one
-        return None, info.etag
-    raw = get_or_none(store, LATEST_POINTER_NAME, max_bytes=MAX_POINTER_BYTES)
-    if raw is None:
-        return None, None
-    try:
-        return LatestPointer.from_json(raw), info.etag
-    except ManifestError:
-        log.warning("%s/latest is unreadable; it will be replaced", store.url)
-        return None, info.etag
-
-
 def list_save_entries(store: ObjectStore) -> dict[SaveKey, frozenset[str]]:
     """``(step, key save id) -> names of the objects LIST shows directly under that save``, and its
     ``hashed``-layout shards (``shards/<hh>/...`` keys: :attr:`RemoteSave.names`) (one paginated LIST of the
     prefix; may lag or lie, never trusted alone). Raises ``UploadError``."""
+    return scan_save_entries(store)[0]
+
+
+def scan_save_entries(store: ObjectStore) -> tuple[dict[SaveKey, frozenset[str]], dict[SaveKey, int]]:
+    """:func:`list_save_entries` and, from the same LIST, the number of objects of each save: every key
+    under its prefix at any depth (``.confirm/`` records too) and its ``hashed``-layout shards, the same
+    count in either key layout. Raises ``UploadError``."""
     out: dict[SaveKey, set[str]] = {}
+    counts: dict[SaveKey, int] = {}
     for key in store.list_keys(""):
         head, sep, name = key.partition("/")
-        parsed = parse_remote_step_entry(head)
+        parsed = parse_remote_step_entry(head) if sep and name else None
         spread = parse_spread_shard_key(key) if parsed is None else None
-        if parsed is not None and sep and name and "/" not in name:
-            out.setdefault(parsed, set()).add(name)
-        elif spread is not None:
-            out.setdefault(spread[:2], set()).add(key)
-    return {k: frozenset(v) for k, v in out.items()}
+        save = parsed if parsed is not None else (spread[:2] if spread is not None else None)
+        if save is None:
+            continue
+        counts[save] = counts.get(save, 0) + 1
+        names = out.setdefault(save, set())
+        if parsed is None or "/" not in name:
+            names.add(name if parsed is not None else key)
+    return {k: frozenset(v) for k, v in out.items()}, counts
 
 
 def read_upload_manifest(store: ObjectStore, step: int,
@@ -261,12 +241,12 @@ def read_catalogue(store: ObjectStore, *, lineage: RunLineage | None = None,
         else:
             lineage = remote
     try:
-        entries = list_save_entries(store)
+        entries, counts = scan_save_entries(store)
     except UploadError as exc:
         if pointer is None:
             raise
         log.warning("%s: LIST failed (%s); using the latest pointer alone", store.url, exc)
-        entries = {}
+        entries, counts = {}, {}
     if pointer is not None:
         entries.setdefault((pointer.step, pointer.save_id), frozenset())
     saves, faults = [], []
@@ -274,21 +254,22 @@ def read_catalogue(store: ObjectStore, *, lineage: RunLineage | None = None,
         is_ptr = pointer is not None and (pointer.step, pointer.save_id) == (step, sid)
         if UPLOAD_MANIFEST_NAME not in names and not is_ptr:
             faults.append(SaveFault(step, sid, REMOTE_NO_UPLOAD_MANIFEST, "objects without an upload manifest "
-                                    "(upload in progress or abandoned)", len(names)))
+                                    "(upload in progress or abandoned)", counts.get((step, sid), 0)))
             continue
         try:
             got = read_upload_manifest(store, step, sid)
         except ManifestError as exc:
-            faults.append(SaveFault(step, sid, REMOTE_BAD_UPLOAD_MANIFEST, str(exc), len(names)))
+            faults.append(SaveFault(step, sid, REMOTE_BAD_UPLOAD_MANIFEST, str(exc), counts.get((step, sid), 0)))
             continue
         if got is None:
             what = "the latest pointer names it" if is_ptr else "LIST showed its upload manifest"
-            faults.append(SaveFault(step, sid, REMOTE_VANISHED, f"{what}, but GET finds none", len(names)))
+            faults.append(SaveFault(step, sid, REMOTE_VANISHED, f"{what}, but GET finds none",
+                                    counts.get((step, sid), 0)))
             continue
         saves.append(RemoteSave(step, sid, got[0], got[1], names))
     saves.sort(key=lambda s: (s.step,) + _rank(s))
     return RemoteCatalogue(lineage, pointer, tuple(saves), tuple(faults),
-                           {k: len(v) for k, v in entries.items()})
+                           {k: counts.get(k, 0) for k in entries})
 
 
 @dataclass(frozen=True)
@@ -297,8 +278,8 @@ class RemoteStep:
     present and valid), ``no upload manifest`` (objects listed but no commit point: an upload in progress
     or abandoned; never restored), ``bad upload manifest`` (present but unreadable), ``vanished`` (LIST
     showed the upload manifest but GET did not find it: a save being deleted by retention). ``objects``:
-    keys LIST showed directly under the save, plus its ``hashed``-layout shards (confirmation records not
-    counted: the same count in either layout). ``latest``: the ``latest`` pointer names this save and it
+    every key LIST showed under the save's prefix (confirmation records included) plus its
+    ``hashed``-layout shards: the same count in either layout. ``latest``: the ``latest`` pointer names this save and it
     is the current save of its step (a pointer left on a superseded or broken save marks nothing).
     ``save_id``: of the save (``None`` when unknown); ``attempt``/``run_id``: its lineage (committed
     saves). ``status`` (committed saves): ``current`` (what a restore of the step chooses),
@@ -374,6 +355,16 @@ def list_remote_steps(remote_url: str, *, s3_client: Any = None, store: ObjectSt
         return list_remote_steps_in(st)
 
 
+def remote_target(remote_url: str, *, s3_client: Any = None, store: ObjectStore | None = None) -> tuple[bool, list[int]]:
+    """``(claimed, steps)`` of ``remote_url``: whether its ``run.json`` claim exists (HEAD), and every step
+    any object of which LIST shows (committed or not), ascending. A prefix with neither holds no run: a
+    wrong URL, not a run before its first upload. Raises ``UploadError`` (``RemoteAccessError``: e.g. no
+    such bucket)."""
+    with StoreHandle(remote_url, store=store, s3_client=s3_client) as st:
+        claimed = st.head(RUN_RECORD_NAME) is not None
+        return claimed, sorted({step for step, _ in scan_save_entries(st)[1]})
+
+
 def committed_step_candidates(store: ObjectStore) -> tuple[list[int], LatestPointer | None]:
     """Steps with a current remotely committed save, ascending, and the ``latest`` pointer (see the
     module docstring; each step's save is :meth:`RemoteCatalogue.current_save`). Raises as
@@ -396,5 +387,5 @@ __all__ = [
     "RemoteCatalogue", "RemoteSave", "RemoteStep", "SaveFault", "committed_step_candidates", "get_or_none",
     "list_remote_steps", "list_remote_steps_in", "list_save_entries", "read_catalogue", "read_latest_pointer",
     "read_latest_pointer_versioned", "read_upload_manifest", "remote_committed_steps", "remote_steps_of",
-    "save_key",
+    "remote_target", "save_key", "scan_save_entries",
 ]

@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from tiered_ckpt.errors import ManifestError, MissingShardError, NoCheckpointError, ShardCorruptedError
+from tiered_ckpt.errors import (ManifestError, MissingShardError, NoCheckpointError, NoSuchStepError,
+                                NotACheckpointRootError, RankOutOfRangeError, ShardCorruptedError)
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.upload_manifest import UploadManifest
-from tiered_ckpt.layout import MANIFEST_NAME, UPLOAD_MANIFEST_NAME
+from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, UPLOAD_MANIFEST_NAME
 from tiered_ckpt.remote.catalogue import (REMOTE_BAD_UPLOAD_MANIFEST, REMOTE_VANISHED, RemoteCatalogue, RemoteSave,
                                           SaveFault, read_catalogue)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
@@ -91,7 +92,8 @@ class RestorePlan:
 
 
 def check_ranks(ranks: Iterable[int] | None, world_size: int, step: int) -> tuple[int, ...]:
-    """``ranks`` sorted and de-duplicated (``None``: all of ``world_size``). Raises ``ValueError``."""
+    """``ranks`` sorted and de-duplicated (``None``: all of ``world_size``). Raises ``ValueError`` (empty),
+    :class:`~tiered_ckpt.errors.RankOutOfRangeError` (a ``ValueError``: ranks the step does not have)."""
     if ranks is None:
         return tuple(range(world_size))
     out = tuple(sorted(set(int(r) for r in ranks)))
@@ -99,7 +101,8 @@ def check_ranks(ranks: Iterable[int] | None, world_size: int, step: int) -> tupl
         raise ValueError("ranks is empty")
     bad = [r for r in out if not 0 <= r < world_size]
     if bad:
-        raise ValueError(f"ranks {bad} are outside step {step}'s world_size {world_size}")
+        raise RankOutOfRangeError(f"ranks {bad} are outside step {step}'s world_size {world_size}",
+                                  ranks=tuple(bad), world_size=world_size, step=step)
     return out
 
 
@@ -168,14 +171,24 @@ def _no_current_save(cat: RemoteCatalogue, store: ObjectStore, step: int) -> NoC
         why = "; ".join(f"save {s.save_id} (attempt {s.attempt}): {cat.status(s)}" for s in others[:4])
         return NoCheckpointError(f"step {step} has no current save under {store.url} ({why}): it is not "
                                  "restored (SPEC §11)")
-    return NoCheckpointError(f"step {step} has no {UPLOAD_MANIFEST_NAME} under {store.url}: it was never "
-                             "fully uploaded, so it does not exist for restore")
+    steps = sorted({s for s, _ in cat.objects})
+    if step not in steps:
+        shown = ", ".join(map(str, steps[:5] + ["..."] + steps[-5:] if len(steps) > 10 else steps))
+        return NoSuchStepError(f"step {step} does not exist under {store.url} "
+                               f"({f'steps: {shown}' if steps else 'no steps'})", steps=tuple(steps))
+    return NoCheckpointError(f"step {step} exists under {store.url} but was never fully uploaded (no "
+                             f"{UPLOAD_MANIFEST_NAME}: an upload in progress or abandoned)")
 
 
 def candidates(cat: RemoteCatalogue, store: ObjectStore, step: int | None,
                fallback: bool) -> list[RemoteSave | SaveFault]:
     """Step 1: the saves to try, in order (a :class:`SaveFault` fails where it stands). Raises
-    ``NoCheckpointError`` when there is none, or when ``step`` has no current save."""
+    ``NoCheckpointError`` when there is none, or when ``step`` has no current save: its
+    :class:`~tiered_ckpt.errors.NoSuchStepError` when the bucket holds no object of ``step``,
+    :class:`~tiered_ckpt.errors.NotACheckpointRootError` when the prefix holds no claim and no step."""
+    if cat.lineage is None and not cat.objects:
+        raise NotACheckpointRootError(f"{store.url} is not a checkpoint prefix (no {RUN_RECORD_NAME} and no step_* "
+                                      "objects)")
     current = cat.current()[::-1]
     bad = [f for f in cat.faults if f.state == REMOTE_BAD_UPLOAD_MANIFEST]
     if step is not None:

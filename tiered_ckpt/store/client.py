@@ -240,7 +240,7 @@ def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
     try:
         client.create_bucket(Bucket=bucket)
     except (ClientError, BotoCoreError) as e:
-        raise UploadError(f"cannot use bucket {bucket!r}: {type(e).__name__}: {e}") from e
+        raise UploadError(f"cannot use bucket {bucket!r}: {e}") from e
     return True
 
 

@@ -15,7 +15,7 @@ import datetime as _dt
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 from tiered_ckpt.retry import is_retryable_s3_error, s3_error_code_and_status
-from tiered_ckpt.errors import UploadError
+from tiered_ckpt.errors import RemoteListError
 from tiered_ckpt.store.base import MultipartUploadInfo, NoSuchUploadError, UploadedPart, check_checksum_algorithm
 from tiered_ckpt.store.keys import PrefixKeys
 from tiered_ckpt.store.objects import RetriedCall, is_not_found
@@ -147,7 +147,8 @@ def iter_uploads(
 ) -> Iterator[MultipartUploadInfo]:
     """In-progress uploads under ``prefix`` (keys relative), page after page (a generator; each page one
     ``call``).
-    Raises ``UploadError`` on a truncated page without a marker or with the markers it was asked with,
+    Raises :class:`~tiered_ckpt.errors.RemoteListError` when a page fails after the retries, or is truncated
+    without a marker or with the markers it was asked with,
     :class:`~tiered_ckpt.store.optional_apis.OperationNotSupportedError` (an ``UploadError``) where the
     server does not implement ListMultipartUploads (warned once per endpoint and bucket)."""
     full_prefix = keys.full_prefix(prefix)
@@ -158,15 +159,18 @@ def iter_uploads(
         uploads, truncated, key_marker, upload_id_marker = call(
             f"list multipart uploads {url}/{prefix}",
             lambda k=key_marker, u=upload_id_marker: list_uploads_page(client, bucket, full_prefix, k, u),
+            error=RemoteListError,
         )
         for full_key, upload_id, initiated in uploads:
             yield MultipartUploadInfo(key=keys.relative(full_key), upload_id=upload_id, initiated=initiated)
         if not truncated:
             return
         if not key_marker:
-            raise UploadError(f"list multipart uploads {url}/{prefix}: truncated page without a marker")
+            raise RemoteListError(f"listing the multipart uploads under {url}/{prefix} failed: the server sent a "
+                                  "truncated page without a marker")
         if (key_marker, upload_id_marker) == sent:  # a server ignoring the markers: the same page for ever
-            raise UploadError(f"list multipart uploads {url}/{prefix}: the server returned the markers it was sent")
+            raise RemoteListError(f"listing the multipart uploads under {url}/{prefix} failed: the server sent back "
+                                  "the markers it was sent (the same page for ever)")
 
 
 __all__ = [

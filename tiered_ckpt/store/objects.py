@@ -16,7 +16,7 @@ import hashlib
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UploadError
+from tiered_ckpt.errors import ManifestError, RemoteListError, ShardCorruptedError
 from tiered_ckpt.retry import OperationInterruptedError, is_retryable_s3_error, s3_error_code_and_status
 from tiered_ckpt.store.base import ObjectInfo, PreconditionFailedError, RemoteNotFoundError
 from tiered_ckpt.store.checksums import checksums_match
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from botocore.client import BaseClient
 
 #: The store's retried call: ``call(op_name, attempt) -> attempt()``'s result (one page per call).
-RetriedCall = Callable[[str, Callable[[], Any]], Any]
+#: ``call(op_name, fn, **kwargs)``: the store's retried call (``S3Store._call``; ``error=`` the class of its
+#: final failure).
+RetriedCall = Callable[..., Any]
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
 _TRANSIENT_DELETE_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable"})
@@ -204,8 +206,9 @@ def iter_keys(
     call: RetriedCall, client: BaseClient, bucket: str, keys: PrefixKeys, prefix: str, page_size: int, url: str
 ) -> Iterator[str]:
     """Relative keys under ``prefix``, page after page (a generator; each page one ``call``). Raises ``ValueError`` on
-    a ``page_size`` outside [1, 1000], ``UploadError`` on a truncated page without a token or with the
-    token it was asked with (a server that ignores it: the same page for ever)."""
+    a ``page_size`` outside [1, 1000], :class:`~tiered_ckpt.errors.RemoteListError` when a page fails after
+    the retries, or is truncated without a token or with the token it was asked with (a server that ignores
+    it: the same page for ever)."""
     if not 1 <= page_size <= 1000:
         raise ValueError(f"page_size must be in [1, 1000], got {page_size}")
     full_prefix = keys.full_prefix(prefix)
@@ -213,16 +216,19 @@ def iter_keys(
     while True:
         sent = token
         page, truncated, token = call(
-            f"list {url}/{prefix}", lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t)
+            f"list {url}/{prefix}", lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t),
+            error=RemoteListError,
         )
         for full_key in page:
             yield keys.relative(full_key)
         if not truncated:
             return
         if not token:
-            raise UploadError(f"list {url}/{prefix}: truncated page without a continuation token")
+            raise RemoteListError(f"listing {url}/{prefix} failed: the server sent a truncated page without a "
+                                  "continuation token")
         if token == sent:  # a server ignoring ContinuationToken would answer the same page for ever
-            raise UploadError(f"list {url}/{prefix}: the server returned the continuation token it was sent")
+            raise RemoteListError(f"listing {url}/{prefix} failed: the server sent back the continuation token "
+                                  "it was sent (the same page for ever)")
 
 
 class PartialDeleteError(Exception):

@@ -135,18 +135,13 @@ class S3Store:
     def _call(
         self, op_name: str, fn: Callable[[], T], *,
         is_retryable: Callable[[BaseException], bool] = is_retryable_s3_error,
-        passthrough: tuple[type[BaseException], ...] = (),
+        passthrough: tuple[type[BaseException], ...] = (), error: type[UploadError] = UploadError,
     ) -> T:
         if self._closed:
             raise UploadError(f"{op_name}: store is closed")
-        return call_with_retries(
-            op_name,
-            fn,
-            policy=self._retry,
-            stop_event=self._stop_event,
-            is_retryable=is_retryable,
-            passthrough=(OSError, *passthrough),  # local I/O (source file gone, disk full) is not an UploadError
-        )
+        return call_with_retries(  # local I/O (source file gone, disk full) stays an OSError, not an UploadError
+            op_name, fn, policy=self._retry, stop_event=self._stop_event, is_retryable=is_retryable,
+            passthrough=(OSError, *passthrough), target=self.url, error=error)
 
     # ----------------------------------------------------------------- small objects
 
