@@ -194,9 +194,9 @@ def test_reshard_writes_into_a_step_named_out_root_as_given(tmp_path: Path) -> N
     np.testing.assert_array_equal(load_sharded(out, 1, 5)[0]["w"], np.arange(4, dtype=np.float32))
     inside = src / "step_0000000005"
     proc = cli("reshard", str(src), "--world-size", "1", "--rule", "w=take_rank0", "--out", str(inside))
-    assert proc.returncode == 1
-    assert proc.stderr == (f"tiered-ckpt: error: out_root {inside} is the source run directory or "
-                           "one of its step directories; reshard into another directory\n")
+    assert proc.returncode == 2  # a usage error (issue 14), checked before anything is read
+    assert proc.stderr == (f"tiered-ckpt: error: --out {inside} is the source run directory {src} or one of "
+                           "its step directories; pass another directory\n")
     assert sorted(os.listdir(inside)) == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]
 
 

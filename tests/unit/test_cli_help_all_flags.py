@@ -94,6 +94,7 @@ def test_global_options_in_every_subcommand_help() -> None:
 
 
 def test_debug_after_the_subcommand_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "step_0000000001").mkdir()  # a checkpoint root whose only step is not committed
     argv = ["reshard", str(tmp_path), "--world-size", "2", "--out", str(tmp_path / "out")]
     assert main(argv) == 1
     assert "Traceback" not in capsys.readouterr().err

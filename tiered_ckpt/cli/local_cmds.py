@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "below them) are listed, never verified, never a fault. With --ranks: "
                                    "only those ranks' shards are checked.")
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory (omit with --remote)")
-    p.add_argument("--step", type=step_number, default=None)
+    p.add_argument("--step", type=step_number, default=None,
+                   help="verify only this step (default: every step under ROOT or --remote)")
     p.add_argument("--ranks", default=None,
                    help="verify only these ranks' shards, e.g. 0-1 or 2,3 (a node-local root; the other "
                         "ranks' shards are expected on other nodes); local roots only")
@@ -61,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--remote", metavar="S3_URL", default=None, type=s3_url,
                    help="verify the steps under s3://bucket/prefix against their upload manifests")
     add_s3_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output: one object per step")
     p.add_argument("--allow-empty", action="store_true", help=ALLOW_EMPTY_HELP)
     p.set_defaults(func=cmd_verify)
 
@@ -69,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description="Remove uncommitted step directories, temp files (downloads of a killed "
                                    "restore too) and stale locks whose writer is dead. Committed steps are "
                                    "never touched; superseded ones only with --superseded.")
-    p.add_argument("root", type=Path)
+    p.add_argument("root", type=Path, help="run directory holding step_XXXXXXXXXX/")
     p.add_argument("--force", action="store_true",
                    help="also remove leftovers of writers that cannot be checked (other hosts)")
     p.add_argument("--superseded", action="store_true",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tiered_ckpt.layout import MAX_WORLD_SIZE
 from tiered_ckpt.local.reshard import NAMED_RULES, reshard
-from tiered_ckpt.cli._common import EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, step_number, world_size
+from tiered_ckpt.cli._common import (EXIT_OK, EXIT_USAGE, CliError, human_bytes, print_json, require_checkpoint_root,
+                                     require_other_root, require_step, step_number, world_size)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -42,6 +43,10 @@ def _rules(items: list[str]) -> dict[str, str]:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    require_checkpoint_root(args.root, hint="")
+    if args.step is not None:
+        require_step(args.root, args.step)
+    require_other_root(args.out, args.root)
     res = reshard(args.root, args.step, args.world_size, args.out, rules=_rules(args.rule),
                   replace=args.replace)
     m = res.manifest

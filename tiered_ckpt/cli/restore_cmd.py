@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
                                      bounded_int, human_bytes, parse_ranks, print_json, print_table, s3_url,
                                      step_number, steps_text)
+from tiered_ckpt.cli._progress import Progress, add_progress_args, progress_enabled
 
 MiB = 1024 * 1024
 
@@ -60,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--parallel-shards", type=bounded_int(MAX_CONCURRENCY), default=8,
                    help="kept for scripts of earlier versions; no effect (every shard's parts share the --concurrency window)")
     add_s3_args(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--allow-empty", action="store_true",
                    help="a prefix that holds no step (an empty or fresh run) is not an error: print 'no steps "
@@ -88,41 +87,6 @@ def _check_url(url: str) -> None:
         parse_s3_url(url)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
-
-
-if TYPE_CHECKING:
-    from tqdm import tqdm
-
-    from tiered_ckpt.errors import RankOutOfRangeError
-    from tiered_ckpt.remote.restore_plan import RestorePlan
-
-
-class _Progress:
-    """A tqdm bar fed from transfer threads (created once the plan's size is known)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: tqdm | None = None
-        self._lock = threading.Lock()
-
-    def on_plan(self, plan: RestorePlan) -> None:
-        if not self.enabled:
-            return
-        from tqdm import tqdm
-
-        if self.bar is not None:  # a fallback to an older step: start over
-            self.bar.close()
-        self.bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                        desc=f"restore step {plan.step}", file=sys.stderr, dynamic_ncols=True)
-
-    def __call__(self, delta: int) -> None:
-        if self.bar is not None:
-            with self._lock:
-                self.bar.update(delta)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _check_local(local: Path) -> None:
@@ -216,7 +180,7 @@ def _restore(args: argparse.Namespace, client: Any, ranks: list[int] | None) -> 
         for o in plan.objects:
             print(f"  {o.key}  {human_bytes(o.size_bytes)}  sha256 {o.sha256[:16]}...")
         return EXIT_OK
-    progress = _Progress(enabled=not (args.no_progress or args.json))
+    progress = Progress(progress_enabled(args))
     try:
         res = restore_detailed(
             args.remote, args.local, step=args.step, ranks=ranks, s3_client=client, fallback=args.fallback,
