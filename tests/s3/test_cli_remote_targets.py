@@ -101,11 +101,15 @@ def test_a_claimed_prefix_without_steps_is_normal(cmd: str, s3_bucket: S3Locatio
 
 
 @both_servers
-@pytest.mark.parametrize("cmd", ["ls", "verify", "restore"])
+@pytest.mark.parametrize("cmd", ["ls", "verify", "restore", "upload"])
 def test_a_bucket_that_does_not_exist(cmd: str, s3_bucket: S3Location, tmp_path: Path,
                                       capsys: pytest.CaptureFixture) -> None:
     url = f"s3://{s3_bucket.bucket}-typo/run1"
-    extra = ["--local", tmp_path / "dest"] if cmd == "restore" else []
+    extra = ["--local", tmp_path / "dest"] if cmd in ("restore", "upload") else []
+    if cmd == "upload":  # two committed steps: one line for the bucket, not one per step
+        for s in (1, 2):
+            save_sharded([{"x": np.zeros(4, np.float32)}], tmp_path / "dest", s)
+        extra.append("--once")
     rc, out, err = cli(capsys, cmd, "--remote", url, *extra, *_s3(s3_bucket))
     assert (rc, out) == (1, "")
     # before: "UploadError: list s3://.../run1/ failed (not retryable): NoSuchBucket NoSuchBucket (HTTP 404)"

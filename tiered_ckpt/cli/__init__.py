@@ -29,7 +29,7 @@ from typing import Any, Iterator, NoReturn, Sequence
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.redact import redact_text
-from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, log_level, print_error
+from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, error_text, log_level, print_error
 from tiered_ckpt.cli._logs import cli_logging, default_log_level, redacted_stdout, register_credentials
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
@@ -216,17 +216,6 @@ def _run(args: argparse.Namespace) -> int:
         _print_traceback()
         print_error(f"{type(e).__name__}: {e}")
         return EXIT_FAULT
-
-
-def error_text(e: BaseException) -> str:
-    """The words of a failure for its error line, without its Python class name (``--debug`` adds it): a
-    :class:`CheckpointError`'s message (each says what failed, on which object or path); an ``OSError``
-    as ``path: reason`` (``path -> path2: reason`` for a rename); any other error's message (its class name
-    only when it has none)."""
-    if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
-        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
-        return f"{paths}: {e.strerror}" if paths else e.strerror
-    return str(e) or type(e).__name__
 
 
 #: Exit status of a command whose stdout was closed under it (``tiered-ckpt ls | head -1``): that of a

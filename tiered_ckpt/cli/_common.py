@@ -38,6 +38,19 @@ def one_line(text: str) -> str:
     return text
 
 
+def error_text(e: BaseException) -> str:
+    """The words of a failure for its error line, without its Python class name (``--debug`` adds it): a
+    :class:`CheckpointError`'s message (each says what failed, on which object or path); an ``OSError``
+    as ``path: reason`` (``path -> path2: reason`` for a rename); any other error's message (its class name
+    only when it has none)."""
+    from tiered_ckpt.errors import CheckpointError
+
+    if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{paths}: {e.strerror}" if paths else e.strerror
+    return str(e) or type(e).__name__
+
+
 def print_error(message: str) -> None:
     """Print ``tiered-ckpt: error: <message>`` (one line, redacted: :func:`one_line`) on stderr."""
     print(f"tiered-ckpt: error: {one_line(message)}", file=sys.stderr)

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCURRENCY, MAX_PART_SIZE_MIB, CliError,
                                      bounded_int, human_bytes, nonneg_seconds, port, positive_seconds, positive_int,
-                                     print_error, print_json, s3_url, step_number)
+                                     error_text, print_error, print_json, s3_url, step_number)
 from tiered_ckpt.cli._progress import Progress, add_progress_args, progress_enabled
-from tiered_ckpt.errors import UploadError
+from tiered_ckpt.errors import RemoteAccessError, UploadError
 from tiered_ckpt.redact import redact_text
 from tiered_ckpt.retry import OperationInterruptedError
 
@@ -184,8 +184,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
         if args.step is None:
             try:
                 up.abort_abandoned_uploads()
-            except OperationInterruptedError:
-                raise
+            except (OperationInterruptedError, RemoteAccessError):
+                raise  # a bucket that cannot be used at all: one line, exit 1, no step tried
             except UploadError as e:  # a cleanup (e.g. 403 to ListMultipartUploads): the sidecar logs it too
                 print_error(f"could not sweep abandoned multipart uploads under {up.store.url}: {e}")
         for s in steps:
@@ -201,14 +201,14 @@ def cmd_upload(args: argparse.Namespace) -> int:
                 results.append({"step": s, "state": "waiting-for-other-nodes", "missing_ranks": list(e.missing_ranks)})
                 if not args.json:
                     print(f"step {s}: this node's shards confirmed; waiting for ranks {list(e.missing_ranks)}")
-            except RunMismatchError:
-                raise  # another run's prefix: no step of this root goes there (one line, exit 1)
+            except (RunMismatchError, RemoteAccessError):
+                raise  # another run's prefix, or a bucket that cannot be used: one line, exit 1
             except Exception as e:  # CheckpointError, OSError: reported per step, exit 1
                 if args.step is not None:
                     raise
                 rc = EXIT_FAULT
-                results.append({"step": s, "state": "failed", "error": redact_text(f"{type(e).__name__}: {e}")})
-                print_error(f"step {s}: {type(e).__name__}: {e}")
+                results.append({"step": s, "state": "failed", "error": redact_text(error_text(e))})
+                print_error(f"step {s}: {error_text(e)}")
         if up.policy.keep_remote_last is not None:
             up.apply_remote_retention()
     except KeyboardInterrupt:  # SIGINT/SIGTERM: cut whatever is in flight; close() waits for the aborts
