@@ -132,6 +132,12 @@ class RemoteAccessError(UploadError):
     catch it too; ``last_exception`` holds the cause."""
 
 
+class RemoteAccessDeniedError(RemoteAccessError):
+    """The server refused one operation on the bucket (403 ``AccessDenied``): the credentials work, but
+    their policy does not allow this request. Unlike the other :class:`RemoteAccessError` cases it may
+    concern one operation only (e.g. ListMultipartUploads under a narrow policy)."""
+
+
 class RemoteListError(UploadError):
     """Listing a bucket prefix (its objects or its multipart uploads) failed: after the store's retries, or
     because the server's pages cannot be followed (a truncated page without a continuation token, or the
@@ -162,6 +168,7 @@ class RankOutOfRangeError(CheckpointError, ValueError):
 
 
 __all__ = [
+    "RemoteAccessDeniedError",
     "SaveTimeoutError",
     "CheckpointError",
     "WorldSizeMismatchError",

@@ -26,7 +26,7 @@ from tiered_ckpt.cli._common import (EXIT_FAULT, EXIT_OK, EXIT_USAGE, MAX_CONCUR
                                      bounded_int, human_bytes, nonneg_seconds, port, positive_seconds, positive_int,
                                      error_text, print_error, print_json, s3_url, step_number)
 from tiered_ckpt.cli._progress import Progress, add_progress_args, progress_enabled
-from tiered_ckpt.errors import RemoteAccessError, UploadError
+from tiered_ckpt.errors import RemoteAccessDeniedError, RemoteAccessError, UploadError
 from tiered_ckpt.redact import redact_text
 from tiered_ckpt.retry import OperationInterruptedError
 
@@ -184,9 +184,11 @@ def cmd_upload(args: argparse.Namespace) -> int:
         if args.step is None:
             try:
                 up.abort_abandoned_uploads()
-            except (OperationInterruptedError, RemoteAccessError):
-                raise  # a bucket that cannot be used at all: one line, exit 1, no step tried
+            except OperationInterruptedError:
+                raise
             except UploadError as e:  # a cleanup (e.g. 403 to ListMultipartUploads): the sidecar logs it too
+                if isinstance(e, RemoteAccessError) and not isinstance(e, RemoteAccessDeniedError):
+                    raise  # a bucket that cannot be used at all: one line, exit 1, no step tried
                 print_error(f"could not sweep abandoned multipart uploads under {up.store.url}: {e}")
         for s in steps:
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from tiered_ckpt.errors import RemoteAccessError
+from tiered_ckpt.errors import RemoteAccessDeniedError, RemoteAccessError
 
 #: botocore's "no credentials anywhere in the chain" (env, profile, instance metadata).
 CREDENTIALS_MISSING = frozenset({"botocore.exceptions.NoCredentialsError",
@@ -88,7 +88,7 @@ def access_error(exc: BaseException, *, code: str | None, status: int | None, na
                                  "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the profile (--profile or "
                                  "AWS_PROFILE)", last_exception=exc)
     if code in DENIED:
-        return RemoteAccessError(f"access denied ({code}, HTTP {status}) to {_url_in(op_name)}: check that the "
+        return RemoteAccessDeniedError(f"access denied ({code}, HTTP {status}) to {_url_in(op_name)}: check that the "
                                  f"credentials in use may read and write {where}", last_exception=exc)
     if names & UNREACHABLE:
         return RemoteAccessError(f"could not reach the S3 endpoint {endpoint_host(exc)} after {attempts} attempt(s) "
