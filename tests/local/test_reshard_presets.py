@@ -41,7 +41,7 @@ EXPECTED_GROUPS = ("progress/data/* (3 keys), progress/loss_history, progress/st
                    "rng/python/* (3 keys), rng/torch_cpu")
 
 
-def test_unruled_keys_grouped_by_prefix_in_one_complete_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unruled_keys_grouped_by_prefix_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tc.save_sharded(train_states(4), tmp_path / "c", 6)
     with pytest.raises(ReshardError) as ei:
         reshard(tmp_path / "c", 6, 2, tmp_path / "o")
@@ -90,6 +90,8 @@ def test_training_preset_4_to_2_and_2_to_3(tmp_path: Path, capsys: pytest.Captur
                "--rule", "rng/=by_rank", "--rule", "progress/=same"])
     assert rc == 0, capsys.readouterr().err
     assert tc.load_shard(tmp_path / "p", 1, 2)["rng"]["numpy"]["pos"] == 1
+    # and when loading straight from the 4-rank step
+    assert tc.load_shard(tmp_path / "c", 1, 2, reshard=True, preset="training")["rng"]["numpy"]["pos"] == 1
 
 
 def test_same_rule_refuses_values_that_differ(tmp_path: Path) -> None:

@@ -54,7 +54,8 @@ def run(rank: int, world: int, out: Path) -> dict:
         fresh = model(seed=5)
         fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5)
         restore_training_state(st, fresh, fresh_opt, rng=False)
-        res["same_params"] = all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), fresh.state_dict().values()))
+        res["same_params"] = all(torch.equal(a, b)
+                                 for a, b in zip(m.state_dict().values(), fresh.state_dict().values()))
         res["lr"] = fresh_opt.param_groups[0]["lr"]
         res["progress"] = st["progress"]
         res["latest"] = mgr.latest_step()

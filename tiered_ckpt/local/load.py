@@ -70,9 +70,8 @@ class _NodeCopies:
     node's first rank stores one, rank 0 always). Opens those shards lazily, reads only what is needed."""
 
     def __init__(self, sdir: Path, manifest: ShardManifest, rank: int) -> None:
-        here = read_node_ranks(sdir, manifest.world_size)
         self.sdir, self.m, self.rank = sdir, manifest, rank
-        self.candidates = [r for r in sorted(here if here is not None else range(manifest.world_size)) if r != rank]
+        self.candidates: list[int] | None = None  # read at the first reference (most shards hold none)
         self.readers: dict[int, sr.ShardReader | None] = {}
 
     def _reader(self, r: int) -> sr.ShardReader | None:
@@ -84,6 +83,10 @@ class _NodeCopies:
         return self.readers[r]
 
     def __call__(self, path: tuple[str, ...]) -> Any:
+        if self.candidates is None:
+            here = read_node_ranks(self.sdir, self.m.world_size)
+            self.candidates = [r for r in sorted(here if here is not None else range(self.m.world_size))
+                               if r != self.rank]
         for r in self.candidates:
             rd = self._reader(r)
             node = sr.find_node(rd.header().metadata["tree"], path) if rd is not None else None
@@ -144,6 +147,7 @@ def load_shard(
     verify: str = "sha256",
     reshard: bool = False,
     rules: Mapping[str, Rule] | None = None,
+    preset: str | Mapping[str, Rule] | None = None,
 ) -> dict[str, Any]:
     """Load and verify rank ``rank`` 's state of ``step`` (newest committed when ``None``).
 
@@ -152,7 +156,7 @@ def load_shard(
     whole file) or ``"crc32c"`` (fast path; sha256 for steps without CRC32C). ``reshard=True`` with an
     ``expected_world_size`` other than the saved one returns this rank's share of a re-split checkpoint,
     reading only the byte ranges it needs (see :func:`tiered_ckpt.local.reshard.reshard_states` for the
-    split rule, ``rules`` and what ``verify`` means there).
+    split rule, ``rules``, ``preset`` (``"training"``) and what ``verify`` means there).
     Raises :class:`NoCheckpointError`, :class:`WorldSizeMismatchError`, :class:`MissingShardError`,
     :class:`ShardCorruptedError`, :class:`ManifestError`, :class:`ReshardError`; ``ValueError`` for a rank
     outside the world. Only this rank's shard is read: its slices are checked against their own global
@@ -164,7 +168,7 @@ def load_shard(
     if reshard and m.world_size != expected_world_size:
         if not 0 <= rank < expected_world_size:
             raise ValueError(f"rank {rank} is outside world_size {expected_world_size}")
-        return reshard_states(r, step, expected_world_size, ranks=[rank], rules=rules, manifest=m)[0]
+        return reshard_states(r, step, expected_world_size, ranks=[rank], rules=rules, preset=preset, manifest=m)[0]
     _check_world(m, expected_world_size)
     if not 0 <= rank < m.world_size:
         raise ValueError(f"rank {rank} is outside world_size {m.world_size}")
@@ -181,11 +185,12 @@ def load_sharded(
     verify: str = "sha256",
     reshard: bool = False,
     rules: Mapping[str, Rule] | None = None,
+    preset: str | Mapping[str, Rule] | None = None,
 ) -> list[dict[str, Any]]:
     """Load and verify every rank's state of ``step``; element ``i`` is rank ``i`` 's state.
 
-    ``verify``, ``reshard`` and ``rules`` as in :func:`load_shard` (with ``reshard=True`` the list has
-    ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
+    ``verify``, ``reshard``, ``rules`` and ``preset`` as in :func:`load_shard` (with ``reshard=True`` the
+    list has ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
     anything is returned, and the slices of each global tensor across the ranks agree on its shape and
     dtype and do not overlap (else :class:`ManifestError`).
     """
@@ -193,7 +198,7 @@ def load_sharded(
     r, step = pick_step(root, step)
     m = read_manifest(r, step)
     if reshard and m.world_size != expected_world_size:
-        return reshard_states(r, step, expected_world_size, rules=rules, manifest=m)
+        return reshard_states(r, step, expected_world_size, rules=rules, preset=preset, manifest=m)
     _check_world(m, expected_world_size)
     sdir = r / step_dir_name(step)
     with sr.ReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:

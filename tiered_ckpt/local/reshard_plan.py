@@ -162,7 +162,8 @@ def _ranks(rs: list[int]) -> str:
 
 def apply_named_rule(rule: str, key: str, old: list[Any], new_world_size: int) -> list[Any]:
     """The new ranks' values at ``key`` by the named ``rule`` from the old ranks' (``ABSENT`` where a rank
-    has none; fresh values, which the result may hold); see :mod:`tiered_ckpt.local.reshard`, "Rules". Raises :class:`ReshardError`
+    has none; fresh values, which the result may hold); see :mod:`tiered_ckpt.local.reshard`, "Rules".
+    Raises :class:`ReshardError`
     (``take_rank0`` without a rank-0 value, ``same`` over values that differ)."""
     if rule == "drop":
         return [ABSENT] * new_world_size
@@ -235,8 +236,9 @@ class Planner:
             raise ReshardError(f"rules name key(s) not in step {self.m.step}: {unused[:10]}")
         if self.per_rank:
             err = ReshardError(unruled_message(self.m.step, self.m.world_size, self.per_rank))
-            err.cli_message = unruled_message(self.m.step, self.m.world_size, self.per_rank,  # type: ignore[attr-defined]
-                                              cli=True)
+            # the same in tiered-ckpt reshard's terms, for the command line to show
+            err.cli_message = unruled_message(  # type: ignore[attr-defined]
+                self.m.step, self.m.world_size, self.per_rank, cli=True)
             raise err
         if self.problems:
             raise ReshardError(f"cannot reshard step {self.m.step}: " + "; ".join(self.problems[:5]))
@@ -338,5 +340,5 @@ class Planner:
 
 
 __all__ = ["ABSENT", "NAMED_RULES", "PRESETS", "TRAINING_RULES", "DictNode", "Partition", "Planner",
-           "ReplicatedNode", "Rule", "RuledNode", "SliceNode", "apply_named_rule", "escape_key", "even_split", "group_keys", "node_kind",
-           "rule_matches", "unruled_message"]
+           "ReplicatedNode", "Rule", "RuledNode", "SliceNode", "apply_named_rule", "escape_key", "even_split",
+           "group_keys", "node_kind", "rule_matches", "unruled_message"]

@@ -291,8 +291,8 @@ class SaveCoordinator:
         ``commit_step`` (``None``: its default, the root's current attempt).
         Raises ``ReplicatedMismatchError`` (a ``DistributedSaveError``, before anything is written) if a
         value saved as Replicated differs between ranks, ``DistributedSaveError`` (``failures``: rank ->
-        message) if any rank failed to write or commit, or a collective failed; the step is then committed nowhere unless a commit on another
-        node succeeded before (logged).
+        message) if any rank failed to write or commit, or a collective failed; the step is then committed
+        nowhere unless a commit on another node succeeded before (logged).
         """
         try:
             head = None

@@ -100,7 +100,9 @@ def mismatch_error(step: int, per_rank: Sequence[Mapping[str, str]]) -> Replicat
         groups.setdefault(d.get(key), []).append(r)
     rank_groups = sorted(groups.values())
     shown = " vs ".join(str(g) for g in rank_groups)
-    more = f" (and {len(bad) - 1} more key(s): {', '.join(bad[1:4])}{' ...' if len(bad) > 4 else ''})" if len(bad) > 1 else ""
+    more = ""
+    if len(bad) > 1:
+        more = f" (and {len(bad) - 1} more key(s): {', '.join(bad[1:4])}{' ...' if len(bad) > 4 else ''})"
     return ReplicatedMismatchError(
         f"step {step}: {key!r} is saved as Replicated but differs between ranks (ranks holding equal values: "
         f"{shown}){more}; nothing was written: save values that differ per rank without the claim (tensor-, "
