@@ -18,7 +18,10 @@ fp32 master copy and the AdamW moments of that slice only. Per step: backward, f
 a reduce-scatter (gloo supports it in torch 2.13: no all-reduce fallback needed) divided by the world size, global-norm
 clipping (one all-reduce), AdamW on the local slice, an all-gather of the parameters. The
 checkpoint stores master and moments as :class:`tiered_ckpt.GlobalSlice` of the global ``(N,)`` vectors,
-so ``param_shard_offset/numel`` in the manifest are the real partition.
+so ``param_shard_offset/numel`` in the manifest are the real partition. What every rank holds alike (the
+Adam step, the step counter, the data position, the loss history) is claimed :class:`tiered_ckpt.Replicated`
+for the data-parallel group (here the whole job; the save checks the claim), and the RNG streams stay per
+rank: ``tiered-ckpt reshard --preset training`` rewrites a checkpoint for another world size.
 
 Determinism: one intra-op thread per rank, fixed collective algorithms, dropout from the per-rank torch
 CPU RNG (checkpointed), data order a function of ``(seed, epoch)``; a resumed run takes exactly the same
@@ -28,6 +31,7 @@ floating-point path as an uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -44,9 +48,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tiered_ckpt import GlobalSlice, NoCheckpointError
+from tiered_ckpt import GlobalSlice, NoCheckpointError, Replicated
 from tiered_ckpt.data import DataPosition, ShuffledBatchSampler
-from tiered_ckpt.torch import capture_rng_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
+from tiered_ckpt.torch import capture_training_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
 from tiered_ckpt.training import CheckpointManager, JobEventLog
 
 log = logging.getLogger("train_zero")
@@ -187,11 +191,16 @@ class FlatZero1:
         return norm
 
     def state(self) -> dict:
-        """This rank's optimizer state as GlobalSlices of the global ``(numel,)`` vectors (aliasing)."""
+        """This rank's optimizer state as GlobalSlices of the global ``(numel,)`` vectors (aliasing); the
+        Adam step, the same on every rank, Replicated."""
         def gs(t: torch.Tensor) -> GlobalSlice:
             return GlobalSlice(tensor_to_numpy(t[:self.valid]), (self.numel,), (self.lo if self.valid else 0,))
         return {"master": gs(self.master), "exp_avg": gs(self.exp_avg), "exp_avg_sq": gs(self.exp_avg_sq),
-                "adam_step": self.t}
+                "adam_step": Replicated(self.t)}
+
+    def params_sha256(self) -> str:
+        """sha256 (hex) of the model's parameters: the flat float32 vector's first ``numel`` elements."""
+        return hashlib.sha256(tensor_to_numpy(self.flat[:self.numel]).tobytes()).hexdigest()
 
     def load(self, st: dict) -> None:
         """Inverse of :meth:`state`, then all-gather so every rank's parameters are rebuilt."""
@@ -256,7 +265,8 @@ def _init_dist() -> tuple[int, int]:
 
 
 def _resume(mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSampler) -> tuple[int, list[float]]:
-    """Load the newest step committed in every rank's root into ``opt``, ``sampler`` and the RNGs.
+    """Load the newest step committed in every rank's root into ``opt``, ``sampler`` and the RNGs (a rank
+    that a reshard to more ranks added has none: its streams stay seeded as at a fresh start).
     Returns ``(step, loss_history)``; ``(0, [])`` when nothing is committed (a fresh start)."""
     try:
         st = mgr.load()
@@ -265,7 +275,8 @@ def _resume(mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSample
     opt.load(st["zero"])
     prog = st["progress"]
     sampler.seek(DataPosition.from_json(prog["data"]))
-    restore_rng_state(st["rng"])
+    if "rng" in st:
+        restore_rng_state(st["rng"])
     return int(prog["step"]), list(prog["loss_history"])
 
 
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                             on_save_outcome=events.save if events is not None else None)
     step, history = (0, []) if args.no_resume else _resume(mgr, opt, sampler)
     if step and rank == 0:
-        print(f"resumed from step {step}", flush=True)
+        print(f"resumed from step {step} (parameters sha256 {opt.params_sha256()})", flush=True)
         if events is not None:
             events.resumed(step)
     stop_at = min(args.stop_at or args.steps, args.steps)
@@ -320,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                 log_f.write(json.dumps({"step": step, "loss": value, "lr": lr}) + "\n")
                 log_f.flush()
             due = mgr.should_save(step) or step == stop_at
-            if due:
-                state = {"zero": opt.state(),
-                         "progress": {"step": step, "data": sampler.position.to_json(), "loss_history": history},
-                         "rng": capture_rng_state()}
+            if due:  # the whole job is the data-parallel group: what every rank holds alike is Replicated
+                state = {"zero": opt.state(), **capture_training_state(
+                    progress={"step": step, "data": sampler.position.to_json(), "loss_history": history},
+                    replicated_group=dist.group.WORLD)}
                 mgr.save(step, state, extra={"loss": value, "lr": lr})
             if mgr.preempted:
                 break

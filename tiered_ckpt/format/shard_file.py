@@ -7,8 +7,8 @@ streaming writer and verified reader are :mod:`tiered_ckpt.local.shard_io`).
 The nested state is kept in the header's ``__metadata__["tiered_ckpt"]`` as JSON: a tree whose nodes
 are ``{"d": {key: node}}`` (a dict), ``{"t": name}`` (a tensor in this file), ``{"v": value}`` (a
 JSON value) or ``{"r": node | null}`` (a :class:`~tiered_ckpt.state.Replicated` value: stored once, as
-``node``, in rank 0's file; every other rank's file holds ``{"r": null}``, a reference to rank 0's node
-at the same key path; manifest schema v2). Nothing is ever pickled. Tensor names are the key path joined by ``/`` (``%`` and ``/``
+``node``, in the file of each node's first rank, rank 0 always among them; every other rank's file
+holds ``{"r": null}``, a reference to an identical copy at the same key path; manifest schema v2). Nothing is ever pickled. Tensor names are the key path joined by ``/`` (``%`` and ``/``
 inside keys escaped as ``%25`` and ``%2F``), so plain safetensors tools see readable names.
 
 Source: safetensors format (huggingface/safetensors README and ``safetensors/src/tensor.rs``
@@ -96,8 +96,8 @@ def flatten_state(
     """Split a nested state into a JSON tree and the tensors to write.
 
     ``replicated_owner``: how :class:`~tiered_ckpt.state.Replicated` values are stored: ``True`` (rank
-    0) stores the value as ``{"r": node}``, ``False`` (any other rank) stores the reference
-    ``{"r": null}`` and nothing else; ``None`` refuses them.
+    0, and each node's first rank) stores the value as ``{"r": node}``, ``False`` (any other rank) stores
+    the reference ``{"r": null}`` and nothing else; ``None`` refuses them.
 
     Raises :class:`UnsupportedStateError` for a non-string key, an unsupported dtype, an object array, a
     value that JSON cannot hold, or a ``Replicated`` inside a ``Replicated``.
@@ -346,7 +346,7 @@ def decode_state(
     """Rebuild the nested state from a verified file buffer. Arrays are views into ``buf``.
 
     ``resolve_ref(key_path)`` supplies the value of a replicated reference ``{"r": null}`` (stored in
-    rank 0's file); without it such a node raises :class:`ShardCorruptedError`. ``buf=None`` only
+    another rank's file); without it such a node raises :class:`ShardCorruptedError`. ``buf=None`` only
     validates the tree against the header (every tensor leaf comes back as ``None``).
     """
     by_name = {t.name: t for t in hdr.tensors}
@@ -365,7 +365,7 @@ def decode_state(
             if val is not None:
                 return node(val, depth + 1, path, True)
             if resolve_ref is None:
-                raise corrupt(where, f"replicated value {'/'.join(path)[:80]!r} is stored in rank 0's "
+                raise corrupt(where, f"replicated value {'/'.join(path)[:80]!r} is stored in another rank's "
                                       "shard, which this read has no access to")
             return resolve_ref(path)
         if kind == "v":

@@ -13,13 +13,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from tiered_ckpt.errors import ShardCorruptedError, WorldSizeMismatchError
+from tiered_ckpt.errors import MissingShardError, ShardCorruptedError, WorldSizeMismatchError
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import Crc32c
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, check_global_slices
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import reader as sr
 from tiered_ckpt.local.catalogue import pick_step, read_manifest
+from tiered_ckpt.local.node_ranks import read_node_ranks
 from tiered_ckpt.local.reshard import Rule, reshard_states
 from tiered_ckpt.local.shard_io import Digest, read_verified
 
@@ -63,29 +64,61 @@ def read_shard_verified(sdir: Path, manifest: ShardManifest, rank: int, verify: 
     return VerifiedShard(rec, buf, hdr)
 
 
+class _NodeCopies:
+    """Resolves a rank's replicated references from a copy in this root: the lowest other rank whose shard
+    is here (``node_ranks.json`` says which, else every rank's file is tried) and holds the value (each
+    node's first rank stores one, rank 0 always). Opens those shards lazily, reads only what is needed."""
+
+    def __init__(self, sdir: Path, manifest: ShardManifest, rank: int) -> None:
+        self.sdir, self.m, self.rank = sdir, manifest, rank
+        self.candidates: list[int] | None = None  # read at the first reference (most shards hold none)
+        self.readers: dict[int, sr.ShardReader | None] = {}
+
+    def _reader(self, r: int) -> sr.ShardReader | None:
+        if r not in self.readers:
+            try:
+                self.readers[r] = sr.ShardReader(self.sdir, self.m, r)
+            except MissingShardError:  # another node's shard: not on this disk
+                self.readers[r] = None
+        return self.readers[r]
+
+    def __call__(self, path: tuple[str, ...]) -> Any:
+        if self.candidates is None:
+            here = read_node_ranks(self.sdir, self.m.world_size)
+            self.candidates = [r for r in sorted(here if here is not None else range(self.m.world_size))
+                               if r != self.rank]
+        for r in self.candidates:
+            rd = self._reader(r)
+            node = sr.find_node(rd.header().metadata["tree"], path) if rd is not None else None
+            if isinstance(node, dict) and set(node) == {"r"} and node["r"] is not None:
+                return rd.materialize(node["r"], "/".join(path), len(path) + 1)  # type: ignore[union-attr]
+        raise ShardCorruptedError(f"step {self.m.step} rank {self.rank}: the replicated value at "
+                                  f"{'/'.join(path)[:80]!r} is in none of the shards under {self.sdir} (each "
+                                  "node's first rank holds a copy: restore that rank's shard too)")
+
+    def close(self) -> None:
+        for rd in self.readers.values():
+            if rd is not None:
+                rd.close()
+
+
 def _load_rank(sdir: Path, manifest: ShardManifest, rank: int, verify: str = "sha256",
                resolve_ref: Callable[[tuple[str, ...]], Any] | None = None,
                indexes: dict[int, tuple[TensorRecord, ...]] | None = None) -> dict[str, Any]:
-    """Rank ``rank`` 's state. Replicated values stored in rank 0's shard come from ``resolve_ref``
-    (default: read from rank 0's file, only the parts needed, verified by the per-tensor checksums).
-    ``indexes``: gets the rank's verified tensor records (for the checks across ranks)."""
+    """Rank ``rank`` 's state. Replicated values its shard refers to come from ``resolve_ref`` (default:
+    :class:`_NodeCopies`, a copy in another shard of this root, only the parts needed, verified by the
+    per-tensor checksums). ``indexes``: gets the rank's verified tensor records (for the checks across
+    ranks)."""
     shard = read_shard_verified(sdir, manifest, rank, verify)
     if indexes is not None:
         indexes[rank] = shard.header.tensors
     where = f"step {manifest.step} rank {rank}"
-    if resolve_ref is None and rank != 0:
-        reader: list[sr.ShardReader] = []
-
-        def resolve_ref(path: tuple[str, ...]) -> Any:
-            if not reader:
-                reader.append(sr.ShardReader(sdir, manifest, 0))
-            return sr.read_replicated(reader[0], path)
-
+    if resolve_ref is None:
+        copies = _NodeCopies(sdir, manifest, rank)
         try:
-            return fmt.decode_state(shard.buffer, shard.header, where, resolve_ref)
+            return fmt.decode_state(shard.buffer, shard.header, where, copies)
         finally:
-            for rd in reader:
-                rd.close()
+            copies.close()
     return fmt.decode_state(shard.buffer, shard.header, where, resolve_ref)
 
 
@@ -93,7 +126,7 @@ def _get_path(state: Mapping[str, Any], path: tuple[str, ...], where: str) -> An
     v: Any = state
     for k in path:
         if not isinstance(v, Mapping) or k not in v:
-            raise ShardCorruptedError(f"{where}: rank 0 holds no replicated value at {'/'.join(path)[:80]!r}")
+            raise ShardCorruptedError(f"{where}: holds no replicated value at {'/'.join(path)[:80]!r}")
         v = v[k]
     return v
 
@@ -114,6 +147,7 @@ def load_shard(
     verify: str = "sha256",
     reshard: bool = False,
     rules: Mapping[str, Rule] | None = None,
+    preset: str | Mapping[str, Rule] | None = None,
 ) -> dict[str, Any]:
     """Load and verify rank ``rank`` 's state of ``step`` (newest committed when ``None``).
 
@@ -122,7 +156,7 @@ def load_shard(
     whole file) or ``"crc32c"`` (fast path; sha256 for steps without CRC32C). ``reshard=True`` with an
     ``expected_world_size`` other than the saved one returns this rank's share of a re-split checkpoint,
     reading only the byte ranges it needs (see :func:`tiered_ckpt.local.reshard.reshard_states` for the
-    split rule, ``rules`` and what ``verify`` means there).
+    split rule, ``rules``, ``preset`` (``"training"``) and what ``verify`` means there).
     Raises :class:`NoCheckpointError`, :class:`WorldSizeMismatchError`, :class:`MissingShardError`,
     :class:`ShardCorruptedError`, :class:`ManifestError`, :class:`ReshardError`; ``ValueError`` for a rank
     outside the world. Only this rank's shard is read: its slices are checked against their own global
@@ -134,7 +168,7 @@ def load_shard(
     if reshard and m.world_size != expected_world_size:
         if not 0 <= rank < expected_world_size:
             raise ValueError(f"rank {rank} is outside world_size {expected_world_size}")
-        return reshard_states(r, step, expected_world_size, ranks=[rank], rules=rules, manifest=m)[0]
+        return reshard_states(r, step, expected_world_size, ranks=[rank], rules=rules, preset=preset, manifest=m)[0]
     _check_world(m, expected_world_size)
     if not 0 <= rank < m.world_size:
         raise ValueError(f"rank {rank} is outside world_size {m.world_size}")
@@ -151,11 +185,12 @@ def load_sharded(
     verify: str = "sha256",
     reshard: bool = False,
     rules: Mapping[str, Rule] | None = None,
+    preset: str | Mapping[str, Rule] | None = None,
 ) -> list[dict[str, Any]]:
     """Load and verify every rank's state of ``step``; element ``i`` is rank ``i`` 's state.
 
-    ``verify``, ``reshard`` and ``rules`` as in :func:`load_shard` (with ``reshard=True`` the list has
-    ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
+    ``verify``, ``reshard``, ``rules`` and ``preset`` as in :func:`load_shard` (with ``reshard=True`` the
+    list has ``expected_world_size`` entries). Errors as :func:`load_shard`; every shard is verified before
     anything is returned, and the slices of each global tensor across the ranks agree on its shape and
     dtype and do not overlap (else :class:`ManifestError`).
     """
@@ -163,13 +198,14 @@ def load_sharded(
     r, step = pick_step(root, step)
     m = read_manifest(r, step)
     if reshard and m.world_size != expected_world_size:
-        return reshard_states(r, step, expected_world_size, rules=rules, manifest=m)
+        return reshard_states(r, step, expected_world_size, rules=rules, preset=preset, manifest=m)
     _check_world(m, expected_world_size)
     sdir = r / step_dir_name(step)
     with sr.ReadLock(sdir), ThreadPoolExecutor(max_workers=min(4, m.world_size)) as pool:
         indexes: dict[int, tuple[TensorRecord, ...]] = {}
         # Every rank's shard is read at once; a rank that refers to a replicated value waits for rank 0's
-        # state only when it decodes (rank 0 is submitted first, so it always has a thread).
+        # state (rank 0 holds every replicated value) only when it decodes (rank 0 is submitted first, so
+        # it always has a thread).
         first_f = pool.submit(_load_rank, sdir, m, 0, verify, indexes=indexes)
 
         def resolve(path: tuple[str, ...]) -> Any:

@@ -56,6 +56,7 @@ def write_shard(
     replace: bool = False,
     param_shard: tuple[int, int] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    replicated_owner: bool | None = None,
 ) -> ShardRecord:
     """Write one rank's shard of ``step`` durably (call on every rank).
 
@@ -63,9 +64,11 @@ def write_shard(
     float32/64, complex64, float8 e4m3fn/e5m2/e8m0fnu; any shape incl. 0-d and zero-size; non-contiguous
     is copied per tensor), :class:`~tiered_ckpt.state.GlobalSlice`, or JSON-able values.
     ``param_shard``: the rank's ZeRO flat partition ``(offset, numel)`` in elements; inferred from 1-D
-    ``GlobalSlice`` s when omitted. :class:`~tiered_ckpt.state.Replicated` values are stored in rank 0's
-    shard only (the other ranks' files hold a reference), so every rank must pass the same value; a load
-    hands it to every rank. The record carries the shard's sha256 and CRC32C (computed in the streaming
+    ``GlobalSlice`` s when omitted. :class:`~tiered_ckpt.state.Replicated` values are stored whole only in
+    the shards of ranks with ``replicated_owner`` (default: rank 0 alone; a multi-rank save passes it for
+    each node's first rank, so that every node-local root holds a copy); the other ranks' files hold a
+    reference, so every rank must pass the same value (``CheckpointManager`` checks it); a load hands it
+    to every rank. The record carries the shard's sha256 and CRC32C (computed in the streaming
     pass of the write), its header's sha256 and size and no tensors: the per-tensor detail (dtype, shape,
     byte range, global slice, per-chunk CRC32Cs computed from the arrays before the write) is the
     header's tensor index (header format 2, issue 12).
@@ -84,7 +87,8 @@ def write_shard(
     r = write_root(root)
     shard_file_name(rank)  # validates rank
     check_chunk_bytes(chunk_bytes)
-    tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0)
+    tree, entries = fmt.flatten_state(state, replicated_owner=rank == 0 if replicated_owner is None
+                                      else bool(replicated_owner))
     step_dir_name(step)  # validates step
     records = fmt.layout(entries)  # entries sorted into file order
     crcs, data_crc, data_bytes = chunk_crcs(entries, chunk_bytes)

@@ -5,5 +5,7 @@ Other layers import from this face."""
 
 from tiered_ckpt.training.events import JobEventLog, JobEvents, read_job_events
 from tiered_ckpt.training.manager import CheckpointManager, SaveOutcome, SavePolicy
+from tiered_ckpt.training.replicated import ReplicatedMismatchError
 
-__all__ = ["CheckpointManager", "SavePolicy", "SaveOutcome", "JobEventLog", "JobEvents", "read_job_events"]
+__all__ = ["CheckpointManager", "SavePolicy", "SaveOutcome", "JobEventLog", "JobEvents", "read_job_events",
+           "ReplicatedMismatchError"]

@@ -18,8 +18,11 @@ Lifecycle of one save of step ``S`` (:meth:`SaveCoordinator.save`, run on every 
 thread when saving asynchronously):
 
 1. rank 0 chooses the ``save_id``, broadcasts it with its ``extra`` and wall clock;
-2. every rank writes its shard (``local.write_shard``) and all ranks all-gather their records or errors;
-   any error -> every rank raises ``DistributedSaveError`` and nothing is committed;
+2. all ranks all-gather a digest of their Replicated values (:mod:`tiered_ckpt.training.replicated`): a
+   value claimed replicated that differs -> every rank raises ``ReplicatedMismatchError`` and nothing is
+   written; then every rank writes its shard (``local.write_shard``; each node's first rank stores the
+   Replicated values) and all ranks all-gather their records or errors; any error -> every rank raises
+   ``DistributedSaveError`` and nothing is committed;
 3. committers (rank 0 alone with ``shared_filesystem=True``; otherwise the lowest rank of every group of
    ranks that share a root, i.e. each node's local rank 0) commit the same global manifest into their own
    root, checking the shards of the ranks they serve (``local_ranks``);
@@ -54,6 +57,7 @@ from tiered_ckpt.errors import CheckpointError, DistributedSaveError
 from tiered_ckpt.local import commit_step, new_save_id, utc_now, write_shard
 from tiered_ckpt.locks import node_token_present, remove_node_token, write_node_token
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.training.replicated import combined_digest, mismatch_error, replicated_digests
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +252,36 @@ class SaveCoordinator:
 
     # -------------------------------------------------------------------------------- the save
 
+    def _check_and_group(self, root: Path, step: int, sid: str, state: Mapping[str, Any]) -> list[int]:
+        """Before anything is written: check the state's replicated claims across the ranks
+        (:mod:`tiered_ckpt.training.replicated`; a mismatch raises :class:`ReplicatedMismatchError` on every
+        rank) and return the ranks that share this rank's root (found again if a root was wiped)."""
+        if not self.shared_filesystem and str(root) not in self._served:
+            self._discover(root, step)
+        mine: dict[str, Any] = {"rank": self.rank, "node_token": self.shared_filesystem or self._token_ok(root)}
+        failure: BaseException | None = None
+        digests: dict[str, str] = {}
+        try:
+            digests = replicated_digests(state)
+            mine["replicated"] = combined_digest(digests)
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            failure = exc
+            mine["error"] = f"{type(exc).__name__}: {exc}"
+        gathered = self._exchange(mine, step, sid, "replicated value check", failure)
+        if len({g["replicated"] for g in gathered}) > 1:
+            try:
+                per_rank = self.all_gather_json(digests)
+            except RuntimeError as exc:
+                raise _collective_error(f"rank {self.rank} step {step}: gathering replicated digests", exc) from exc
+            err = mismatch_error(step, per_rank)
+            log.error("rank %d step %d: %s", self.rank, step, err)
+            raise err
+        if self.shared_filesystem:
+            return list(range(self.world_size))
+        if not all(g["node_token"] for g in gathered):  # a root was wiped: every rank looks again
+            self._discover(root, step)
+        return self._served[str(root)]
+
     def save(self, root: Path, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None,
              wall_clock_seconds: float, *, replace: bool = False, run_id: str | None = None,
              attempt: int | None = None) -> CoordinatedSave:
@@ -255,9 +289,10 @@ class SaveCoordinator:
 
         ``run_id``/``attempt``: the lineage to record in the manifest (SPEC §11), passed to
         ``commit_step`` (``None``: its default, the root's current attempt).
-        Raises ``DistributedSaveError`` (``failures``: rank -> message) if any rank failed to write or
-        commit, or a collective failed; the step is then committed nowhere unless a commit on another
-        node succeeded before (logged).
+        Raises ``ReplicatedMismatchError`` (a ``DistributedSaveError``, before anything is written) if a
+        value saved as Replicated differs between ranks, ``DistributedSaveError`` (``failures``: rank ->
+        message) if any rank failed to write or commit, or a collective failed; the step is then committed
+        nowhere unless a commit on another node succeeded before (logged).
         """
         try:
             head = None
@@ -270,26 +305,18 @@ class SaveCoordinator:
         except RuntimeError as exc:
             raise _collective_error(f"rank {self.rank} step {step}: save id broadcast", exc) from exc
         sid = info["save_id"]
-        if not self.shared_filesystem and str(root) not in self._served:
-            self._discover(root, step)
-        mine: dict[str, Any] = {"rank": self.rank, "node_token": self.shared_filesystem or self._token_ok(root)}
+        serve = self._check_and_group(root, step, sid, state)
+        committer = min(serve) == self.rank  # each node's first rank: commits, and stores Replicated values
+        mine: dict[str, Any] = {"rank": self.rank}
         failure: BaseException | None = None
         try:
-            rec = write_shard(root, step, self.rank, state, save_id=sid, replace=replace)
+            rec = write_shard(root, step, self.rank, state, save_id=sid, replace=replace, replicated_owner=committer)
             mine["record"] = rec.to_dict()
         except Exception as exc:  # reported to every rank below, then re-raised here
             failure = exc
             mine["error"] = f"{type(exc).__name__}: {exc}"
         gathered = self._exchange(mine, step, sid, "shard write", failure)
         records = [ShardRecord.from_dict(g["record"]) for g in gathered]
-        # Who commits where (step 3).
-        if self.shared_filesystem:
-            serve = list(range(self.world_size))
-        else:
-            if not all(g["node_token"] for g in gathered):  # a root was wiped: every rank looks again
-                self._discover(root, step)
-            serve = self._served[str(root)]
-        committer = min(serve) == self.rank
         manifest = None
         outcome: dict[str, Any] = {"rank": self.rank}
         lineage: dict[str, Any] = {k: v for k, v in (("run_id", run_id), ("attempt", attempt)) if v is not None}

@@ -180,8 +180,10 @@ class CheckpointManager:
     def save(self, step: int, state: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> None:
         """Save this rank's ``state`` as step ``step`` (call on every rank with the same ``step``).
 
-        ``state``: nested ``dict`` of ``str`` -> numpy array / ``GlobalSlice`` / JSON value (or torch
-        tensors, converted bit-exactly). ``extra``: step-level JSON for the manifest (rank 0's is used).
+        ``state``: nested ``dict`` of ``str`` -> numpy array / ``GlobalSlice`` / ``Replicated`` / JSON
+        value (or torch tensors, converted bit-exactly). A ``Replicated`` value must be identical on every
+        rank (checked by sha256 before anything is written: ``ReplicatedMismatchError``, a
+        ``CheckpointError``) and is stored once per node. ``extra``: step-level JSON for the manifest (rank 0's is used).
         Async: returns once the state is copied into the staging buffers; the caller may then change
         every tensor. First waits for the previous save and raises its failure (``CheckpointError``)
         instead of starting this one. Raises ``UnsupportedStateError`` for unstorable values (nothing

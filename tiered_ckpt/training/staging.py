@@ -1,7 +1,8 @@
 """Staging: copy a state into host buffers that are reused from one save to the next. No torch.
 
 The only work an async save does in the caller's thread. Arrays (and ``GlobalSlice`` arrays) are copied
-with ``np.copyto`` into a buffer kept per key path, reallocated only when the shape or dtype changes;
+with ``np.copyto`` into a buffer kept per key path, reallocated only when the shape or dtype changes
+(inside a ``Replicated`` too: the marker is kept);
 JSON values are deep-copied (and validated) so that later mutation of the caller's lists and dicts does
 not leak into the checkpoint. The stager owns one set of buffers: the caller must not stage again while
 a background write still reads the previous staged state (the manager waits for it first).
@@ -14,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from tiered_ckpt.errors import UnsupportedStateError
-from tiered_ckpt.state import GlobalSlice
+from tiered_ckpt.state import GlobalSlice, Replicated
 
 __all__ = ["Stager", "copy_json"]
 
@@ -73,23 +74,26 @@ class Stager:
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise UnsupportedStateError(f"{'/'.join(path)}: key {k!r} is not a string")
-            p = path + (k,)
-            if isinstance(v, np.ndarray):
-                if v.dtype == object:
-                    raise UnsupportedStateError(f"{'/'.join(p)}: object arrays cannot be stored")
-                out[k] = self._copy(p, v)
-            elif isinstance(v, GlobalSlice):
-                out[k] = GlobalSlice(self._copy(p, v.array), v.global_shape, v.offset)
-            elif isinstance(v, Mapping):
-                out[k] = self._walk(v, p)
-            elif type(v).__module__.split(".")[0] == "torch" and hasattr(v, "detach"):
-                # A torch tensor given directly: bit-exact host view via the torch adapter (torch is
-                # necessarily imported already), then the same copy into the reused buffer.
-                from tiered_ckpt.training.torch_state import tensor_to_numpy
-
-                out[k] = self._copy(p, tensor_to_numpy(v if v.device.type == "cpu" else v.detach().cpu()))
-            elif isinstance(v, np.generic):
-                out[k] = v  # immutable scalar
-            else:
-                out[k] = copy_json(v, "/".join(p))
+            out[k] = self._value(v, path + (k,))
         return out
+
+    def _value(self, v: Any, p: tuple[str, ...], in_rep: bool = False) -> Any:
+        if isinstance(v, np.ndarray):
+            if v.dtype == object:
+                raise UnsupportedStateError(f"{'/'.join(p)}: object arrays cannot be stored")
+            return self._copy(p, v)
+        if isinstance(v, GlobalSlice):
+            return GlobalSlice(self._copy(p, v.array), v.global_shape, v.offset)
+        if isinstance(v, Replicated) and not in_rep:  # the marker kept, its value staged like any other
+            return Replicated(self._value(v.value, p, True))
+        if isinstance(v, Mapping):
+            return self._walk(v, p)
+        if type(v).__module__.split(".")[0] == "torch" and hasattr(v, "detach"):
+            # A torch tensor given directly: bit-exact host view via the torch adapter (torch is
+            # necessarily imported already), then the same copy into the reused buffer.
+            from tiered_ckpt.training.torch_state import tensor_to_numpy
+
+            return self._copy(p, tensor_to_numpy(v if v.device.type == "cpu" else v.detach().cpu()))
+        if isinstance(v, np.generic):
+            return v  # immutable scalar
+        return copy_json(v, "/".join(p))

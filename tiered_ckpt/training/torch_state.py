@@ -14,7 +14,17 @@ Layout of :func:`capture_training_state`'s result (absent parts are omitted)::
                    "kind": "plain" | "zero_local"},
      "scheduler": {...JSON...},                                  # scheduler.state_dict()
      "scaler":    {...JSON...},                                  # GradScaler.state_dict()
+     "progress":  {...JSON...},                                  # progress= (step, data position, ...)
      "rng":       capture_rng_state(...)}
+
+Replicated only where the caller says so: with ``replicated_group`` (the data-parallel group of a DDP or
+ZeRO-1 job, which must span every rank of the checkpoint) ``model``, a plain ``optimizer``,
+``scheduler``, ``scaler`` and ``progress`` are wrapped in :class:`~tiered_ckpt.state.Replicated`
+(stored once per node, not once per rank; the save checks that they are identical on every rank and
+refuses otherwise: :class:`~tiered_ckpt.training.ReplicatedMismatchError`). A ZeroRedundancyOptimizer's
+local partition and the RNG streams stay per rank. Nothing is ever guessed: tensor-, pipeline- and
+expert-parallel parameters differ per rank, and storing them once would lose data. Per-rank values that
+remain reshard with ``tiered-ckpt reshard --preset training`` (:data:`tiered_ckpt.local.reshard.TRAINING_RULES`).
 
 Tensors are converted bit-exactly: float16/float32/float64/int*/bool map to the numpy dtype;
 bfloat16 and float8 tensors are *viewed* as integers of the same width and then as the matching
@@ -44,6 +54,7 @@ import numpy as np
 import torch
 
 from tiered_ckpt.errors import CheckpointError, UnsupportedStateError
+from tiered_ckpt.state import Replicated
 from tiered_ckpt.training.torch_optim import capture_optimizer, restore_optimizer
 from tiered_ckpt.training.torch_rng import RandomGenerator, capture_rng_state, restore_rng_state
 from tiered_ckpt.training.torch_tensors import DEFAULT_PINNED_POOL  # noqa: F401  (importable here, as before)
@@ -124,6 +135,21 @@ def restore_model(model: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, s
 # ------------------------------------------------------------------------------------------ all of it
 
 
+def _check_replicated_group(group: Any) -> None:
+    """``group`` (a ``torch.distributed`` process group, ``dist.group.WORLD`` included) spans every rank of
+    the job; else ``ValueError`` (a Replicated value is stored once for every rank of a checkpoint)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("replicated_group needs torch.distributed initialized")
+    n, world = dist.get_world_size(group), dist.get_world_size()
+    if n != world:
+        raise ValueError(f"replicated_group has {n} of the job's {world} ranks: a Replicated value is stored once "
+                         "for every rank of the checkpoint, so only a data-parallel group spanning the whole job "
+                         "can be claimed (with tensor, pipeline or expert parallelism, save the state per rank, "
+                         "or use tiered_ckpt.dcp)")
+
+
 def capture_training_state(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -133,23 +159,36 @@ def capture_training_state(
     rng: bool = True,
     generators: Mapping[str, RandomGenerator] | None = None,
     pool: PinnedBufferPool | None = None,
+    progress: Mapping[str, Any] | None = None,
+    replicated_group: Any = None,
 ) -> dict[str, Any]:
     """Everything above in one state dict (layout in the module docstring).
 
-    Add your own counters (``step``, ``epoch``, ``batch_in_epoch``, loss history) as extra keys of the
-    returned dict before saving. ``optimizer`` needs ``model`` (for parameter names).
+    ``progress``: the job's counters and data position as JSON (``step``, ``epoch``,
+    ``DataPosition.to_json()``, a loss history), stored under ``"progress"``; add other keys of your own
+    to the returned dict before saving. ``optimizer`` needs ``model`` (for parameter names).
+    ``replicated_group``: the data-parallel process group (``torch.distributed.group.WORLD`` for a
+    pure data-parallel job) whose ranks all hold the same model, plain optimizer, scheduler, scaler and
+    progress: those are marked Replicated (see the module docstring). ``ValueError`` if it does not span
+    the whole job or torch.distributed is not initialized.
     """
+    if replicated_group is not None:
+        _check_replicated_group(replicated_group)
+    rep: Any = Replicated if replicated_group is not None else (lambda v: v)
     out: dict[str, Any] = {}
     if model is not None:
-        out["model"] = capture_model(model, pool=pool)
+        out["model"] = rep(capture_model(model, pool=pool))
     if optimizer is not None:
         if model is None:
             raise ValueError("capture_training_state: an optimizer needs the model (parameter names)")
-        out["optimizer"] = capture_optimizer(optimizer, model, pool=pool)
+        opt = capture_optimizer(optimizer, model, pool=pool)
+        out["optimizer"] = rep(opt) if opt.get("kind") == "plain" else opt  # a ZeRO partition is per rank
     if scheduler is not None:
-        out["scheduler"] = to_json_value(scheduler.state_dict(), "scheduler")
+        out["scheduler"] = rep(to_json_value(scheduler.state_dict(), "scheduler"))
     if scaler is not None:
-        out["scaler"] = to_json_value(scaler.state_dict(), "scaler")
+        out["scaler"] = rep(to_json_value(scaler.state_dict(), "scaler"))
+    if progress is not None:
+        out["progress"] = rep(to_json_value(dict(progress), "progress"))
     if rng:
         out["rng"] = capture_rng_state(generators)
     return out
@@ -168,7 +207,9 @@ def restore_training_state(
     """Restore what :func:`capture_training_state` captured into the live objects passed.
 
     Order: model, optimizer, scheduler, scaler, RNG (last, so that nothing consumes random numbers
-    after it). Raises ``CheckpointError`` when a requested part is missing or does not fit.
+    after it). Raises ``CheckpointError`` when a requested part is missing or does not fit. A rank added
+    by a reshard with the ``training`` preset has no ``rng``: pass ``rng="rng" in state`` and seed it as
+    at a fresh start. ``progress`` is the caller's to read (``state["progress"]``).
     """
     def part(key: str) -> Any:
         if key not in state:
