@@ -12,7 +12,7 @@ Source: SPEC §2 "Loading (fail loudly, early)"; style after torch.distributed.c
 from __future__ import annotations
 
 import errno
-from typing import Mapping
+from typing import Mapping, Sequence
 
 
 class CheckpointError(Exception):
@@ -109,6 +109,19 @@ class DistributedSaveError(CheckpointError):
         self.failures = dict(failures or {})
 
 
+class ReplicatedMismatchError(DistributedSaveError, ValueError):
+    """A value saved as Replicated differs between the ranks of a save; nothing was written. ``key``: the
+    first such key path; ``rank_groups``: the ranks holding each distinct value there (a rank without a
+    Replicated value at the key forms a group too); ``keys``: every key path that differs."""
+
+    def __init__(self, message: str, *, key: str, rank_groups: Sequence[Sequence[int]], keys: Sequence[str]) -> None:
+        super().__init__(message, {r: f"{key}: differs from rank {rank_groups[0][0]}'s value"
+                                   for g in rank_groups[1:] for r in g})
+        self.key = key
+        self.rank_groups = [list(g) for g in rank_groups]
+        self.keys = list(keys)
+
+
 class LineageError(CheckpointError):
     """Two records of a run's lineage disagree (a diverged history), or a step's lineage cannot be
     decided; nothing is changed when it is raised (SPEC §11)."""
@@ -168,6 +181,7 @@ class RankOutOfRangeError(CheckpointError, ValueError):
 
 
 __all__ = [
+    "ReplicatedMismatchError",
     "RemoteAccessDeniedError",
     "SaveTimeoutError",
     "CheckpointError",

@@ -20,24 +20,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tiered_ckpt.errors import DistributedSaveError
+from tiered_ckpt.errors import ReplicatedMismatchError
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.state import Replicated
 
 __all__ = ["ReplicatedMismatchError", "combined_digest", "mismatch_error", "replicated_digests"]
-
-
-class ReplicatedMismatchError(DistributedSaveError, ValueError):
-    """A value saved as Replicated differs between the ranks of a save; nothing was written. ``key``: the
-    first such key path; ``rank_groups``: the ranks holding each distinct value there (a rank without a
-    Replicated value at the key forms a group too); ``keys``: every key path that differs."""
-
-    def __init__(self, message: str, *, key: str, rank_groups: Sequence[Sequence[int]], keys: Sequence[str]) -> None:
-        super().__init__(message, {r: f"{key}: differs from rank {rank_groups[0][0]}'s value"
-                                   for g in rank_groups[1:] for r in g})
-        self.key = key
-        self.rank_groups = [list(g) for g in rank_groups]
-        self.keys = list(keys)
 
 
 def _escape(key: str) -> str:
