@@ -57,9 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="s3://bucket/prefix the sidecar uploads to (without it: the local marks alone)")
     add_s3_args(p)
     p.add_argument("--json", action="store_true",
-                   help='machine-readable output: {"runs": [{"run_id", "attempt", "steps": [{"step", "local", '
-                        '"remote", "uploaded_bytes", "total_bytes", ...}], "newest_local_step", '
-                        '"newest_remote_step", "at_risk_s"}]}')
+                   help='machine-readable output: {"time", "remote_holds_run", "runs": [{"run_id", "attempt", '
+                        '"steps": [{"step", "local", "remote", "uploaded_bytes", "total_bytes", "marker", '
+                        '"save_id", "note"}], "newest_local_step", "newest_remote_step", "at_risk_s"}]}')
     p.add_argument("--watch", nargs="?", const=DEFAULT_WATCH_S, default=None, type=positive_seconds,
                    metavar="SECONDS",
                    help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C: redrawn on a terminal, "
