@@ -33,7 +33,7 @@ from tiered_ckpt.cli._common import EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, e
 from tiered_ckpt.cli._logs import cli_logging, default_log_level, redacted_stdout, register_credentials
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its parser.
-_MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd"]
+_MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd", "status_cmd"]
 
 
 class _Parser(argparse.ArgumentParser):

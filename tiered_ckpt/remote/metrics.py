@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from tiered_ckpt.remote.at_risk import seconds_at_risk
 
 #: Where :meth:`UploadMetrics.serve` binds by default: loopback, this machine only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -76,7 +77,8 @@ class UploadMetrics:
     def _age(self) -> float:
         with self._lock:
             t = self._newest_commit_time
-        return math.nan if t is None else max(0.0, time.time() - t)
+        age = seconds_at_risk(t)  # the figure ``tiered-ckpt status`` shows as at_risk_s
+        return math.nan if age is None else age
 
     def serve(self, port: int, addr: str = DEFAULT_METRICS_HOST) -> int:
         """Serve ``/metrics`` on ``addr:port`` in a daemon thread (``port=0``: any free port). ``addr``:
