@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiered-ckpt ARGV``; returns the exit code (module docstring). SIGINT (Ctrl-C) and SIGTERM stop
     any command within a second or two: transfers in flight cut, multipart uploads aborted, nothing
-    committed; one line ``tiered-ckpt: interrupted (SIGINT)`` (or ``(SIGTERM)``), exit 130 (143). Only
-    ``upload --watch`` stops cleanly on both instead (exit 0: :mod:`tiered_ckpt.remote.daemon`)."""
+    committed; one line ``tiered-ckpt: interrupted (SIGINT)`` (or ``(SIGTERM)``), exit 130 (143). The two
+    watching commands stop cleanly on both instead, exit 0: ``upload --watch``
+    (:mod:`tiered_ckpt.remote.daemon`) and ``status --watch`` (it only reads)."""
     with _signals_interrupt():
         try:
             parser = build_parser()
