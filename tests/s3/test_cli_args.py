@@ -160,7 +160,7 @@ def test_restore_ranks_outside_world_size_is_one_line(remote: S3Location, tmp_pa
     for ranks in ("0-99", "0-99999"):
         proc = run("restore", "--remote", remote.url, "--local", dest, *_s3(remote), "--no-progress",
                    "--ranks", ranks)
-        line = one_error_line(proc, 1)
+        line = one_error_line(proc, 2)  # a usage error (issue 14): the ranks are checked against the step
         assert "rank" in line and "world" in line and len(line) < 600, line
         assert not dest.exists() or tc.committed_steps(dest) == []
 
