@@ -172,3 +172,25 @@ def test_root_and_step_checks_shared_with_reshard(run_dir: Path, not_a_root: Pat
         assert str(info.value) == (f"--out {out} is the source run directory {run_dir} or one of its step "
                                    "directories; pass another directory")
     require_other_root(run_dir.parent / "elsewhere", run_dir)
+
+
+def test_ls_shows_the_upload_mark_of_each_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Local ``ls`` said nothing of uploads (issue 14, fresh user): the sidecar's ``uploaded.json`` mark is a
+    column ('-' when there is none; 'stale' once the step was saved again) and a ``--json`` key."""
+    from tiered_ckpt.local import save_sharded
+    from tiered_ckpt.format.records import UploadedMarker
+    from tiered_ckpt.local.markers import manifest_sha256_of, write_uploaded_marker
+
+    root = tmp_path / "run"
+    for s in (1, 2, 3):
+        save_sharded([{"w": np.zeros(4, np.float32)}], root, s)
+    for s, sha in ((1, None), (3, "0" * 64)):  # step 3's marker was written for another manifest.json
+        sdir = root / f"step_{s:010d}"
+        write_uploaded_marker(sdir, UploadedMarker(step=s, remote="s3://b/p"),
+                              manifest_sha256=sha or manifest_sha256_of(sdir))
+    assert main(["ls", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "state", "world_size", "size", "leftover", "upload", "note"]
+    assert [ln.split()[6:] for ln in lines[1:]] == [["uploaded"], ["-"], ["stale"]]
+    assert main(["ls", str(root), "--json"]) == 0
+    assert [r["marker"] for r in json.loads(capsys.readouterr().out)] == ["uploaded", None, "stale"]

@@ -87,8 +87,8 @@ def test_ls_does_not_call_a_step_with_a_symlinked_shard_committed(tmp_path: Path
     assert os.lstat(shard).st_size == n
     proc = cli("ls", str(root))
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stdout  # ls lists; verify fails
-    assert proc.stdout.splitlines()[1].split(None, 5) == [
-        "1", "corrupt", "1", "0", "B", f"-         step 1 rank 0 (rank_00000.safetensors): {shard} is a symlink, "
+    assert proc.stdout.splitlines()[1].split(None, 7) == [
+        "1", "corrupt", "1", "0", "B", "-", "-", f"step 1 rank 0 (rank_00000.safetensors): {shard} is a symlink, "
         "not a regular file"]
 
 

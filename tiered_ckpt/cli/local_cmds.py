@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tiered_ckpt.layout import RUN_RECORD_NAME
 from tiered_ckpt.local.catalogue import resolve_root
+from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local.markers import marker_state
 from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc_report, scan
 from tiered_ckpt.cli._common import (ALLOW_EMPTY_HELP, EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes,
                                      nonneg_seconds, parse_ranks, print_json, print_table, require_checkpoint_root,
@@ -22,8 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("ls", help="list the steps of a local run directory (or, with --remote, a bucket)",
                        description="List every step directory under ROOT: committed or not, world size, bytes "
                                    "of shards, and leftover bytes (temp files of dead writers, e.g. a killed "
-                                   "save or restore: 'gc' removes them). With --remote s3://bucket/prefix: the "
-                                   "remote steps and their state.")
+                                   "save or restore: 'gc' removes them), and the upload mark of the sidecar "
+                                   "(uploaded, restored, skipped, or stale after a re-save; '-' for none; "
+                                   "'tiered-ckpt status' compares with the bucket). With --remote "
+                                   "s3://bucket/prefix: the remote steps and their state.")
     p.add_argument("root", type=Path, nargs="?", default=None, help="run directory holding step_XXXXXXXXXX/")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--remote", default=None, metavar="S3_URL", type=s3_url, help="list s3://bucket/prefix instead")
@@ -93,15 +97,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise CliError("ls needs ROOT or --remote s3://bucket/prefix", EXIT_USAGE)
     require_checkpoint_root(args.root, args.allow_empty)
     rows = scan(args.root, verify=False, require_all=False)
+    # what each step's uploaded.json says (the sidecar's mark: uploaded, restored, skipped, stale)
+    marks = {s.step: marker_state(args.root / step_dir_name(s.step)) for s in rows}
     if args.json:
-        print_json([s.to_dict() for s in rows])
+        print_json([{**s.to_dict(), "marker": marks[s.step]} for s in rows])
         return EXIT_OK
     if not rows:
         print(_no_steps_line(args.root))
         return EXIT_OK
-    print_table(["step", "state", "world_size", "size", "leftover", "note"],
+    print_table(["step", "state", "world_size", "size", "leftover", "upload", "note"],
                 [[s.step, s.state, s.world_size if s.world_size is not None else "-", human_bytes(s.size_bytes),
-                  human_bytes(s.leftover_bytes) if s.leftover_bytes else "-", s.note] for s in rows])
+                  human_bytes(s.leftover_bytes) if s.leftover_bytes else "-", marks[s.step] or "-", s.note]
+                 for s in rows])
     return EXIT_OK
 
 

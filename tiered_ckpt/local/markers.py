@@ -115,5 +115,20 @@ def uploaded_marker_time(step_dir: PathLike) -> float | None:
     return st.st_mtime if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
-__all__ = ["has_uploaded_marker", "manifest_sha256_of", "marker_matches_manifest", "read_uploaded_marker",
+def marker_state(step_dir: PathLike, remote_url: str | None = None) -> str | None:
+    """What the step's ``uploaded.json`` says, in one word for ``ls`` and ``status``: ``None`` (no marker,
+    or an unreadable one), ``"stale"`` (written for another ``manifest.json``: the step was saved again),
+    ``"other remote"`` (it names a bucket other than ``remote_url``, when given), else ``"skipped"``,
+    ``"restored"`` or ``"uploaded"``. Never raises."""
+    marker = read_uploaded_marker(step_dir)
+    if marker is None:
+        return None
+    if not marker_matches_manifest(step_dir, marker):
+        return "stale"
+    if remote_url is not None and not marker.names_remote(remote_url):
+        return "other remote"
+    return "skipped" if marker.skipped else "restored" if marker.restored else "uploaded"
+
+
+__all__ = ["has_uploaded_marker", "manifest_sha256_of", "marker_matches_manifest", "marker_state", "read_uploaded_marker",
            "uploaded_marker_time", "write_uploaded_marker"]

@@ -41,7 +41,7 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import (CONFIRM_DIR, MANIFEST_NAME, parse_remote_step_entry, parse_spread_shard_key,
                                 step_dir_name)
 from tiered_ckpt.local.catalogue import read_manifest, read_run_record, resolve_root
-from tiered_ckpt.local.markers import marker_matches_manifest, read_uploaded_marker
+from tiered_ckpt.local.markers import marker_state
 from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, StepStatus, scan
 from tiered_ckpt.remote.at_risk import commit_time, seconds_at_risk
 from tiered_ckpt.remote.catalogue import (CURRENT, REMOTE_NO_UPLOAD_MANIFEST, RemoteCatalogue, RemoteSave, SaveFault,
@@ -114,17 +114,6 @@ class _Local:
     markers: dict[int, str] = field(default_factory=dict)
 
 
-def _marker_word(step_dir: Path, remote_url: str | None) -> str | None:
-    marker = read_uploaded_marker(step_dir)
-    if marker is None:
-        return None
-    if not marker_matches_manifest(step_dir, marker):
-        return "stale"
-    if remote_url is not None and not marker.names_remote(remote_url):
-        return "other remote"
-    return "skipped" if marker.skipped else "restored" if marker.restored else "uploaded"
-
-
 def _read_local(root: Path, remote_url: str | None) -> _Local:
     """The root's record and one row per step (a current step before a superseded one of its number),
     the manifests of its current steps, and their markers. Raises ``ManifestError`` (unreadable run.json)."""
@@ -139,7 +128,7 @@ def _read_local(root: Path, remote_url: str | None) -> _Local:
             loc.manifests[step] = read_manifest(root, step)
         except CheckpointError:
             continue
-        word = _marker_word(root / step_dir_name(step), remote_url)
+        word = marker_state(root / step_dir_name(step), remote_url)
         if word is not None:
             loc.markers[step] = word
     return loc
