@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.errors import (CheckpointError, DistributedSaveError, LineageError, ManifestError, MissingShardError,
-                                NoCheckpointError, RunMismatchError, UploadError, WorldSizeMismatchError)
+                                NoCheckpointError, RunMismatchError, ShardCorruptedError, UploadError,
+                                WorldSizeMismatchError)
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import utc_now
 from tiered_ckpt.local import new_run_id, read_manifest, read_run_record, set_aside_superseded, write_run_record
@@ -62,7 +63,8 @@ log = logging.getLogger(__name__)
 
 #: Error types a rank's failure in phases 1-2 is raised as on every rank (others: CheckpointError).
 _GATHERED_ERRORS = {c.__name__: c for c in (ManifestError, LineageError, UploadError, RunMismatchError,
-                                             NoCheckpointError, WorldSizeMismatchError)}
+                                             NoCheckpointError, WorldSizeMismatchError, MissingShardError,
+                                             ShardCorruptedError)}
 
 
 def _error_entry(exc: BaseException, where: str) -> dict[str, str]:
@@ -322,9 +324,23 @@ class LineageDecider:
         self._record(sv, lineage)
         if self.remote_url is not None and resharding:
             self._restore_whole(sv, step)
-        elif self.remote_url is not None and not local_ranks_present(self.root, step, [self.rank]):
-            ensure_local(self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client)
+        elif self.remote_url is not None:
+            self._restore_own(step)
         return step, lineage
+
+    def _restore_own(self, step: int) -> None:
+        """Every rank makes its own shard of ``step`` local, restoring it from the bucket if missing; the
+        outcome gather is the barrier: no rank loads before every rank's shard is in place, since a
+        rank's Replicated values may be in another local rank's shard (each node's first rank holds the
+        copy), restored concurrently by that rank. Raises restore's errors on every rank alike."""
+        mine: dict[str, Any] = {"rank": self.rank}
+        if not local_ranks_present(self.root, step, [self.rank]):
+            assert self.remote_url is not None
+            try:
+                ensure_local(self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client)
+            except Exception as exc:  # reported to every rank, not left waiting in the gather
+                mine["error"] = _error_entry(exc, f"restoring into {self.root}: ")
+        _raise_gathered(self._gather(mine, "restoring the step"), f"step {step} could not be restored")
 
     def at_first_save(self, step: int) -> RunLineage:
         """The record a manager that did not load continues in, before its first save of ``step``;
