@@ -114,16 +114,18 @@ def test_sidecar_refuses_hostile_entries_and_never_hangs(tmp_path: Path, s3_buck
         refusal = f"{entry} is {word}, not a regular file; refusing to {verb} it"
         mine = [k for k in keys if f"/{step_dir_name(step)}." in k]
         if target == MANIFEST_NAME:
-            assert errors.pop(step) == f"tiered-ckpt: error: step {step}: ManifestError: {refusal}"
+            assert errors.pop(step) == f"tiered-ckpt: error: step {step}: {refusal}"
             assert mine == [], mine
             assert os.path.lexists(entry) and not (sdir / UPLOADED_MARKER_NAME).exists()
         elif target == SHARD:
             line = errors.pop(step)
-            assert line.startswith(f"tiered-ckpt: error: step {step}: LocalShardError: {loc.url}/"), line
+            assert line.startswith(f"tiered-ckpt: error: step {step}: {loc.url}/"), line
             assert line.endswith(f"/{SHARD}: {refusal}"), line
             assert not [k for k in mine if k.endswith(SHARD)], mine
         elif kind == "directory":  # uploaded (the entry was treated as absent); the marker cannot replace a directory
-            assert errors.pop(step).startswith(f"tiered-ckpt: error: step {step}: IsADirectoryError: "), out.stderr
+            line = errors.pop(step)  # an OSError reads "path -> path2: reason" (issue 14: no class name)
+            assert line.startswith(f"tiered-ckpt: error: step {step}: {sdir}/"), out.stderr
+            assert line.endswith(f" -> {entry}: Is a directory"), line
             assert any(k.endswith("/upload_manifest.json") for k in mine), mine
         else:  # treated as absent: uploaded, and a regular marker for this remote replaced the entry
             assert step not in errors, errors.get(step)
