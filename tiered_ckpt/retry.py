@@ -63,7 +63,7 @@ attempt count; the later attempts at DEBUG; a success after retries at INFO. A `
 daemon's stop event) cuts a wait short: no further attempt is made once it is set, and
 :class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not retryable, are
 raised as :class:`~tiered_ckpt.errors.RemoteAccessError` when the bucket cannot be used at all (missing
-bucket, credentials, denied, endpoint unreachable: :mod:`tiered_ckpt.store.access`), else as the caller's
+bucket, credentials, denied, endpoint unreachable: :mod:`tiered_ckpt.access`), else as the caller's
 ``error`` class (:class:`~tiered_ckpt.errors.UploadError`; ``RemoteListError`` for a listing), with
 ``last_exception`` set (an ``UploadError`` raised by the operation itself, e.g. a typed
 ``PreconditionFailedError``, passes through unchanged).
@@ -86,7 +86,7 @@ import tenacity
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.redact import redact_text
-from tiered_ckpt.store.access import access_error
+from tiered_ckpt.access import access_error
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ def call_with_retries(
 def _final_error(exc: BaseException, op_name: str, target: str | None, error: type[UploadError], attempts: int,
                  *, retried: bool) -> UploadError:
     """What :func:`call_with_retries` raises for its last failure ``exc``: a ``RemoteAccessError`` when the
-    bucket cannot be used at all (:func:`tiered_ckpt.store.access.access_error`), else ``error``."""
+    bucket cannot be used at all (:func:`tiered_ckpt.access.access_error`), else ``error``."""
     code, status = s3_error_code_and_status(exc)
     access = access_error(exc, code=code, status=status, names=_class_names(exc), op_name=op_name,
                           target=target, attempts=attempts)

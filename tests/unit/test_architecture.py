@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[2] / "tiered_ckpt"
 #: Layer of each module, by longest matching prefix. Higher may import lower or equal, never higher.
 LAYERS: list[tuple[str, int, str]] = [
     ("tiered_ckpt.errors", 0, "base"), ("tiered_ckpt.layout", 0, "base"), ("tiered_ckpt.state", 0, "base"),
-    ("tiered_ckpt.redact", 0, "base"),
+    ("tiered_ckpt.redact", 0, "base"), ("tiered_ckpt.access", 0, "base"),
     ("tiered_ckpt.format", 1, "format"),
     ("tiered_ckpt.fs", 2, "primitives"), ("tiered_ckpt.safe_read", 2, "primitives"), ("tiered_ckpt.locks", 2, "primitives"),
     ("tiered_ckpt.retry", 2, "primitives"), ("tiered_ckpt.store", 2, "primitives"),
