@@ -22,6 +22,7 @@ import pytest
 
 import tiered_ckpt as tc
 from spawn import python_cmd
+from cli_lines import cli, error_line
 from tiered_ckpt.cli import main
 from tiered_ckpt.cli._common import EXIT_USAGE, CliError
 from tiered_ckpt.format.lineage import RunLineage
@@ -30,21 +31,6 @@ from tiered_ckpt.layout import RUN_RECORD_NAME
 T0 = "2026-01-01T00:00:00.000000Z"
 YOUNG = "uncommitted, younger than the minimum age of 60 s (a writer may still be filling it)"
 NESTED = "holds a run of its own (run.json or step directories); left alone"
-
-
-def cli(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err, err
-    return rc, out, err
-
-
-def error_line(err: str) -> str:
-    """The one ``tiered-ckpt: error: ...`` line of ``err`` (nothing else on stderr), without its prefix."""
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tiered-ckpt: error: "), err
-    assert "Error:" not in lines[0] and "Error " not in lines[0], lines[0]  # no class name
-    return lines[0].removeprefix("tiered-ckpt: error: ")
 
 
 @pytest.fixture()

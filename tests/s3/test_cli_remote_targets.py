@@ -24,7 +24,7 @@ from restore_util import publish, put
 from s3_infra import S3Location
 from s3_servers import both_servers
 from spawn import free_port
-from tiered_ckpt.cli import main
+from cli_lines import cli, error_line
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME, remote_save_prefix
 from tiered_ckpt.local import read_manifest, save_sharded
@@ -34,21 +34,6 @@ T0 = "2026-01-01T00:00:00.000000Z"
 
 def _s3(loc: S3Location | str) -> list[str]:
     return ["--endpoint-url", loc if isinstance(loc, str) else loc.endpoint_url, "--path-style"]
-
-
-def cli(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err, err
-    return rc, out, err
-
-
-def error_line(err: str) -> str:
-    """The one ``tiered-ckpt: error: ...`` line of ``err`` (nothing else on stderr), without its prefix."""
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tiered-ckpt: error: "), err
-    assert "Error:" not in lines[0] and "Error " not in lines[0], lines[0]  # no class name
-    return lines[0].removeprefix("tiered-ckpt: error: ")
 
 
 @pytest.fixture()

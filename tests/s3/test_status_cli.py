@@ -13,7 +13,7 @@ import pytest
 
 from restore_util import publish, put
 from s3_infra import S3Location, new_bucket
-from tiered_ckpt.cli import main
+from cli_lines import cli
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import remote_save_prefix, step_dir_name
 from tiered_ckpt.local import read_manifest, save_sharded
@@ -25,13 +25,6 @@ from tiered_ckpt.remote.upload import Uploader
 T0 = "2026-01-01T00:00:00.000000Z"
 RUN = "0123456789abcdef0123456789abcdef"
 GAUGE = "tiered_ckpt_upload_seconds_since_newest_remote"
-
-
-def cli(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err, err
-    return rc, out, err
 
 
 def _s3(loc: S3Location) -> list[str]:
