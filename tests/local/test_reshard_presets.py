@@ -141,3 +141,19 @@ def test_replicated_value_stored_once_per_node(tmp_path: Path) -> None:
         (tmp_path / "node1" / "step_0000000003" / f"rank_{r:05d}.safetensors").unlink()
     got = tc.load_shard(tmp_path / "node1", 3, 4)
     assert got["cfg"]["w"].tolist() == [0, 1, 2, 3, 4] and got["own"].tolist() == [3, 3]
+
+
+def test_with_the_preset_a_per_rank_model_is_named_with_what_to_do(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A state saved without ``replicated_group`` keeps its model per rank: ``--preset training`` does not
+    guess it is replicated, and the error no longer tells a user who passed the preset to pass it (the
+    fresh user's finding): it says what the preset covers and how to mark or rule the rest."""
+    src = tmp_path / "src"
+    tc.save_sharded([{"model": {"w": np.full(4, float(r), np.float32)}, "rng": rng_tree(r)} for r in range(2)],
+                    src, 3)
+    rc = main(["reshard", str(src), "--world-size", "1", "--out", str(tmp_path / "out"), "--preset", "training"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.splitlines()) == 1, err
+    assert "per-rank state without a rule at model/w; the training preset rules only what" in err, err
+    assert "capture_training_state(..., replicated_group=...); else pass --rule KEY=RULE" in err, err
+    assert "pass --preset training" not in err, err

@@ -103,3 +103,10 @@ def test_debug_after_the_subcommand_shows_the_traceback(tmp_path: Path, capsys: 
     assert "Traceback (most recent call last)" in err
     last = err.splitlines()[-1]  # the one error line still ends the output
     assert last.startswith("tiered-ckpt: error: ") and str(tmp_path) in last
+
+
+def test_an_unknown_flag_after_the_subcommand_points_to_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """``ls ROOT --bogus`` said "see 'tiered-ckpt --help'" (the fresh user's finding): the subcommand's."""
+    assert main(["ls", "/nonexistent", "--bogus"]) == 2
+    assert capsys.readouterr().err == ("tiered-ckpt: error: unrecognized arguments: --bogus "
+                                       "(see 'tiered-ckpt ls --help')\n")

@@ -40,6 +40,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (``tiered-ckpt: error: ...``, exit 2) like
     every other failure, instead of the usage block followed by the error."""
 
+    subcommands: dict[str, argparse.ArgumentParser] = {}  # build_parser fills the top parser's
+
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
         msg = redact_text(" ".join(str(message).split()))
         self.exit(EXIT_USAGE, f"tiered-ckpt: error: {msg} (see '{self.prog} --help')\n")
@@ -114,7 +116,7 @@ def _add_global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
                         "session tokens, signatures and URL user info redacted)", **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> "_Parser":
     """The ``tiered-ckpt`` parser: the global options, ``--version``, and each module of
     :data:`_MODULES`'s subcommands (every one of them with the global options too, and defaults in
     ``--help``)."""
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in sub.choices.values():
         sp.formatter_class = _HelpFormatter
         _add_global_options(sp, top=False)
+    p.subcommands = dict(sub.choices)  # name -> its parser: a usage error points to its --help
     return p
 
 
@@ -151,7 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             parser = build_parser()
             try:
-                args = parser.parse_args(argv)
+                args, extra = parser.parse_known_args(argv)
+                if extra:  # the subcommand's usage error points to its own --help
+                    parser.subcommands.get(getattr(args, "command", None), parser).error(
+                        f"unrecognized arguments: {' '.join(extra)}")
             except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
                 return int(e.code or 0)
             register_credentials(args)

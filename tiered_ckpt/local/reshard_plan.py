@@ -130,11 +130,19 @@ def group_keys(keys: Sequence[str], limit: int = 8) -> str:
     return f"{', '.join(items[:limit])} ... and {len(items) - limit} more ({len(parts)} keys in all)"
 
 
-def unruled_message(step: int, world_size: int, keys: Sequence[str], *, cli: bool = False) -> str:
+def unruled_message(step: int, world_size: int, keys: Sequence[str], *, cli: bool = False,
+                    preset: bool = False) -> str:
     """The one-line :class:`ReshardError` message for per-rank ``keys`` without a rule, in the terms of the
-    Python API or (``cli``) of ``tiered-ckpt reshard``."""
+    Python API or (``cli``) of ``tiered-ckpt reshard``; ``preset``: a preset's rules were in force (they
+    rule only what the torch adapter saves per rank)."""
     head = (f"cannot reshard step {step} from {world_size} ranks: per-rank state without a rule at "
             f"{group_keys(keys)}; ")
+    if preset:
+        head += ("the training preset rules only what tiered_ckpt.torch.capture_training_state saves per rank "
+                 "(rng/, progress/, scheduler/, scaler/); a model or optimizer that is the same on every "
+                 "data-parallel rank is saved Replicated by capture_training_state(..., replicated_group=...); ")
+        return head + ("else pass --rule KEY=RULE for these keys, e.g. --rule model/=take_rank0" if cli else
+                       "else pass rules={KEY: RULE} for these keys")
     if cli:
         return head + (f"pass --preset training or --rule KEY=RULE (RULE: {', '.join(NAMED_RULES)}; a KEY ending "
                        "in / rules every per-rank value under it, e.g. --rule rng/=by_rank)")
@@ -235,10 +243,11 @@ class Planner:
         if unused:
             raise ReshardError(f"rules name key(s) not in step {self.m.step}: {unused[:10]}")
         if self.per_rank:
-            err = ReshardError(unruled_message(self.m.step, self.m.world_size, self.per_rank))
+            preset = bool(self.defaults)
+            err = ReshardError(unruled_message(self.m.step, self.m.world_size, self.per_rank, preset=preset))
             # the same in tiered-ckpt reshard's terms, for the command line to show
             err.cli_message = unruled_message(  # type: ignore[attr-defined]
-                self.m.step, self.m.world_size, self.per_rank, cli=True)
+                self.m.step, self.m.world_size, self.per_rank, cli=True, preset=preset)
             raise err
         if self.problems:
             raise ReshardError(f"cannot reshard step {self.m.step}: " + "; ".join(self.problems[:5]))
