@@ -48,7 +48,7 @@ def test_scan_remote_states(tmp_path: Path, s3_bucket: S3Location) -> None:
     fast = {s.step: s for s in scan_remote(s3_bucket.url, s3_client=s3_bucket.client, fast=True)}
     assert {k: v.state for k, v in fast.items()} == {
         10: "committed", 20: "committed", 30: "incomplete", 40: "corrupt", 50: "uncommitted"}
-    assert (fast[20].checked, fast[20].note) == ("size", "size only: the server stores no checksums")
+    assert (fast[20].checked, fast[20].note) == ("size", "size only: the server stores no CRC32C or SHA-256 checksum")
     only = scan_remote(s3_bucket.url, s3_client=s3_bucket.client, step=10)
     assert [(s.step, s.state) for s in only] == [(10, "committed")]
 

@@ -130,11 +130,11 @@ def test_fast_says_size_only_without_stored_checksums(tmp_path: Path, s3_bucket:
     save_step(src, 10)
     publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, src, 10, schema=2)
     assert _verify(capsys, s3_bucket, "--fast") == (
-        0, "step 10: committed (size only: the server stores no checksums)\n")
+        0, "step 10: committed (size only: the server stores no CRC32C or SHA-256 checksum)\n")
     rc, out = _verify(capsys, s3_bucket, "--fast", "--json")
     rows = json.loads(out)
     assert rc == 0 and [(r["state"], r["checked"]) for r in rows] == [("committed", "size")]
-    assert rows[0]["note"] == "size only: the server stores no checksums"
+    assert rows[0]["note"] == "size only: the server stores no CRC32C or SHA-256 checksum"
 
 
 # ---------------------------------------------------------------- the verdict alone (pure, no server)
@@ -174,7 +174,7 @@ def test_judge(crc32c: str, etag: str, recorded_etag: str | None, rec: Confirmat
 
 def test_summarize_names_the_weakest_check() -> None:
     sha, crc = ShardCheck(0, "server-sha256"), ShardCheck(1, "crc32c")
-    none = [ShardCheck(r, why="the server stores no checksums") for r in (2, 3)]
+    none = [ShardCheck(r, why="the server stores no CRC32C or SHA-256 checksum") for r in (2, 3)]
     assert summarize([sha, crc]) == ("crc32c", "")
-    assert summarize([sha, crc, *none]) == ("size", "size only for ranks 2-3: the server stores no checksums")
-    assert summarize(none) == ("size", "size only: the server stores no checksums")
+    assert summarize([sha, crc, *none]) == ("size", "size only for ranks 2-3: the server stores no CRC32C or SHA-256 checksum")
+    assert summarize(none) == ("size", "size only: the server stores no CRC32C or SHA-256 checksum")

@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "shard object (CRC32C, or SHA-256 for one sent in one PUT) with the one recorded at "
                         "upload: catches an object replaced or re-uploaded since the commit and a wrong part, "
                         "never bytes rotting at rest on the server (only the full check, without --fast, reads "
-                        "them); where the server stores no checksums the line says 'size only'")
+                        "them); where the server stores no CRC32C or SHA-256 checksum the line says 'size only'")
     p.add_argument("--remote", metavar="S3_URL", default=None, type=s3_url,
                    help="verify the steps under s3://bucket/prefix against their upload manifests")
     add_s3_args(p)

@@ -48,7 +48,7 @@ from tiered_ckpt.store.checksums import checksums_match, split_checksum
 #: SHA-256 (objects sent in one PUT); every byte downloaded and hashed (the full verify).
 CHECKED_LEVELS = ("size", "crc32c", "server-sha256", "sha256")
 #: Why a shard was checked by size only when the server reports no checksum for it.
-NO_STORED_CHECKSUMS = "the server stores no checksums"
+NO_STORED_CHECKSUMS = "the server stores no CRC32C or SHA-256 checksum"
 
 _LABEL = {"CRC32C": "crc32c", "SHA256": "server-sha256"}
 _MULTIPART_ETAG = re.compile(r'-\d+"?$')

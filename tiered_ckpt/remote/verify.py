@@ -18,7 +18,7 @@ One row per save, by step, the step's current save first (a :class:`RemoteStepSt
 how a committed row was checked, :data:`~tiered_ckpt.remote.stored_checksums.CHECKED_LEVELS`: ``sha256``
 for the full check; with ``fast`` ``crc32c`` or ``server-sha256`` (the weakest over its shards) where the
 server stores checksums, ``size`` where it stores none, which the row's note then says:
-``size only: the server stores no checksums``). ``fast`` downloads no shard: it catches an object
+``size only: the server stores no CRC32C or SHA-256 checksum``). ``fast`` downloads no shard: it catches an object
 replaced or re-uploaded since the commit, or a wrong part, never bytes rotting at rest on the server.
 Downloads go to a temporary directory and are deleted after hashing.
 """
