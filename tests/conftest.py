@@ -5,6 +5,7 @@ from __future__ import annotations
 # ------------------------------------------------------------------------------------------- S3 tier
 # moto S3 server as a real process, unique bucket per test, fault-injecting proxy (tests/s3_infra.py).
 import os
+import signal
 from typing import Iterator
 
 import pytest
@@ -82,3 +83,15 @@ def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     for var in s3_infra.SEAWEEDFS_ENV_REMOVE:
         monkeypatch.delenv(var, raising=False)
     return s3_infra.S3Server("seaweedfs", request.getfixturevalue("seaweedfs_server"))
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in this test and its children, whatever the run inherited: a run
+    started in the background by a non-interactive shell has SIGINT ignored, which children inherit (their
+    Python then ignores Ctrl-C)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -97,7 +97,8 @@ def _stop(proc: subprocess.Popen[bytes], sig: int) -> int:
 
 
 @pytest.mark.slow
-def test_status_follows_a_run_with_its_sidecar(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+def test_status_follows_a_run_with_its_sidecar(tmp_path: Path, s3_bucket: s3_infra.S3Location,
+                                              default_sigint: None) -> None:
     root = tmp_path / "run"
     s3 = ["--remote", s3_bucket.url, "--endpoint-url", s3_bucket.endpoint_url, "--path-style"]
     port = free_port()
