@@ -153,10 +153,12 @@ def test_no_credentials_says_how_to_give_them(published: S3Location, monkeypatch
 
 @pytest.mark.slow  # the closed port is retried (about 8 s of backoff)
 def test_an_endpoint_that_is_down(capsys: pytest.CaptureFixture) -> None:
+    """Also the default-level half of test_cli_secrets' endpoint user-info check (one closed-port wait)."""
     port = free_port()  # nothing listens there
     url = "s3://some-bucket/run"
-    rc, out, err = cli(capsys, "ls", "--remote", url, *_s3(f"http://127.0.0.1:{port}"))
+    rc, out, err = cli(capsys, "ls", "--remote", url, *_s3(f"http://ckpt-user:pw-s3cr3t-9@127.0.0.1:{port}"))
     assert (rc, out) == (1, "")
+    assert "ckpt-user" not in err and "pw-s3cr3t-9" not in err, err
     lines = err.splitlines()
     assert len(lines) == 2, err  # before: five WARNING lines, one per attempt, then the error
     assert " WARNING tiered_ckpt.retry: get s3://some-bucket/run/latest failed (attempt 1 of 6), retrying" in lines[0]
