@@ -9,7 +9,6 @@ from pathlib import Path
 from tiered_ckpt.layout import RUN_RECORD_NAME
 from tiered_ckpt.local.catalogue import resolve_root
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local.catalogue import read_run_record
 from tiered_ckpt.local.markers import marker_state
 from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, UNCOMMITTED, StepStatus, gc_report, scan
 from tiered_ckpt.cli._common import (ALLOW_EMPTY_HELP, EXIT_FAULT, EXIT_OK, EXIT_USAGE, CliError, human_bytes,
@@ -184,7 +183,6 @@ def _shown(p: Path) -> str:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     require_checkpoint_root(args.root, args.allow_empty, as_given=True)  # gc sweeps the directory as named
-    read_run_record(args.root)  # an unreadable run.json: one line, exit 1, nothing removed (as ls, verify)
     rep = gc_report(args.root, force=args.force, min_age_s=args.min_age_s, superseded=args.superseded)
     if args.json:
         print_json({"removed": [str(p) for p in rep.removed],
