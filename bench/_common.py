@@ -1,9 +1,9 @@
 """Shared helpers of the benchmarks under ``bench/``: fresh child processes, interleaved schedules,
 medians, peak-RSS measurement, page-cache control, and plain-text tables.
 
-Nothing here imports the package or torch, so a benchmark's orchestrator stays small (its children do
-the heavy work, each in a *fresh* interpreter started with ``subprocess``: a forked child would inherit
-the parent's peak RSS and page-table state).
+Nothing here imports the package or torch, so a benchmark's orchestrator stays small (its children
+do the heavy work, each in a *fresh* interpreter started with ``subprocess``: a forked child would
+inherit the parent's peak RSS and page-table state).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
-GiB = 1024 ** 3
-MiB = 1024 ** 2
+GiB = 1024**3
+MiB = 1024**2
 
 
-# ------------------------------------------------------------------------------------------ statistics
+# --- statistics
 
 
 def median(xs: Iterable[float]) -> float:
@@ -45,8 +46,11 @@ def ratio(a: float, b: float) -> float:
         return float("nan")
 
 
-def floor_check(name: str, value: float, floor: float, *, higher_is_better: bool = True) -> tuple[str, bool]:
-    """A ``PASS``/``FAIL`` line for ``value`` against ``floor`` (a ceiling when not higher_is_better)."""
+def floor_check(
+    name: str, value: float, floor: float, *, higher_is_better: bool = True
+) -> tuple[str, bool]:
+    """A ``PASS``/``FAIL`` line for ``value`` against ``floor`` (a ceiling when not
+    higher_is_better)."""
     ok = value >= floor if higher_is_better else value <= floor
     if value != value:  # NaN: not measured
         ok = False
@@ -54,24 +58,24 @@ def floor_check(name: str, value: float, floor: float, *, higher_is_better: bool
     return f"{'PASS' if ok else 'FAIL'}  {name}: {value:.3f} {op} {floor:g}", ok
 
 
-# ------------------------------------------------------------------------------------------ interleaving
+# --- interleaving
 
 
 def interleaved(cases: Sequence[str], reps: int) -> list[tuple[int, str]]:
     """``(rep, case)`` pairs: every repetition runs every case once, in an order rotated by one per
-    repetition and reversed on odd repetitions, so that no case always runs first, last, or right after
-    the same neighbour (slow drifts in background load then hit every case alike)."""
+    repetition and reversed on odd repetitions, so that no case always runs first, last, or right
+    after the same neighbour (slow drifts in background load then hit every case alike)."""
     out = []
     n = len(cases)
     for rep in range(reps):
-        order = list(cases[rep % n:]) + list(cases[: rep % n]) if n else []
+        order = list(cases[rep % n :]) + list(cases[: rep % n]) if n else []
         if rep % 2:
             order.reverse()
         out.extend((rep, c) for c in order)
     return out
 
 
-# ------------------------------------------------------------------------------------------ memory
+# --- memory
 
 
 def proc_status() -> dict[str, int]:
@@ -108,8 +112,8 @@ class PeakRss:
             save(...)
         m.growth  # bytes above the RSS at entry
 
-    Uses VmHWM (reset at entry where the kernel allows; else the growth is a lower bound only when the
-    process never exceeded its entry RSS before). ``ru_maxrss`` is reported too, for reference.
+    Uses VmHWM (reset at entry where the kernel allows; else the growth is a lower bound only when
+    the process never exceeded its entry RSS before). ``ru_maxrss`` is reported too, for reference.
     """
 
     def __enter__(self) -> PeakRss:
@@ -128,11 +132,17 @@ class PeakRss:
         self.growth = max(0, self.hwm_after - self.rss_before)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rss_before": self.rss_before, "hwm_after": self.hwm_after, "rss_after": self.rss_after,
-                "rss_growth": self.growth, "ru_maxrss": self.ru_maxrss, "hwm_reset": self.reset_ok}
+        return {
+            "rss_before": self.rss_before,
+            "hwm_after": self.hwm_after,
+            "rss_after": self.rss_after,
+            "rss_growth": self.growth,
+            "ru_maxrss": self.ru_maxrss,
+            "hwm_reset": self.reset_ok,
+        }
 
 
-# ------------------------------------------------------------------------------------------ page cache
+# --- page cache
 
 
 def drop_caches() -> bool:
@@ -147,7 +157,7 @@ def drop_caches() -> bool:
         return False
 
 
-# ------------------------------------------------------------------------------------------ timing
+# --- timing
 
 
 class CpuTimer:
@@ -163,14 +173,22 @@ class CpuTimer:
         self.wall = time.perf_counter() - self._t0
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.cpu = (r1.ru_utime - self._r0.ru_utime + r1.ru_stime - self._r0.ru_stime
-                    + c1.ru_utime - self._c0.ru_utime + c1.ru_stime - self._c0.ru_stime)
+        self.cpu = (
+            r1.ru_utime
+            - self._r0.ru_utime
+            + r1.ru_stime
+            - self._r0.ru_stime
+            + c1.ru_utime
+            - self._c0.ru_utime
+            + c1.ru_stime
+            - self._c0.ru_stime
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {"wall": self.wall, "cpu": self.cpu}
 
 
-# ------------------------------------------------------------------------------------------ children
+# --- children
 
 
 RESULT_PREFIX = "@@RESULT@@ "
@@ -182,18 +200,25 @@ def emit_result(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def run_child(argv: Sequence[str], *, timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``python argv...`` in a fresh interpreter (``subprocess``, not a fork of this process) and
-    return the JSON object it emitted with :func:`emit_result`. Raises ``RuntimeError`` with the child's
-    stderr tail when it fails."""
+def run_child(
+    argv: Sequence[str], *, timeout: float = 900, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``python argv...`` in a fresh interpreter (``subprocess``, not a fork of this process)
+    and return the JSON object it emitted with :func:`emit_result`. Raises ``RuntimeError`` with the
+    child's stderr tail when it fails."""
     cmd = [sys.executable, *argv]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
     for line in reversed(p.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             if p.returncode != 0:
                 break
-            return json.loads(line[len(RESULT_PREFIX):])
+            return json.loads(line[len(RESULT_PREFIX) :])
     raise RuntimeError(f"child {' '.join(argv[:3])} ... exited {p.returncode}:\n{p.stderr[-3000:]}")
 
 
@@ -216,7 +241,7 @@ def dir_bytes(p: str | os.PathLike[str]) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-# ------------------------------------------------------------------------------------------ output
+# --- output
 
 
 def fmt_num(x: float | None, spec: str = ".2f") -> str:
@@ -225,15 +250,19 @@ def fmt_num(x: float | None, spec: str = ".2f") -> str:
     return format(x, spec)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, align: str | None = None) -> str:
-    """A plain-text table; ``align`` is one char per column, ``l`` or ``r`` (default: first column left,
-    the rest right)."""
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, align: str | None = None
+) -> str:
+    """A plain-text table; ``align`` is one char per column, ``l`` or ``r`` (default: first column
+    left, the rest right)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     align = align or ("l" + "r" * (len(headers) - 1))
     lines = []
     for n, r in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)))
+        lines.append(
+            "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align))
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -246,8 +275,10 @@ def machine_note() -> str:
     except (ValueError, OSError):
         mem = float("nan")
     la = os.getloadavg()
-    return (f"{os.cpu_count()} CPUs, {mem:.1f} GiB RAM, load avg {la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f}, "
-            f"{os.uname().sysname} {os.uname().release}, python {sys.version.split()[0]}")
+    return (
+        f"{os.cpu_count()} CPUs, {mem:.1f} GiB RAM, load avg {la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f}, "
+        f"{os.uname().sysname} {os.uname().release}, python {sys.version.split()[0]}"
+    )
 
 
 def fs_note(path: str | os.PathLike[str]) -> str:
@@ -258,7 +289,9 @@ def fs_note(path: str | os.PathLike[str]) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 dev, mnt, typ = line.split()[:3]
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[2]):
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                    best[2]
+                ):
                     best = (dev, typ, mnt)
     except OSError:
         pass
@@ -267,8 +300,8 @@ def fs_note(path: str | os.PathLike[str]) -> str:
 
 
 def retry(fn: Callable[[], Any], tries: int = 3) -> Any:
-    """Call ``fn`` up to ``tries`` times (benchmarks share the machine; a transient failure should not
-    lose a whole run). The last exception propagates."""
+    """Call ``fn`` up to ``tries`` times (benchmarks share the machine; a transient failure should
+    not lose a whole run). The last exception propagates."""
     for i in range(tries):
         try:
             return fn()

@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
-"""Benchmark of the torch.distributed.checkpoint backend (issue 13): the same FSDP2 state saved and loaded
-through our ``TieredStorageWriter``/``TieredStorageReader`` and through DCP's own
-``FileSystemWriter(sync_files=True)``/``FileSystemReader``, by 4 gloo ranks on CPU, interleaved repetitions.
+"""Benchmark of the torch.distributed.checkpoint backend: the same FSDP2 state saved and
+loaded through our ``TieredStorageWriter``/``TieredStorageReader`` and through DCP's own
+``FileSystemWriter(sync_files=True)``/``FileSystemReader``, by 4 gloo ranks on CPU, interleaved
+repetitions.
 
     python bench/dcp_backend.py                       # ~1.2 GiB of state (params + 2 AdamW moments), 3 reps
     python bench/dcp_backend.py --layers 2 --dim 1024 --reps 1 --ranks 2    # a smaller run
     python bench/dcp_backend.py --smoke               # 2 ranks, 2 x Linear(256, 256), once: checks it works
 
-Each repetition runs, for each backend in turn (the order alternates between repetitions), one group of
-``--ranks`` fresh processes (``torch.distributed`` gloo, ``fully_shard`` per layer and at the root, one AdamW
-step so both moments exist, ``get_state_dict``) that times, between barriers, on rank 0:
+Each repetition runs, for each backend in turn (the order alternates between repetitions), one group
+of ``--ranks`` fresh processes (``torch.distributed`` gloo, ``fully_shard`` per layer and at the
+root, one AdamW step so both moments exist, ``get_state_dict``) that times, between barriers, on
+rank 0:
 
-  save        ``dcp.save`` of step 1 (ours: the local tier's commit included: shards fsynced, manifest last)
-  async       ``dcp.async_save`` (thread mode, a dedicated gloo group) of step 2: the time the caller is
+  save        ``dcp.save`` of step 1 (ours: the local tier's commit included: shards fsynced,
+  manifest last) async       ``dcp.async_save`` (thread mode, a dedicated gloo group) of step 2: the
+  time the caller is
               blocked (staging), then the wait for its completion (not part of the ratio)
-  load        ``dcp.load`` of step 1 into the state dict (ours: sha256/CRC32C verified reads), page cache
+  load        ``dcp.load`` of step 1 into the state dict (ours: sha256/CRC32C verified reads), page
+  cache
               dropped before it where permitted (root), so the load is cold
 
-Floors (issue 13): save throughput >= 1.0 x DCP's, async-save blocking time <= 1.1 x DCP's own async
+Floors: save throughput >= 1.0 x DCP's, async-save blocking time <= 1.1 x DCP's own async
 save, load >= 1.0 x DCP's. Ratios are ours/DCP throughput (higher is better), and DCP/ours for the
 blocking time, so > 1 is always ours better.
 """
@@ -46,7 +50,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# ------------------------------------------------------------------------------------------ worker
+# --- worker
 
 
 def _state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -56,7 +60,9 @@ def _state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)]
+    )
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -91,14 +97,23 @@ def _state_bytes(sd: Any) -> int:
 
 
 def _backend(case: str, root: Path, step: int, *, reader: bool) -> dict[str, Any]:
-    """The ``storage_writer``/``storage_reader`` and ``planner`` keyword arguments of one backend."""
+    """The ``storage_writer``/``storage_reader`` and ``planner`` keyword arguments of one
+    backend."""
     import torch.distributed.checkpoint as dcp
 
     if case == "ours":
-        from tiered_ckpt.dcp import TieredLoadPlanner, TieredSavePlanner, TieredStorageReader, TieredStorageWriter
+        from tiered_ckpt.dcp import (
+            TieredLoadPlanner,
+            TieredSavePlanner,
+            TieredStorageReader,
+            TieredStorageWriter,
+        )
 
         if reader:
-            return {"storage_reader": TieredStorageReader(root, step), "planner": TieredLoadPlanner()}
+            return {
+                "storage_reader": TieredStorageReader(root, step),
+                "planner": TieredLoadPlanner(),
+            }
         return {"storage_writer": TieredStorageWriter(root, step), "planner": TieredSavePlanner()}
     path = root / f"dcp_step_{step}"
     if reader:
@@ -151,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------------------ parent
+# --- parent
 
 
 def run_group(args: argparse.Namespace, case: str, base: Path) -> dict[str, Any]:
@@ -159,20 +174,42 @@ def run_group(args: argparse.Namespace, case: str, base: Path) -> dict[str, Any]
     work = Path(tempfile.mkdtemp(prefix=f"dcp_{case}_", dir=base))
     port = _free_port()
     procs = []
-    argv = [sys.executable, __file__, "--worker", "--case", case, "--dir", str(work), "--layers", str(args.layers),
-            "--dim", str(args.dim)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--case",
+        case,
+        "--dir",
+        str(work),
+        "--layers",
+        str(args.layers),
+        "--dim",
+        str(args.dim),
+    ]
     try:
         for r in range(args.ranks):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(args.ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PYTHONWARNINGS": "ignore",
+                "OMP_NUM_THREADS": "1",
+            }
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
         outs = [p.communicate(timeout=1800) for p in procs]
         for p, (_, err) in zip(procs, outs):
             if p.returncode != 0:
                 raise RuntimeError(f"{case} rank exited {p.returncode}:\n{err[-3000:]}")
         for line in reversed(outs[0][0].splitlines()):
             if line.startswith(C.RESULT_PREFIX):
-                return json.loads(line[len(C.RESULT_PREFIX):])
+                return json.loads(line[len(C.RESULT_PREFIX) :])
         raise RuntimeError(f"{case}: rank 0 printed no result:\n{outs[0][1][-3000:]}")
     finally:
         for p in procs:
@@ -182,29 +219,52 @@ def run_group(args: argparse.Namespace, case: str, base: Path) -> dict[str, Any]
 
 
 def report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> tuple[str, bool]:
-    med = {c: {k: C.median(r[k] for r in res[c]) for k in ("save_s", "async_block_s", "async_total_s", "load_s")}
-           for c in CASES}
+    med = {
+        c: {
+            k: C.median(r[k] for r in res[c])
+            for k in ("save_s", "async_block_s", "async_total_s", "load_s")
+        }
+        for c in CASES
+    }
     nbytes = res["ours"][0]["state_bytes"]
     gib = nbytes / C.GiB
     rows = []
-    for label, key in (("sync save", "save_s"), ("async save, caller blocked", "async_block_s"),
-                       ("async save, until done", "async_total_s"), ("load (cold cache)", "load_s")):
+    for label, key in (
+        ("sync save", "save_s"),
+        ("async save, caller blocked", "async_block_s"),
+        ("async save, until done", "async_total_s"),
+        ("load (cold cache)", "load_s"),
+    ):
         o, d = med["ours"][key], med["dcp"][key]
         rows.append([label, f"{o:.3f} s", f"{d:.3f} s", f"{C.ratio(d, o):.2f}x"])
-    lines = [f"# DCP backend, {args.ranks} ranks (gloo, CPU), FSDP2 state {gib:.2f} GiB "
-             f"({args.layers} x Linear({args.dim}, {args.dim}) + AdamW moments), medians of {args.reps} "
-             f"interleaved repetitions", C.machine_note(),
-             f"page cache dropped before loads: {all(r.get('cold') for c in CASES for r in res[c])}",
-             f"bytes on disk per step: ours {res['ours'][0]['disk_bytes'] / 2:.0f}, DCP "
-             f"{res['dcp'][0]['disk_bytes'] / 2:.0f}", "",
-             C.table(["", "ours", "DCP FileSystemWriter(sync_files=True)/Reader", "ratio (DCP time / ours)"], rows)]
+    lines = [
+        f"# DCP backend, {args.ranks} ranks (gloo, CPU), FSDP2 state {gib:.2f} GiB "
+        f"({args.layers} x Linear({args.dim}, {args.dim}) + AdamW moments), medians of {args.reps} "
+        f"interleaved repetitions",
+        C.machine_note(),
+        f"page cache dropped before loads: {all(r.get('cold') for c in CASES for r in res[c])}",
+        f"bytes on disk per step: ours {res['ours'][0]['disk_bytes'] / 2:.0f}, DCP "
+        f"{res['dcp'][0]['disk_bytes'] / 2:.0f}",
+        "",
+        C.table(
+            ["", "ours", "DCP FileSystemWriter(sync_files=True)/Reader", "ratio (DCP time / ours)"],
+            rows,
+        ),
+    ]
     ok = True
-    for name, key, floor in (("sync save throughput", "save_s", 1.0), ("load throughput", "load_s", 1.0)):
+    for name, key, floor in (
+        ("sync save throughput", "save_s", 1.0),
+        ("load throughput", "load_s", 1.0),
+    ):
         line, passed = C.floor_check(name, C.ratio(med["dcp"][key], med["ours"][key]), floor)
         lines.append(line)
         ok &= passed
-    line, passed = C.floor_check("async-save blocking time vs DCP's", C.ratio(med["ours"]["async_block_s"],
-                                 med["dcp"]["async_block_s"]), 1.1, higher_is_better=False)
+    line, passed = C.floor_check(
+        "async-save blocking time vs DCP's",
+        C.ratio(med["ours"]["async_block_s"], med["dcp"]["async_block_s"]),
+        1.1,
+        higher_is_better=False,
+    )
     lines.append(line)
     ok &= passed
     return "\n".join(lines), ok
@@ -214,12 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--layers", type=int, default=6, help="Linear layers of the model (default 6)")
-    p.add_argument("--dim", type=int, default=4096, help="their width (default 4096: 64 MiB per weight)")
+    p.add_argument(
+        "--dim", type=int, default=4096, help="their width (default 4096: 64 MiB per weight)"
+    )
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where the steps are written (default: a temp dir under /tmp)")
+    p.add_argument(
+        "--dir", default=None, help="where the steps are written (default: a temp dir under /tmp)"
+    )
     p.add_argument("--json", default=None, help="also write the raw results here")
-    p.add_argument("--smoke", action="store_true",
-                   help="2 ranks, 2 x Linear(256, 256), one repetition: checks the script works (floors not enforced)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 ranks, 2 x Linear(256, 256), one repetition: checks the script works (floors not enforced)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -233,13 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
     for rep, case in C.interleaved(CASES, args.reps):
         r = run_group(args, case, base)
-        print(f"rep {rep} {case}: save {r['save_s']:.3f} s, async blocked {r['async_block_s']:.3f} s, "
-              f"load {r['load_s']:.3f} s", file=sys.stderr, flush=True)
+        print(
+            f"rep {rep} {case}: save {r['save_s']:.3f} s, async blocked {r['async_block_s']:.3f} s, "
+            f"load {r['load_s']:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         res[case].append(r)
     text, ok = report(args, res)
     print(text)
     if args.smoke:
-        print("(--smoke: a tiny state, one repetition: the figures mean nothing; floors not enforced)")
+        print(
+            "(--smoke: a tiny state, one repetition: the figures mean nothing; floors not enforced)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if args.dir is None:

@@ -1,21 +1,23 @@
 #!/usr/bin/env python3
-"""Benchmark of the local tier (issue 2): save and load of a large state against raw writes, torch.save
-and torch.distributed.checkpoint (DCP), on the same filesystem, in one run with interleaved repetitions.
+"""Benchmark of the local tier: save and load of a large state against raw writes,
+torch.save and torch.distributed.checkpoint (DCP), on the same filesystem, in one run with
+interleaved repetitions.
 
     python bench/local_save.py                      # 2 GiB, 5 repetitions, under /tmp
     python bench/local_save.py --size-gib 0.1 --reps 2 --dir /work/scratch
     python bench/local_save.py --cases ours_1,raw_1,dcp_1 --reps 3
     python bench/local_save.py --smoke --dir /tmp/x       # every case at 4 MiB, once: checks the script works
 
-Cases (every save runs in a fresh interpreter started with ``subprocess`` that builds its own state, so
-its peak RSS is its own; page cache dropped before each save where permitted):
+Cases (every save runs in a fresh interpreter started with ``subprocess`` that builds its own state,
+so its peak RSS is its own; page cache dropped before each save where permitted):
 
   ours_1      save_sharded([state]) : 1 rank, sha256 included, commit included
   ours_4t     save_sharded(4 states): 4 ranks in parallel threads of one process
   ours_4p     4 fresh processes, each write_shard() its 512 MiB, then one commit_step()
   dd          dd if=/dev/zero of=F bs=16M iflag=count_bytes count=<bytes> conv=fsync  (zeros!)
   dd_4        4 such dd processes in parallel, <bytes>/4 each (one file per rank)
-  ddr/ddr_4   the same dd, but copying random bytes from a file on /dev/shm (tmpfs, in RAM: reading it is a
+  ddr/ddr_4   the same dd, but copying random bytes from a file on /dev/shm (tmpfs, in RAM: reading
+  it is a
               memcpy) instead of /dev/zero: a disk or host that treats zero blocks specially (thin
               provisioning, zero detection) writes zeros several times faster than checkpoint data
   raw_1       Python loop of 16 MiB os.write() of the same array bytes, fsync at the end
@@ -27,18 +29,18 @@ its peak RSS is its own; page cache dropped before each save where permitted):
   small_dcp   the same with DCP
 
 Each case's files are loaded right after its save (warm: still in the page cache) and again after
-dropping the page cache (cold), then deleted: our load_sharded (sha256 verified) vs torch.load vs DCP
-load (into preallocated tensors) vs a raw read of the raw files into one buffer.
+dropping the page cache (cold), then deleted: our load_sharded (sha256 verified) vs torch.load vs
+DCP load (into preallocated tensors) vs a raw read of the raw files into one buffer.
 
-Floors (issue 2): save throughput >= 0.8 x the faster raw write and >= 1.0 x DCP; peak RSS growth during
-our save <= 10% of the state.
+Floors: save throughput >= 0.8 x the faster raw write and >= 1.0 x DCP; peak RSS growth
+during our save <= 10% of the state.
 
-Issue 12 rows (``--issue12`` runs only their cases): cold-cache verified load >= 1.0 x dcp.load at 1 rank
-(ours_1 vs dcp_1) and at 4 ranks (load_sharded of ours_4t's 4-rank step vs dcp.load of the same 2 GiB,
-dcp_1); save at 4 ranks >= 0.9 x 4 parallel dd (ours_4p and ours_4t vs dd_4 and ddr_4), 1 rank >= 1.0 x dd
-(and ddr); the small tensors' save + warm load >= 10 x DCP's. Each save row is reported against dd of
-zeros and dd of random bytes: where the two differ, the disk treats zeros specially, and dd of random
-bytes is the baseline that writes what a checkpoint writes.
+Issue 12 rows (``--issue12`` runs only their cases): cold-cache verified load >= 1.0 x dcp.load at 1
+rank (ours_1 vs dcp_1) and at 4 ranks (load_sharded of ours_4t's 4-rank step vs dcp.load of the same
+2 GiB, dcp_1); save at 4 ranks >= 0.9 x 4 parallel dd (ours_4p and ours_4t vs dd_4 and ddr_4), 1
+rank >= 1.0 x dd (and ddr); the small tensors' save + warm load >= 10 x DCP's. Each save row is
+reported against dd of zeros and dd of random bytes: where the two differ, the disk treats zeros
+specially, and dd of random bytes is the baseline that writes what a checkpoint writes.
 
     python bench/local_save.py --issue12 --reps 3       # 2 GiB: the issue 12 rows only
 """
@@ -52,8 +54,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import _common as C  # bench/ is sys.path[0] when a script of it runs
 
@@ -62,15 +65,31 @@ STEP = 1
 
 #: case -> (kind, ranks)
 CASES: dict[str, tuple[str, int]] = {
-    "ours_1": ("ours", 1), "ours_4t": ("ours", 4), "ours_4p": ("ours_proc", 4),
-    "dd": ("dd", 1), "dd_4": ("dd", 4), "ddr": ("ddr", 1), "ddr_4": ("ddr", 4), "raw_1": ("raw", 1), "raw_4t": ("raw", 4),
-    "torch_1": ("torch", 1), "torch_4t": ("torch", 4),
-    "dcp_1": ("dcp", 1), "dcp_4": ("dcp", 4),
-    "small_ours": ("ours", 1), "small_dcp": ("dcp", 1),
+    "ours_1": ("ours", 1),
+    "ours_4t": ("ours", 4),
+    "ours_4p": ("ours_proc", 4),
+    "dd": ("dd", 1),
+    "dd_4": ("dd", 4),
+    "ddr": ("ddr", 1),
+    "ddr_4": ("ddr", 4),
+    "raw_1": ("raw", 1),
+    "raw_4t": ("raw", 4),
+    "torch_1": ("torch", 1),
+    "torch_4t": ("torch", 4),
+    "dcp_1": ("dcp", 1),
+    "dcp_4": ("dcp", 4),
+    "small_ours": ("ours", 1),
+    "small_dcp": ("dcp", 1),
 }
-NO_LOAD = {"dd", "dd_4", "ddr", "ddr_4", "ours_4p"}  # dd wrote zeros or a copy; ours_4p's files are read exactly like ours_4t's
-#: The cases of issue 12's rows (``--issue12``): cold verified load vs dcp.load at 1 and 4 ranks, save
-#: vs 1 and 4 parallel dd, 10,000 small tensors vs DCP.
+NO_LOAD = {
+    "dd",
+    "dd_4",
+    "ddr",
+    "ddr_4",
+    "ours_4p",
+}  # dd wrote zeros or a copy; ours_4p's files are read exactly like ours_4t's
+#: The cases of issue 12's rows (``--issue12``): cold verified load vs dcp.load at 1 and 4 ranks,
+#: save vs 1 and 4 parallel dd, 10,000 small tensors vs DCP.
 ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,ddr,ddr_4,dcp_1,small_ours,small_dcp"
 
 
@@ -79,7 +98,8 @@ ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,ddr,ddr_4,dcp_1,small_ours,small_dcp"
 
 def state_spec(rank_bytes: int) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
     """One rank's tensors, ``rank_bytes`` in all: fp16 params in 8 layers plus the ZeRO fp32 master,
-    exp_avg and exp_avg_sq partitions (2 + 4 + 4 + 4 bytes per parameter), the remainder as uint8."""
+    exp_avg and exp_avg_sq partitions (2 + 4 + 4 + 4 bytes per parameter), the remainder as
+    uint8."""
     e = (rank_bytes // 14) // 8192 * 8192
     spec: list[tuple[tuple[str, ...], str, tuple[int, ...]]] = []
     if e:
@@ -99,8 +119,8 @@ def small_spec(count: int, nbytes: int) -> list[tuple[tuple[str, ...], str, tupl
 
 
 def build_state(spec: list, seed: int, fill: bool = True) -> dict[str, Any]:
-    """Nested dict of numpy arrays for ``spec``, every page written (random bytes tiled from a 16 MiB
-    block: never the shared zero page, never compressible runs)."""
+    """Nested dict of numpy arrays for ``spec``, every page written (random bytes tiled from a 16
+    MiB block: never the shared zero page, never compressible runs)."""
     import numpy as np
 
     block = np.random.default_rng(seed).integers(0, 256, CHUNK, dtype=np.uint8)
@@ -149,7 +169,8 @@ def empty_torch(spec: list) -> dict[str, Any]:
 
 
 def in_threads(fns: list[Callable[[], Any]]) -> list[Any]:
-    """Run ``fns`` in parallel threads (one each; inline when there is one); re-raise the first error."""
+    """Run ``fns`` in parallel threads (one each; inline when there is one); re-raise the first
+    error."""
     if len(fns) == 1:
         return [fns[0]()]
     res: list[Any] = [None] * len(fns)
@@ -171,7 +192,8 @@ def in_threads(fns: list[Callable[[], Any]]) -> list[Any]:
     return res
 
 
-# ============================================================================================ children
+# ============================================================================================
+# children
 
 
 def _specs(task: dict[str, Any]) -> list[list]:
@@ -196,7 +218,7 @@ def _write_raw(fname: str, state: dict[str, Any]) -> None:
 def _write_all(fd: int, view: memoryview) -> None:
     """write(2) until done (the same short-write loop as the package's)."""
     while view.nbytes:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _read_raw(fname: str) -> int:
@@ -229,7 +251,10 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
     case, path = task["case"], task["path"]
     kind, ranks = CASES[case]
     os.makedirs(path, exist_ok=True)
-    if kind in ("dd", "ddr"):  # dd_4/ddr_4: 4 dd processes in parallel, one file of total/4 bytes each
+    if kind in (
+        "dd",
+        "ddr",
+    ):  # dd_4/ddr_4: 4 dd processes in parallel, one file of total/4 bytes each
         nbytes = task["total_bytes"] // ranks
         src = "/dev/zero"
         if kind == "ddr":  # random bytes from RAM (tmpfs), written before the clock starts
@@ -237,8 +262,19 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
             with open(src, "wb") as f:
                 for off in range(0, nbytes, CHUNK):
                     f.write(os.urandom(min(CHUNK, nbytes - off)))
-        cmds = [["dd", f"if={src}", f"of={path}/dd_{r}", "bs=16M", "iflag=count_bytes",
-                 f"count={nbytes}", "conv=fsync", "status=none"] for r in range(ranks)]
+        cmds = [
+            [
+                "dd",
+                f"if={src}",
+                f"of={path}/dd_{r}",
+                "bs=16M",
+                "iflag=count_bytes",
+                f"count={nbytes}",
+                "conv=fsync",
+                "status=none",
+            ]
+            for r in range(ranks)
+        ]
         try:
             with C.CpuTimer() as t:
                 procs = [subprocess.Popen(c) for c in cmds]
@@ -258,21 +294,32 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
 
         op = lambda: tiered_ckpt.save_sharded(states, path, STEP)  # noqa: E731
     elif kind == "raw":
-        op = lambda: in_threads([lambda r=r: _write_raw(f"{path}/raw_{r}", states[r])  # noqa: E731
-                                 for r in range(ranks)])
+        op = lambda: in_threads(
+            [
+                lambda r=r: _write_raw(f"{path}/raw_{r}", states[r])  # noqa: E731
+                for r in range(ranks)
+            ]
+        )
     elif kind == "torch":
         import torch  # noqa: F401
 
         tstates = [to_torch(s) for s in states]
-        op = lambda: in_threads([lambda r=r: _torch_save(f"{path}/rank_{r}.pt", tstates[r])  # noqa: E731
-                                 for r in range(ranks)])
+        op = lambda: in_threads(
+            [
+                lambda r=r: _torch_save(f"{path}/rank_{r}.pt", tstates[r])  # noqa: E731
+                for r in range(ranks)
+            ]
+        )
     elif kind == "dcp":
         import torch.distributed.checkpoint as dcp
 
         tstates = [to_torch(s) for s in states]
         sd = tstates[0] if ranks == 1 else {f"rank{r}": s for r, s in enumerate(tstates)}
-        op = lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=ranks),  # noqa: E731
-                              no_dist=True)
+        op = lambda: dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(path, thread_count=ranks),  # noqa: E731
+            no_dist=True,
+        )
     else:
         raise ValueError(kind)
     with C.PeakRss() as m, C.CpuTimer() as t:
@@ -281,8 +328,8 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
-    """Coordinator: 4 fresh rank processes build their states and wait; the clock starts when they are
-    told the save id and stops when commit_step has returned."""
+    """Coordinator: 4 fresh rank processes build their states and wait; the clock starts when they
+    are told the save id and stops when commit_step has returned."""
     import tiered_ckpt
     from tiered_ckpt.format.manifest import ShardRecord
 
@@ -291,8 +338,14 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
     try:
         for r in range(ranks):
             sub = {**task, "rank": r, "rank_bytes": task["total_bytes"] // ranks}
-            procs.append(subprocess.Popen([sys.executable, __file__, "--rank-worker", json.dumps(sub)],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank-worker", json.dumps(sub)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for p in procs:
             line = p.stdout.readline()
             if line.strip() != "READY":
@@ -307,7 +360,7 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
                 line = p.stdout.readline()
                 if not line.startswith(C.RESULT_PREFIX):
                     raise RuntimeError(f"rank worker failed: {line!r}")
-                outs.append(json.loads(line[len(C.RESULT_PREFIX):]))
+                outs.append(json.loads(line[len(C.RESULT_PREFIX) :]))
             recs = [ShardRecord.from_dict(o["record"]) for o in outs]
             tiered_ckpt.commit_step(task["path"], STEP, ranks, recs, save_id=sid)
         for p in procs:
@@ -317,9 +370,15 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
             if p.poll() is None:
                 p.kill()
     growths = [o["rss_growth"] for o in outs]
-    return {"wall": t.wall, "cpu": sum(o["cpu"] for o in outs), "rss_growth": sum(growths),
-            "rss_growth_per_rank": growths, "rss_before": sum(o["rss_before"] for o in outs),
-            "hwm_reset": all(o["hwm_reset"] for o in outs), "file_bytes": C.dir_bytes(task["path"])}
+    return {
+        "wall": t.wall,
+        "cpu": sum(o["cpu"] for o in outs),
+        "rss_growth": sum(growths),
+        "rss_growth_per_rank": growths,
+        "rss_before": sum(o["rss_before"] for o in outs),
+        "hwm_reset": all(o["hwm_reset"] for o in outs),
+        "file_bytes": C.dir_bytes(task["path"]),
+    }
 
 
 def rank_worker(task: dict[str, Any]) -> None:
@@ -354,17 +413,24 @@ def child_load(task: dict[str, Any]) -> dict[str, Any]:
     elif kind == "torch":
         import torch
 
-        op = lambda: in_threads([lambda r=r: torch.load(f"{path}/rank_{r}.pt", weights_only=True)  # noqa: E731
-                                 for r in range(ranks)])
+        op = lambda: in_threads(
+            [
+                lambda r=r: torch.load(f"{path}/rank_{r}.pt", weights_only=True)  # noqa: E731
+                for r in range(ranks)
+            ]
+        )
         check = lambda res: sum(t.nbytes for st in res for t in _iter_tensors(st))  # noqa: E731
     elif kind == "dcp":
         import torch.distributed.checkpoint as dcp
 
         def op() -> Any:
-            sk = [empty_torch(s) for s in specs]  # allocation is lazy: the pages fault in during load
+            sk = [
+                empty_torch(s) for s in specs
+            ]  # allocation is lazy: the pages fault in during load
             sd = sk[0] if ranks == 1 else {f"rank{r}": s for r, s in enumerate(sk)}
             dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
             return sk
+
         check = lambda res: sum(t.nbytes for st in res for t in _iter_tensors(st))  # noqa: E731
     else:
         raise ValueError(kind)
@@ -423,8 +489,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for n, (rep, case) in enumerate(sched):
             path = str(work / case)
-            task = {"case": case, "path": path, "total_bytes": payload_bytes(case, args),
-                    "small_count": args.small_count, "small_bytes": args.small_bytes, "cold": cold}
+            task = {
+                "case": case,
+                "path": path,
+                "total_bytes": payload_bytes(case, args),
+                "small_count": args.small_count,
+                "small_bytes": args.small_bytes,
+                "cold": cold,
+            }
             if cold:
                 drop_ok = C.drop_caches()
                 cold = drop_ok
@@ -432,37 +504,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             la0 = os.getloadavg()[0]
             try:
                 save = C.run_child([__file__, "--child-save", json.dumps(task)])
-                load = None if case in NO_LOAD else C.run_child([__file__, "--child-load", json.dumps(task)])
+                load = (
+                    None
+                    if case in NO_LOAD
+                    else C.run_child([__file__, "--child-load", json.dumps(task)])
+                )
             finally:
                 C.remove_path(path)
             loads.append(la0)
             results[case].append({"rep": rep, "save": save, "load": load, "loadavg": la0})
-            print(f"[{time.time() - t_start:6.0f}s] {n + 1}/{len(sched)} rep {rep} {case:10s} save "
-                  f"{save['wall']:.3f}s" + (f" load warm {load['warm']['wall']:.3f}s"
-                                            + (f" cold {load['cold']['wall']:.3f}s" if 'cold' in load else "")
-                                            if load else "") + f"  (load avg {la0:.2f})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{time.time() - t_start:6.0f}s] {n + 1}/{len(sched)} rep {rep} {case:10s} save "
+                f"{save['wall']:.3f}s"
+                + (
+                    f" load warm {load['warm']['wall']:.3f}s"
+                    + (f" cold {load['cold']['wall']:.3f}s" if "cold" in load else "")
+                    if load
+                    else ""
+                )
+                + f"  (load avg {la0:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         C.remove_path(work)
-    return {"results": results, "drop_ok": bool(drop_ok), "cold": cold, "elapsed": time.time() - t_start,
-            "loadavg_median": C.median(loads), "loadavg_max": max(loads) if loads else float("nan")}
+    return {
+        "results": results,
+        "drop_ok": bool(drop_ok),
+        "cold": cold,
+        "elapsed": time.time() - t_start,
+        "loadavg_median": C.median(loads),
+        "loadavg_max": max(loads) if loads else float("nan"),
+    }
 
 
 def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
     res = out["results"]
     T = int(args.size_gib * C.GiB)
     lines = []
-    lines.append(f"tiered_ckpt local tier benchmark: state {T / C.GiB:.2f} GiB, {args.reps} interleaved "
-                 f"repetitions, {args.small_count} x {args.small_bytes} B small tensors")
+    lines.append(
+        f"tiered_ckpt local tier benchmark: state {T / C.GiB:.2f} GiB, {args.reps} interleaved "
+        f"repetitions, {args.small_count} x {args.small_bytes} B small tensors"
+    )
     lines.append(f"dir: {args.dir} ({C.fs_note(args.dir)})")
-    lines.append(f"machine: {C.machine_note()}; run took {out['elapsed']:.0f}s; load avg at trial start: "
-                 f"median {out['loadavg_median']:.2f}, max {out['loadavg_max']:.2f}")
+    lines.append(
+        f"machine: {C.machine_note()}; run took {out['elapsed']:.0f}s; load avg at trial start: "
+        f"median {out['loadavg_median']:.2f}, max {out['loadavg_max']:.2f}"
+    )
     if out["cold"]:
-        lines.append("page cache: DROPPED (sync; echo 3 > /proc/sys/vm/drop_caches) before every save and "
-                     "before every cold load; warm loads read files just written (still cached)")
+        lines.append(
+            "page cache: DROPPED (sync; echo 3 > /proc/sys/vm/drop_caches) before every save and "
+            "before every cold load; warm loads read files just written (still cached)"
+        )
     else:
-        lines.append("page cache: WARM (dropping caches not permitted or --warm-only); saves start with "
-                     "whatever is cached, loads read files just written")
+        lines.append(
+            "page cache: WARM (dropping caches not permitted or --warm-only); saves start with "
+            "whatever is cached, loads read files just written"
+        )
 
     def thr(case: str, key: str = "save", phase: str | None = None) -> float:
         ts = times(case, key, phase)
@@ -490,54 +588,104 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
         rss = [r["save"].get("rss_growth") for r in res[case] if "rss_growth" in r["save"]]
         cpu = C.median(r["save"]["cpu"] for r in res[case])
         pb = payload_bytes(case, args)
-        rows.append([case, C.fmt_num(C.median(ts), ".3f"), C.fmt_num(lo, ".3f"), C.fmt_num(hi, ".3f"),
-                     C.fmt_num(thr(case), ".3f"), C.fmt_num(cpu, ".2f"),
-                     C.fmt_num(C.median(rss) / C.MiB if rss else None, ".1f"),
-                     C.fmt_num(max(rss) / C.MiB if rss else None, ".1f"),
-                     C.fmt_num(100 * max(rss) / pb if rss else None, ".2f")])
+        rows.append(
+            [
+                case,
+                C.fmt_num(C.median(ts), ".3f"),
+                C.fmt_num(lo, ".3f"),
+                C.fmt_num(hi, ".3f"),
+                C.fmt_num(thr(case), ".3f"),
+                C.fmt_num(cpu, ".2f"),
+                C.fmt_num(C.median(rss) / C.MiB if rss else None, ".1f"),
+                C.fmt_num(max(rss) / C.MiB if rss else None, ".1f"),
+                C.fmt_num(100 * max(rss) / pb if rss else None, ".2f"),
+            ]
+        )
     lines.append("")
-    lines.append("SAVE (wall seconds over repetitions; GiB/s = payload / median; cpu = user+sys of the "
-                 "saving process(es), median)")
-    lines.append(C.table(["case", "median s", "min s", "max s", "GiB/s", "cpu s", "RSS+ med MiB",
-                          "RSS+ max MiB", "RSS+ max %"], rows))
+    lines.append(
+        "SAVE (wall seconds over repetitions; GiB/s = payload / median; cpu = user+sys of the "
+        "saving process(es), median)"
+    )
+    lines.append(
+        C.table(
+            [
+                "case",
+                "median s",
+                "min s",
+                "max s",
+                "GiB/s",
+                "cpu s",
+                "RSS+ med MiB",
+                "RSS+ max MiB",
+                "RSS+ max %",
+            ],
+            rows,
+        )
+    )
 
     rows = []
     for case in res:
         if case in NO_LOAD or not times(case, "load", "warm"):
             continue
         w, c = times(case, "load", "warm"), times(case, "load", "cold")
-        rows.append([case, C.fmt_num(C.median(w), ".3f"), C.fmt_num(thr(case, "load", "warm"), ".3f"),
-                     C.fmt_num(C.median(c), ".3f") if c else "-",
-                     C.fmt_num(thr(case, "load", "cold"), ".3f") if c else "-"])
+        rows.append(
+            [
+                case,
+                C.fmt_num(C.median(w), ".3f"),
+                C.fmt_num(thr(case, "load", "warm"), ".3f"),
+                C.fmt_num(C.median(c), ".3f") if c else "-",
+                C.fmt_num(thr(case, "load", "cold"), ".3f") if c else "-",
+            ]
+        )
     lines.append("")
-    lines.append("LOAD (ours: every shard read whole and sha256-verified; raw: read into one buffer, no "
-                 "hash; torch.load weights_only; DCP into preallocated tensors)")
+    lines.append(
+        "LOAD (ours: every shard read whole and sha256-verified; raw: read into one buffer, no "
+        "hash; torch.load weights_only; DCP into preallocated tensors)"
+    )
     lines.append(C.table(["case", "warm med s", "warm GiB/s", "cold med s", "cold GiB/s"], rows))
 
-    # ----------------------------------------------------------------------------- ratios and floors
+    # --- ratios and floors
     lines.append("")
     lines.append("RATIOS (throughput of ours / other, medians; > 1 means ours is faster)")
     rrows = []
     checks: list[tuple[str, bool]] = []
     raw1 = [c for c in ("dd", "ddr", "raw_1") if c in res]
     raw4 = [c for c in ("dd", "dd_4", "ddr", "ddr_4", "raw_1", "raw_4t") if c in res]
-    for ours, raws, dcp_case in (("ours_1", raw1, "dcp_1"), ("ours_4t", raw4, "dcp_4"),
-                                 ("ours_4p", raw4, "dcp_4"), ("small_ours", [], "small_dcp")):
+    for ours, raws, dcp_case in (
+        ("ours_1", raw1, "dcp_1"),
+        ("ours_4t", raw4, "dcp_4"),
+        ("ours_4p", raw4, "dcp_4"),
+        ("small_ours", [], "small_dcp"),
+    ):
         if ours not in res:
             continue
         fast = max(raws, key=lambda c: thr(c)) if raws else None
         r_raw = C.ratio(thr(ours), thr(fast)) if fast else float("nan")
         r_dcp = C.ratio(thr(ours), thr(dcp_case)) if dcp_case in res else float("nan")
-        tc = "torch_1" if ours == "ours_1" else ("torch_4t" if ours in ("ours_4t", "ours_4p") else None)
+        tc = (
+            "torch_1"
+            if ours == "ours_1"
+            else ("torch_4t" if ours in ("ours_4t", "ours_4p") else None)
+        )
         r_torch = C.ratio(thr(ours), thr(tc)) if tc in res else float("nan")
-        rrows.append([f"save {ours}", f"{fast or '-'}", C.fmt_num(r_raw, ".3f"), C.fmt_num(r_torch, ".3f"),
-                      C.fmt_num(r_dcp, ".3f")])
+        rrows.append(
+            [
+                f"save {ours}",
+                f"{fast or '-'}",
+                C.fmt_num(r_raw, ".3f"),
+                C.fmt_num(r_torch, ".3f"),
+                C.fmt_num(r_dcp, ".3f"),
+            ]
+        )
         if fast:
             checks.append(C.floor_check(f"save {ours} / faster raw write ({fast})", r_raw, 0.8))
         if dcp_case in res:
             checks.append(C.floor_check(f"save {ours} / DCP ({dcp_case})", r_dcp, 1.0))
-    for ours, rawc, tc, dc in (("ours_1", "raw_1", "torch_1", "dcp_1"), ("ours_4t", "raw_4t", "torch_4t", "dcp_4"),
-                               ("small_ours", None, None, "small_dcp")):
+    for ours, rawc, tc, dc in (
+        ("ours_1", "raw_1", "torch_1", "dcp_1"),
+        ("ours_4t", "raw_4t", "torch_4t", "dcp_4"),
+        ("small_ours", None, None, "small_dcp"),
+    ):
         if ours not in res or not times(ours, "load", "warm"):
             continue
         for phase in ("warm", "cold"):
@@ -546,36 +694,59 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
             me = thr(ours, "load", phase)
             f = lambda c: C.fmt_num(C.ratio(me, thr(c, "load", phase)), ".3f") if c in res else "-"  # noqa: E731
             rrows.append([f"load {ours} ({phase})", rawc or "-", f(rawc), f(tc), f(dc)])
-    lines.append(C.table(["what", "raw ref", "ours/raw", "ours/torch.save|load", "ours/DCP"], rrows))
+    lines.append(
+        C.table(["what", "raw ref", "ours/raw", "ours/torch.save|load", "ours/DCP"], rrows)
+    )
 
     for ours in ("ours_1", "ours_4t", "ours_4p"):
         if ours not in res:
             continue
         rss = [r["save"]["rss_growth"] for r in res[ours]]
         frac = max(rss) / payload_bytes(ours, args)
-        checks.append(C.floor_check(f"peak RSS growth during save {ours} / state (max over reps, "
-                                    f"{max(rss) / C.MiB:.1f} MiB)", frac, 0.10, higher_is_better=False))
+        checks.append(
+            C.floor_check(
+                f"peak RSS growth during save {ours} / state (max over reps, "
+                f"{max(rss) / C.MiB:.1f} MiB)",
+                frac,
+                0.10,
+                higher_is_better=False,
+            )
+        )
     rows12, checks12 = issue12_rows(args, res, times)
     if rows12:
         lines.append("")
         lines.append("ISSUE 12 (medians; ratio = baseline time / ours, > 1 means ours is faster)")
-        lines.append(C.table(["row", "ours s", "baseline", "baseline s", "ratio", "floor", ""], rows12,
-                             align="lrlrrrl"))
+        lines.append(
+            C.table(
+                ["row", "ours s", "baseline", "baseline s", "ratio", "floor", ""],
+                rows12,
+                align="lrlrrrl",
+            )
+        )
         checks += checks12
     resets = [r["save"].get("hwm_reset") for c in res for r in res[c] if "hwm_reset" in r["save"]]
     lines.append("")
-    lines.append("FLOORS" + ("" if all(resets) else "  (VmHWM reset unsupported: RSS growth measured "
-                                                   "from the post-build baseline)"))
+    lines.append(
+        "FLOORS"
+        + (
+            ""
+            if all(resets)
+            else "  (VmHWM reset unsupported: RSS growth measured from the post-build baseline)"
+        )
+    )
     lines.extend(line for line, _ in checks)
     ok = all(o for _, o in checks)
     lines.append(f"overall: {'PASS' if ok else 'FAIL'}")
     return "\n".join(lines), ok
 
 
-def issue12_rows(args: argparse.Namespace, res: dict[str, Any],
-                 times: Callable[..., list[float]]) -> tuple[list[list[str]], list[tuple[str, bool]]]:
+def issue12_rows(
+    args: argparse.Namespace, res: dict[str, Any], times: Callable[..., list[float]]
+) -> tuple[list[list[str]], list[tuple[str, bool]]]:
     """Issue 12's rows: (ours, baseline, floor) as table rows and floor checks. A time is the median
-    wall time of a case's save, or of its warm or cold load; a ``+`` sums two medians (save + load)."""
+    wall time of a case's save, or of its warm or cold load; a ``+`` sums two medians (save +
+    load)."""
+
     def med(spec: str) -> float:
         total = 0.0
         for part in spec.split("+"):
@@ -588,19 +759,33 @@ def issue12_rows(args: argparse.Namespace, res: dict[str, Any],
 
     specs = [  # label, ours, baseline, baseline label, floor
         ("load 1 rank, verified, cold cache", "ours_1:cold", "dcp_1:cold", "dcp.load", 1.0),
-        ("load 4 ranks, verified, cold cache", "ours_4t:cold", "dcp_1:cold", "dcp.load (same state)", 1.0),
+        (
+            "load 4 ranks, verified, cold cache",
+            "ours_4t:cold",
+            "dcp_1:cold",
+            "dcp.load (same state)",
+            1.0,
+        ),
         ("save 4 ranks (processes)", "ours_4p", "dd_4", "4 x dd conv=fsync, zeros", 0.9),
         ("save 4 ranks (threads)", "ours_4t", "dd_4", "4 x dd conv=fsync, zeros", 0.9),
         ("save 1 rank", "ours_1", "dd", "dd conv=fsync, zeros", 1.0),
         ("save 4 ranks (processes)", "ours_4p", "ddr_4", "4 x dd conv=fsync, random bytes", 0.9),
         ("save 4 ranks (threads)", "ours_4t", "ddr_4", "4 x dd conv=fsync, random bytes", 0.9),
         ("save 1 rank", "ours_1", "ddr", "dd conv=fsync, random bytes", 1.0),
-        (f"{args.small_count} x {args.small_bytes} B save + load", "small_ours+small_ours:warm",
-         "small_dcp+small_dcp:warm", "DCP save + load", 10.0),
+        (
+            f"{args.small_count} x {args.small_bytes} B save + load",
+            "small_ours+small_ours:warm",
+            "small_dcp+small_dcp:warm",
+            "DCP save + load",
+            10.0,
+        ),
     ]
     rows, checks = [], []
     for label, ours, base, base_label, floor in specs:
-        if ours.split(":")[0].split("+")[0] not in res or base.split(":")[0].split("+")[0] not in res:
+        if (
+            ours.split(":")[0].split("+")[0] not in res
+            or base.split(":")[0].split("+")[0] not in res
+        ):
             continue
         a, b = med(ours), med(base)
         if a != a or b != b:  # NaN: a cold load was not possible
@@ -608,32 +793,53 @@ def issue12_rows(args: argparse.Namespace, res: dict[str, Any],
         r = C.ratio(b, a)
         line, ok = C.floor_check(f"{label}: {base_label} / ours", r, floor)
         checks.append((line, ok))
-        rows.append([label, C.fmt_num(a, ".3f"), base_label, C.fmt_num(b, ".3f"), C.fmt_num(r, ".2f") + "x",
-                     f">= {floor:g}x", "PASS" if ok else "FAIL"])
+        rows.append(
+            [
+                label,
+                C.fmt_num(a, ".3f"),
+                base_label,
+                C.fmt_num(b, ".3f"),
+                C.fmt_num(r, ".2f") + "x",
+                f">= {floor:g}x",
+                "PASS" if ok else "FAIL",
+            ]
+        )
     return rows, checks
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size-gib", type=float, default=2.0, help="state size in GiB (default 2)")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
-    p.add_argument("--dir", default="/tmp", help="directory (filesystem) to benchmark (default /tmp)")
+    p.add_argument(
+        "--dir", default="/tmp", help="directory (filesystem) to benchmark (default /tmp)"
+    )
     p.add_argument("--cases", default="", help=f"comma-separated subset of: {', '.join(CASES)}")
     p.add_argument("--issue12", action="store_true", help=f"only issue 12's cases ({ISSUE12})")
     p.add_argument("--small-count", type=int, default=10_000)
     p.add_argument("--small-bytes", type=int, default=4096)
     p.add_argument("--warm-only", action="store_true", help="never drop the page cache")
     p.add_argument("--json", help="also write raw results to this file")
-    p.add_argument("--smoke", action="store_true",
-                   help="a tiny run that only checks the script works (tests/bench): 4 MiB, 1 rep, 10 small "
-                        "tensors of 64 bytes, warm cache; floors reported, not enforced")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run that only checks the script works (tests/bench): 4 MiB, 1 rep, 10 small "
+        "tensors of 64 bytes, warm cache; floors reported, not enforced",
+    )
     p.add_argument("--child-save", help=argparse.SUPPRESS)
     p.add_argument("--child-load", help=argparse.SUPPRESS)
     p.add_argument("--rank-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
-        args.size_gib, args.reps, args.small_count, args.small_bytes, args.warm_only = 4 / 1024, 1, 10, 64, True
+        args.size_gib, args.reps, args.small_count, args.small_bytes, args.warm_only = (
+            4 / 1024,
+            1,
+            10,
+            64,
+            True,
+        )
     if args.child_save:
         C.emit_result(child_save(json.loads(args.child_save)))
         return 0
@@ -651,7 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     text, ok = report(args, out)
     print(text)
     if args.smoke:
-        print("(--smoke: 4 MiB, warm cache, one repetition: the figures mean nothing; floors not enforced)")
+        print(
+            "(--smoke: 4 MiB, warm cache, one repetition: the figures mean nothing; floors not enforced)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **out}, f, indent=1)

@@ -1,6 +1,7 @@
 """A tiny byte-level GPT trained with a flat-partition ZeRO-1 AdamW and checkpointed by tiered_ckpt.
 
-The code lives in the package (:mod:`tiered_ckpt.examples.train_zero`) so that ``tiered-ckpt demo`` can run
+The code lives in the package (:mod:`tiered_ckpt.examples.train_zero`) so that ``tiered-ckpt demo``
+can run
 it after ``pip install``; this file keeps the command line of the source checkout::
 
     python -m torch.distributed.run --nproc_per_node=4 examples/train_zero.py \

@@ -1,12 +1,13 @@
 """Worker processes for the multi-rank tests (real torch.distributed gloo, one OS process per rank).
 
-Run as ``python tests/_dist_workers.py MODE OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-set; each rank writes ``OUT_DIR/result_<rank>.json``. Modes:
+Run as ``python tests/_dist_workers.py MODE OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set; each rank writes ``OUT_DIR/result_<rank>.json``. Modes:
 
 - ``zero``: capture a ZeroRedundancyOptimizer's local partition, restore it into a fresh one (no
   consolidation), check state and the next step are identical.
 - ``manager``: two-rank CheckpointManager save/load with node-local roots (``OUT_DIR/node<rank>``).
-- ``policy``: the time policy (rank 0's clock) and a SIGTERM on one rank give the same answer on all.
+- ``policy``: the time policy (rank 0's clock) and a SIGTERM on one rank give the same answer on
+  all.
 - ``dead_rank``: rank 1 dies (SIGKILL) right after its async ``save`` returns; rank 0 must get a
   CheckpointError from ``wait`` within the collective timeout instead of hanging.
 - ``env``: no process group; each rank reports its ``sys.prefix`` and ``tiered_ckpt.__file__``
@@ -35,7 +36,9 @@ from tiered_ckpt.training.manager import CheckpointManager
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3), torch.nn.Linear(3, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3), torch.nn.Linear(3, 2)
+    )
 
 
 def _train(model, opt, n: int, seed: int) -> None:
@@ -50,7 +53,7 @@ def _train(model, opt, n: int, seed: int) -> None:
 def mode_zero(rank: int, world: int, out: Path) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from tiered_ckpt import load_shard, write_shard, commit_step
+    from tiered_ckpt import commit_step, load_shard, write_shard
     from tiered_ckpt.training.torch_state import capture_training_state, restore_training_state
 
     m1 = _model()
@@ -73,28 +76,39 @@ def mode_zero(rank: int, world: int, out: Path) -> dict:
     restore_training_state(back, m2, z2, rng=False)
     same_state = all(
         torch.equal(z1.optim.state[p1][k], z2.optim.state[p2][k])
-        for p1, p2 in zip(m1.parameters(), m2.parameters()) if p1 in z1.optim.state
-        for k in z1.optim.state[p1])
+        for p1, p2 in zip(m1.parameters(), m2.parameters())
+        if p1 in z1.optim.state
+        for k in z1.optim.state[p1]
+    )
     owned = sum(1 for p in m1.parameters() if p in z1.optim.state)
     _train(m1, z1, 2, seed=7)
     _train(m2, z2, 2, seed=7)
     same_next = all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
-    return {"same_state": same_state, "owned": owned, "same_next": same_next,
-            "lr": z2.param_groups[0]["lr"], "local_lr": z2.optim.param_groups[0]["lr"],
-            "keys": sorted(st["optimizer"]["state"])}
+    return {
+        "same_state": same_state,
+        "owned": owned,
+        "same_next": same_next,
+        "lr": z2.param_groups[0]["lr"],
+        "local_lr": z2.optim.param_groups[0]["lr"],
+        "keys": sorted(st["optimizer"]["state"]),
+    }
 
 
 def mode_manager(rank: int, world: int, out: Path) -> dict:
     root = out / f"node{rank}"
     res: dict = {}
-    with CheckpointManager(root, rank=rank, world_size=world, save_every_steps=2, keep_last=2,
-                           collective_timeout_s=30) as mgr:
+    with CheckpointManager(
+        root, rank=rank, world_size=world, save_every_steps=2, keep_last=2, collective_timeout_s=30
+    ) as mgr:
         w = np.full(5, float(rank), dtype=np.float32)
         for step in range(1, 7):
             w += 1
             if mgr.should_save(step):
-                mgr.save(step, {"w": GlobalSlice(w, (5 * world,), (5 * rank,)), "step": step},
-                         extra={"note": "ok"})
+                mgr.save(
+                    step,
+                    {"w": GlobalSlice(w, (5 * world,), (5 * rank,)), "step": step},
+                    extra={"note": "ok"},
+                )
         mgr.wait()
         res["latest"] = mgr.latest_step()
         st = mgr.load()
@@ -105,7 +119,9 @@ def mode_manager(rank: int, world: int, out: Path) -> dict:
 
 def mode_dead_rank(rank: int, world: int, out: Path) -> dict:
     mgr = CheckpointManager(out / "ckpt", rank=rank, world_size=world, collective_timeout_s=20)
-    big = np.ones(2_000_000, dtype=np.float32)  # the write takes long enough for rank 1 to die mid-save
+    big = np.ones(
+        2_000_000, dtype=np.float32
+    )  # the write takes long enough for rank 1 to die mid-save
     mgr.save(1, {"w": big})
     mgr.wait()
     if rank == 1:
@@ -117,15 +133,24 @@ def mode_dead_rank(rank: int, world: int, out: Path) -> dict:
         mgr.wait()
         return {"raised": None}
     except CheckpointError as exc:
-        return {"raised": type(exc).__name__, "seconds": time.monotonic() - t0, "msg": str(exc)[:300],
-                "latest": mgr.latest_step()}
+        return {
+            "raised": type(exc).__name__,
+            "seconds": time.monotonic() - t0,
+            "msg": str(exc)[:300],
+            "latest": mgr.latest_step(),
+        }
 
 
 def mode_policy(rank: int, world: int, out: Path) -> dict:
     """Time policy on rank 0's clock and a SIGTERM seen by rank 1 only: every rank must agree."""
     res: dict = {}
-    with CheckpointManager(out / f"timed{rank}", rank=rank, world_size=world, save_every_seconds=0.5,
-                           collective_timeout_s=30) as mgr:
+    with CheckpointManager(
+        out / f"timed{rank}",
+        rank=rank,
+        world_size=world,
+        save_every_seconds=0.5,
+        collective_timeout_s=30,
+    ) as mgr:
         due = []
         for step in range(1, 6):
             if rank == 0 and step == 3:
@@ -135,8 +160,14 @@ def mode_policy(rank: int, world: int, out: Path) -> dict:
                 mgr.save(step, {"x": np.full(2, step)})
         res["due"] = due
     old = signal.getsignal(signal.SIGTERM)
-    with CheckpointManager(out / f"node{rank}", rank=rank, world_size=world, save_every_steps=100,
-                           handle_sigterm=True, collective_timeout_s=30) as mgr:
+    with CheckpointManager(
+        out / f"node{rank}",
+        rank=rank,
+        world_size=world,
+        save_every_steps=100,
+        handle_sigterm=True,
+        collective_timeout_s=30,
+    ) as mgr:
         stopped = None
         for step in range(1, 50):
             if rank == 1 and step == 4:

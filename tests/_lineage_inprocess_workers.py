@@ -1,13 +1,13 @@
-"""Rank processes of the in-process rollback test (issue 10 review, case 1): real torch.distributed gloo,
-one OS process per rank, node-local roots ``OUT/node<rank>``, no remote.
+"""Rank processes of the in-process rollback test (issue 10 review, case 1): real torch.distributed
+gloo, one OS process per rank, node-local roots ``OUT/node<rank>``, no remote.
 
 ``python tests/_lineage_inprocess_workers.py OUT_DIR`` with RANK, WORLD_SIZE=2, MASTER_ADDR and
-MASTER_PORT set. One manager saves 500, 600, 700, then (without a restart) loads 500, saves 510 and 600,
-loads the newest step again, loses rank 1's copy of 600 (a node loss inside the run: ``load()`` finds 510
-the newest common step), saves 520 and 600; a second manager (a restart) loads the newest step. Each
-phase appends ``[phase, loaded step or null, attempt, committed steps, superseded steps]`` to the
-rank's record, or ``[phase, "error", "Type: message"]`` and stops; the record is written to
-``OUT/result_<rank>.json`` either way.
+MASTER_PORT set. One manager saves 500, 600, 700, then (without a restart) loads 500, saves 510 and
+600, loads the newest step again, loses rank 1's copy of 600 (a node loss inside the run: ``load()``
+finds 510 the newest common step), saves 520 and 600; a second manager (a restart) loads the newest
+step. Each phase appends ``[phase, loaded step or null, attempt, committed steps, superseded
+steps]`` to the rank's record, or ``[phase, "error", "Type: message"]`` and stops; the record is
+written to ``OUT/result_<rank>.json`` either way.
 """
 
 from __future__ import annotations
@@ -32,8 +32,15 @@ def state(step: int, rank: int) -> dict:
 def superseded(root: Path) -> list[list]:
     from tiered_ckpt.local import superseded_local_steps
 
-    return sorted([e.step, e.attempt, e.superseded.attempt if e.superseded else None,
-                   e.superseded.from_step if e.superseded else None] for e in superseded_local_steps(root))
+    return sorted(
+        [
+            e.step,
+            e.attempt,
+            e.superseded.attempt if e.superseded else None,
+            e.superseded.from_step if e.superseded else None,
+        ]
+        for e in superseded_local_steps(root)
+    )
 
 
 def main() -> None:
@@ -46,12 +53,25 @@ def main() -> None:
     def note(phase: str, mgr: CheckpointManager, got: dict | None = None) -> None:
         if got is not None:
             assert got["w"].tolist() == state(int(got["step"]), rank)["w"].tolist(), got
-        log.append([phase, None if got is None else int(got["step"]), mgr.attempt, committed_steps(root),
-                    superseded(root)])
+        log.append(
+            [
+                phase,
+                None if got is None else int(got["step"]),
+                mgr.attempt,
+                committed_steps(root),
+                superseded(root),
+            ]
+        )
 
     def manager() -> CheckpointManager:
-        return CheckpointManager(root, rank=rank, world_size=world, async_save=False, keep_last=5,
-                                 collective_timeout_s=60)
+        return CheckpointManager(
+            root,
+            rank=rank,
+            world_size=world,
+            async_save=False,
+            keep_last=5,
+            collective_timeout_s=60,
+        )
 
     try:
         with manager() as mgr:
@@ -74,7 +94,9 @@ def main() -> None:
         with manager() as mgr:
             note("restart", mgr, mgr.load())
     except Exception as exc:
-        log.append([log[-1][0] + " +1" if log else "start", "error", f"{type(exc).__name__}: {exc}"[:300]])
+        log.append(
+            [log[-1][0] + " +1" if log else "start", "error", f"{type(exc).__name__}: {exc}"[:300]]
+        )
     with open(out / f"result_{rank}.json", "w") as f:
         json.dump(log, f)
     dist.destroy_process_group()

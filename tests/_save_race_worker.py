@@ -1,9 +1,11 @@
-"""One sidecar process of the two-saves race (tests/s3/test_save_race.py): uploads one step per trial.
+"""One sidecar process of the two-saves race (tests/s3/test_save_race.py): uploads one step per
+trial.
 
 ``python tests/_save_race_worker.py SYNC_DIR ENDPOINT NAME`` reads ``SYNC_DIR/plan.json`` (a list of
-``{"trial": i, "roots": {NAME: root}, "url": s3_url, "step": S}``); for each trial it waits for the file
-``SYNC_DIR/go_<i>`` (both workers start together), runs ``Uploader(root, url).upload_step(S)`` once and
-writes ``SYNC_DIR/res_<i>_<NAME>.json``: ``{"ok": true}`` or ``{"ok": false, "error": <type>, "message": ...}``.
+``{"trial": i, "roots": {NAME: root}, "url": s3_url, "step": S}``); for each trial it waits for the
+file ``SYNC_DIR/go_<i>`` (both workers start together), runs ``Uploader(root, url).upload_step(S)``
+once and writes ``SYNC_DIR/res_<i>_<NAME>.json``: ``{"ok": true}`` or ``{"ok": false, "error":
+<type>, "message": ...}``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from s3_infra import make_test_client
+
 from tiered_ckpt import Uploader
 from tiered_ckpt.retry import RetryPolicy
 
@@ -41,7 +44,9 @@ def main() -> None:
             res = {"ok": False, "error": type(e).__name__, "message": str(e)}
         tmp = sync / f".res_{t['trial']}_{name}.tmp"
         tmp.write_text(json.dumps(res))
-        os.replace(tmp, sync / f"res_{t['trial']}_{name}.json")  # the test never reads a partial file
+        os.replace(
+            tmp, sync / f"res_{t['trial']}_{name}.json"
+        )  # the test never reads a partial file
 
 
 if __name__ == "__main__":

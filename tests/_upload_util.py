@@ -9,26 +9,30 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_ckpt.local import save_sharded
 from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local import save_sharded
 
 MiB = 1024 * 1024
 #: Small transfer settings so that ~12 MiB shards go multipart (5 MiB parts, 6 MiB threshold).
 SMALL = dict(multipart_threshold_bytes=6 * MiB, part_size_bytes=5 * MiB, max_concurrency=4)
 
 
-def make_step(root: Path, step: int, *, world_size: int = 4, shard_bytes: int = 12 * MiB, seed: int = 0):
+def make_step(
+    root: Path, step: int, *, world_size: int = 4, shard_bytes: int = 12 * MiB, seed: int = 0
+):
     """Commit a ``world_size``-rank step whose shards each hold ~``shard_bytes`` of random data."""
     rng = np.random.default_rng(seed * 1000 + step)
     n = shard_bytes // 4
-    states = [{"w": rng.integers(0, 2**31, size=n, dtype=np.int32), "step": step, "rank": r}
-              for r in range(world_size)]
+    states = [
+        {"w": rng.integers(0, 2**31, size=n, dtype=np.int32), "step": step, "rank": r}
+        for r in range(world_size)
+    ]
     return save_sharded(states, root, step)
 
 
 def split_nodes(src: Path, dst_a: Path, dst_b: Path, step: int, ranks_a: list[int]) -> None:
-    """Copy a committed step into two node-local roots: ``ranks_a`` to ``dst_a``, the rest to ``dst_b``;
-    both get the global manifest (as with node-local disks)."""
+    """Copy a committed step into two node-local roots: ``ranks_a`` to ``dst_a``, the rest to
+    ``dst_b``; both get the global manifest (as with node-local disks)."""
     sd = src / step_dir_name(step)
     for dst, pick in ((dst_a, lambda r: r in ranks_a), (dst_b, lambda r: r not in ranks_a)):
         d = dst / step_dir_name(step)

@@ -1,20 +1,20 @@
-"""Parent side of the crash and fault-injection tests: start ``crash_child.py``, attach strace to it once
-it is ready, let it save, and check the disk afterwards with the package's own readers.
+"""Parent side of the crash and fault-injection tests: start ``crash_child.py``, attach strace to it
+once it is ready, let it save, and check the disk afterwards with the package's own readers.
 
-Injection is done from outside by strace (``-e inject=SET:signal=KILL:when=N`` or ``error=ERRNO``). Two
-facts about strace shape the matrices (both checked on strace 6.1):
+Injection is done from outside by strace (``-e inject=SET:signal=KILL:when=N`` or ``error=ERRNO``).
+Two facts about strace shape the matrices (both checked on strace 6.1):
 
-- ``signal=KILL`` is delivered on *entering* the N-th call, so the call itself never runs: killing at the
-  N-th call of the protocol is "crash right after everything before it";
-- the ``when=N`` counter is kept **per thread** (each traced thread gets its own copy). ``save_sharded``
-  writes its ranks in a thread pool and commits in the calling thread, so ``-f`` injects at the N-th call
-  of *each* rank thread; the manifest side of ``save_sharded`` is reached by tracing the main thread alone
-  (no ``-f``: the rank threads it starts are not traced). The ``shards`` variant (``write_shard`` x4 then
-  ``commit_step``) issues the whole protocol from one thread, so ``when=N`` there walks every call of the
-  protocol in order.
+- ``signal=KILL`` is delivered on *entering* the N-th call, so the call itself never runs: killing
+  at the N-th call of the protocol is "crash right after everything before it";
+- the ``when=N`` counter is kept **per thread** (each traced thread gets its own copy).
+  ``save_sharded`` writes its ranks in a thread pool and commits in the calling thread, so ``-f``
+  injects at the N-th call of *each* rank thread; the manifest side of ``save_sharded`` is reached
+  by tracing the main thread alone (no ``-f``: the rank threads it starts are not traced). The
+  ``shards`` variant (``write_shard`` x4 then ``commit_step``) issues the whole protocol from one
+  thread, so ``when=N`` there walks every call of the protocol in order.
 
-The child is attached to *after* its imports and a warm-up save (``strace -p``), so the counters start at
-the save itself and Python's own start-up (imports open hundreds of files) is never hit.
+The child is attached to *after* its imports and a warm-up save (``strace -p``), so the counters
+start at the save itself and Python's own start-up (imports open hundreds of files) is never hit.
 """
 
 from __future__ import annotations
@@ -34,17 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from spawn import child_env, python_cmd
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "crash_child.py"
-# Children run this test's interpreter as it is (spawn.python_cmd), which checks that it is an ELF binary:
-# strace must trace Python itself, not a launcher script such as a pyenv shim.
-STRACE = shutil.which("strace") or ("/usr/bin/strace" if os.path.exists("/usr/bin/strace") else None)
+# Children run this test's interpreter as it is (spawn.python_cmd), which checks that it is an ELF
+# binary: strace must trace Python itself, not a launcher script such as a pyenv shim.
+STRACE = shutil.which("strace") or (
+    "/usr/bin/strace" if os.path.exists("/usr/bin/strace") else None
+)
 
-#: What each protocol syscall is called on x86-64 and elsewhere (checked with ``strace -f -c``: CPython's
-#: os.write -> write, os.fsync -> fsync, os.rename -> rename, os.link -> link, os.open -> openat).
+#: What each protocol syscall is called on x86-64 and elsewhere (checked with ``strace -f -c``:
+#: CPython's os.write -> write, os.fsync -> fsync, os.rename -> rename, os.link -> link, os.open ->
+#: openat).
 SYSCALL_SETS = {
     "write": "write,pwrite64,writev,pwritev,pwritev2",
     "fsync": "fsync,fdatasync",
@@ -60,8 +62,13 @@ TRACE_SET = ",".join(SYSCALL_SETS.values())
 _ENTRY_RE = re.compile(r"^(?:(\d+)\s+)?(\w+)\((.*)$")
 _PATH_RE = re.compile(r'"([^"]*)"|<(/[^>]*)>')
 
-CHILD_ENV = child_env(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                      PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+CHILD_ENV = child_env(
+    OPENBLAS_NUM_THREADS="1",
+    OMP_NUM_THREADS="1",
+    MKL_NUM_THREADS="1",
+    PYTHONDONTWRITEBYTECODE="1",
+    PYTHONUNBUFFERED="1",
+)
 
 
 def strace_usable() -> str | None:
@@ -70,8 +77,9 @@ def strace_usable() -> str | None:
         return "strace is not installed"
     p = subprocess.Popen(python_cmd("-c", "import time; time.sleep(5)"))
     try:
-        r = subprocess.run([STRACE, "-qq", "-e", "trace=none", "-p", str(p.pid)], capture_output=True,
-                           timeout=1.0)
+        r = subprocess.run(
+            [STRACE, "-qq", "-e", "trace=none", "-p", str(p.pid)], capture_output=True, timeout=1.0
+        )
         return f"strace -p failed: {r.stderr.decode(errors='replace').strip()[:200]}"
     except subprocess.TimeoutExpired:
         return None  # still attached after 1 s: attaching works
@@ -119,10 +127,12 @@ class CaseResult:
         return self.injected_line is not None
 
     def describe(self) -> str:
-        return (f"{self.injection}: rc={self.returncode} point={self.point} report="
-                f"{json.dumps({k: v for k, v in (self.report or {}).items() if k != 'traceback'})}"
-                f"\n  injected: {self.injected_line}\n  traceback: {(self.report or {}).get('traceback')}"
-                f"\n  stderr: {self.stderr[-2000:]}")
+        return (
+            f"{self.injection}: rc={self.returncode} point={self.point} report="
+            f"{json.dumps({k: v for k, v in (self.report or {}).items() if k != 'traceback'})}"
+            f"\n  injected: {self.injected_line}\n  traceback: {(self.report or {}).get('traceback')}"
+            f"\n  stderr: {self.stderr[-2000:]}"
+        )
 
 
 def _recv_line(sock: socket.socket, timeout: float) -> bytes:
@@ -145,7 +155,9 @@ def _wait_traced(pid: int, timeout: float) -> None:
         for tid in tids:
             try:
                 with open(f"/proc/{pid}/task/{tid}/status") as f:
-                    tracer = next(int(line.split()[1]) for line in f if line.startswith("TracerPid:"))
+                    tracer = next(
+                        int(line.split()[1]) for line in f if line.startswith("TracerPid:")
+                    )
             except (OSError, StopIteration):
                 continue
             ok = ok and tracer != 0
@@ -156,14 +168,18 @@ def _wait_traced(pid: int, timeout: float) -> None:
 
 
 class ForkServer:
-    """A ``crash_child.py --serve`` process: imported and warmed up once, it forks one child per case
-    (saves ~0.2 s of interpreter start-up per case). Not thread-safe: one per worker thread."""
+    """A ``crash_child.py --serve`` process: imported and warmed up once, it forks one child per
+    case (saves ~0.2 s of interpreter start-up per case). Not thread-safe: one per worker thread."""
 
     def __init__(self, scratch: Path) -> None:
         self._ctl, theirs = socket.socketpair()
-        self.proc = subprocess.Popen(python_cmd(CHILD, "--serve", "--sock", str(theirs.fileno()), "--root", scratch),
-                                     pass_fds=[theirs.fileno()], env=CHILD_ENV,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            python_cmd(CHILD, "--serve", "--sock", str(theirs.fileno()), "--root", scratch),
+            pass_fds=[theirs.fileno()],
+            env=CHILD_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         theirs.close()
         if _recv_line(self._ctl, 120).strip() != b"SERVING":
             self.close()
@@ -212,22 +228,49 @@ def close_fork_servers() -> None:
             shutil.rmtree(Path(str(srv.proc.args[-1])).parent, ignore_errors=True)
 
 
-def run_child(root: Path, *, variant: str = "shards", step: int = 2, seed: int = 2, big: bool = False,
-              injection: Injection | None = None, delay: str | None = None, timeout: float = 120.0,
-              go_event: Any = None, fresh: bool = False) -> CaseResult:
-    """Run one child save, optionally under strace with ``injection`` (or a ``delay`` spec string such
-    as ``"openat:delay_enter=2s:when=1"``). The child is forked by this thread's fork server, or with
-    ``fresh`` a new interpreter. ``go_event``: a callable invoked right before GO is sent, for tests that
-    coordinate several children."""
+def run_child(
+    root: Path,
+    *,
+    variant: str = "shards",
+    step: int = 2,
+    seed: int = 2,
+    big: bool = False,
+    injection: Injection | None = None,
+    delay: str | None = None,
+    timeout: float = 120.0,
+    go_event: Any = None,
+    fresh: bool = False,
+) -> CaseResult:
+    """Run one child save, optionally under strace with ``injection`` (or a ``delay`` spec string
+    such as ``"openat:delay_enter=2s:when=1"``). The child is forked by this thread's fork server,
+    or with ``fresh`` a new interpreter. ``go_event``: a callable invoked right before GO is sent,
+    for tests that coordinate several children."""
     parent_sock, child_sock = socket.socketpair()
     args = {"root": str(root), "variant": variant, "step": step, "seed": seed, "big": big}
     child = None
     srv = None
     if fresh:
-        cmd = python_cmd(CHILD, "--sock", str(child_sock.fileno()), "--root", root, "--variant", variant,
-                         "--step", str(step), "--seed", str(seed), *(["--big"] if big else []))
-        child = subprocess.Popen(cmd, pass_fds=[child_sock.fileno()], env=CHILD_ENV,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cmd = python_cmd(
+            CHILD,
+            "--sock",
+            str(child_sock.fileno()),
+            "--root",
+            root,
+            "--variant",
+            variant,
+            "--step",
+            str(step),
+            "--seed",
+            str(seed),
+            *(["--big"] if big else []),
+        )
+        child = subprocess.Popen(
+            cmd,
+            pass_fds=[child_sock.fileno()],
+            env=CHILD_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         pid = child.pid
     else:
         srv = fork_server()
@@ -251,8 +294,12 @@ def run_child(root: Path, *, variant: str = "shards", step: int = 2, seed: int =
             follow = injection.follow if injection is not None else True
             tracer = subprocess.Popen(
                 [STRACE, "-qq", "-y", "-o", str(trace_path), "-e", f"trace={TRACE_SET}"]
-                + (["-f"] if follow else []) + [a for s in spec for a in ("-e", s)] + ["-p", str(pid)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                + (["-f"] if follow else [])
+                + [a for s in spec for a in ("-e", s)]
+                + ["-p", str(pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             _wait_traced(pid, 10.0)
         if go_event is not None:
             go_event()
@@ -293,9 +340,17 @@ def run_child(root: Path, *, variant: str = "shards", step: int = 2, seed: int =
             trace_path.unlink(missing_ok=True)
     report = json.loads(report_raw) if report_raw.strip() else None
     idx = _injected_index(trace, injection) if injection is not None else None
-    return CaseResult(injection, rc, report, trace, trace[idx] if idx is not None else None,
-                      _point(trace, idx, Path(root)) if idx is not None else None,
-                      err.decode(errors="replace"), pid, idx)
+    return CaseResult(
+        injection,
+        rc,
+        report,
+        trace,
+        trace[idx] if idx is not None else None,
+        _point(trace, idx, Path(root)) if idx is not None else None,
+        err.decode(errors="replace"),
+        pid,
+        idx,
+    )
 
 
 def _entries(trace: list[str]) -> list[tuple[int, str, str]]:
@@ -344,18 +399,19 @@ def _tid(line: str) -> str:
 
 def _tmp_final(tmp_name: str) -> str:
     """``.rank_00001.safetensors.<host>.<pid>.<start>.<rand>.tmp`` -> ``rank_00001.safetensors``."""
-    inner = tmp_name[1:-len(".tmp")]
+    inner = tmp_name[1 : -len(".tmp")]
     return ".".join(inner.split(".")[:-4])
 
 
 def _classify(path: str, root: Path) -> str:
-    """A short name for a path of the protocol: rootdir, stepdir, a final name, or ``<final>(tmp)``."""
+    """A short name for a path of the protocol: rootdir, stepdir, a final name, or
+    ``<final>(tmp)``."""
     root_s = str(root)
     if path.startswith("/proc/"):
         return "/proc"
     if not path.startswith(root_s):
         return "elsewhere:" + path
-    parts = path[len(root_s):].strip("/").split("/")
+    parts = path[len(root_s) :].strip("/").split("/")
     if parts == [""]:
         return "rootdir"
     if len(parts) == 1:
@@ -367,7 +423,8 @@ def _classify(path: str, root: Path) -> str:
 
 
 def _what(line: str, root: Path) -> str:
-    # For fd-based calls (-y) the fd's path is the first <...>; for path calls the quoted argument(s).
+    # For fd-based calls (-y) the fd's path is the first <...>; for path calls the quoted
+    # argument(s).
     found = _PATH_RE.findall(line.split(") = ")[0])
     paths = [q for q, _ in found if q.startswith("/")] or [fd for _, fd in found if fd]
     return "+".join(_classify(p, root) for p in paths[:2]) if paths else "?"
@@ -377,17 +434,25 @@ def _point(trace: list[str], idx: int, root: Path) -> str:
     """``syscall:what#k``: the k-th call of this syscall on this file in the run."""
     name = _ENTRY_RE.match(trace[idx]).group(2)  # type: ignore[union-attr]
     what = _what(trace[idx], root)
-    k = sum(1 for i, n2, _ in _entries(trace) if i <= idx and n2 == name and _what(trace[i], root) == what)
+    k = sum(
+        1
+        for i, n2, _ in _entries(trace)
+        if i <= idx and n2 == name and _what(trace[i], root) == what
+    )
     return f"{name}:{what}#{k}"
 
 
-# ------------------------------------------------------------------------------------------ disk checks
+# --- disk checks
 
 
 def arrays_equal(a: Any, b: Any) -> bool:
     """Deep byte-equality of nested states (arrays: dtype, shape and bytes)."""
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(arrays_equal(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(arrays_equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (np.ndarray, np.generic)):
         a = np.asarray(a)
         b = np.asarray(b)
@@ -396,12 +461,16 @@ def arrays_equal(a: Any, b: Any) -> bool:
 
 
 def states_equal(loaded: list[dict], expected: list[dict]) -> bool:
-    return len(loaded) == len(expected) and all(arrays_equal(x, y) for x, y in zip(loaded, expected))
+    return len(loaded) == len(expected) and all(
+        arrays_equal(x, y) for x, y in zip(loaded, expected)
+    )
 
 
 def tmp_files(root: Path) -> list[str]:
-    return sorted(glob.glob(str(root / "**" / "*.tmp"), recursive=True)
-                  + glob.glob(str(root / "**" / ".*.tmp"), recursive=True))
+    return sorted(
+        glob.glob(str(root / "**" / "*.tmp"), recursive=True)
+        + glob.glob(str(root / "**" / ".*.tmp"), recursive=True)
+    )
 
 
 def read_final_shard(path: Path) -> tuple[dict, dict]:
@@ -411,7 +480,7 @@ def read_final_shard(path: Path) -> tuple[dict, dict]:
 
     data = bytearray(path.read_bytes())
     n = fmt.parse_header_length(bytes(data[:8]), len(data), str(path))
-    hdr = fmt.parse_header(bytes(data[8:8 + n]), len(data), str(path))
+    hdr = fmt.parse_header(bytes(data[8 : 8 + n]), len(data), str(path))
     return hdr.metadata, fmt.decode_state(data, hdr, str(path))
 
 

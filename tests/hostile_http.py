@@ -1,31 +1,35 @@
 """A tiny hostile S3 server for tests: answers path-style GET/HEAD the way no real server does.
 
-Real servers (moto, SeaweedFS) never stream an endless body, trickle one byte at a time or send more bytes
-than HEAD announced, so the attacks on the store's bounds are served from here: a threaded
-``http.server`` on 127.0.0.1 whose behaviour is set per key (``/<bucket>/<key>``) with :meth:`HostileS3.set`.
+Real servers (moto, SeaweedFS) never stream an endless body, trickle one byte at a time or send more
+bytes than HEAD announced, so the attacks on the store's bounds are served from here: a threaded
+``http.server`` on 127.0.0.1 whose behaviour is set per key (``/<bucket>/<key>``) with
+:meth:`HostileS3.set`.
 
 Behaviours (``Behaviour.kind``):
 
 - ``"endless"``: GET answers 200 without a Content-Length and streams zeros until ``limit_bytes`` (a
   stand-in for "endless" that cannot hang the old code forever) or until the client goes away;
-- ``"trickle"``: GET answers 200 with ``Content-Length: size`` and sends one byte every ``interval_s``;
-- ``"trickle_headers"``: the status line and headers of GET/HEAD go out one byte every ``interval_s``;
-- ``"bigger"``: HEAD announces ``size`` bytes, GET ignores Range and streams ``big_size`` bytes (200);
+- ``"trickle"``: GET answers 200 with ``Content-Length: size`` and sends one byte every
+  ``interval_s``;
+- ``"trickle_headers"``: the status line and headers of GET/HEAD go out one byte every
+  ``interval_s``;
+- ``"bigger"``: HEAD announces ``size`` bytes, GET ignores Range and streams ``big_size`` bytes
+  (200);
 - ``"object"``: an honest object ``data`` (HEAD, GET, Range ignored: the whole body);
-- ``"ranged"``: the object ``data`` with ranged GETs answered per ``mode``: ``"honest"`` (206, the bytes
-  asked for), ``"whole"`` (200 and the whole object), ``"other_range"`` (206 for the bytes one further on),
-  ``"short"`` (206 announcing the range, half of it sent, then the connection closed), ``"long_length"``
-  (206, the right ``Content-Range`` but ``Content-Length`` and body 100 bytes longer), ``"stall"`` (206,
-  ``stall_after`` bytes of the range starting at ``fail_offset`` sent, then nothing; other ranges
-  honest), ``"fail_first"`` (the first ``fail_times`` GETs of the range starting at ``fail_offset``
-  answer 503 ``SlowDown``, every other GET honest). :attr:`HostileS3.ranges` lists the Range headers
-  asked per key.
+- ``"ranged"``: the object ``data`` with ranged GETs answered per ``mode``: ``"honest"`` (206, the
+  bytes asked for), ``"whole"`` (200 and the whole object), ``"other_range"`` (206 for the bytes one
+  further on), ``"short"`` (206 announcing the range, half of it sent, then the connection closed),
+  ``"long_length"`` (206, the right ``Content-Range`` but ``Content-Length`` and body 100 bytes
+  longer), ``"stall"`` (206, ``stall_after`` bytes of the range starting at ``fail_offset`` sent,
+  then nothing; other ranges honest), ``"fail_first"`` (the first ``fail_times`` GETs of the range
+  starting at ``fail_offset`` answer 503 ``SlowDown``, every other GET honest).
+  :attr:`HostileS3.ranges` lists the Range headers asked per key.
 
-Unknown keys answer 404 ``NoSuchKey``; a LIST (``GET /<bucket>?list-type=2``) answers an empty page, or
-what the behaviour set for the key :data:`LIST_KEY` says (``"endless"``: no Content-Length, zeros until
-``limit_bytes``; ``"bigger"``: ``Content-Length: size`` announced, ``big_size`` bytes streamed).
-:attr:`HostileS3.sent` counts the body bytes each key's GETs actually handed to the socket and
-:attr:`HostileS3.requests` the requests per ``(method, key)``.
+Unknown keys answer 404 ``NoSuchKey``; a LIST (``GET /<bucket>?list-type=2``) answers an empty page,
+or what the behaviour set for the key :data:`LIST_KEY` says (``"endless"``: no Content-Length, zeros
+until ``limit_bytes``; ``"bigger"``: ``Content-Length: size`` announced, ``big_size`` bytes
+streamed). :attr:`HostileS3.sent` counts the body bytes each key's GETs actually handed to the
+socket and :attr:`HostileS3.requests` the requests per ``(method, key)``.
 """
 
 from __future__ import annotations
@@ -34,16 +38,19 @@ import re
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 _CHUNK = 256 * 1024
 #: The behaviour key of ListObjectsV2 answers (no object key starts with "?").
 LIST_KEY = "?list"
-_NOT_FOUND = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
-              b"<Message>The specified key does not exist.</Message></Error>")
+_NOT_FOUND = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+    b"<Message>The specified key does not exist.</Message></Error>"
+)
 
 
 @dataclass
@@ -95,8 +102,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             return None
         if not key and "list-type=2" in query:
-            body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>false</IsTruncated>'
-                    b"<KeyCount>0</KeyCount></ListBucketResult>")
+            body = (
+                b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>false</IsTruncated>'
+                b"<KeyCount>0</KeyCount></ListBucketResult>"
+            )
             return self._simple(200, body, "application/xml")
         b = owner.behaviours.get(key)
         if b is None:
@@ -180,8 +189,10 @@ class _Handler(BaseHTTPRequestHandler):
         total = len(b.data)
         start, end = (int(m.group(1)), min(int(m.group(2)), total - 1)) if m else (0, total - 1)
         if b.mode == "fail_first" and start == b.fail_offset and n_asked <= b.fail_times:
-            body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-                    b"<Message>Please reduce your request rate.</Message></Error>")
+            body = (
+                b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                b"<Message>Please reduce your request rate.</Message></Error>"
+            )
             self.send_response(503)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
@@ -191,10 +202,12 @@ class _Handler(BaseHTTPRequestHandler):
         if b.mode == "whole":
             return self._simple(200, b.data, "application/octet-stream")
         shift = 1 if b.mode == "other_range" else 0
-        piece = b.data[start + shift:end + 1 + shift]
+        piece = b.data[start + shift : end + 1 + shift]
         extra = b"x" * 100 if b.mode == "long_length" else b""
         self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start + shift}-{start + shift + len(piece) - 1}/{total}")
+        self.send_header(
+            "Content-Range", f"bytes {start + shift}-{start + shift + len(piece) - 1}/{total}"
+        )
         self.send_header("Content-Length", str(len(piece) + len(extra)))
         self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
         self.end_headers()
@@ -213,12 +226,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._count(key, len(piece) + len(extra))
 
     def _trickle_headers(self, b: Behaviour) -> None:
-        head = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nETag: \"0123456789abcdef0123456789abcdef\"\r\n"
-                b"X-Padding: " + b"x" * 4096 + b"\r\n\r\n")
+        head = (
+            b'HTTP/1.1 200 OK\r\nContent-Length: 2\r\nETag: "0123456789abcdef0123456789abcdef"\r\n'
+            b"X-Padding: " + b"x" * 4096 + b"\r\n\r\n"
+        )
         for i in range(len(head)):
             if self.server.owner.stopping.wait(b.interval_s):
                 break
-            self.wfile.write(head[i:i + 1])
+            self.wfile.write(head[i : i + 1])
         self.close_connection = True
 
 
@@ -228,8 +243,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class HostileS3:
-    """``with HostileS3() as srv:`` ``srv.endpoint_url``; ``srv.set(key, Behaviour(...))`` (key without
-    the bucket)."""
+    """``with HostileS3() as srv:`` ``srv.endpoint_url``; ``srv.set(key, Behaviour(...))`` (key
+    without the bucket)."""
 
     def __init__(self) -> None:
         self.behaviours: dict[str, Behaviour] = {}
@@ -240,8 +255,12 @@ class HostileS3:
         self.stopping = threading.Event()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True, name="hostile-s3")
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            daemon=True,
+            name="hostile-s3",
+        )
 
     @property
     def endpoint_url(self) -> str:
@@ -276,8 +295,8 @@ __all__ = ["Behaviour", "HostileS3", "wait_for"]
 
 
 def run_bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``fn`` in a thread and return its result or the exception it raised; fail the test if it has
-    not returned within ``timeout_s`` seconds (the code before the bounds hung)."""
+    """Run ``fn`` in a thread and return its result or the exception it raised; fail the test if it
+    has not returned within ``timeout_s`` seconds (the code before the bounds hung)."""
     out: dict[str, Any] = {}
 
     def run() -> None:

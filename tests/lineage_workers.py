@@ -1,16 +1,19 @@
-"""Rank processes of the node-replacement test (issue 10, Why case 2): real torch.distributed gloo, one OS
-process per rank, two simulated nodes with node-local roots (``OUT/node0`` for ranks 0-1, ``OUT/node1``
-for ranks 2-3), a real S3 server.
+"""Rank processes of the node-replacement test: real torch.distributed gloo,
+one OS process per rank, two simulated nodes with node-local roots (``OUT/node0`` for ranks 0-1,
+``OUT/node1`` for ranks 2-3), a real S3 server.
 
-``python tests/lineage_workers.py MODE OUT_DIR S3_URL ENDPOINT`` with RANK, WORLD_SIZE=4, MASTER_ADDR and
-MASTER_PORT set. Each rank trains a small deterministic float64 "model" (its own slice; the loss is
-all-reduced, so every rank takes part in every step) and saves every 10 steps. MODE:
+``python tests/lineage_workers.py MODE OUT_DIR S3_URL ENDPOINT`` with RANK, WORLD_SIZE=4,
+MASTER_ADDR and MASTER_PORT set. Each rank trains a small deterministic float64 "model" (its own
+slice; the loss is all-reduced, so every rank takes part in every step) and saves every 10 steps.
+MODE:
 
 - ``straight``: steps 1-50 without interruption (the reference loss curve), no remote;
-- ``first``: steps 1-40; after each save both nodes' sidecars upload it, except step 40, which only node
-  0's sidecar sends (node 1's upload of 40 is "still running" when the job dies); then the job exits;
-- ``resume`` (after the test deleted ``OUT/node1``: node 1 was replaced): ``CheckpointManager.load()``
-  through the bucket, then steps up to 50 with saves at 40 and 50, both sidecars uploading them.
+- ``first``: steps 1-40; after each save both nodes' sidecars upload it, except step 40, which only
+  node 0's sidecar sends (node 1's upload of 40 is "still running" when the job dies); then the job
+  exits;
+- ``resume`` (after the test deleted ``OUT/node1``: node 1 was replaced):
+  ``CheckpointManager.load()`` through the bucket, then steps up to 50 with saves at 40 and 50, both
+  sidecars uploading them.
 
 Each rank writes ``OUT/result_<MODE>_<rank>.json``: the losses by step, the loaded step, run id,
 attempt, its root's committed steps and superseded steps (right after the load, and at the end), and
@@ -69,10 +72,20 @@ def upload(root: Path, url: str, client, steps: list[int], nodes: list[int], ran
 def superseded(root: Path) -> list[list]:
     try:
         from tiered_ckpt.local import superseded_local_steps
-    except ImportError:  # the code before issue 10 (the test reproduces its failure): nothing to list
+    except (
+        ImportError
+    ):  # the code before issue 10 (the test reproduces its failure): nothing to list
         return []
-    return [[e.step, e.attempt, e.superseded.attempt if e.superseded else None,
-             e.superseded.from_step if e.superseded else None, e.set_aside] for e in superseded_local_steps(root)]
+    return [
+        [
+            e.step,
+            e.attempt,
+            e.superseded.attempt if e.superseded else None,
+            e.superseded.from_step if e.superseded else None,
+            e.set_aside,
+        ]
+        for e in superseded_local_steps(root)
+    ]
 
 
 def main() -> None:
@@ -83,8 +96,15 @@ def main() -> None:
     root = base / f"node{rank // 2}"
     client = make_s3_client(endpoint_url=endpoint, path_style=True, region_name="us-east-1")
     remote = {} if mode == "straight" else {"remote_url": url, "remote_s3_client": client}
-    mgr = CheckpointManager(root, rank=rank, world_size=world, async_save=False, keep_last=3,
-                            collective_timeout_s=60, **remote)
+    mgr = CheckpointManager(
+        root,
+        rank=rank,
+        world_size=world,
+        async_save=False,
+        keep_last=3,
+        collective_timeout_s=60,
+        **remote,
+    )
     result: dict = {"losses": {}}
     state, start = init_state(rank), 1
     if mode == "resume":
@@ -98,12 +118,22 @@ def main() -> None:
         if step % 10 == 0:
             mgr.save(step, state)
             if mode != "straight":
-                upload(root, url, client, [step], [0] if (mode, step) == ("first", 40) else [0, 1], rank)
+                upload(
+                    root,
+                    url,
+                    client,
+                    [step],
+                    [0] if (mode, step) == ("first", 40) else [0, 1],
+                    rank,
+                )
     mgr.close()
     dist.barrier()
-    result.update(run_id=getattr(mgr, "run_id", None), attempt=getattr(mgr, "attempt", 1),
-                  committed=committed_steps(root),
-                  superseded=superseded(root))
+    result.update(
+        run_id=getattr(mgr, "run_id", None),
+        attempt=getattr(mgr, "attempt", 1),
+        committed=committed_steps(root),
+        superseded=superseded(root),
+    )
     if mode == "resume" and rank == 0:
         from tiered_ckpt.remote.catalogue import read_catalogue
         from tiered_ckpt.remote.handle import StoreHandle

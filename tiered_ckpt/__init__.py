@@ -1,16 +1,16 @@
 """tiered_ckpt: checkpointing for distributed training that never resumes from a corrupt checkpoint.
 
-Local tier (per-rank safetensors shards + a manifest committed last), an uploader sidecar that pushes
-committed steps to S3, and restore after cluster loss. See README.md and docs/SPEC.md (the "SPEC §N"
-references in docstrings). The layers and where each part lives: docs/ARCHITECTURE.md.
+Local tier (per-rank safetensors shards + a manifest committed last), an uploader sidecar that
+pushes committed steps to S3, and restore after cluster loss. See README.md and docs/SPEC.md (the
+"SPEC §N" references in docstrings). The layers and where each part lives: docs/ARCHITECTURE.md.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-#: Each public name and the module it lives in. The package imports them lazily (PEP 562), on first use:
-#: ``import tiered_ckpt.cli`` then loads only what the command line needs before it installs its signal
-#: handlers, so a Ctrl-C during start-up is its one line, not an import's traceback.
+#: Each public name and the module it lives in. The package imports them lazily (PEP 562), on first
+#: use: ``import tiered_ckpt.cli`` then loads only what the command line needs before it installs
+#: its signal handlers, so a Ctrl-C during start-up is its one line, not an import's traceback.
 _EXPORTS: dict[str, str] = {
     "CheckpointError": "tiered_ckpt.errors",
     "CheckpointExistsError": "tiered_ckpt.errors",
@@ -56,15 +56,40 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError,
-                                    DistributedSaveError, LineageError, ManifestError, MissingShardError, NoCheckpointError,
-                                    ReshardError, RunMismatchError, SaveTimeoutError, ShardCorruptedError,
-                                    UnsupportedStateError,
-                                    UploadError, WorldSizeMismatchError)
+    from tiered_ckpt.errors import (
+        CheckpointError,
+        CheckpointExistsError,
+        CheckpointWriteError,
+        ConcurrentSaveError,
+        DistributedSaveError,
+        LineageError,
+        ManifestError,
+        MissingShardError,
+        NoCheckpointError,
+        ReshardError,
+        RunMismatchError,
+        SaveTimeoutError,
+        ShardCorruptedError,
+        UnsupportedStateError,
+        UploadError,
+        WorldSizeMismatchError,
+    )
     from tiered_ckpt.format.manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
     from tiered_ckpt.format.upload_manifest import UploadManifest
-    from tiered_ckpt.local import (ReshardResult, commit_step, committed_steps, even_split, latest_step, load_shard,
-                                   load_sharded, new_save_id, read_manifest, reshard, save_sharded, write_shard)
+    from tiered_ckpt.local import (
+        ReshardResult,
+        commit_step,
+        committed_steps,
+        even_split,
+        latest_step,
+        load_shard,
+        load_sharded,
+        new_save_id,
+        read_manifest,
+        reshard,
+        save_sharded,
+        write_shard,
+    )
     from tiered_ckpt.remote.catalogue import list_remote_steps
     from tiered_ckpt.remote.restore import restore
     from tiered_ckpt.remote.upload import Uploader, UploadPolicy
@@ -73,7 +98,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use (then cached in the package namespace)."""
+    """A public name, imported from its module on first use (then cached in the package
+    namespace)."""
     mod = _EXPORTS.get(name)
     if mod is None:
         raise AttributeError(f"module 'tiered_ckpt' has no attribute {name!r}")
@@ -89,15 +115,45 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CheckpointExistsError", "CheckpointWriteError", "ConcurrentSaveError",
-    "DistributedSaveError", "LineageError", "RunMismatchError", "ManifestError", "MissingShardError", "NoCheckpointError", "ReshardError",
-    "SaveTimeoutError", "ShardCorruptedError", "UnsupportedStateError", "UploadError", "WorldSizeMismatchError",
-    "commit_step", "committed_steps", "latest_step", "load_shard", "load_sharded", "new_save_id",
-    "read_manifest", "save_sharded", "write_shard",
-    "SCHEMA_VERSION", "ShardManifest", "ShardRecord", "TensorRecord",
-    "GlobalSlice", "Replicated",
-    "reshard", "ReshardResult", "even_split",
-    "Uploader", "UploadPolicy", "UploadManifest",
-    "restore", "list_remote_steps",
-    "CheckpointManager", "SavePolicy",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointWriteError",
+    "ConcurrentSaveError",
+    "DistributedSaveError",
+    "LineageError",
+    "RunMismatchError",
+    "ManifestError",
+    "MissingShardError",
+    "NoCheckpointError",
+    "ReshardError",
+    "SaveTimeoutError",
+    "ShardCorruptedError",
+    "UnsupportedStateError",
+    "UploadError",
+    "WorldSizeMismatchError",
+    "commit_step",
+    "committed_steps",
+    "latest_step",
+    "load_shard",
+    "load_sharded",
+    "new_save_id",
+    "read_manifest",
+    "save_sharded",
+    "write_shard",
+    "SCHEMA_VERSION",
+    "ShardManifest",
+    "ShardRecord",
+    "TensorRecord",
+    "GlobalSlice",
+    "Replicated",
+    "reshard",
+    "ReshardResult",
+    "even_split",
+    "Uploader",
+    "UploadPolicy",
+    "UploadManifest",
+    "restore",
+    "list_remote_steps",
+    "CheckpointManager",
+    "SavePolicy",
 ]

@@ -1,9 +1,9 @@
 """Exception hierarchy of tiered_ckpt.
 
 Every failure the library reports derives from :class:`CheckpointError` (which derives from
-``Exception``). Where the meaning matches a builtin, the subclass derives from it as well, so callers
-may catch either (a missing step is also a ``FileNotFoundError``). Errors caused by an ``OSError`` keep
-it as ``__cause__``; the multi-rank ones collect per-rank failures in ``failures``.
+``Exception``). Where the meaning matches a builtin, the subclass derives from it as well, so
+callers may catch either (a missing step is also a ``FileNotFoundError``). Errors caused by an
+``OSError`` keep it as ``__cause__``; the multi-rank ones collect per-rank failures in ``failures``.
 
 Source: SPEC §2 "Loading (fail loudly, early)"; style after torch.distributed.checkpoint's
 ``CheckpointException`` and s3transfer's exceptions.
@@ -12,7 +12,7 @@ Source: SPEC §2 "Loading (fail loudly, early)"; style after torch.distributed.c
 from __future__ import annotations
 
 import errno
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 class CheckpointError(Exception):
@@ -20,7 +20,8 @@ class CheckpointError(Exception):
 
 
 class WorldSizeMismatchError(CheckpointError, ValueError):
-    """The manifest's ``world_size`` differs from the caller's (and resharding was not asked for)."""
+    """The manifest's ``world_size`` differs from the caller's (and resharding was not asked
+    for)."""
 
 
 class MissingShardError(CheckpointError, FileNotFoundError):
@@ -32,7 +33,8 @@ class ShardCorruptedError(CheckpointError, ValueError):
 
 
 class ManifestError(CheckpointError, ValueError):
-    """A manifest is unreadable, malformed, hostile (paths outside the step), or of an unknown schema."""
+    """A manifest is unreadable, malformed, hostile (paths outside the step), or of an unknown
+    schema."""
 
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):
@@ -48,7 +50,8 @@ class ConcurrentSaveError(CheckpointError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """A save failed on I/O (disk full, EIO, permission); the ``OSError`` is kept as ``__cause__``."""
+    """A save failed on I/O (disk full, EIO, permission); the ``OSError`` is kept as
+    ``__cause__``."""
 
     def __init__(self, message: str, *, errno_: int | None = None) -> None:
         # OSError's constructor interprets positional args; keep ours plain.
@@ -60,18 +63,23 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     @classmethod
     def from_os_error(cls, e: OSError, what: str) -> CheckpointWriteError:
-        """``"<what>: <cause in words>"`` (disk full, I/O error, permission denied, ...) with ``e``'s errno;
-        raise it ``from e`` so that the ``OSError`` stays the cause."""
-        reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "quota exceeded", errno.EIO: "I/O error",
-                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-                  errno.EROFS: "read-only filesystem"}.get(e.errno or -1, e.strerror or str(e))
+        """``"<what>: <cause in words>"`` (disk full, I/O error, permission denied, ...) with
+        ``e``'s errno; raise it ``from e`` so that the ``OSError`` stays the cause."""
+        reason = {
+            errno.ENOSPC: "disk full",
+            errno.EDQUOT: "quota exceeded",
+            errno.EIO: "I/O error",
+            errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted",
+            errno.EROFS: "read-only filesystem",
+        }.get(e.errno or -1, e.strerror or str(e))
         return cls(f"{what}: {reason}", errno_=e.errno)
 
 
 class SaveTimeoutError(CheckpointError, TimeoutError):
-    """An in-flight background save did not finish within ``CheckpointManager(save_timeout_s=...)`` seconds
-    (a hung disk or fsync). The save stays in flight: the next call waits for it again, and no second save
-    is started beside it."""
+    """An in-flight background save did not finish within ``CheckpointManager(save_timeout_s=...)``
+    seconds (a hung disk or fsync). The save stays in flight: the next call waits for it again, and
+    no second save is started beside it."""
 
 
 class UnsupportedStateError(CheckpointError, TypeError):
@@ -79,18 +87,21 @@ class UnsupportedStateError(CheckpointError, TypeError):
 
 
 class UnsupportedPlannerError(CheckpointError, TypeError):
-    """The DCP backend (:mod:`tiered_ckpt.dcp`) was handed a planner that is not its own: DCP's default load
-    planner unpickles byte items (``torch.load(weights_only=False)``) and its default save planner pickles
-    them, so only ``TieredSavePlanner`` / ``TieredLoadPlanner`` are accepted. The message names the class."""
+    """The DCP backend (:mod:`tiered_ckpt.dcp`) was handed a planner that is not its own: DCP's
+    default load planner unpickles byte items (``torch.load(weights_only=False)``) and its default
+    save planner pickles them, so only ``TieredSavePlanner`` / ``TieredLoadPlanner`` are accepted.
+    The message names the class."""
 
 
 class DcpMetadataError(ManifestError):
-    """The DCP metadata of a step (JSON in the coordinator's shard, :mod:`tiered_ckpt.dcp`) is missing,
-    malformed, hostile or disagrees with the step's manifest; or the ranks of one load read different steps."""
+    """The DCP metadata of a step (JSON in the coordinator's shard, :mod:`tiered_ckpt.dcp`) is
+    missing, malformed, hostile or disagrees with the step's manifest; or the ranks of one load read
+    different steps."""
 
 
 class UploadError(CheckpointError):
-    """A remote (S3) operation failed after all retries; ``last_exception`` holds the final cause."""
+    """A remote (S3) operation failed after all retries; ``last_exception`` holds the final
+    cause."""
 
     def __init__(self, message: str, *, last_exception: BaseException | None = None) -> None:
         super().__init__(message)
@@ -110,13 +121,22 @@ class DistributedSaveError(CheckpointError):
 
 
 class ReplicatedMismatchError(DistributedSaveError, ValueError):
-    """A value saved as Replicated differs between the ranks of a save; nothing was written. ``key``: the
-    first such key path; ``rank_groups``: the ranks holding each distinct value there (a rank without a
-    Replicated value at the key forms a group too); ``keys``: every key path that differs."""
+    """A value saved as Replicated differs between the ranks of a save; nothing was written.
+    ``key``: the first such key path; ``rank_groups``: the ranks holding each distinct value there
+    (a rank without a Replicated value at the key forms a group too); ``keys``: every key path that
+    differs."""
 
-    def __init__(self, message: str, *, key: str, rank_groups: Sequence[Sequence[int]], keys: Sequence[str]) -> None:
-        super().__init__(message, {r: f"{key}: differs from rank {rank_groups[0][0]}'s value"
-                                   for g in rank_groups[1:] for r in g})
+    def __init__(
+        self, message: str, *, key: str, rank_groups: Sequence[Sequence[int]], keys: Sequence[str]
+    ) -> None:
+        super().__init__(
+            message,
+            {
+                r: f"{key}: differs from rank {rank_groups[0][0]}'s value"
+                for g in rank_groups[1:]
+                for r in g
+            },
+        )
         self.key = key
         self.rank_groups = [list(g) for g in rank_groups]
         self.keys = list(keys)
@@ -128,8 +148,9 @@ class LineageError(CheckpointError):
 
 
 class RunMismatchError(UploadError):
-    """A bucket prefix is claimed by another run (``<prefix>/run.json`` names a different ``run_id``):
-    refused unless the sidecar is told to adopt the prefix (SPEC §11). ``claimed_by``/``ours``: run ids."""
+    """A bucket prefix is claimed by another run (``<prefix>/run.json`` names a different
+    ``run_id``): refused unless the sidecar is told to adopt the prefix (SPEC §11).
+    ``claimed_by``/``ours``: run ids."""
 
     def __init__(self, message: str, *, claimed_by: str = "", ours: str = "") -> None:
         super().__init__(message)
@@ -138,28 +159,30 @@ class RunMismatchError(UploadError):
 
 
 class RemoteAccessError(UploadError):
-    """The bucket cannot be used at all, whatever the operation: it does not exist, no credentials were
-    found or the server refused them, access was denied, or the endpoint could not be reached. The message
-    says which in the user's terms (the bucket or URL, the endpoint host without user info, and what to
-    do). An :class:`UploadError` (every failed remote operation is one), so handlers of remote failures
-    catch it too; ``last_exception`` holds the cause."""
+    """The bucket cannot be used at all, whatever the operation: it does not exist, no credentials
+    were found or the server refused them, access was denied, or the endpoint could not be reached.
+    The message says which in the user's terms (the bucket or URL, the endpoint host without user
+    info, and what to do). An :class:`UploadError` (every failed remote operation is one), so
+    handlers of remote failures catch it too; ``last_exception`` holds the cause."""
 
 
 class RemoteAccessDeniedError(RemoteAccessError):
-    """The server refused one operation on the bucket (403 ``AccessDenied``): the credentials work, but
-    their policy does not allow this request. Unlike the other :class:`RemoteAccessError` cases it may
-    concern one operation only (e.g. ListMultipartUploads under a narrow policy)."""
+    """The server refused one operation on the bucket (403 ``AccessDenied``): the credentials work,
+    but their policy does not allow this request. Unlike the other :class:`RemoteAccessError` cases
+    it may concern one operation only (e.g. ListMultipartUploads under a narrow policy)."""
 
 
 class RemoteListError(UploadError):
-    """Listing a bucket prefix (its objects or its multipart uploads) failed: after the store's retries, or
-    because the server's pages cannot be followed (a truncated page without a continuation token, or the
-    token it was sent). An :class:`UploadError` for the handlers of remote failures, worded as a listing."""
+    """Listing a bucket prefix (its objects or its multipart uploads) failed: after the store's
+    retries, or because the server's pages cannot be followed (a truncated page without a
+    continuation token, or the token it was sent). An :class:`UploadError` for the handlers of
+    remote failures, worded as a listing."""
 
 
 class NoSuchStepError(NoCheckpointError):
-    """The step asked for does not exist at all (no step directory locally; no object of it in the bucket),
-    as opposed to one that exists uncommitted or was never fully uploaded. ``steps``: the steps there are."""
+    """The step asked for does not exist at all (no step directory locally; no object of it in the
+    bucket), as opposed to one that exists uncommitted or was never fully uploaded. ``steps``: the
+    steps there are."""
 
     def __init__(self, message: str, *, steps: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -167,15 +190,17 @@ class NoSuchStepError(NoCheckpointError):
 
 
 class NotACheckpointRootError(NoCheckpointError):
-    """The directory or bucket prefix holds no run record (``run.json``) and no step at all: a wrong path
-    or URL, not a run before its first save (which has its ``run.json``)."""
+    """The directory or bucket prefix holds no run record (``run.json``) and no step at all: a wrong
+    path or URL, not a run before its first save (which has its ``run.json``)."""
 
 
 class RankOutOfRangeError(CheckpointError, ValueError):
-    """Ranks were asked for that the step does not have (outside ``range(world_size)``). ``ranks``: the
-    offending ones; ``world_size`` and ``step``: of the step."""
+    """Ranks were asked for that the step does not have (outside ``range(world_size)``). ``ranks``:
+    the offending ones; ``world_size`` and ``step``: of the step."""
 
-    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), world_size: int = 0, step: int = 0) -> None:
+    def __init__(
+        self, message: str, *, ranks: tuple[int, ...] = (), world_size: int = 0, step: int = 0
+    ) -> None:
         super().__init__(message)
         self.ranks, self.world_size, self.step = tuple(ranks), world_size, step
 

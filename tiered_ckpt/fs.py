@@ -1,8 +1,8 @@
-"""POSIX primitives below the commit protocols: this node's and process's identity (host name, kernel
-boot id, pid namespace; owner tokens that survive pid reuse and tell machines with one host name apart;
-liveness of an owner), unique temp names that name their owner, save ids
-and timestamps, and raw write helpers (``write(2)`` until done, writeback hints). Nothing here makes a
-file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync, rename, directory fsync).
+"""POSIX primitives below the commit protocols: this node's and process's identity (host name,
+kernel boot id, pid namespace; owner tokens that survive pid reuse and tell machines with one host
+name apart; liveness of an owner), unique temp names that name their owner, save ids
+and timestamps, and raw write helpers (``write(2)`` until done, writeback hints). Nothing here makes
+a file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync, rename, directory fsync).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 import socket
 import stat
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from tiered_ckpt.layout import TMP_SUFFIX
 
@@ -67,28 +67,29 @@ def _identity() -> tuple[str, str]:
 
 
 def boot_id() -> str:
-    """The first 16 hex digits of this machine's kernel boot id (``/proc/sys/kernel/random/boot_id``,
-    random per boot, so two machines with one host name differ), or ``"x"`` where it cannot be read."""
+    """The first 16 hex digits of this machine's kernel boot id
+    (``/proc/sys/kernel/random/boot_id``, random per boot, so two machines with one host name
+    differ), or ``"x"`` where it cannot be read."""
     return _identity()[0]
 
 
 def pid_namespace() -> str:
     """The inode number of this process's pid namespace (``readlink /proc/self/ns/pid``, see
-    namespaces(7)), as decimal digits, or ``"x"`` where it cannot be read. Two processes with one pid
-    number in different containers differ here."""
+    namespaces(7)), as decimal digits, or ``"x"`` where it cannot be read. Two processes with one
+    pid number in different containers differ here."""
     return _identity()[1]
 
 
 def node_identity() -> str:
-    """``<host>_<boot id>_<pid namespace>``: the first field of this process's :func:`owner_token`, the
-    scope within which its pid means one process."""
+    """``<host>_<boot id>_<pid namespace>``: the first field of this process's :func:`owner_token`,
+    the scope within which its pid means one process."""
     boot, ns = _identity()
     return f"{hostname()}{_ID_SEP}{boot}{_ID_SEP}{ns}"
 
 
 def _proc_is_ours() -> bool:
-    """Whether ``/proc`` is mounted for this process's pid namespace (``/proc/self`` names our own pid):
-    only then does ``/proc/<pid>`` describe the process a token of this namespace names."""
+    """Whether ``/proc`` is mounted for this process's pid namespace (``/proc/self`` names our own
+    pid): only then does ``/proc/<pid>`` describe the process a token of this namespace names."""
     try:
         return int(os.readlink("/proc/self")) == os.getpid()
     except (OSError, ValueError):
@@ -120,13 +121,13 @@ def _start_time_from(stat_path: str) -> int | None:
 
 
 def owner_token() -> str:
-    """``<host>_<boot id>_<pid namespace>.<pid>.<starttime>`` of the calling process: who owns a temp
-    file or lock (SPEC §11 "Nodes").
+    """``<host>_<boot id>_<pid namespace>.<pid>.<starttime>`` of the calling process: who owns a
+    temp file or lock (SPEC §11 "Nodes").
 
-    Three dot-separated fields, as the old ``<host>.<pid>.<starttime>`` format had (the names of temp
-    files, lock files and trash directories embed it and are parsed by field count). The start time is
-    read from ``/proc/self/stat`` (right even where ``/proc`` belongs to another pid namespace), ``0``
-    where it cannot be read.
+    Three dot-separated fields, as the old ``<host>.<pid>.<starttime>`` format had (the names of
+    temp files, lock files and trash directories embed it and are parsed by field count). The start
+    time is read from ``/proc/self/stat`` (right even where ``/proc`` belongs to another pid
+    namespace), ``0`` where it cannot be read.
     """
     return f"{node_identity()}.{os.getpid()}.{_start_time_from('/proc/self/stat') or 0}"
 
@@ -134,14 +135,14 @@ def owner_token() -> str:
 def owner_alive(token: str) -> bool:
     """Whether the process named by an :func:`owner_token` may still be running.
 
-    Only a process of this very host name, kernel boot and pid namespace can be checked; for any other
-    (another machine, even one with our host name; another container on this machine; a namespace
-    whose ``/proc`` is not mounted here) the answer is ``True``: we cannot tell, and a live writer
-    must never be judged dead (its leftovers are never swept automatically; ``gc --force`` exists for
-    that). Checkable tokens: the pid exists, is not a zombie, and has the same start time (``0``: any).
-    Old-format tokens (``<host>.<pid>.<starttime>``, written before boot id and namespace were part of
-    the identity) keep their old meaning: another host name -> ``True``, this one -> the pid check.
-    A malformed token is ``False`` (no process can own it).
+    Only a process of this very host name, kernel boot and pid namespace can be checked; for any
+    other (another machine, even one with our host name; another container on this machine; a
+    namespace whose ``/proc`` is not mounted here) the answer is ``True``: we cannot tell, and a
+    live writer must never be judged dead (its leftovers are never swept automatically; ``gc
+    --force`` exists for that). Checkable tokens: the pid exists, is not a zombie, and has the same
+    start time (``0``: any). Old-format tokens (``<host>.<pid>.<starttime>``, written before boot id
+    and namespace were part of the identity) keep their old meaning: another host name -> ``True``,
+    this one -> the pid check. A malformed token is ``False`` (no process can own it).
     """
     parts = token.rsplit(".", 2)
     if len(parts) != 3:
@@ -181,7 +182,6 @@ def is_real_dir(p: Path) -> bool:
         return stat.S_ISDIR(os.lstat(p).st_mode)
     except OSError:
         return False
-
 
 
 def temp_name_for(final_name: str) -> str:
@@ -224,10 +224,10 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk now, without
     waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op elsewhere).
 
-    A large file written in chunks is then mostly on disk by the time the final ``fsync`` runs, instead
-    of the whole file being flushed after the last write: the flush overlaps hashing and writing. It is
-    only a hint: durability still comes from ``fsync``, which also reports any I/O error, so errors
-    here are ignored.
+    A large file written in chunks is then mostly on disk by the time the final ``fsync`` runs,
+    instead of the whole file being flushed after the last write: the flush overlaps hashing and
+    writing. It is only a hint: durability still comes from ``fsync``, which also reports any I/O
+    error, so errors here are ignored.
     """
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
@@ -235,8 +235,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 def advise_sequential(fd: int, offset: int, nbytes: int) -> None:
     """Tell the kernel ``[offset, offset + nbytes)`` of ``fd`` will be read once, in order
-    (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``, POSIX; Linux doubles the readahead window). Only a hint:
-    where it is unsupported (not Linux, a pipe) nothing happens and no error is raised."""
+    (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``, POSIX; Linux doubles the readahead window). Only a
+    hint: where it is unsupported (not Linux, a pipe) nothing happens and no error is raised."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None or nbytes <= 0:
         return
@@ -247,7 +247,8 @@ def advise_sequential(fd: int, offset: int, nbytes: int) -> None:
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
-    """``write(2)`` until every byte is written (short writes happen on large buffers and signals)."""
+    """``write(2)`` until every byte is written (short writes happen on large buffers and
+    signals)."""
     view = memoryview(data).cast("B")
     while view.nbytes:
         n = os.write(fd, view)

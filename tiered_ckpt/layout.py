@@ -13,7 +13,8 @@ Local layout (SPEC §2)::
     <root>/superseded/step_0000001234.<save_id>/    a step set aside by a newer attempt (SPEC §11)
     <root>/.node.<token>                            node discovery token of a live rank (SPEC §11)
 
-Remote layout, schema 3 (SPEC §4, §11): one key prefix per *save*, so two saves of one step (a rollback,
+Remote layout, schema 3 (SPEC §4, §11): one key prefix per *save*, so two saves of one step (a
+rollback,
 an old sidecar, a replace) never share an object::
 
     <prefix>/run.json                                        run claim + lineage (If-None-Match / If-Match)
@@ -26,14 +27,16 @@ an old sidecar, a replace) never share an object::
 
 Key layouts of a save's shard objects (:data:`KEY_LAYOUTS`; the upload manifest records it as
 ``key_layout``, SPEC §4). ``flat`` (the default) is the tree above. ``hashed`` moves only the shard
-objects, the big and numerous ones, out to 256 spread prefixes (S3 scales request rates per prefix)::
+objects, the big and numerous ones, out to 256 spread prefixes (S3 scales request rates per
+prefix)::
 
     <prefix>/shards/<hh>/step_0000001234.<save_id>/rank_00000.safetensors
 
-``<hh>`` (:func:`spread_prefix`) is the first two hex digits of the sha256 of the key the flat layout
-gives the shard (``step_0000001234.<save_id>/rank_00000.safetensors``): the ranks of one step, and one
-rank over its steps, land on different prefixes. Everything else of the save (``manifest.json``,
-``.confirm/``, ``upload_manifest.json``, ``pinned.json``) stays in its save prefix.
+``<hh>`` (:func:`spread_prefix`) is the first two hex digits of the sha256 of the key the flat
+layout gives the shard (``step_0000001234.<save_id>/rank_00000.safetensors``): the ranks of one
+step, and one rank over its steps, land on different prefixes. Everything else of the save
+(``manifest.json``, ``.confirm/``, ``upload_manifest.json``, ``pinned.json``) stays in its save
+prefix.
 
 Round-1 prefixes (upload manifest schema 1) have one save per step at ``<prefix>/step_0000001234/``;
 they are read as they are (:func:`parse_remote_step_entry` returns ``save_id=None`` for them).
@@ -79,7 +82,8 @@ NODE_RANKS_NAME = "node_ranks.json"
 ADOPTED_MARKER_NAME = "adopted.json"
 #: Prefix of the node discovery tokens in a root (which ranks share this disk; training/dist.py).
 NODE_TOKEN_PREFIX = ".node."
-#: Multipart uploads the sidecar started and could not abort, swept later (remote/pending_aborts.py).
+#: Multipart uploads the sidecar started and could not abort, swept later
+#: (remote/pending_aborts.py).
 PENDING_ABORTS_NAME = ".pending_aborts.json"
 
 #: Key layouts of a save's shard objects (module docstring); ``flat`` is the default.
@@ -89,15 +93,17 @@ SPREAD_DIR = "shards"
 #: Hex digits of the ``hashed`` layout's spread prefix: 16**2 = 256 prefixes.
 SPREAD_HEX_DIGITS = 2
 
-# ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$" would
-# also accept a trailing newline): one step number has exactly one directory name.
+# ASCII digits only ("\d" would also match other scripts' digits) and a whole-string match ("$"
+# would also accept a trailing newline): one step number has exactly one directory name.
 _STEP_RE = re.compile(r"step_([0-9]{%d})" % STEP_DIGITS)
 _SAVE_ID_CHARS = "[0-9A-Za-z_-]{1,64}"
 _SAVE_ID_RE = re.compile(_SAVE_ID_CHARS)
 _ENTRY_RE = re.compile(r"step_([0-9]{%d})(?:\.(%s))?" % (STEP_DIGITS, _SAVE_ID_CHARS))
 _SHARD_RE = re.compile(r"rank_([0-9]{%d})\.safetensors" % RANK_DIGITS)
-_SPREAD_RE = re.compile(r"%s/([0-9a-f]{%d})/step_([0-9]{%d})\.(%s)/rank_([0-9]{%d})\.safetensors"
-                        % (SPREAD_DIR, SPREAD_HEX_DIGITS, STEP_DIGITS, _SAVE_ID_CHARS, RANK_DIGITS))
+_SPREAD_RE = re.compile(
+    r"%s/([0-9a-f]{%d})/step_([0-9]{%d})\.(%s)/rank_([0-9]{%d})\.safetensors"
+    % (SPREAD_DIR, SPREAD_HEX_DIGITS, STEP_DIGITS, _SAVE_ID_CHARS, RANK_DIGITS)
+)
 
 
 def step_dir_name(step: int) -> str:
@@ -149,9 +155,9 @@ def remote_run_key(prefix: str) -> str:
 
 
 def save_entry_name(step: int, save_id: str | None) -> str:
-    """``step_0000001234.<save_id>``: the name of one save of a step (a remote save prefix, a superseded
-    local step). ``save_id=None``: the round-1 name ``step_0000001234``. Raises ``ValueError`` for a bad
-    step or save id."""
+    """``step_0000001234.<save_id>``: the name of one save of a step (a remote save prefix, a
+    superseded local step). ``save_id=None``: the round-1 name ``step_0000001234``. Raises
+    ``ValueError`` for a bad step or save id."""
     if save_id is None:
         return step_dir_name(step)
     if not isinstance(save_id, str) or not _SAVE_ID_RE.fullmatch(save_id):
@@ -160,8 +166,8 @@ def save_entry_name(step: int, save_id: str | None) -> str:
 
 
 def parse_remote_step_entry(name: str) -> tuple[int, str | None] | None:
-    """Inverse of :func:`save_entry_name`: ``(step, save_id)``, ``save_id`` ``None`` for a round-1 entry;
-    ``None`` for any other name."""
+    """Inverse of :func:`save_entry_name`: ``(step, save_id)``, ``save_id`` ``None`` for a round-1
+    entry; ``None`` for any other name."""
     m = _ENTRY_RE.fullmatch(name)
     return (int(m.group(1)), m.group(2)) if m else None
 
@@ -181,8 +187,9 @@ def remote_save_key(prefix: str, step: int, save_id: str | None, name: str) -> s
 
 def spread_prefix(step: int, save_id: str, rank: int) -> str:
     """``<hh>`` of the ``hashed`` layout: the first :data:`SPREAD_HEX_DIGITS` hex digits of
-    ``sha256("step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors")`` (the flat key, relative to the run
-    prefix). Stable across versions and machines. Raises ``ValueError`` for a bad step, save id or rank."""
+    ``sha256("step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors")`` (the flat key, relative to the
+    run prefix). Stable across versions and machines. Raises ``ValueError`` for a bad step, save id
+    or rank."""
     flat = f"{save_entry_name(step, save_id)}/{shard_file_name(rank)}"
     return hashlib.sha256(flat.encode("ascii")).hexdigest()[:SPREAD_HEX_DIGITS]
 
@@ -191,8 +198,8 @@ def save_shard_key(step: int, save_id: str | None, rank: int, key_layout: str = 
     """Key of ``rank``'s shard object of one save, relative to the run prefix: ``flat``
     ``step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors``; ``hashed``
     ``shards/<hh>/step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors``. Raises ``ValueError`` for an
-    unknown layout, a bad step, save id or rank, and for ``hashed`` with ``save_id=None`` (round-1 saves
-    are flat)."""
+    unknown layout, a bad step, save id or rank, and for ``hashed`` with ``save_id=None`` (round-1
+    saves are flat)."""
     if key_layout not in KEY_LAYOUTS:
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
     flat = f"{save_entry_name(step, save_id)}/{shard_file_name(rank)}"
@@ -203,17 +210,20 @@ def save_shard_key(step: int, save_id: str | None, rank: int, key_layout: str = 
     return f"{SPREAD_DIR}/{spread_prefix(step, save_id, rank)}/{flat}"
 
 
-def remote_shard_key(prefix: str, step: int, save_id: str | None, rank: int, key_layout: str = "flat") -> str:
+def remote_shard_key(
+    prefix: str, step: int, save_id: str | None, rank: int, key_layout: str = "flat"
+) -> str:
     """Full key (run prefix included) of :func:`save_shard_key`: what the upload manifest and the
-    confirmation records name. ``flat`` equals ``remote_save_key(prefix, step, save_id, shard_file_name(rank))``."""
+    confirmation records name. ``flat`` equals ``remote_save_key(prefix, step, save_id,
+    shard_file_name(rank))``."""
     p = prefix.strip("/")
     rel = save_shard_key(step, save_id, rank, key_layout)
     return f"{p}/{rel}" if p else rel
 
 
 def parse_spread_shard_key(rel_key: str) -> tuple[int, str, int] | None:
-    """``(step, save_id, rank)`` of a ``hashed``-layout shard key relative to the run prefix (its ``<hh>``
-    must be the one :func:`spread_prefix` gives); ``None`` for any other key."""
+    """``(step, save_id, rank)`` of a ``hashed``-layout shard key relative to the run prefix (its
+    ``<hh>`` must be the one :func:`spread_prefix` gives); ``None`` for any other key."""
     m = _SPREAD_RE.fullmatch(rel_key)
     if m is None:
         return None
@@ -222,13 +232,41 @@ def parse_spread_shard_key(rel_key: str) -> tuple[int, str, int] | None:
 
 
 __all__ = [
-    "STEP_DIGITS", "RANK_DIGITS", "MAX_STEP", "MAX_WORLD_SIZE", "MANIFEST_NAME", "UPLOAD_MANIFEST_NAME",
-    "LATEST_POINTER_NAME", "UPLOADED_MARKER_NAME", "SAVE_LOCK_NAME", "LOCK_PREFIX", "TMP_SUFFIX",
-    "step_dir_name", "parse_step_dir_name", "shard_file_name", "parse_shard_file_name",
-    "remote_step_prefix", "remote_key", "remote_latest_key", "RUN_RECORD_NAME", "SUPERSEDED_DIR",
-    "PINNED_MARKER_NAME", "ADOPTED_MARKER_NAME", "NODE_TOKEN_PREFIX", "NODE_RANKS_NAME", "remote_run_key",
-    "save_entry_name", "parse_remote_step_entry",
-    "remote_save_prefix", "remote_save_key",
-    "PENDING_ABORTS_NAME", "KEY_LAYOUTS", "SPREAD_DIR", "SPREAD_HEX_DIGITS", "spread_prefix", "save_shard_key",
-    "remote_shard_key", "parse_spread_shard_key",
+    "STEP_DIGITS",
+    "RANK_DIGITS",
+    "MAX_STEP",
+    "MAX_WORLD_SIZE",
+    "MANIFEST_NAME",
+    "UPLOAD_MANIFEST_NAME",
+    "LATEST_POINTER_NAME",
+    "UPLOADED_MARKER_NAME",
+    "SAVE_LOCK_NAME",
+    "LOCK_PREFIX",
+    "TMP_SUFFIX",
+    "step_dir_name",
+    "parse_step_dir_name",
+    "shard_file_name",
+    "parse_shard_file_name",
+    "remote_step_prefix",
+    "remote_key",
+    "remote_latest_key",
+    "RUN_RECORD_NAME",
+    "SUPERSEDED_DIR",
+    "PINNED_MARKER_NAME",
+    "ADOPTED_MARKER_NAME",
+    "NODE_TOKEN_PREFIX",
+    "NODE_RANKS_NAME",
+    "remote_run_key",
+    "save_entry_name",
+    "parse_remote_step_entry",
+    "remote_save_prefix",
+    "remote_save_key",
+    "PENDING_ABORTS_NAME",
+    "KEY_LAYOUTS",
+    "SPREAD_DIR",
+    "SPREAD_HEX_DIGITS",
+    "spread_prefix",
+    "save_shard_key",
+    "remote_shard_key",
+    "parse_spread_shard_key",
 ]

@@ -3,12 +3,12 @@
 Protocol (one file per holder, no flock so that it works the same on NFS-like shared filesystems):
 
 1. A holder (a loader reading a step, the sidecar uploading it) creates
-   ``<step_dir>/.lock.<kind>.<host>.<pid>.<starttime>.<rand>`` with ``O_CREAT|O_EXCL`` and removes it
-   when done (:func:`hold_step_lock`).
-2. Rotation and gc (:func:`live_locks`) treat a step as locked while any such file names a live owner;
-   files of dead owners on this host are stale and ignored (and removed by gc).
-3. To delete a step, rotation first renames the step directory to a trash name (atomic), then checks the
-   locks again inside it: a holder that raced in is seen and the directory is renamed back.
+   ``<step_dir>/.lock.<kind>.<host>.<pid>.<starttime>.<rand>`` with ``O_CREAT|O_EXCL`` and removes
+   it when done (:func:`hold_step_lock`).
+2. Rotation and gc (:func:`live_locks`) treat a step as locked while any such file names a live
+   owner; files of dead owners on this host are stale and ignored (and removed by gc).
+3. To delete a step, rotation first renames the step directory to a trash name (atomic), then checks
+   the locks again inside it: a holder that raced in is seen and the directory is renamed back.
 
 ``kind`` is a short word: ``read``, ``upload`` or ``stalled`` (the sidecar keeps a step whose other
 nodes never confirmed; see :mod:`tiered_ckpt.remote.upload`).
@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tiered_ckpt.fs import owner_alive, owner_token
 from tiered_ckpt.layout import LOCK_PREFIX, NODE_TOKEN_PREFIX
@@ -39,9 +39,10 @@ def _parse(name: str) -> tuple[str, str] | None:
 
 
 def acquire_step_lock(step_dir: str | os.PathLike[str], kind: str) -> Path:
-    """Create an advisory ``kind`` lock file on ``step_dir`` and return its path; the caller removes it
-    with :func:`release_step_lock` (a lock held across calls, e.g. the sidecar's ``stalled`` lock).
-    Raises ``ValueError`` (``kind`` not alphanumeric), ``FileNotFoundError`` (no step directory)."""
+    """Create an advisory ``kind`` lock file on ``step_dir`` and return its path; the caller removes
+    it with :func:`release_step_lock` (a lock held across calls, e.g. the sidecar's ``stalled``
+    lock). Raises ``ValueError`` (``kind`` not alphanumeric), ``FileNotFoundError`` (no step
+    directory)."""
     if not kind.isalnum():
         raise ValueError(f"lock kind must be alphanumeric, got {kind!r}")
     path = Path(step_dir) / f"{LOCK_PREFIX}{kind}.{owner_token()}.{uuid.uuid4().hex[:8]}"
@@ -87,27 +88,30 @@ def live_locks(step_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:
 
 def stale_lock_files(step_dir: str | os.PathLike[str]) -> list[Path]:
     """Lock files on ``step_dir`` whose owner is dead (safe to remove)."""
-    return [Path(step_dir) / name for name, _, owner in _lock_files(step_dir) if not owner_alive(owner)]
+    return [
+        Path(step_dir) / name for name, _, owner in _lock_files(step_dir) if not owner_alive(owner)
+    ]
 
 
-# ------------------------------------------------------------------------------------ node tokens
-# Which ranks share a local root (SPEC §11 "Nodes"): each rank creates ``<root>/.node.<owner>.<rand>``
-# and looks up the names the other ranks created; a name it finds is on its disk. Read by
-# tiered_ckpt.training.dist; the files carry no data and need no durability (rewritten by every job).
+# --- node tokens
+# Which ranks share a local root (SPEC §11 "Nodes"): each rank creates
+# ``<root>/.node.<owner>.<rand>`` and looks up the names the other ranks created; a name it finds is
+# on its disk. Read by tiered_ckpt.training.dist; the files carry no data and need no durability
+# (rewritten by every job).
 
 
 def _node_token_owner(name: str) -> str | None:
     """The owner token inside a node token file name, or ``None`` when ``name`` is not one."""
     if not name.startswith(NODE_TOKEN_PREFIX) or "/" in name:
         return None
-    owner, _, rand = name[len(NODE_TOKEN_PREFIX):].rpartition(".")
+    owner, _, rand = name[len(NODE_TOKEN_PREFIX) :].rpartition(".")
     return owner if rand and len(owner.split(".")) == 3 else None
 
 
 def write_node_token(root: str | os.PathLike[str]) -> str:
-    """Create a fresh node token file in ``root`` (made if missing) and return its name; node tokens of
-    dead owners there are removed first (:func:`sweep_stale_node_tokens`). Unique per call (owner token
-    plus 48 random bits; ``O_EXCL``). Raises ``OSError`` (unwritable root)."""
+    """Create a fresh node token file in ``root`` (made if missing) and return its name; node tokens
+    of dead owners there are removed first (:func:`sweep_stale_node_tokens`). Unique per call (owner
+    token plus 48 random bits; ``O_EXCL``). Raises ``OSError`` (unwritable root)."""
     r = Path(root)
     r.mkdir(parents=True, exist_ok=True)
     sweep_stale_node_tokens(r)

@@ -8,65 +8,68 @@ How the retry layers stack (read this before tuning any of them):
    a throttled, 5xx or dropped ``UploadPart`` is sent up to ``B`` times in total,
    with botocore's own jittered backoff (up to 1 s, 2 s, ... capped at 20 s) and a client-wide retry
    quota. botocore knows nothing about the operation the call belongs to.
-2. **s3transfer** (the multipart machinery) adds nothing for uploads: when one part fails for good it
-   fails the whole transfer and aborts the multipart upload. For downloads it re-issues a ranged GET
-   whose body stream broke, up to ``num_download_attempts`` (5) times.
+2. **s3transfer** (the multipart machinery) adds nothing for uploads: when one part fails for good
+   it fails the whole transfer and aborts the multipart upload. For downloads it re-issues a ranged
+   GET whose body stream broke, up to ``num_download_attempts`` (5) times.
 3. **This module** (:func:`call_with_retries`) retries the *whole operation* of one store method: a
-   complete ``upload_file`` (create, every part, complete, HEAD and checksum comparison), a whole download
-   into the caller's temp file, one PUT of a small object, and each single call of a multipart upload the
-   uploader drives itself (create, one part, complete, abort; ``remote/transfer.py``). It is what
-   recovers when botocore gave up on one call, when the server reported a checksum that differs from
-   what was sent (:class:`~tiered_ckpt.errors.ShardCorruptedError`), or when a multipart upload
-   disappeared under ``upload_file``.
+   complete ``upload_file`` (create, every part, complete, HEAD and checksum comparison), a whole
+   download into the caller's temp file, one PUT of a small object, and each single call of a
+   multipart upload the uploader drives itself (create, one part, complete, abort;
+   ``remote/transfer.py``). It is what recovers when botocore gave up on one call, when the server
+   reported a checksum that differs from what was sent
+   (:class:`~tiered_ckpt.errors.ShardCorruptedError`), or when a multipart upload disappeared under
+   ``upload_file``.
 
 Worst case, one HTTP request is sent ``B x RetryPolicy.max_attempts`` times, and the wall time is
-bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of our waits`` where our
-waits are at most ``max_wait_s`` each. Keep ``max_attempts`` small (the default is 6): the fine-grained
-retrying belongs to botocore.
+bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of our waits`` where
+our waits are at most ``max_wait_s`` each. Keep ``max_attempts`` small (the default is 6): the
+fine-grained retrying belongs to botocore.
 
 Timeouts and deadlines (innermost first; each bounds what the one before cannot):
 
 * **Per socket operation, botocore**: ``connect_timeout_s`` (default 10 s) to open a connection and
-  ``read_timeout_s`` (default 60 s) as the socket timeout of each read (``make_s3_client`` -> botocore
-  ``Config(connect_timeout=, read_timeout=)``). Per read, not per request: a server that sends one byte
-  every 20 s never trips it. A timeout raises ``ConnectTimeoutError`` / ``ReadTimeoutError``, which
-  botocore's standard mode retries (layer 1) and this module treats as retryable (layer 3).
-* **Per request, the store** (``store/deadline.py``, :class:`~tiered_ckpt.store.settings.DeadlineSettings`):
-  every single HTTP request of a store (each GET, HEAD, PUT, part, LIST, also s3transfer's ranged GETs and
-  upload parts) must finish within ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 60 s +
-  bytes at 256 KiB/s; CompleteMultipartUpload 10 x the base) and must not *stall*: no body chunk (for
-  GET/HEAD, no response either) for ``stall_timeout_s`` (default 60 s). A watchdog thread shuts the
-  request's socket down when either passes, so the blocked read returns at once, and botocore's remaining
+  ``read_timeout_s`` (default 60 s) as the socket timeout of each read (``make_s3_client`` ->
+  botocore ``Config(connect_timeout=, read_timeout=)``). Per read, not per request: a server that
+  sends one byte every 20 s never trips it. A timeout raises ``ConnectTimeoutError`` /
+  ``ReadTimeoutError``, which botocore's standard mode retries (layer 1) and this module treats as
+  retryable (layer 3).
+* **Per request, the store** (``store/deadline.py``,
+  :class:`~tiered_ckpt.store.settings.DeadlineSettings`): every single HTTP request of a store (each
+  GET, HEAD, PUT, part, LIST, also s3transfer's ranged GETs and upload parts) must finish within
+  ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 60 s + bytes at 256 KiB/s;
+  CompleteMultipartUpload 10 x the base) and must not *stall*: no body chunk (for GET/HEAD, no
+  response either) for ``stall_timeout_s`` (default 60 s). A watchdog thread shuts the request's
+  socket down when either passes, so the blocked read returns at once, and botocore's remaining
   attempts of that request are not sent (its ``before-send`` hook). The request raises
   ``RequestDeadlineError`` ("deadline of N s passed" / "stalled: no bytes for N s"): not retried by
-  botocore nor by s3transfer, retried here as a whole operation (layer 3), which starts a fresh request
-  with a fresh deadline. With the retries exhausted the caller gets an ``UploadError`` whose message
-  names the deadline or stall and its seconds.
-* **s3transfer**: no timeout of its own; a transfer future waits as long as its requests do, now each
-  bounded by its deadline. The store polls its stop event every 50 ms while it waits
+  botocore nor by s3transfer, retried here as a whole operation (layer 3), which starts a fresh
+  request with a fresh deadline. With the retries exhausted the caller gets an ``UploadError`` whose
+  message names the deadline or stall and its seconds.
+* **s3transfer**: no timeout of its own; a transfer future waits as long as its requests do, now
+  each bounded by its deadline. The store polls its stop event every 50 ms while it waits
   (``store/files.py``) and cancels the transfer.
-* **This module**: stops by attempt count (``stop_after_attempt``) or the stop event, never by elapsed
-  time. Waits between attempts are bounded (``max_wait_s`` each).
+* **This module**: stops by attempt count (``stop_after_attempt``) or the stop event, never by
+  elapsed time. Waits between attempts are bounded (``max_wait_s`` each).
 * **Above the store**: the uploader retries a whole shard on top of the store's per-call retries (a
   damaged or vanished upload), with the same policy; the stop event ends it early.
 
-So one store call is bounded in wall time by about ``max_attempts x (request deadline + botocore's first
-backoff, <= 2 s) + sum of our waits``: with the defaults a GET of ``latest`` from a server that trickles
-or stays silent gives up after about 6 x 60 s = 6 min (the stall; botocore's own read-timeout retries
-happen inside each request's deadline), a 64 MiB part after about 6 x 316 s. Callers that need a tighter bound lower ``DeadlineSettings`` and
-``max_attempts``, or set the stop event, which prevents the next attempt, cuts a backoff short, cancels
-s3transfer transfers and ends a read-back between chunks (a single request already in flight runs to its
-deadline).
+So one store call is bounded in wall time by about ``max_attempts x (request deadline + botocore's
+first backoff, <= 2 s) + sum of our waits``: with the defaults a GET of ``latest`` from a server
+that trickles or stays silent gives up after about 6 x 60 s = 6 min (the stall; botocore's own
+read-timeout retries happen inside each request's deadline), a 64 MiB part after about 6 x 316 s.
+Callers that need a tighter bound lower ``DeadlineSettings`` and ``max_attempts``, or set the stop
+event, which prevents the next attempt, cuts a backoff short, cancels s3transfer transfers and ends
+a read-back between chunks (a single request already in flight runs to its deadline).
 
 Logging (``logging.getLogger(__name__)``): one WARNING per operation, at its first failure, with the
-attempt count; the later attempts at DEBUG; a success after retries at INFO. A ``threading.Event`` (the
-daemon's stop event) cuts a wait short: no further attempt is made once it is set, and
-:class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not retryable, are
-raised as :class:`~tiered_ckpt.errors.RemoteAccessError` when the bucket cannot be used at all (missing
-bucket, credentials, denied, endpoint unreachable: :mod:`tiered_ckpt.access`), else as the caller's
-``error`` class (:class:`~tiered_ckpt.errors.UploadError`; ``RemoteListError`` for a listing), with
-``last_exception`` set (an ``UploadError`` raised by the operation itself, e.g. a typed
-``PreconditionFailedError``, passes through unchanged).
+attempt count; the later attempts at DEBUG; a success after retries at INFO. A ``threading.Event``
+(the daemon's stop event) cuts a wait short: no further attempt is made once it is set, and
+:class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not
+retryable, are raised as :class:`~tiered_ckpt.errors.RemoteAccessError` when the bucket cannot be
+used at all (missing bucket, credentials, denied, endpoint unreachable: :mod:`tiered_ckpt.access`),
+else as the caller's ``error`` class (:class:`~tiered_ckpt.errors.UploadError`; ``RemoteListError``
+for a listing), with ``last_exception`` set (an ``UploadError`` raised by the operation itself, e.g.
+a typed ``PreconditionFailedError``, passes through unchanged).
 
 Source: tenacity (``Retrying``, ``stop_after_attempt``, ``stop_when_event_set``; the wait is our own
 :meth:`RetryPolicy.wait_s`, the shape of tenacity's ``wait_exponential_jitter`` but capped after the
@@ -79,14 +82,15 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import tenacity
 
+from tiered_ckpt.access import access_error
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.redact import redact_text
-from tiered_ckpt.access import access_error
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +143,9 @@ NON_RETRYABLE_S3_ERROR_CODES = frozenset(
 
 RETRYABLE_HTTP_STATUSES = frozenset({429, 500, 502, 503, 504})
 
-# Exception classes matched by "module.QualName" anywhere in the exception's MRO, so that this module
-# does not import botocore / urllib3 / s3transfer (store/s3.py is the only boto import, STYLE item 5).
+# Exception classes matched by "module.QualName" anywhere in the exception's MRO, so that this
+# module does not import botocore / urllib3 / s3transfer (store/s3.py is the only boto import, STYLE
+# item 5).
 _RETRYABLE_EXCEPTION_CLASSES = frozenset(
     {
         # botocore.exceptions.ConnectionError is the base of EndpointConnectionError,
@@ -158,7 +163,8 @@ _RETRYABLE_EXCEPTION_CLASSES = frozenset(
         "urllib3.exceptions.ReadTimeoutError",
         "urllib3.exceptions.IncompleteRead",
         "s3transfer.exceptions.RetriesExceededError",
-        # our own per-request deadline / stall (store/deadline.py; matched by name: retry sits below store)
+        # our own per-request deadline / stall (store/deadline.py; matched by name: retry sits below
+        # store)
         "tiered_ckpt.store.deadline.RequestDeadlineError",
     }
 )
@@ -170,7 +176,8 @@ def _class_names(exc: BaseException) -> set[str]:
 
 
 def s3_error_code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
-    """``(Error.Code, HTTPStatusCode)`` of a botocore ``ClientError``; ``(None, None)`` for anything else.
+    """``(Error.Code, HTTPStatusCode)`` of a botocore ``ClientError``; ``(None, None)`` for anything
+    else.
 
     Reads the structured ``exc.response`` botocore attaches (never the message text).
     """
@@ -188,19 +195,19 @@ def s3_error_code_and_status(exc: BaseException) -> tuple[str | None, int | None
 def is_retryable_s3_error(exc: BaseException) -> bool:
     """True when retrying the whole operation may succeed.
 
-    Retryable: S3 throttling and server errors (``SlowDown``, ``ServiceUnavailable``, ``InternalError``,
-    ``RequestTimeout``, HTTP 429/500/502/503/504), checksum mismatches reported by the server
-    (``BadDigest``, ``InvalidDigest``, ``XAmzContentSHA256Mismatch``) or by botocore
+    Retryable: S3 throttling and server errors (``SlowDown``, ``ServiceUnavailable``,
+    ``InternalError``, ``RequestTimeout``, HTTP 429/500/502/503/504), checksum mismatches reported
+    by the server (``BadDigest``, ``InvalidDigest``, ``XAmzContentSHA256Mismatch``) or by botocore
     (``FlexibleChecksumError``), connection / read / endpoint errors of botocore and urllib3, the
-    builtin ``ConnectionError`` and ``TimeoutError``, a request that ran past its deadline or stalled
-    (``tiered_ckpt.store.deadline.RequestDeadlineError``), and our own
-    :class:`~tiered_ckpt.errors.ShardCorruptedError` (a read-back or reported checksum that differs from
-    what was sent).
+    builtin ``ConnectionError`` and ``TimeoutError``, a request that ran past its deadline or
+    stalled (``tiered_ckpt.store.deadline.RequestDeadlineError``), and our own
+    :class:`~tiered_ckpt.errors.ShardCorruptedError` (a read-back or reported checksum that differs
+    from what was sent).
 
     Not retryable: 403 / 404 / 412 and their codes (``AccessDenied``, ``InvalidAccessKeyId``,
     ``NoSuchBucket``, ``NoSuchKey``, ``PreconditionFailed``, ...), any other 4xx, any
-    :class:`~tiered_ckpt.errors.UploadError` (already a final verdict), and everything else (programming
-    errors are not retried).
+    :class:`~tiered_ckpt.errors.UploadError` (already a final verdict), and everything else
+    (programming errors are not retried).
     """
     if isinstance(exc, UploadError):
         return False
@@ -249,14 +256,16 @@ class RetryPolicy:
             )
 
     def wait_s(self, failed_attempts: int) -> float:
-        """Seconds to wait after ``failed_attempts`` (>= 1) failures: jittered exponential, capped."""
+        """Seconds to wait after ``failed_attempts`` (>= 1) failures: jittered exponential,
+        capped."""
         exponent = min(max(failed_attempts, 1) - 1, 60)  # 2**60 x anything >= 0 is past any cap
         base = self.initial_wait_s * (2.0**exponent)
         return min(self.max_wait_s, base + random.uniform(0.0, self.initial_wait_s))
 
 
 class OperationInterruptedError(UploadError):
-    """The stop event was set while waiting to retry; ``last_exception`` is the failure being retried."""
+    """The stop event was set while waiting to retry; ``last_exception`` is the failure being
+    retried."""
 
 
 class _StopRequested(Exception):
@@ -312,10 +321,16 @@ def call_with_retries(
         last["exc"] = exc
         wait_s = state.next_action.sleep if state.next_action is not None else 0.0
         first = state.attempt_number == 1  # one WARNING per operation; its later attempts at DEBUG
-        logger.log(logging.WARNING if first else logging.DEBUG,
-                   "%s failed (attempt %d of %d), retrying in %.2f s%s: %s", op_name, state.attempt_number,
-                   policy.max_attempts, wait_s, " (further attempts logged at DEBUG)" if first else "",
-                   _describe(exc))
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s failed (attempt %d of %d), retrying in %.2f s%s: %s",
+            op_name,
+            state.attempt_number,
+            policy.max_attempts,
+            wait_s,
+            " (further attempts logged at DEBUG)" if first else "",
+            _describe(exc),
+        )
 
     def _sleep(seconds: float) -> None:
         if stop_event is None:
@@ -326,9 +341,14 @@ def call_with_retries(
     stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
     if stop_event is not None:
         stop = stop | tenacity.stop_when_event_set(stop_event)
-    retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(is_retryable), stop=stop,
-                                 wait=lambda state: policy.wait_s(state.attempt_number), sleep=_sleep,
-                                 before_sleep=_before_sleep, reraise=True)
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_retryable),
+        stop=stop,
+        wait=lambda state: policy.wait_s(state.attempt_number),
+        sleep=_sleep,
+        before_sleep=_before_sleep,
+        reraise=True,
+    )
     try:
         result = retrying(fn)
         attempts = retrying.statistics.get("attempt_number", 1)
@@ -347,20 +367,37 @@ def call_with_retries(
         if is_retryable(exc):
             if stop_event is not None and stop_event.is_set():
                 raise OperationInterruptedError(
-                    f"{op_name}: stopped after attempt {attempts}: {_describe(exc)}", last_exception=exc
+                    f"{op_name}: stopped after attempt {attempts}: {_describe(exc)}",
+                    last_exception=exc,
                 ) from exc
         elif passthrough and isinstance(exc, passthrough):
             raise
-        raise _final_error(exc, op_name, target, error, attempts, retried=is_retryable(exc)) from exc
+        raise _final_error(
+            exc, op_name, target, error, attempts, retried=is_retryable(exc)
+        ) from exc
 
 
-def _final_error(exc: BaseException, op_name: str, target: str | None, error: type[UploadError], attempts: int,
-                 *, retried: bool) -> UploadError:
+def _final_error(
+    exc: BaseException,
+    op_name: str,
+    target: str | None,
+    error: type[UploadError],
+    attempts: int,
+    *,
+    retried: bool,
+) -> UploadError:
     """What :func:`call_with_retries` raises for its last failure ``exc``: a ``RemoteAccessError`` when the
     bucket cannot be used at all (:func:`tiered_ckpt.access.access_error`), else ``error``."""
     code, status = s3_error_code_and_status(exc)
-    access = access_error(exc, code=code, status=status, names=_class_names(exc), op_name=op_name,
-                          target=target, attempts=attempts)
+    access = access_error(
+        exc,
+        code=code,
+        status=status,
+        names=_class_names(exc),
+        op_name=op_name,
+        target=target,
+        attempts=attempts,
+    )
     if access is not None:
         return access
     how = f"after {attempts} attempt(s)" if retried else "(not retryable)"

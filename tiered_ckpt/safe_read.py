@@ -1,34 +1,37 @@
-"""The one way the product opens a file inside a checkpoint directory for reading (issue 11, Build 3).
+"""The one way the product opens a file inside a checkpoint directory for reading.
 
 A checkpoint directory (a run root) holds step directories, ``superseded/<entry>/`` directories and
-files in them that other processes, operators or an attacker with write access to the disk may replace
-with a symlink, a FIFO, a device node or a directory. Opening such a name with ``open(2)`` follows the
-symlink (out of the root), blocks forever on a FIFO without a writer, and opens a device. Here:
+files in them that other processes, operators or an attacker with write access to the disk may
+replace with a symlink, a FIFO, a device node or a directory. Opening such a name with ``open(2)``
+follows the symlink (out of the root), blocks forever on a FIFO without a writer, and opens a
+device. Here:
 
 1. The root is opened with ``O_DIRECTORY``, following symlinks: it is resolved once per read, as a
    ``/nvme -> /mnt/disk0`` root must be.
-2. Every component below it is reached relative to its parent's fd (``openat(2)``, POSIX.1-2008) with
-   ``O_NOFOLLOW``: each directory (the step directory, ``superseded/``, its entry) with
+2. Every component below it is reached relative to its parent's fd (``openat(2)``, POSIX.1-2008)
+   with ``O_NOFOLLOW``: each directory (the step directory, ``superseded/``, its entry) with
    ``O_DIRECTORY | O_NOFOLLOW`` (a symlink or a non-directory there fails without being opened), the
-   file after an ``fstatat(AT_SYMLINK_NOFOLLOW)`` that must say "regular file" (a FIFO or device is never
-   opened at all), with ``O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``; then ``fstat`` on the fd must
-   say "regular file" again (an entry swapped in between is refused, and being non-blocking it cannot
-   hang the open).
-3. Reads into memory are capped (:func:`read_in_root`): ``fstat`` size over the cap, or more bytes than
-   the cap while reading (a file that grows), is an error.
+   file after an ``fstatat(AT_SYMLINK_NOFOLLOW)`` that must say "regular file" (a FIFO or device is
+   never opened at all), with ``O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``; then ``fstat`` on
+   the fd must say "regular file" again (an entry swapped in between is refused, and being
+   non-blocking it cannot hang the open).
+3. Reads into memory are capped (:func:`read_in_root`): ``fstat`` size over the cap, or more bytes
+   than the cap while reading (a file that grows), is an error.
 
-A symlink, FIFO, socket, device or directory where a file should be, or a symlink or non-directory where a
-directory should be, raises the caller's typed error (``error``, by default
-:class:`~tiered_ckpt.errors.ManifestError`) naming the path; an ``OSError`` of the open or read (EACCES,
-EIO) raises ``io_error`` (default: ``error``) with the ``OSError`` as ``__cause__``. An absent file (or an
-absent directory on the way, or a root that does not exist or is not a directory) raises
-``FileNotFoundError`` from :func:`open_in_root` and returns ``None`` from :func:`read_in_root`.
+A symlink, FIFO, socket, device or directory where a file should be, or a symlink or non-directory
+where a directory should be, raises the caller's typed error (``error``, by default
+:class:`~tiered_ckpt.errors.ManifestError`) naming the path; an ``OSError`` of the open or read
+(EACCES, EIO) raises ``io_error`` (default: ``error``) with the ``OSError`` as ``__cause__``. An
+absent file (or an absent directory on the way, or a root that does not exist or is not a directory)
+raises ``FileNotFoundError`` from :func:`open_in_root` and returns ``None`` from
+:func:`read_in_root`.
 
 Callers that hold a path rather than ``(root, relpath)`` use :func:`locate`: a file of
-``<root>/step_XXXXXXXXXX/`` (or of a trash or temp directory beside it) has that directory's parent as its
-root; one of ``<root>/superseded/<entry>/`` has ``<root>`` (so that ``superseded`` is not followed either).
-Only names decide, so a root that is itself named ``superseded`` must be a real directory. Error classes
-passed as ``error``/``io_error`` must not derive from ``FileNotFoundError`` (that means "absent" here).
+``<root>/step_XXXXXXXXXX/`` (or of a trash or temp directory beside it) has that directory's parent
+as its root; one of ``<root>/superseded/<entry>/`` has ``<root>`` (so that ``superseded`` is not
+followed either). Only names decide, so a root that is itself named ``superseded`` must be a real
+directory. Error classes passed as ``error``/``io_error`` must not derive from ``FileNotFoundError``
+(that means "absent" here).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tiered_ckpt.errors import CheckpointError, ManifestError
 from tiered_ckpt.layout import SUPERSEDED_DIR, TRASH_PREFIX, parse_remote_step_entry
@@ -47,7 +51,8 @@ from tiered_ckpt.layout import SUPERSEDED_DIR, TRASH_PREFIX, parse_remote_step_e
 PathLike = str | os.PathLike[str]
 ErrorType = type[Exception]  #: the caller's error class: called with one message
 
-#: Flags of the final open of a file (POSIX ``open(2)``; ``O_NOCTTY``: a terminal never becomes ours).
+#: Flags of the final open of a file (POSIX ``open(2)``; ``O_NOCTTY``: a terminal never becomes
+#: ours).
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 #: Flags of every directory opened below the root.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -58,10 +63,17 @@ MAX_RECORD_BYTES = 64 * 1024
 
 
 def kind_of(mode: int) -> str:
-    """What a file of ``mode`` is, in words: ``"a symlink"``, ``"a FIFO"``, ``"a directory"``, ..."""
-    for test, word in ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+    """What a file of ``mode`` is, in words: ``"a symlink"``, ``"a FIFO"``, ``"a directory"``,
+    ..."""
+    for test, word in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a regular file"),
+    ):
         if test(mode):
             return word
     return "not a regular file"
@@ -78,20 +90,28 @@ def _open_root(root: PathLike, io_error: ErrorType) -> int:
     try:
         return os.open(root, ROOT_FLAGS)
     except (FileNotFoundError, NotADirectoryError) as e:
-        raise FileNotFoundError(errno.ENOENT, f"{os.fspath(root)} is not a directory", os.fspath(root)) from e
+        raise FileNotFoundError(
+            errno.ENOENT, f"{os.fspath(root)} is not a directory", os.fspath(root)
+        ) from e
     except OSError as e:
         raise io_error(f"{os.fspath(root)} cannot be opened: {e.strerror or e}") from e
 
 
-def open_dir_in_root(root: PathLike, relpath: PathLike | None, *, error: ErrorType = ManifestError,
-                     io_error: ErrorType | None = None) -> int:
-    """An fd (``O_DIRECTORY``, caller closes) of the directory ``<root>/<relpath>`` (``None``: the root),
-    every component below ``root`` opened ``O_NOFOLLOW``. Raises ``FileNotFoundError`` (absent),
-    ``error`` (a component is a symlink or not a directory), ``io_error`` (another ``OSError``)."""
+def open_dir_in_root(
+    root: PathLike,
+    relpath: PathLike | None,
+    *,
+    error: ErrorType = ManifestError,
+    io_error: ErrorType | None = None,
+) -> int:
+    """An fd (``O_DIRECTORY``, caller closes) of the directory ``<root>/<relpath>`` (``None``: the
+    root), every component below ``root`` opened ``O_NOFOLLOW``. Raises ``FileNotFoundError``
+    (absent), ``error`` (a component is a symlink or not a directory), ``io_error`` (another
+    ``OSError``)."""
     fd = _open_root(root, io_error or error)
     where = Path(root)
     try:
-        for name in ([] if relpath is None else _parts(relpath)):
+        for name in [] if relpath is None else _parts(relpath):
             where = where / name
             try:
                 nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
@@ -107,32 +127,43 @@ def open_dir_in_root(root: PathLike, relpath: PathLike | None, *, error: ErrorTy
     return fd
 
 
-def _raise_for(e: OSError, where: Path, dfd: int, name: str, error: ErrorType, io_error: ErrorType,
-               wanted: str) -> None:
-    """Raise the typed error for a failed ``openat(dfd, name)``: the entry's kind when it is the wrong
-    kind (looked at without following it), else the ``OSError`` in words."""
+def _raise_for(
+    e: OSError, where: Path, dfd: int, name: str, error: ErrorType, io_error: ErrorType, wanted: str
+) -> None:
+    """Raise the typed error for a failed ``openat(dfd, name)``: the entry's kind when it is the
+    wrong kind (looked at without following it), else the ``OSError`` in words."""
     if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EMLINK):
         try:
             mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
         except OSError:
             mode = None
         if mode is not None:
-            raise error(f"{where} is {kind_of(mode)}, not {wanted}; refusing to "
-                        f"{'follow' if stat.S_ISLNK(mode) else 'open'} it") from None
+            raise error(
+                f"{where} is {kind_of(mode)}, not {wanted}; refusing to "
+                f"{'follow' if stat.S_ISLNK(mode) else 'open'} it"
+            ) from None
     raise io_error(f"{where} cannot be opened: {e.strerror or e}") from e
 
 
-def open_in_root(root: PathLike, relpath: PathLike, *, error: ErrorType = ManifestError,
-                 io_error: ErrorType | None = None) -> int:
-    """An fd (read-only, caller closes) of the regular file ``<root>/<relpath>``: see the module docstring
-    for how. Raises ``FileNotFoundError`` (absent), ``error`` (a symlink, FIFO, device, socket or directory
-    where the file or a directory on the way should be; never followed, never blocking), ``io_error``
-    (default ``error``: another ``OSError``, kept as ``__cause__``), ``ValueError`` (``relpath`` empty or
-    with ``..``)."""
+def open_in_root(
+    root: PathLike,
+    relpath: PathLike,
+    *,
+    error: ErrorType = ManifestError,
+    io_error: ErrorType | None = None,
+) -> int:
+    """An fd (read-only, caller closes) of the regular file ``<root>/<relpath>``: see the module
+    docstring for how. Raises ``FileNotFoundError`` (absent), ``error`` (a symlink, FIFO, device,
+    socket or directory where the file or a directory on the way should be; never followed, never
+    blocking), ``io_error`` (default ``error``: another ``OSError``, kept as ``__cause__``),
+    ``ValueError`` (``relpath`` empty or with ``..``)."""
     parts = _parts(relpath)
     io_error = io_error or error
-    dfd = open_dir_in_root(root, "/".join(parts[:-1]) or None, error=error, io_error=io_error) \
-        if len(parts) > 1 else _open_root(root, io_error)
+    dfd = (
+        open_dir_in_root(root, "/".join(parts[:-1]) or None, error=error, io_error=io_error)
+        if len(parts) > 1
+        else _open_root(root, io_error)
+    )
     name, where = parts[-1], Path(root, *parts)
     try:
         try:
@@ -142,8 +173,10 @@ def open_in_root(root: PathLike, relpath: PathLike, *, error: ErrorType = Manife
         except OSError as e:
             raise io_error(f"{where} cannot be looked at: {e.strerror or e}") from e
         if not stat.S_ISREG(mode):
-            raise error(f"{where} is {kind_of(mode)}, not a regular file; refusing to "
-                        f"{'follow' if stat.S_ISLNK(mode) else 'open'} it")
+            raise error(
+                f"{where} is {kind_of(mode)}, not a regular file; refusing to "
+                f"{'follow' if stat.S_ISLNK(mode) else 'open'} it"
+            )
         try:
             fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
         except FileNotFoundError:
@@ -162,10 +195,17 @@ def open_in_root(root: PathLike, relpath: PathLike, *, error: ErrorType = Manife
     return fd
 
 
-def read_fd_capped(fd: int, cap: int, where: PathLike, *, error: ErrorType = ManifestError,
-                   io_error: ErrorType | None = None) -> bytes:
-    """All bytes of the regular file open as ``fd`` from offset 0, at most ``cap``. Raises ``error`` over
-    the cap (by ``fstat`` or by what the reads return), ``io_error`` (default ``error``) on a read error."""
+def read_fd_capped(
+    fd: int,
+    cap: int,
+    where: PathLike,
+    *,
+    error: ErrorType = ManifestError,
+    io_error: ErrorType | None = None,
+) -> bytes:
+    """All bytes of the regular file open as ``fd`` from offset 0, at most ``cap``. Raises ``error``
+    over the cap (by ``fstat`` or by what the reads return), ``io_error`` (default ``error``) on a
+    read error."""
     try:
         size = os.fstat(fd).st_size
         if size > cap:
@@ -184,10 +224,17 @@ def read_fd_capped(fd: int, cap: int, where: PathLike, *, error: ErrorType = Man
         raise (io_error or error)(f"cannot read {os.fspath(where)}: {e.strerror or e}") from e
 
 
-def read_in_root(root: PathLike, relpath: PathLike, cap: int, *, error: ErrorType = ManifestError,
-                 io_error: ErrorType | None = None) -> bytes | None:
-    """The bytes (at most ``cap``) of the regular file ``<root>/<relpath>``, or ``None`` when it (or a
-    directory on the way) does not exist. Errors as :func:`open_in_root` and :func:`read_fd_capped`."""
+def read_in_root(
+    root: PathLike,
+    relpath: PathLike,
+    cap: int,
+    *,
+    error: ErrorType = ManifestError,
+    io_error: ErrorType | None = None,
+) -> bytes | None:
+    """The bytes (at most ``cap``) of the regular file ``<root>/<relpath>``, or ``None`` when it (or
+    a directory on the way) does not exist. Errors as :func:`open_in_root` and
+    :func:`read_fd_capped`."""
     try:
         fd = open_in_root(root, relpath, error=error, io_error=io_error)
     except FileNotFoundError:
@@ -199,12 +246,12 @@ def read_in_root(root: PathLike, relpath: PathLike, cap: int, *, error: ErrorTyp
 
 
 def locate(path: PathLike) -> tuple[Path, str]:
-    """``(root, relpath)`` of a file path inside a checkpoint directory (no I/O): the file's directory
-    and its parent are the step-level directory and the root, except that a directory under
-    ``<root>/superseded/`` has ``<root>`` as its root. A path of one component below its root (``run.json``)
-    is ``(its directory, its name)``. Only names are looked at: the path is made absolute and normalised
-    first (``os.path.abspath``: a root given as ``../ckpt`` is the directory that names), so no ``..``
-    is left below the root."""
+    """``(root, relpath)`` of a file path inside a checkpoint directory (no I/O): the file's
+    directory and its parent are the step-level directory and the root, except that a directory
+    under ``<root>/superseded/`` has ``<root>`` as its root. A path of one component below its root
+    (``run.json``) is ``(its directory, its name)``. Only names are looked at: the path is made
+    absolute and normalised first (``os.path.abspath``: a root given as ``../ckpt`` is the directory
+    that names), so no ``..`` is left below the root."""
     p = Path(os.path.abspath(os.fspath(path)))
     d = p.parent
     if d.parent.name == SUPERSEDED_DIR and d.parent.parent != d.parent:
@@ -215,25 +262,30 @@ def locate(path: PathLike) -> tuple[Path, str]:
 
 
 def _is_step_level(name: str) -> bool:
-    """A directory name of the step level of a root: a step directory (``step_XXXXXXXXXX``, or with a save
-    id as in ``superseded/``), a trash directory (``.trash.``)."""
+    """A directory name of the step level of a root: a step directory (``step_XXXXXXXXXX``, or with
+    a save id as in ``superseded/``), a trash directory (``.trash.``)."""
     return parse_remote_step_entry(name) is not None or name.startswith(TRASH_PREFIX)
 
 
-def open_file(path: PathLike, *, error: ErrorType = ManifestError, io_error: ErrorType | None = None) -> int:
+def open_file(
+    path: PathLike, *, error: ErrorType = ManifestError, io_error: ErrorType | None = None
+) -> int:
     """:func:`open_in_root` of :func:`locate` ``(path)``."""
     root, rel = locate(path)
     return open_in_root(root, rel, error=error, io_error=io_error)
 
 
-def read_file(path: PathLike, cap: int, *, error: ErrorType = ManifestError,
-              io_error: ErrorType | None = None) -> bytes | None:
+def read_file(
+    path: PathLike, cap: int, *, error: ErrorType = ManifestError, io_error: ErrorType | None = None
+) -> bytes | None:
     """:func:`read_in_root` of :func:`locate` ``(path)``: the bytes, or ``None`` when absent."""
     root, rel = locate(path)
     return read_in_root(root, rel, cap, error=error, io_error=io_error)
 
 
-def read_existing(path: PathLike, cap: int = MAX_RECORD_BYTES, *, error: ErrorType = ManifestError) -> bytes:
+def read_existing(
+    path: PathLike, cap: int = MAX_RECORD_BYTES, *, error: ErrorType = ManifestError
+) -> bytes:
     """:func:`read_file`, but an absent file raises ``FileNotFoundError`` (a drop-in for
     ``Path.read_bytes`` that never follows, never blocks and is capped)."""
     data = read_file(path, cap, error=error)
@@ -243,9 +295,9 @@ def read_existing(path: PathLike, cap: int = MAX_RECORD_BYTES, *, error: ErrorTy
 
 
 def read_json_record(path: PathLike, cap: int = MAX_RECORD_BYTES) -> dict[str, Any] | None:
-    """The JSON object in the small record ``path`` (a writer lock), read as :func:`read_file` reads; ``None``
-    when absent, not a regular file, over ``cap`` bytes, unreadable, not JSON or not an object. Never
-    raises."""
+    """The JSON object in the small record ``path`` (a writer lock), read as :func:`read_file`
+    reads; ``None`` when absent, not a regular file, over ``cap`` bytes, unreadable, not JSON or not
+    an object. Never raises."""
     try:
         data = read_file(path, cap)
         obj = json.loads(data) if data is not None else None
@@ -255,8 +307,9 @@ def read_json_record(path: PathLike, cap: int = MAX_RECORD_BYTES) -> dict[str, A
 
 
 @contextlib.contextmanager
-def opened(path: PathLike, *, error: ErrorType = ManifestError,
-           io_error: ErrorType | None = None) -> Iterator[int]:
+def opened(
+    path: PathLike, *, error: ErrorType = ManifestError, io_error: ErrorType | None = None
+) -> Iterator[int]:
     """:func:`open_file` as a ``with`` block yielding the fd (closed at the end)."""
     fd = open_file(path, error=error, io_error=io_error)
     try:
@@ -284,8 +337,8 @@ def lstat_in_dir(dir_path: PathLike, name: str) -> os.stat_result | None:
 
 
 def is_regular_file(path: PathLike) -> bool:
-    """Whether ``path`` inside a checkpoint directory is a regular file, reached without following any
-    symlink below its root (:func:`locate`). Never raises."""
+    """Whether ``path`` inside a checkpoint directory is a regular file, reached without following
+    any symlink below its root (:func:`locate`). Never raises."""
     p = Path(path)
     st = lstat_in_dir(p.parent, p.name)
     return st is not None and stat.S_ISREG(st.st_mode)
@@ -293,8 +346,8 @@ def is_regular_file(path: PathLike) -> bool:
 
 def list_in_root(root: PathLike, relpath: PathLike | None) -> list[str]:
     """Names in the directory ``<root>/<relpath>`` (``None``: the root), reached as
-    :func:`open_dir_in_root` does: never through a symlink below the root. ``[]`` when absent, a symlink,
-    not a directory or unreadable. Never raises."""
+    :func:`open_dir_in_root` does: never through a symlink below the root. ``[]`` when absent, a
+    symlink, not a directory or unreadable. Never raises."""
     try:
         fd = open_dir_in_root(root, relpath)
     except (OSError, CheckpointError, ValueError):
@@ -307,10 +360,12 @@ def list_in_root(root: PathLike, relpath: PathLike | None) -> list[str]:
         os.close(fd)
 
 
-def regular_files_in_root(root: PathLike, relpath: PathLike | None, suffix: str = "") -> dict[str, int]:
-    """``{name: size in bytes}`` of the regular files (``lstat``: symlinks are not files here) whose name
-    ends with ``suffix`` in the directory ``<root>/<relpath>``, reached as :func:`list_in_root` does. ``{}``
-    when it cannot be read. Never raises."""
+def regular_files_in_root(
+    root: PathLike, relpath: PathLike | None, suffix: str = ""
+) -> dict[str, int]:
+    """``{name: size in bytes}`` of the regular files (``lstat``: symlinks are not files here) whose
+    name ends with ``suffix`` in the directory ``<root>/<relpath>``, reached as :func:`list_in_root`
+    does. ``{}`` when it cannot be read. Never raises."""
     try:
         fd = open_dir_in_root(root, relpath)
     except (OSError, CheckpointError, ValueError):
@@ -331,18 +386,39 @@ def regular_files_in_root(root: PathLike, relpath: PathLike | None, suffix: str 
 
 
 def list_dir(dir_path: PathLike) -> list[str]:
-    """:func:`list_in_root` of a directory inside a checkpoint directory given by path (a step directory,
-    a superseded entry: its root as :func:`locate` finds it)."""
+    """:func:`list_in_root` of a directory inside a checkpoint directory given by path (a step
+    directory, a superseded entry: its root as :func:`locate` finds it)."""
     root, rel = locate(Path(os.path.abspath(os.fspath(dir_path)), "x"))
     return list_in_root(root, rel.rpartition("/")[0] or None)
 
 
 def regular_files(dir_path: PathLike, suffix: str = "") -> dict[str, int]:
-    """:func:`regular_files_in_root` of a directory given by path (its root as :func:`locate` finds it)."""
+    """:func:`regular_files_in_root` of a directory given by path (its root as :func:`locate` finds
+    it)."""
     root, rel = locate(Path(os.path.abspath(os.fspath(dir_path)), "x"))
     return regular_files_in_root(root, rel.rpartition("/")[0] or None, suffix)
 
 
-__all__ = ["DIR_FLAGS", "FILE_FLAGS", "MAX_RECORD_BYTES", "ROOT_FLAGS", "is_regular_file", "kind_of", "list_dir",
-           "list_in_root", "locate", "lstat_in_dir", "open_dir_in_root", "open_file", "open_in_root", "opened",
-           "read_existing", "read_fd_capped", "read_json_record", "regular_files", "regular_files_in_root", "read_file", "read_in_root"]
+__all__ = [
+    "DIR_FLAGS",
+    "FILE_FLAGS",
+    "MAX_RECORD_BYTES",
+    "ROOT_FLAGS",
+    "is_regular_file",
+    "kind_of",
+    "list_dir",
+    "list_in_root",
+    "locate",
+    "lstat_in_dir",
+    "open_dir_in_root",
+    "open_file",
+    "open_in_root",
+    "opened",
+    "read_existing",
+    "read_fd_capped",
+    "read_json_record",
+    "regular_files",
+    "regular_files_in_root",
+    "read_file",
+    "read_in_root",
+]

@@ -1,7 +1,7 @@
 """Markers that callers wrap state values in.
 
-Pure module: no I/O. A *state* is a nested mapping of string keys to numpy arrays, :class:`GlobalSlice`
-or :class:`Replicated` wrappers, or JSON-able values (SPEC §2, §3, §6).
+Pure module: no I/O. A *state* is a nested mapping of string keys to numpy arrays,
+:class:`GlobalSlice` or :class:`Replicated` wrappers, or JSON-able values (SPEC §2, §3, §6).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import numpy as np
 class GlobalSlice:
     """An array that is the slice of a larger global tensor.
 
-    ``array`` (any supported dtype, shape ``s``) holds ``global[offset[0]:offset[0]+s[0], ...]`` of a
-    global tensor of shape ``global_shape``. A ZeRO flat partition is the 1-D case: ``global_shape ==
-    (total_numel,)`` and ``offset == (param_shard_offset,)``. Loading returns the plain array; the
-    manifest keeps ``global_shape`` and ``offset`` so that resharding can reassemble and re-split.
+    ``array`` (any supported dtype, shape ``s``) holds ``global[offset[0]:offset[0]+s[0], ...]`` of
+    a global tensor of shape ``global_shape``. A ZeRO flat partition is the 1-D case: ``global_shape
+    == (total_numel,)`` and ``offset == (param_shard_offset,)``. Loading returns the plain array;
+    the manifest keeps ``global_shape`` and ``offset`` so that resharding can reassemble and
+    re-split.
 
     Raises ``ValueError`` if ranks differ or the slice does not fit inside ``global_shape``.
     """

@@ -1,19 +1,18 @@
-"""Every ``bench/*.py`` script runs end to end at a tiny size (``--smoke``), so that the benchmarks cannot
-rot while the package moves under them. Figures are not checked (at 4 MiB they mean nothing, and the
-scripts do not enforce their floors under ``--smoke``); the run must exit 0 without a traceback and print
-its report. Each script runs as a user runs it: ``python bench/X.py`` in a fresh interpreter of this
-environment (tests/spawn.py)."""
+"""Every ``bench/*.py`` script runs end to end at a tiny size (``--smoke``), so that the benchmarks
+cannot rot while the package moves under them. Figures are not checked (at 4 MiB they mean nothing,
+and the scripts do not enforce their floors under ``--smoke``); the run must exit 0 without a
+traceback and print its report. Each script runs as a user runs it: ``python bench/X.py`` in a fresh
+interpreter of this environment (tests/spawn.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from spawn import child_env, python_cmd
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -23,7 +22,9 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 class Smoke:
     args: Callable[[Path], list[str]]  # extra arguments, given a scratch directory
     report: str  # a line fragment of the script's final report
-    check: Callable[[Path], None] = lambda d: None  # checks of what it wrote into the scratch directory
+    check: Callable[[Path], None] = lambda d: (
+        None
+    )  # checks of what it wrote into the scratch directory
 
 
 def _json_has(name: str, *keys: str) -> Callable[[Path], None]:
@@ -36,21 +37,47 @@ def _json_has(name: str, *keys: str) -> Callable[[Path], None]:
 
 
 SMOKES: dict[str, Smoke] = {
-    "local_save.py": Smoke(lambda d: ["--dir", str(d), "--json", str(d / "out.json")], "overall: ",
-                           _json_has("out.json", "args")),
-    "async_stall.py": Smoke(lambda d: ["--dir", str(d / "w"), "--json", str(d / "out.json")],
-                            "floor: tiered async stall", _json_has("out.json", "tiered_async_stall_ms")),
+    "local_save.py": Smoke(
+        lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
+        "overall: ",
+        _json_has("out.json", "args"),
+    ),
+    "async_stall.py": Smoke(
+        lambda d: ["--dir", str(d / "w"), "--json", str(d / "out.json")],
+        "floor: tiered async stall",
+        _json_has("out.json", "tiered_async_stall_ms"),
+    ),
     "verify_crc.py": Smoke(lambda d: ["--dir", str(d)], "ratio sha256/crc32c"),
-    "upload.py": Smoke(lambda d: ["--out", str(d / "out.json")], "floor ours-no-readback",
-                       _json_has("out.json", "median_s", "ours-readback")),
-    "restore.py": Smoke(lambda d: ["--out", str(d / "out.json")], "floor restore[",
-                        _json_has("out.json", "cases", "restore[default]")),
-    "scale.py": Smoke(lambda d: ["--dir", str(d), "--json", str(d / "out.json")], "ratio = floor / median",
-                      _json_has("out.json", "cases", "plan_rank")),
-    "dcp_backend.py": Smoke(lambda d: ["--dir", str(d), "--json", str(d / "out.json")], "ratio (DCP time / ours)", _json_has("out.json", "ours")),
+    "upload.py": Smoke(
+        lambda d: ["--out", str(d / "out.json")],
+        "floor ours-no-readback",
+        _json_has("out.json", "median_s", "ours-readback"),
+    ),
+    "restore.py": Smoke(
+        lambda d: ["--out", str(d / "out.json")],
+        "floor restore[",
+        _json_has("out.json", "cases", "restore[default]"),
+    ),
+    "scale.py": Smoke(
+        lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
+        "ratio = floor / median",
+        _json_has("out.json", "cases", "plan_rank"),
+    ),
+    "dcp_backend.py": Smoke(
+        lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
+        "ratio (DCP time / ours)",
+        _json_has("out.json", "ours"),
+    ),
 }
 #: Smoke runs measured over ~10 s on a 2-core machine are also `slow` (the quick tier stays quick).
-SLOW = {"local_save.py", "async_stall.py", "restore.py", "upload.py", "scale.py", "dcp_backend.py"}  # ~30 s; 2-3 s each (quick-tier budget)
+SLOW = {
+    "local_save.py",
+    "async_stall.py",
+    "restore.py",
+    "upload.py",
+    "scale.py",
+    "dcp_backend.py",
+}  # ~30 s; 2-3 s each (quick-tier budget)
 
 
 def test_every_bench_script_has_a_smoke_run() -> None:
@@ -58,13 +85,20 @@ def test_every_bench_script_has_a_smoke_run() -> None:
     assert scripts == set(SMOKES), "add the new bench script to SMOKES (and give it --smoke)"
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else [])
-                                    for s in SMOKES])
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in SMOKES]
+)
 def test_bench_script_smoke(script: str, tmp_path: Path) -> None:
     smoke = SMOKES[script]
     cmd = python_cmd(BENCH / script, "--smoke", *smoke.args(tmp_path))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env=child_env(OMP_NUM_THREADS="1"))
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=child_env(OMP_NUM_THREADS="1"),
+    )
     text = p.stdout + p.stderr
     assert p.returncode == 0, f"{script} --smoke exited {p.returncode}:\n{text[-4000:]}"
     assert "Traceback (most recent call last)" not in text, text[-4000:]

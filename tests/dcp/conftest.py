@@ -1,19 +1,20 @@
-"""Tier 'local': the DCP backend's tests (tiered_ckpt.dcp on the local tier; multi-rank ones are slow).
+"""Tier 'local': the DCP backend's tests (tiered_ckpt.dcp on the local tier; multi-rank ones are
+slow).
 
-Shared: ``pickle_watch`` (events ``pickle.find_class``, and opens of a path holding :data:`PWNED`, seen
-by one process-wide audit hook, installed once: every module must use this one, or a second hook guarded
-by the same flag would never be installed), ``hostile_pickle`` (pickle bytes that would create a file when
-unpickled) and :class:`CreatesFile` (such an object)."""
+Shared: ``pickle_watch`` (events ``pickle.find_class``, and opens of a path holding :data:`PWNED`,
+seen by one process-wide audit hook, installed once: every module must use this one, or a second
+hook guarded by the same flag would never be installed), ``hostile_pickle`` (pickle bytes that would
+create a file when unpickled) and :class:`CreatesFile` (such an object)."""
 
 from __future__ import annotations
 
 import pickle
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from tiers import tier_hook
 
 pytest_collection_modifyitems = tier_hook(__file__, "local")
@@ -22,7 +23,8 @@ _FIND_CLASS: list[Any] = []
 _WATCHING: list[bool] = []
 
 
-#: A path holding this is never opened by a test on purpose: the watch records any attempt to open one.
+#: A path holding this is never opened by a test on purpose: the watch records any attempt to open
+#: one.
 PWNED = "pwned"
 
 
@@ -33,8 +35,8 @@ def _audit(event: str, args: Any) -> None:
 
 @pytest.fixture()
 def pickle_watch() -> Iterator[list[Any]]:
-    """Events ``pickle.find_class`` (and opens of a :data:`PWNED` path) seen while the test body runs (the hook
-    is installed once per process)."""
+    """Events ``pickle.find_class`` (and opens of a :data:`PWNED` path) seen while the test body
+    runs (the hook is installed once per process)."""
     if not getattr(sys, "_tiered_ckpt_dcp_audit", False):
         sys.addaudithook(_audit)
         sys._tiered_ckpt_dcp_audit = True  # type: ignore[attr-defined]
@@ -58,8 +60,8 @@ class CreatesFile:
 
 @pytest.fixture()
 def hostile_pickle(tmp_path: Path, pickle_watch: list[Any]) -> Callable[[Path], bytes]:
-    """``make(target)``: pickle bytes that create ``target`` when unpickled. Checked first: such a payload,
-    unpickled, creates its file and the watch sees it (the watch is then cleared)."""
+    """``make(target)``: pickle bytes that create ``target`` when unpickled. Checked first: such a
+    payload, unpickled, creates its file and the watch sees it (the watch is then cleared)."""
     probe = tmp_path / "probe"
     pickle.loads(pickle.dumps(CreatesFile(str(probe))))
     assert probe.exists() and pickle_watch

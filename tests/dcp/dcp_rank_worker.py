@@ -3,9 +3,9 @@
 Run as ``python tests/dcp/dcp_rank_worker.py MODES OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set (``spawn.start_ranks``); ``MODES`` is a comma-separated list of ``sync``, ``thread``
 (``async_save`` in a thread, with a dedicated gloo group) and ``process`` (``async_save`` in DCP's
-checkpoint process: this script has the main guard that needs). Each mode saves the same state as its own
-step of ``OUT_DIR/ckpt``, loads it back into a zeroed copy and compares bytes; rank 0 also reads the
-committed manifest and the shards' headers (plain safetensors). Each rank writes
+checkpoint process: this script has the main guard that needs). Each mode saves the same state as
+its own step of ``OUT_DIR/ckpt``, loads it back into a zeroed copy and compares bytes; rank 0 also
+reads the committed manifest and the shards' headers (plain safetensors). Each rank writes
 ``OUT_DIR/result_<rank>.json``.
 """
 
@@ -29,9 +29,9 @@ BLOB = bytes(range(256)) * 3
 
 
 def make_state(mesh, fill: bool) -> dict:
-    """The state every mode saves: sharded DTensors (float32, bfloat16), a replicated DTensor, a plain
-    tensor that is the same on both ranks, and non-tensor values. ``fill=False``: zeros of the same
-    layout, to load into."""
+    """The state every mode saves: sharded DTensors (float32, bfloat16), a replicated DTensor, a
+    plain tensor that is the same on both ranks, and non-tensor values. ``fill=False``: zeros of the
+    same layout, to load into."""
     g = torch.Generator().manual_seed(0)
 
     def val(t: torch.Tensor) -> torch.Tensor:
@@ -41,9 +41,19 @@ def make_state(mesh, fill: bool) -> dict:
     emb = val(torch.randn(4, 3, generator=g).to(torch.bfloat16))
     rep = val(torch.arange(5, dtype=torch.int64))
     plain = val(torch.linspace(0, 1, 16))
-    return {"model": {"w": distribute_tensor(w, mesh, [Shard(0)]), "emb": distribute_tensor(emb, mesh, [Shard(0)]),
-                      "rep_dt": distribute_tensor(rep, mesh, [Replicate()]), "plain": plain},
-            "extra": {"step": 7 if fill else 0, "betas": (0.9, 0.99) if fill else None, "blob": BLOB if fill else None}}
+    return {
+        "model": {
+            "w": distribute_tensor(w, mesh, [Shard(0)]),
+            "emb": distribute_tensor(emb, mesh, [Shard(0)]),
+            "rep_dt": distribute_tensor(rep, mesh, [Replicate()]),
+            "plain": plain,
+        },
+        "extra": {
+            "step": 7 if fill else 0,
+            "betas": (0.9, 0.99) if fill else None,
+            "blob": BLOB if fill else None,
+        },
+    }
 
 
 def local_bytes(t: torch.Tensor) -> bytes:
@@ -74,17 +84,24 @@ def run_mode(mode: str, mesh, root: Path, rank: int) -> dict:
     if mode == "sync":
         tdcp.save(state, root, step)
     elif mode == "thread":
-        tdcp.async_save(state, root, step, process_group=dist.new_group(backend="gloo")).result(timeout=60)
+        tdcp.async_save(state, root, step, process_group=dist.new_group(backend="gloo")).result(
+            timeout=60
+        )
     else:
-        tdcp.async_save(state, root, step, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=90)
+        tdcp.async_save(
+            state, root, step, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        ).result(timeout=90)
     dist.barrier()
     back = make_state(mesh, False)
     loaded = tdcp.load(back, root, step)
     res: dict = {"loaded": loaded, "bad": compare(state, back)}
     if rank == 0:
         m = read_manifest(root, step)
-        res.update(world_size=m.world_size, save_ids=sorted({s.save_id for s in m.shards} | {m.save_id}),
-                   names=shard_names(root, step))
+        res.update(
+            world_size=m.world_size,
+            save_ids=sorted({s.save_id for s in m.shards} | {m.save_id}),
+            names=shard_names(root, step),
+        )
     return res
 
 

@@ -1,22 +1,24 @@
-"""Rank processes of tests/dcp/test_dcp_reshard_bytes.py: real gloo, one OS process per rank, 4 ranks.
+"""Rank processes of tests/dcp/test_dcp_reshard_bytes.py: real gloo, one OS process per rank, 4
+ranks.
 
-Run as ``python tests/dcp/dcp_reshard_bytes_worker.py OUT_DIR`` with RANK, WORLD_SIZE=4, MASTER_ADDR and
-MASTER_PORT set (``spawn.start_ranks``). No training loop:
+Run as ``python tests/dcp/dcp_reshard_bytes_worker.py OUT_DIR`` with RANK, WORLD_SIZE=4, MASTER_ADDR
+and MASTER_PORT set (``spawn.start_ranks``). No training loop:
 
 1. all 4 ranks: an FSDP2 model (``fully_shard`` on two ``Linear(1024, 1024)`` and the root: 4 MiB
    weights) and AdamW after one optimizer step (so both moments hold values); its DCP state
-   (``get_state_dict``) saved with ``tiered_ckpt.dcp.save`` as step 1 of ``OUT_DIR/ckpt``; every global
-   tensor kept (``full_tensor()``);
+   (``get_state_dict``) saved with ``tiered_ckpt.dcp.save`` as step 1 of ``OUT_DIR/ckpt``; every
+   global tensor kept (``full_tensor()``);
 2. ranks 0-2 (a 3-rank gloo group and device mesh; rank 3 only joins their creation): the same model
-   sharded over 3 ranks, zeroed, loaded with ``dcp.load`` through a :class:`TieredStorageReader` (DCP
-   reshards 4 -> 3); each rank writes ``OUT_DIR/result_<rank>.json``: ``bytes_read`` (the reader's
-   stats over the whole load: metadata, headers, data), ``bytes_needed`` (the sum over its state's leaves
-   of the DTensors' local shards, the plain (replicated) tensors and the byte items' stored bytes) and
-   ``bad`` (the keys whose loaded local shard differs from that slice of the 4-rank global tensor);
-3. ranks 0-1 (a 2-rank group and mesh): the model trained one step at 2 ranks, saved as step 2; then all
-   4 ranks load step 2 (DCP reshards 2 -> 4) and write ``OUT_DIR/grow_<rank>.json`` (``bytes_read``,
-   ``bytes_needed``; rank 0 also ``bad``: the keys whose reassembled ``full_tensor()`` differs from the
-   2-rank original).
+   sharded over 3 ranks, zeroed, loaded with ``dcp.load`` through a :class:`TieredStorageReader`
+   (DCP reshards 4 -> 3); each rank writes ``OUT_DIR/result_<rank>.json``: ``bytes_read`` (the
+   reader's stats over the whole load: metadata, headers, data), ``bytes_needed`` (the sum over its
+   state's leaves of the DTensors' local shards, the plain (replicated) tensors and the byte items'
+   stored bytes) and ``bad`` (the keys whose loaded local shard differs from that slice of the
+   4-rank global tensor);
+3. ranks 0-1 (a 2-rank group and mesh): the model trained one step at 2 ranks, saved as step 2; then
+   all 4 ranks load step 2 (DCP reshards 2 -> 4) and write ``OUT_DIR/grow_<rank>.json``
+   (``bytes_read``, ``bytes_needed``; rank 0 also ``bad``: the keys whose reassembled
+   ``full_tensor()`` differs from the 2-rank original).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def save_four(out: Path) -> dict[str, torch.Tensor]:
 
 
 def zeroed_state(mesh: DeviceMesh) -> dict:
-    """The DCP state of a fresh model sharded over ``mesh``, every tensor zeroed: what a load must fill."""
+    """The DCP state of a fresh model sharded over ``mesh``, every tensor zeroed: what a load must
+    fill."""
     model, opt = build(mesh)
     state = flat_state(model, opt)
     flat, _ = flatten_state_dict(state)
@@ -88,8 +91,10 @@ def load_three(out: Path, mesh: DeviceMesh, pg, full: dict[str, torch.Tensor]) -
         if isinstance(v, DTensor):
             local = v.to_local()
             needed += local.nbytes
-            off = v.device_mesh.get_local_rank() * -(-v.shape[0] // mesh.size())  # FSDP2: torch.chunk on dim 0
-            ok = torch.equal(local, full[key][off:off + local.shape[0]])
+            off = v.device_mesh.get_local_rank() * -(
+                -v.shape[0] // mesh.size()
+            )  # FSDP2: torch.chunk on dim 0
+            ok = torch.equal(local, full[key][off : off + local.shape[0]])
         elif isinstance(v, torch.Tensor):
             needed += v.nbytes
             ok = torch.equal(v, full[key])
@@ -98,11 +103,17 @@ def load_three(out: Path, mesh: DeviceMesh, pg, full: dict[str, torch.Tensor]) -
             ok = v == full[key] or (isinstance(full[key], tuple) and v == list(full[key]))
         if not ok:
             bad.append(key)
-    return {"bytes_read": reader.stats.bytes_read, "bytes_needed": needed, "bad": bad, "keys": len(flat)}
+    return {
+        "bytes_read": reader.stats.bytes_read,
+        "bytes_needed": needed,
+        "bad": bad,
+        "keys": len(flat),
+    }
 
 
 def save_two(out: Path, mesh: DeviceMesh, pg) -> dict[str, torch.Tensor]:
-    """Ranks 0-1: step 3 of the module docstring's save; the flattened key -> global tensor (or value)."""
+    """Ranks 0-1: step 3 of the module docstring's save; the flattened key -> global tensor (or
+    value)."""
     model, opt = build(mesh)
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(10 + dist.get_rank()))
     model(x).square().mean().backward()
@@ -114,18 +125,42 @@ def save_two(out: Path, mesh: DeviceMesh, pg) -> dict[str, torch.Tensor]:
 
 
 def load_four(out: Path, full: dict[str, torch.Tensor] | None) -> dict:
-    """All 4 ranks: step 2 (saved by 2) loaded at 4; bytes read and needed, and (``full`` given) the keys
-    whose reassembled value differs from it."""
+    """All 4 ranks: step 2 (saved by 2) loaded at 4; bytes read and needed, and (``full`` given) the
+    keys whose reassembled value differs from it."""
     state = zeroed_state(init_device_mesh("cpu", (4,)))
     reader = tdcp.TieredStorageReader(out / "ckpt", 2)
     dcp.load(state, storage_reader=reader, planner=tdcp.TieredLoadPlanner())
     flat, _ = flatten_state_dict(state)
-    needed = sum(v.to_local().nbytes if isinstance(v, DTensor) else v.nbytes if isinstance(v, torch.Tensor)
-                 else len(encode_value(v, k)) for k, v in flat.items())
-    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in flat.items()}  # a collective
-    bad = None if full is None else [k for k, v in whole.items() if not (
-        torch.equal(v, full[k]) if isinstance(v, torch.Tensor) else v == full[k] or v == list(full[k]))]
-    return {"bytes_read": reader.stats.bytes_read, "bytes_needed": needed, "bad": bad, "keys": len(flat)}
+    needed = sum(
+        v.to_local().nbytes
+        if isinstance(v, DTensor)
+        else v.nbytes
+        if isinstance(v, torch.Tensor)
+        else len(encode_value(v, k))
+        for k, v in flat.items()
+    )
+    whole = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in flat.items()
+    }  # a collective
+    bad = (
+        None
+        if full is None
+        else [
+            k
+            for k, v in whole.items()
+            if not (
+                torch.equal(v, full[k])
+                if isinstance(v, torch.Tensor)
+                else v == full[k] or v == list(full[k])
+            )
+        ]
+    )
+    return {
+        "bytes_read": reader.stats.bytes_read,
+        "bytes_needed": needed,
+        "bad": bad,
+        "keys": len(flat),
+    }
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""A DCP save SIGKILLed mid-write (a real process, killed while its shard is being written) leaves an
-uncommitted step that readers never see and ``tiered-ckpt gc`` sweeps; the step then saves again."""
+"""A DCP save SIGKILLed mid-write (a real process, killed while its shard is being written) leaves
+an uncommitted step that readers never see and ``tiered-ckpt gc`` sweeps; the step then saves
+again."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from spawn import child_env, cli_cmd, python_cmd
 
 import tiered_ckpt.local as local
-from spawn import child_env, cli_cmd, python_cmd
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -28,8 +29,12 @@ dcp.save(state, root, 7)
 def test_sigkilled_dcp_save_is_swept_by_gc(tmp_path: Path) -> None:
     root = tmp_path / "root"
     sdir = root / "step_0000000007"
-    proc = subprocess.Popen(python_cmd("-c", CHILD, str(root)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env(PYTHONWARNINGS="ignore"))
+    proc = subprocess.Popen(
+        python_cmd("-c", CHILD, str(root)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(PYTHONWARNINGS="ignore"),
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (sdir.is_dir() and any(sdir.iterdir())):
@@ -42,8 +47,13 @@ def test_sigkilled_dcp_save_is_swept_by_gc(tmp_path: Path) -> None:
             proc.kill()
     assert sdir.is_dir() and not (sdir / "manifest.json").exists()
     assert local.committed_steps(root) == []
-    p = subprocess.run([*cli_cmd(), "gc", str(root), "--min-age-s", "0", "--json"], capture_output=True,
-                       text=True, env=child_env(), timeout=60)
+    p = subprocess.run(
+        [*cli_cmd(), "gc", str(root), "--min-age-s", "0", "--json"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert not sdir.exists()
     import torch

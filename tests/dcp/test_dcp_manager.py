@@ -21,18 +21,28 @@ from tiered_ckpt.training.lineage_decision import LineageDecider
 
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(16, 4, generator=g), "b": torch.arange(3, dtype=torch.int64) + step},
-            "optim": {"m": torch.randn(16, 4, generator=g).to(torch.bfloat16)}, "extra": {"step": step}}
+    return {
+        "model": {
+            "w": torch.randn(16, 4, generator=g),
+            "b": torch.arange(3, dtype=torch.int64) + step,
+        },
+        "optim": {"m": torch.randn(16, 4, generator=g).to(torch.bfloat16)},
+        "extra": {"step": step},
+    }
 
 
 def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def test_saves_rotate_record_the_lineage_load_back_and_fail_at_the_next_call(tmp_path: Path) -> None:
+def test_saves_rotate_record_the_lineage_load_back_and_fail_at_the_next_call(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "ckpt"
     outcomes: list[SaveOutcome] = []
-    with DCPCheckpointManager(root, save_every_steps=1, keep_last=2, on_save_outcome=outcomes.append) as mgr:
+    with DCPCheckpointManager(
+        root, save_every_steps=1, keep_last=2, on_save_outcome=outcomes.append
+    ) as mgr:
         for step in range(1, 6):
             assert mgr.should_save(step)
             mgr.save(step, state(step))
@@ -45,12 +55,19 @@ def test_saves_rotate_record_the_lineage_load_back_and_fail_at_the_next_call(tmp
         with pytest.raises(CheckpointExistsError):
             mgr.save(6, state(6))  # the failure surfaces here, and nothing else is done
         assert committed_steps(root) == [4, 5]
-    assert [(o.step, o.rank, o.committed_here, o.error) for o in outcomes[:5]] == [(s, 0, True, None) for s in range(1, 6)]
+    assert [(o.step, o.rank, o.committed_here, o.error) for o in outcomes[:5]] == [
+        (s, 0, True, None) for s in range(1, 6)
+    ]
     assert all(o.seconds > 0 and o.stage_seconds > 0 for o in outcomes)
     (failed,) = outcomes[5:]  # the failed background save is reported too, with its error
-    assert (failed.step, failed.committed_here) == (5, False) and failed.error.startswith("CheckpointExistsError: ")
-    into = {"model": {"w": torch.zeros(16, 4), "b": torch.zeros(3, dtype=torch.int64)},
-            "optim": {"m": torch.zeros(16, 4, dtype=torch.bfloat16)}, "extra": {"step": 0}}
+    assert (failed.step, failed.committed_here) == (5, False) and failed.error.startswith(
+        "CheckpointExistsError: "
+    )
+    into = {
+        "model": {"w": torch.zeros(16, 4), "b": torch.zeros(3, dtype=torch.int64)},
+        "optim": {"m": torch.zeros(16, 4, dtype=torch.bfloat16)},
+        "extra": {"step": 0},
+    }
     with DCPCheckpointManager(root, async_mode=None) as mgr:
         assert mgr.load(into=into) == 5 and mgr.attempt == 1
     want = state(5)
@@ -58,7 +75,11 @@ def test_saves_rotate_record_the_lineage_load_back_and_fail_at_the_next_call(tmp
         assert all(raw(into[part][k]) == raw(want[part][k]) for k in want[part])
     assert into["extra"] == {"step": 5}
     # The writer carries rotation and lineage to DCP's checkpoint process (process mode): picklable.
-    w = pickle.loads(pickle.dumps(TieredStorageWriter(root, 9, rotation=RotationPolicy(2), run_id="r", attempt=3)))
+    w = pickle.loads(
+        pickle.dumps(
+            TieredStorageWriter(root, 9, rotation=RotationPolicy(2), run_id="r", attempt=3)
+        )
+    )
     assert (w.rotation, w.run_id, w.attempt) == (RotationPolicy(2), "r", 3)
     # A load at another world size is legal for DCP (resharding): the decision skips its check.
     other = tmp_path / "other"

@@ -1,13 +1,14 @@
-"""What the DCP backend refuses: DCP's default planners (they pickle), values that are neither tensors,
-JSON nor bytes (before anything is written), and hostile metadata (typed errors, never a KeyError or
-TypeError). A byte item carrying a pickle that would create a file comes back as the same bytes: nothing
-is unpickled (an audit hook on ``pickle.find_class`` sees no event)."""
+"""What the DCP backend refuses: DCP's default planners (they pickle), values that are neither
+tensors, JSON nor bytes (before anything is written), and hostile metadata (typed errors, never a
+KeyError or TypeError). A byte item carrying a pickle that would create a file comes back as the
+same bytes: nothing is unpickled (an audit hook on ``pickle.find_class`` sees no event)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,14 +25,16 @@ from tiered_ckpt.errors import DcpMetadataError, UnsupportedPlannerError, Unsupp
 STEP = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
+
 def dcp_failure(exc: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
     """The one rank's exception that DCP wrapped (no process group: rank 0)."""
-    (err, _), = exc.value.failures.values()
+    ((err, _),) = exc.value.failures.values()
     return err
 
 
 def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
-        tmp_path: Path, pickle_watch: list[Any], hostile_pickle: Callable[[Path], bytes]) -> None:
+    tmp_path: Path, pickle_watch: list[Any], hostile_pickle: Callable[[Path], bytes]
+) -> None:
     target = tmp_path / "pwned"
     payload = hostile_pickle(target)
     root = tmp_path / "run"
@@ -40,8 +43,11 @@ def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
     assert tdcp.load(back, root, STEP) == STEP
     assert back["loader"]["state"] == payload
     with pytest.raises(CheckpointException) as exc:
-        dcp.load({"w": torch.zeros(3), "loader": {"state": None}},
-                 storage_reader=tdcp.TieredStorageReader(root, STEP), planner=DefaultLoadPlanner())
+        dcp.load(
+            {"w": torch.zeros(3), "loader": {"state": None}},
+            storage_reader=tdcp.TieredStorageReader(root, STEP),
+            planner=DefaultLoadPlanner(),
+        )
     err = dcp_failure(exc)
     assert isinstance(err, UnsupportedPlannerError) and "DefaultLoadPlanner" in str(err)
     assert not target.exists() and pickle_watch == []
@@ -49,8 +55,11 @@ def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
 
 def test_default_save_planner_is_refused_before_writing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as exc:
-        dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=tdcp.TieredStorageWriter(tmp_path, STEP),
-                 planner=DefaultSavePlanner())
+        dcp.save(
+            {"w": torch.ones(3), "n": 1},
+            storage_writer=tdcp.TieredStorageWriter(tmp_path, STEP),
+            planner=DefaultSavePlanner(),
+        )
     err = dcp_failure(exc)
     assert isinstance(err, UnsupportedPlannerError) and "DefaultSavePlanner" in str(err)
     assert list(tmp_path.iterdir()) == []
@@ -60,14 +69,16 @@ class Opaque:
     pass
 
 
-@pytest.mark.parametrize("bad", [{1, 2}, Opaque(), (1, Opaque())], ids=["set", "object", "in-tuple"])
+@pytest.mark.parametrize(
+    "bad", [{1, 2}, Opaque(), (1, Opaque())], ids=["set", "object", "in-tuple"]
+)
 def test_unsupported_value_is_refused_before_writing(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(UnsupportedStateError, match="opt.bad"):
         tdcp.save({"w": torch.ones(2), "opt": {"bad": bad}}, tmp_path, STEP)
     assert list(tmp_path.iterdir()) == []
 
 
-# ------------------------------------------------------------------------------------- hostile metadata
+# --- hostile metadata
 
 
 def _rank(doc: dict[str, Any]) -> None:
@@ -95,12 +106,21 @@ def _no_kind(doc: dict[str, Any]) -> None:
 
 
 MUTATIONS: dict[str, Callable[[dict[str, Any]], Any] | bytes] = {
-    "not-json": b"{\"format\": 1, ", "list": b"[]", "rank": _rank, "outside": _outside, "size-type": _size_type,
-    "unplaced": _unplaced, "dtype": _dtype, "no-kind": _no_kind}
+    "not-json": b'{"format": 1, ',
+    "list": b"[]",
+    "rank": _rank,
+    "outside": _outside,
+    "size-type": _size_type,
+    "unplaced": _unplaced,
+    "dtype": _dtype,
+    "no-kind": _no_kind,
+}
 
 
 @pytest.fixture(scope="module")
-def good_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def good_step(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     root = tmp_path_factory.mktemp("good") / "run"
     tdcp.save({"w": torch.arange(3.0), "n": 5}, root, STEP)
     return dict(local.load_shard(root, 0, 1)), local.read_manifest(root).extra
@@ -117,7 +137,9 @@ def test_hostile_metadata_raises_a_typed_error(tmp_path: Path, good_step: Any, n
         mutate(doc)
         raw = json.dumps(doc).encode()
     forged = {**arrays, METADATA_TENSOR: np.frombuffer(raw, np.uint8)}
-    root = tmp_path / "run"  # re-written as a well-formed, committed step: only the metadata's JSON is hostile
+    root = (
+        tmp_path / "run"
+    )  # re-written as a well-formed, committed step: only the metadata's JSON is hostile
     rec = local.write_shard(root, STEP, 0, forged, chunk_bytes=16384)
     local.commit_step(root, STEP, 1, [rec], {"dcp": {**extra["dcp"], "metadata_bytes": len(raw)}})
     with pytest.raises(DcpMetadataError, match="DCP metadata"):

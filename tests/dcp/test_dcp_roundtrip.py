@@ -1,5 +1,6 @@
 """The DCP backend in one process (no process group): save + load byte for byte, and the step is an
-ordinary step of the local tier (manifest, ``load_shard``, ``tiered-ckpt verify/ls``, plain safetensors)."""
+ordinary step of the local tier (manifest, ``load_shard``, ``tiered-ckpt verify/ls``, plain
+safetensors)."""
 
 from __future__ import annotations
 
@@ -27,25 +28,48 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def make_state(fill: bool) -> dict[str, Any]:
-    """A plain module's state_dict, an optimizer-like nested dict, and tensors of several dtypes and shapes
-    (``fill=False``: a template of zeros and placeholders to load into)."""
+    """A plain module's state_dict, an optimizer-like nested dict, and tensors of several dtypes and
+    shapes (``fill=False``: a template of zeros and placeholders to load into)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
-    tensors = {"f32": torch.randn(3, 7), "bf16": torch.randn(6, 2).to(torch.bfloat16),
-               "i64": torch.arange(-4, 8, dtype=torch.int64).reshape(3, 4), "zero_d": torch.tensor(2.5),
-               "empty": torch.empty(0, 3), "strided": torch.randn(4, 6)[:, ::2]}
-    optim = {"state": {"0": {"step": torch.tensor(12.0), "exp_avg": torch.randn(4, 5)}},
-             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0, "amsgrad": False,
-                               "name": "main", "params": [0, 1, 2, 3], "foreach": None}],
-             "blob": BLOB, "nested": {"deep": {"list": [1, "two", 3.0, [4]], "tuple": (1, (2, 3))}}}
+    tensors = {
+        "f32": torch.randn(3, 7),
+        "bf16": torch.randn(6, 2).to(torch.bfloat16),
+        "i64": torch.arange(-4, 8, dtype=torch.int64).reshape(3, 4),
+        "zero_d": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "strided": torch.randn(4, 6)[:, ::2],
+    }
+    optim = {
+        "state": {"0": {"step": torch.tensor(12.0), "exp_avg": torch.randn(4, 5)}},
+        "param_groups": [
+            {
+                "lr": 1e-3,
+                "betas": (0.9, 0.999),
+                "weight_decay": 0,
+                "amsgrad": False,
+                "name": "main",
+                "params": [0, 1, 2, 3],
+                "foreach": None,
+            }
+        ],
+        "blob": BLOB,
+        "nested": {"deep": {"list": [1, "two", 3.0, [4]], "tuple": (1, (2, 3))}},
+    }
     state = {"model": model.state_dict(), "t": tensors, "optim": optim}
     if fill:
         return state
     zero = {k: torch.zeros_like(v) for k, v in tensors.items()}
-    return {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}, "t": zero,
-            "optim": {"state": {"0": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4, 5)}},
-                      "param_groups": [{k: None for k in optim["param_groups"][0]}], "blob": None,
-                      "nested": {"deep": {"list": None, "tuple": None}}}}
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()},
+        "t": zero,
+        "optim": {
+            "state": {"0": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4, 5)}},
+            "param_groups": [{k: None for k in optim["param_groups"][0]}],
+            "blob": None,
+            "nested": {"deep": {"list": None, "tuple": None}},
+        },
+    }
 
 
 def as_bytes(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
@@ -72,28 +96,44 @@ def test_round_trip_is_byte_equal(saved: Path) -> None:
     want, back = make_state(True), make_state(False)
     assert tdcp.load(back, saved) == STEP  # step=None: the newest committed step
     for group in ("model", "t"):
-        assert {k: as_bytes(v) for k, v in back[group].items()} == {k: as_bytes(v) for k, v in want[group].items()}
-    assert as_bytes(back["optim"]["state"]["0"]["exp_avg"]) == as_bytes(want["optim"]["state"]["0"]["exp_avg"])
-    assert as_bytes(back["optim"]["state"]["0"]["step"]) == as_bytes(want["optim"]["state"]["0"]["step"])
+        assert {k: as_bytes(v) for k, v in back[group].items()} == {
+            k: as_bytes(v) for k, v in want[group].items()
+        }
+    assert as_bytes(back["optim"]["state"]["0"]["exp_avg"]) == as_bytes(
+        want["optim"]["state"]["0"]["exp_avg"]
+    )
+    assert as_bytes(back["optim"]["state"]["0"]["step"]) == as_bytes(
+        want["optim"]["state"]["0"]["step"]
+    )
     assert back["optim"]["blob"] == BLOB and type(back["optim"]["blob"]) is bytes
     # JSON values come back equal, tuples as lists
     assert back["optim"]["param_groups"] == listify(want["optim"]["param_groups"])
     assert back["optim"]["nested"] == {"deep": {"list": [1, "two", 3.0, [4]], "tuple": [1, [2, 3]]}}
 
 
-def test_the_step_is_an_ordinary_local_step(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_step_is_an_ordinary_local_step(
+    saved: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     m = local.read_manifest(saved)
     assert (m.step, m.world_size, m.shards[0].crc32c_chunk_bytes) == (STEP, 1, 16384)
     info = m.extra["dcp"]
-    assert info["format"] == 1 and info["metadata_rank"] == 0 and info["metadata_tensor"] == METADATA_TENSOR
+    assert (
+        info["format"] == 1
+        and info["metadata_rank"] == 0
+        and info["metadata_tensor"] == METADATA_TENSOR
+    )
     arrays = local.load_shard(saved, 0, 1)  # the local tier's verified whole-shard load
     assert arrays[METADATA_TENSOR].nbytes == info["metadata_bytes"]
     assert np.array_equal(arrays["t.i64@0,0"], np.arange(-4, 8).reshape(3, 4))
     assert cli_main(["verify", str(saved)]) == 0
     assert cli_main(["ls", str(saved)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert f"step {STEP}: committed" in out and any(ln.split()[:3] == [str(STEP), "committed", "1"] for ln in out)
-    with safe_open(str(saved / f"step_{STEP:010d}" / "rank_00000.safetensors"), "pt") as f:  # plain safetensors
+    assert f"step {STEP}: committed" in out and any(
+        ln.split()[:3] == [str(STEP), "committed", "1"] for ln in out
+    )
+    with safe_open(
+        str(saved / f"step_{STEP:010d}" / "rank_00000.safetensors"), "pt"
+    ) as f:  # plain safetensors
         assert torch.equal(f.get_tensor("t.f32@0,0"), make_state(True)["t"]["f32"])
 
 
@@ -108,7 +148,9 @@ def test_replace_and_existing_step(saved: Path) -> None:
     tdcp.save(state, saved, STEP, replace=True)
     back = make_state(False)
     tdcp.load(back, saved, STEP)
-    assert local.read_manifest(saved).save_id != old and torch.equal(back["t"]["f32"], state["t"]["f32"])
+    assert local.read_manifest(saved).save_id != old and torch.equal(
+        back["t"]["f32"], state["t"]["f32"]
+    )
 
 
 def test_writer_identity_and_pickle(tmp_path: Path) -> None:
@@ -120,14 +162,18 @@ def test_writer_identity_and_pickle(tmp_path: Path) -> None:
     w.reset(tmp_path / "other" / "step_0000000009")
     assert (w.root, w.step) == (tmp_path / "other", 9)
     assert w.storage_meta().checkpoint_id == str(tmp_path / "other" / "step_0000000009")
-    assert pickle.loads(pickle.dumps(w)).checkpoint_id == w.checkpoint_id  # process-mode async_save pickles it
+    assert (
+        pickle.loads(pickle.dumps(w)).checkpoint_id == w.checkpoint_id
+    )  # process-mode async_save pickles it
     with pytest.raises(ValueError):
         TieredStorageWriter(tmp_path, 1, chunk_bytes=3000)
     with pytest.raises(ValueError):
         TieredStorageWriter(tmp_path, 1, extra={"dcp": 1})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        rec = local.write_shard(tmp_path / "ws", 1, 0, {"x": np.arange(10_000, dtype=np.float32)}, chunk_bytes=4096)
+        rec = local.write_shard(
+            tmp_path / "ws", 1, 0, {"x": np.arange(10_000, dtype=np.float32)}, chunk_bytes=4096
+        )
     assert rec.crc32c_chunk_bytes == 4096
 
 
@@ -141,9 +187,14 @@ def test_stored_metadata_is_what_save_returned(tmp_path: Path) -> None:
     assert back == md and metadata_json.encode(back) == metadata_json.encode(md)
 
 
-@pytest.mark.parametrize("box", [((100, 0), (8, 256)), ((40, 10), (9, 20)), ((255, 255), (1, 1))],
-                         ids=["rows", "columns", "last-element"])
-def test_partial_read_reads_only_the_range_needed(tmp_path: Path, box: tuple[tuple[int, int], tuple[int, int]]) -> None:
+@pytest.mark.parametrize(
+    "box",
+    [((100, 0), (8, 256)), ((40, 10), (9, 20)), ((255, 255), (1, 1))],
+    ids=["rows", "columns", "last-element"],
+)
+def test_partial_read_reads_only_the_range_needed(
+    tmp_path: Path, box: tuple[tuple[int, int], tuple[int, int]]
+) -> None:
     """A ReadItem for a box of a stored chunk (what resharding asks for) reads one contiguous range,
     verified chunk by chunk (16 KiB): at most two chunks more than the range."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -158,17 +209,23 @@ def test_partial_read_reads_only_the_range_needed(tmp_path: Path, box: tuple[tup
     planner.set_up_planner(dest, md, True)
     reader.set_up_storage_reader(md, True)
     before = reader.stats.bytes_read
-    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("w", (0, 0)), dest_offsets=torch.Size((0, 0)),
-                    storage_index=MetadataIndex("w", (0, 0)), storage_offsets=torch.Size((o0, o1)),
-                    lengths=torch.Size((n0, n1)))
+    item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("w", (0, 0)),
+        dest_offsets=torch.Size((0, 0)),
+        storage_index=MetadataIndex("w", (0, 0)),
+        storage_offsets=torch.Size((o0, o1)),
+        lengths=torch.Size((n0, n1)),
+    )
     reader.read_data(LoadPlan([item]), planner).wait()
-    assert torch.equal(dest["w"], full[o0:o0 + n0, o1:o1 + n1])
+    assert torch.equal(dest["w"], full[o0 : o0 + n0, o1 : o1 + n1])
     span = ((o0 + n0 - 1) * 256 + o1 + n1 - (o0 * 256 + o1)) * 4
     assert span <= reader.stats.bytes_read - before <= span + 2 * 16384
 
 
 class _LatePlanner(tdcp.TieredSavePlanner):
-    """Changes the global metadata after the coordinator's shard was planned with it (a planner bug)."""
+    """Changes the global metadata after the coordinator's shard was planned with it (a planner
+    bug)."""
 
     def resolve_data(self, write_item: Any) -> Any:
         assert self.global_metadata is not None

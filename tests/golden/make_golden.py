@@ -2,12 +2,13 @@
 
     python tests/golden/make_golden.py [OUT_DIR]      # default: tests/golden/v1 next to this file
 
-Each checkpoint ``<name>/`` is a run directory holding one committed step, plus ``<name>.expected.json``
-with what a load must return: per rank, every array's dtype, shape and sha256 of its bytes, and every
-JSON value. Array contents come from SHA-256 in counter mode (no RNG whose stream could change), shards are
-written through the public ``write_shard`` with a fixed ``save_id``, and the manifest is built with a fixed
-``created_at`` and ``host`` so that every byte is reproducible. ``corrupt_zero2`` is ``zero2`` with one
-byte of rank 1's data flipped (loads must raise ShardCorruptedError).
+Each checkpoint ``<name>/`` is a run directory holding one committed step, plus
+``<name>.expected.json`` with what a load must return: per rank, every array's dtype, shape and
+sha256 of its bytes, and every JSON value. Array contents come from SHA-256 in counter mode (no RNG
+whose stream could change), shards are written through the public ``write_shard`` with a fixed
+``save_id``, and the manifest is built with a fixed ``created_at`` and ``host`` so that every byte
+is reproducible. ``corrupt_zero2`` is ``zero2`` with one byte of rank 1's data flipped (loads must
+raise ShardCorruptedError).
 
 These files are frozen: every later schema version must keep loading them (tests/test_golden.py).
 Regenerating must give identical bytes; never edit the committed outputs by hand.
@@ -53,9 +54,25 @@ def det(label: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw.view(dt.newbyteorder("<")).reshape(shape)
 
 
-ALL_DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
-              np.float16, np.float32, np.float64, np.complex64, ml_dtypes.bfloat16,
-              ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu]
+ALL_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e8m0fnu,
+]
 
 
 def zero2_states() -> list[dict[str, Any]]:
@@ -63,16 +80,21 @@ def zero2_states() -> list[dict[str, Any]]:
     out = []
     for r in range(world):
         gs = lambda a: tc.GlobalSlice(a, (world * part,), (r * part,))  # noqa: E731
-        out.append({
-            "model": {"embed": det("embed", (4, 3), np.float16), "head": {"w": det("head", (3,), np.float16)}},
-            "optim": {
-                "fp32_master": gs(det(f"master{r}", (part,), np.float32)),
-                "exp_avg": gs(det(f"avg{r}", (part,), np.float32)),
-                "exp_avg_sq": gs(det(f"sq{r}", (part,), np.float32)),
-                "step": np.array(100, np.int64),
-            },
-            "rng": {"seed": 1234 + r, "state": [1, 2, 3]},
-        })
+        out.append(
+            {
+                "model": {
+                    "embed": det("embed", (4, 3), np.float16),
+                    "head": {"w": det("head", (3,), np.float16)},
+                },
+                "optim": {
+                    "fp32_master": gs(det(f"master{r}", (part,), np.float32)),
+                    "exp_avg": gs(det(f"avg{r}", (part,), np.float32)),
+                    "exp_avg_sq": gs(det(f"sq{r}", (part,), np.float32)),
+                    "step": np.array(100, np.int64),
+                },
+                "rng": {"seed": 1234 + r, "state": [1, 2, 3]},
+            }
+        )
     return out
 
 
@@ -87,19 +109,31 @@ def dtypes_states() -> list[dict[str, Any]]:
 
 
 def extras_states() -> list[dict[str, Any]]:
-    return [{
-        "weights": det("w", (5,), ml_dtypes.bfloat16),
-        "json": {
-            "nan": math.nan, "inf": math.inf, "ninf": -math.inf, "unicode": "naïve ☃ 日本語",
-            "a/b": {"c%d": [1, 2.5, None, True, "x"]}, "%2F": "not an escape", "big": 2**70,
-        },
-    }]
+    return [
+        {
+            "weights": det("w", (5,), ml_dtypes.bfloat16),
+            "json": {
+                "nan": math.nan,
+                "inf": math.inf,
+                "ninf": -math.inf,
+                "unicode": "naïve ☃ 日本語",
+                "a/b": {"c%d": [1, 2.5, None, True, "x"]},
+                "%2F": "not an escape",
+                "big": 2**70,
+            },
+        }
+    ]
 
 
 CHECKPOINTS = {
     "zero2": (100, zero2_states, {"lr": 0.001, "epoch": 2}, 4521.0),
     "dtypes": (7, dtypes_states, None, 12.0),
-    "extras": (3, extras_states, {"loss": [2.5, math.nan, math.inf, -math.inf], "note": "ünïcode / %"}, 0.5),
+    "extras": (
+        3,
+        extras_states,
+        {"loss": [2.5, math.nan, math.inf, -math.inf], "note": "ünïcode / %"},
+        0.5,
+    ),
 }
 
 
@@ -120,8 +154,14 @@ def expected_of(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 v = v.array
             if isinstance(v, np.ndarray):
                 a = v.astype(v.dtype.newbyteorder("<")).copy(order="C")
-                arrays.append({"path": list(path), "dtype": a.dtype.name, "shape": list(a.shape),
-                               "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
+                arrays.append(
+                    {
+                        "path": list(path),
+                        "dtype": a.dtype.name,
+                        "shape": list(a.shape),
+                        "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
+                    }
+                )
             else:
                 values.append({"path": list(path), "value": v})
         ranks.append({"arrays": arrays, "values": values})
@@ -129,11 +169,11 @@ def expected_of(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def v1_manifest_json(m: ShardManifest) -> str:
-    """``m`` in the frozen schema-v1 form: ShardManifest.to_json() of the v1 code. Since schema v2 (issue 6)
+    """``m`` in the frozen schema-v1 form: ShardManifest.to_json() of the v1 code. Since schema v2
     the writer adds checksum fields; v1 had none of them."""
     d = m.to_dict()
     d["schema_version"] = 1
-    for k in ("run_id", "attempt"):  # schema v3 (issue 10) lineage keys
+    for k in ("run_id", "attempt"):  # schema v3 lineage keys
         d.pop(k, None)
     for s in d["shards"]:
         for k in ("crc32c", "header_sha256", "crc32c_chunk_bytes"):
@@ -149,25 +189,46 @@ def write_checkpoint(out: Path, name: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
     states = make()
     save_id = f"golden_{name}"
-    records = [dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
-               for r, st in enumerate(states)]
+    records = [
+        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
+        for r, st in enumerate(states)
+    ]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_golden_v2 import records_with_tensors  # code since issue 12 writes records without tensors
+    from make_golden_v2 import (
+        records_with_tensors,
+    )  # code since issue 12 writes records without tensors
 
     records = records_with_tensors(root / f"step_{step:010d}", step, save_id, records)
-    m = ShardManifest(world_size=len(states), step=step, shards=tuple(records), save_id=save_id,
-                      wall_clock_seconds=wall, created_at=CREATED_AT, extra=extra)
+    m = ShardManifest(
+        world_size=len(states),
+        step=step,
+        shards=tuple(records),
+        save_id=save_id,
+        wall_clock_seconds=wall,
+        created_at=CREATED_AT,
+        extra=extra,
+    )
     sdir = root / f"step_{step:010d}"
     for p in sdir.iterdir():  # the writer lock and any leftovers
         if p.name.startswith("."):
             p.unlink()
     (sdir / "manifest.json").write_text(v1_manifest_json(m))
-    exp = {"name": name, "step": step, "world_size": len(states), "save_id": save_id,
-           "wall_clock_seconds": wall, "created_at": CREATED_AT, "extra": extra,
-           "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(sdir.iterdir())},
-           "ranks": expected_of(states)}
-    (out / f"{name}.expected.json").write_text(json.dumps(exp, indent=1, sort_keys=True, allow_nan=True,
-                                                          ensure_ascii=True) + "\n")
+    exp = {
+        "name": name,
+        "step": step,
+        "world_size": len(states),
+        "save_id": save_id,
+        "wall_clock_seconds": wall,
+        "created_at": CREATED_AT,
+        "extra": extra,
+        "files": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(sdir.iterdir())
+        },
+        "ranks": expected_of(states),
+    }
+    (out / f"{name}.expected.json").write_text(
+        json.dumps(exp, indent=1, sort_keys=True, allow_nan=True, ensure_ascii=True) + "\n"
+    )
 
 
 def write_corrupt(out: Path) -> None:

@@ -3,36 +3,40 @@
     python tests/golden/make_golden_v2.py [OUT_DIR]             # local checkpoints only
     python tests/golden/make_golden_v2.py [OUT_DIR] --remote    # and the frozen remote prefix (moto)
 
-``OUT_DIR`` defaults to tests/golden/v2 next to this file. The committed files were written by the code
-of commit b0b9ce5 (the last one whose manifest schema is 2), from a worktree of that commit, with that
-commit's ``tiered_ckpt`` first on ``PYTHONPATH``.
+``OUT_DIR`` defaults to tests/golden/v2 next to this file. The committed files were written by the
+code of commit b0b9ce5 (the last one whose manifest schema is 2), from a worktree of that commit,
+with that commit's ``tiered_ckpt`` first on ``PYTHONPATH``.
 
 Local part: each checkpoint ``<name>/`` is a run directory holding one committed step, plus
-``<name>.expected.json`` with what a load must return (per rank, every array's dtype, shape and sha256
-of its bytes, and every JSON value; ``globals``: the sha256 of every sliced tensor reassembled; ``v2``:
-the per-shard checksum fields of the manifest). As for v1 (make_golden.py), array contents come from
-SHA-256 in counter mode, shards are written through the public ``write_shard`` with a fixed ``save_id``,
-and the manifest is built with a fixed ``created_at`` and ``host``. The manifests are written in the
-schema-v2 form (:func:`v2_manifest_json`, byte-identical to ``ShardManifest.to_json()`` of the v2 code,
-asserted when run on it), so every byte of the local part is reproducible.
+``<name>.expected.json`` with what a load must return (per rank, every array's dtype, shape and
+sha256 of its bytes, and every JSON value; ``globals``: the sha256 of every sliced tensor
+reassembled; ``v2``: the per-shard checksum fields of the manifest). As for v1 (make_golden.py),
+array contents come from SHA-256 in counter mode, shards are written through the public
+``write_shard`` with a fixed ``save_id``, and the manifest is built with a fixed ``created_at`` and
+``host``. The manifests are written in the schema-v2 form (:func:`v2_manifest_json`, byte-identical
+to ``ShardManifest.to_json()`` of the v2 code, asserted when run on it), so every byte of the local
+part is reproducible.
 
 - ``zero2``: 2 ranks, ZeRO-style flat partitions of the optimizer state (1-D ``GlobalSlice``), a 2-D
-  tensor-parallel slice, ``Replicated`` arrays and JSON (stored in rank 0's shard only), per-rank JSON,
-  ``extra``; every v2 checksum field set (crc32c, header_sha256, crc32c_chunk_bytes, per-tensor crc32c);
+  tensor-parallel slice, ``Replicated`` arrays and JSON (stored in rank 0's shard only), per-rank
+  JSON, ``extra``; every v2 checksum field set (crc32c, header_sha256, crc32c_chunk_bytes,
+  per-tensor crc32c);
 - ``dtypes``: every supported dtype, plus 0-d and zero-size arrays of each;
-- ``extras``: awkward JSON in the state and in ``extra`` (NaN, +-Infinity, unicode, ``/`` and ``%`` in
-  keys, an integer beyond 64 bits);
-- ``corrupt_zero2``: ``zero2`` with one byte of rank 1's tensor data flipped (sha256 and CRC32C both fail).
+- ``extras``: awkward JSON in the state and in ``extra`` (NaN, +-Infinity, unicode, ``/`` and ``%``
+  in keys, an integer beyond 64 bits);
+- ``corrupt_zero2``: ``zero2`` with one byte of rank 1's tensor data flipped (sha256 and CRC32C both
+  fail).
 
 Remote part (``--remote``): the objects the v2 uploader (round-1 remote layout: shards, mirrored
-``manifest.json``, ``.confirm`` records, ``upload_manifest.json``, ``latest``) writes for the committed
-step of ``zero2`` under the prefix :data:`REMOTE_PREFIX`, produced by running ``Uploader.upload_step``
-against a real moto server process and downloading every object of the bucket; stored as
-``remote/<key relative to the prefix>`` with ``remote.expected.json``. They are frozen as written once.
+``manifest.json``, ``.confirm`` records, ``upload_manifest.json``, ``latest``) writes for the
+committed step of ``zero2`` under the prefix :data:`REMOTE_PREFIX`, produced by running
+``Uploader.upload_step`` against a real moto server process and downloading every object of the
+bucket; stored as ``remote/<key relative to the prefix>`` with ``remote.expected.json``. They are
+frozen as written once.
 
 These files are frozen: every later schema version must keep loading them (test_golden_v2.py,
-tests/s3/test_golden_remote_v2.py). Regenerating the local part gives identical bytes; never edit the
-committed outputs by hand.
+tests/s3/test_golden_remote_v2.py). Regenerating the local part gives identical bytes; never edit
+the committed outputs by hand.
 """
 
 from __future__ import annotations
@@ -62,11 +66,39 @@ REMOTE_PREFIX = "golden/round1-v2"
 REMOTE_OF = "zero2"
 
 #: The keys of schema v2, per level: what :func:`v2_manifest_json` keeps.
-V2_MANIFEST_KEYS = ("schema_version", "world_size", "step", "save_id", "wall_clock_seconds", "created_at",
-                    "extra", "shards")
-V2_SHARD_KEYS = ("rank", "path", "sha256", "size_bytes", "param_shard_offset", "param_shard_numel", "host",
-                 "save_id", "tensors", "crc32c", "header_sha256", "crc32c_chunk_bytes")
-V2_TENSOR_KEYS = ("name", "dtype", "shape", "data_offsets", "crc32c", "global_shape", "global_offset")
+V2_MANIFEST_KEYS = (
+    "schema_version",
+    "world_size",
+    "step",
+    "save_id",
+    "wall_clock_seconds",
+    "created_at",
+    "extra",
+    "shards",
+)
+V2_SHARD_KEYS = (
+    "rank",
+    "path",
+    "sha256",
+    "size_bytes",
+    "param_shard_offset",
+    "param_shard_numel",
+    "host",
+    "save_id",
+    "tensors",
+    "crc32c",
+    "header_sha256",
+    "crc32c_chunk_bytes",
+)
+V2_TENSOR_KEYS = (
+    "name",
+    "dtype",
+    "shape",
+    "data_offsets",
+    "crc32c",
+    "global_shape",
+    "global_offset",
+)
 
 
 def det_bytes(label: str, n: int) -> bytes:
@@ -87,9 +119,25 @@ def det(label: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw.view(dt.newbyteorder("<")).reshape(shape)
 
 
-ALL_DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
-              np.float16, np.float32, np.float64, np.complex64, ml_dtypes.bfloat16,
-              ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu]
+ALL_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e8m0fnu,
+]
 
 
 def zero2_states() -> list[dict[str, Any]]:
@@ -98,18 +146,27 @@ def zero2_states() -> list[dict[str, Any]]:
     out = []
     for r in range(world):
         gs = lambda a: tc.GlobalSlice(a, (world * part,), (r * part,))  # noqa: E731
-        out.append({
-            "model": {"embed": tc.Replicated(embed), "head": {"w": tc.Replicated(head)},
-                      "tp": {"w": tc.GlobalSlice(det(f"v2tp{r}", (4, 3), ml_dtypes.bfloat16), (4, 6), (0, 3 * r))}},
-            "optim": {
-                "fp32_master": gs(det(f"v2master{r}", (part,), np.float32)),
-                "exp_avg": gs(det(f"v2avg{r}", (part,), np.float32)),
-                "exp_avg_sq": gs(det(f"v2sq{r}", (part,), np.float32)),
-                "step": tc.Replicated(np.array(100, np.int64)),
-            },
-            "config": tc.Replicated({"arch": "golden-v2", "layers": 2, "dropout": 0.1}),
-            "rng": {"seed": 1234 + r, "state": [r, 2, 3]},
-        })
+        out.append(
+            {
+                "model": {
+                    "embed": tc.Replicated(embed),
+                    "head": {"w": tc.Replicated(head)},
+                    "tp": {
+                        "w": tc.GlobalSlice(
+                            det(f"v2tp{r}", (4, 3), ml_dtypes.bfloat16), (4, 6), (0, 3 * r)
+                        )
+                    },
+                },
+                "optim": {
+                    "fp32_master": gs(det(f"v2master{r}", (part,), np.float32)),
+                    "exp_avg": gs(det(f"v2avg{r}", (part,), np.float32)),
+                    "exp_avg_sq": gs(det(f"v2sq{r}", (part,), np.float32)),
+                    "step": tc.Replicated(np.array(100, np.int64)),
+                },
+                "config": tc.Replicated({"arch": "golden-v2", "layers": 2, "dropout": 0.1}),
+                "rng": {"seed": 1234 + r, "state": [r, 2, 3]},
+            }
+        )
     return out
 
 
@@ -124,21 +181,36 @@ def dtypes_states() -> list[dict[str, Any]]:
 
 
 def extras_states() -> list[dict[str, Any]]:
-    return [{
-        "weights": det("v2w", (5,), ml_dtypes.bfloat16),
-        "json": {
-            "nan": math.nan, "inf": math.inf, "ninf": -math.inf, "unicode": "naïve ☃ 日本語",
-            "a/b": {"c%d": [1, 2.5, None, True, "x"]}, "%2F": "not an escape", "big": 2**70,
-            "empty": {"list": [], "str": ""},
-        },
-    }]
+    return [
+        {
+            "weights": det("v2w", (5,), ml_dtypes.bfloat16),
+            "json": {
+                "nan": math.nan,
+                "inf": math.inf,
+                "ninf": -math.inf,
+                "unicode": "naïve ☃ 日本語",
+                "a/b": {"c%d": [1, 2.5, None, True, "x"]},
+                "%2F": "not an escape",
+                "big": 2**70,
+                "empty": {"list": [], "str": ""},
+            },
+        }
+    ]
 
 
 CHECKPOINTS = {
     "zero2": (100, zero2_states, {"lr": 0.001, "epoch": 2, "schema": "v2"}, 4521.0),
     "dtypes": (7, dtypes_states, None, 12.0),
-    "extras": (3, extras_states, {"loss": [2.5, math.nan, math.inf, -math.inf], "note": "ünïcode / %",
-                                  "nested": {"a/b": {"%2F": [None, False]}}}, 0.5),
+    "extras": (
+        3,
+        extras_states,
+        {
+            "loss": [2.5, math.nan, math.inf, -math.inf],
+            "note": "ünïcode / %",
+            "nested": {"a/b": {"%2F": [None, False]}},
+        },
+        0.5,
+    ),
 }
 
 
@@ -166,8 +238,14 @@ def expected_of(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 v = v.array
             if isinstance(v, np.ndarray):
                 a = _le(v)
-                arrays.append({"path": list(path), "dtype": a.dtype.name, "shape": list(a.shape),
-                               "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
+                arrays.append(
+                    {
+                        "path": list(path),
+                        "dtype": a.dtype.name,
+                        "shape": list(a.shape),
+                        "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
+                    }
+                )
             else:
                 values.append({"path": list(path), "value": v})
         ranks.append({"arrays": arrays, "values": values})
@@ -175,20 +253,28 @@ def expected_of(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def globals_of(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every sliced tensor reassembled from all ranks' slices (what a reshard to one rank returns)."""
+    """Every sliced tensor reassembled from all ranks' slices (what a reshard to one rank
+    returns)."""
     out: dict[tuple[str, ...], np.ndarray] = {}
     for st in states:
         for path, v in walk(st):
             if isinstance(v, tc.GlobalSlice):
                 g = out.setdefault(path, np.zeros(v.global_shape, v.array.dtype))
                 g[tuple(slice(o, o + n) for o, n in zip(v.offset, v.array.shape))] = v.array
-    return [{"path": list(p), "dtype": _le(g).dtype.name, "global_shape": list(g.shape),
-             "sha256": hashlib.sha256(_le(g).tobytes()).hexdigest()} for p, g in out.items()]
+    return [
+        {
+            "path": list(p),
+            "dtype": _le(g).dtype.name,
+            "global_shape": list(g.shape),
+            "sha256": hashlib.sha256(_le(g).tobytes()).hexdigest(),
+        }
+        for p, g in out.items()
+    ]
 
 
 def v2_manifest_json(m: ShardManifest) -> str:
-    """``m`` in the frozen schema-v2 form: ShardManifest.to_json() of the v2 code (only the v2 keys, in
-    its canonical JSON), whatever the code running this writes."""
+    """``m`` in the frozen schema-v2 form: ShardManifest.to_json() of the v2 code (only the v2 keys,
+    in its canonical JSON), whatever the code running this writes."""
     d = m.to_dict()
     out = {k: d[k] for k in V2_MANIFEST_KEYS}
     out["schema_version"] = 2
@@ -204,16 +290,20 @@ def v2_manifest_json(m: ShardManifest) -> str:
 
 
 def records_with_tensors(sdir: Path, step: int, save_id: str, records: list[Any]) -> list[Any]:
-    """``records`` with their tensor lists, which the frozen manifest forms list. Code since issue 12
-    writes records without tensors (the index is in each shard's header): rebuild them from the verified
-    headers (a no-op on the code that wrote the frozen files)."""
+    """``records`` with their tensor lists, which the frozen manifest forms list. Code since issue
+    12 writes records without tensors (the index is in each shard's header): rebuild them from the
+    verified headers (a no-op on the code that wrote the frozen files)."""
     if all(r.tensors is not None for r in records):
         return records
     from tiered_ckpt.local.reader import verified_header  # issue 12 and later
 
     m = ShardManifest(world_size=len(records), step=step, shards=tuple(records), save_id=save_id)
-    return [dataclasses.replace(r, tensors=verified_header(sdir, m, r.rank).tensors, header_size_bytes=None)
-            for r in records]
+    return [
+        dataclasses.replace(
+            r, tensors=verified_header(sdir, m, r.rank).tensors, header_size_bytes=None
+        )
+        for r in records
+    ]
 
 
 def step_files(sdir: Path) -> list[Path]:
@@ -226,27 +316,53 @@ def write_checkpoint(out: Path, name: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
     states = make()
     save_id = f"golden_v2_{name}"
-    records = [dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
-               for r, st in enumerate(states)]
+    records = [
+        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
+        for r, st in enumerate(states)
+    ]
     records = records_with_tensors(root / f"step_{step:010d}", step, save_id, records)
     for rec in records:  # v2: every checksum field set
         assert rec.crc32c and rec.header_sha256 and rec.crc32c_chunk_bytes, rec
         assert all(t.crc32c is not None for t in rec.tensors), rec
-    m = ShardManifest(world_size=len(states), step=step, shards=tuple(records), save_id=save_id,
-                      wall_clock_seconds=wall, created_at=CREATED_AT, extra=extra)
+    m = ShardManifest(
+        world_size=len(states),
+        step=step,
+        shards=tuple(records),
+        save_id=save_id,
+        wall_clock_seconds=wall,
+        created_at=CREATED_AT,
+        extra=extra,
+    )
     sdir = root / f"step_{step:010d}"
     for p in sdir.iterdir():  # the writer lock and any leftovers
         if p.name.startswith("."):
             p.unlink()
     (sdir / "manifest.json").write_text(v2_manifest_json(m))
-    exp = {"name": name, "step": step, "world_size": len(states), "save_id": save_id,
-           "wall_clock_seconds": wall, "created_at": CREATED_AT, "extra": extra, "host": HOST,
-           "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step_files(sdir)},
-           "v2": [{"rank": r.rank, "crc32c": r.crc32c, "header_sha256": r.header_sha256,
-                   "crc32c_chunk_bytes": r.crc32c_chunk_bytes} for r in records],
-           "ranks": expected_of(states), "globals": globals_of(states)}
-    (out / f"{name}.expected.json").write_text(json.dumps(exp, indent=1, sort_keys=True, allow_nan=True,
-                                                          ensure_ascii=True) + "\n")
+    exp = {
+        "name": name,
+        "step": step,
+        "world_size": len(states),
+        "save_id": save_id,
+        "wall_clock_seconds": wall,
+        "created_at": CREATED_AT,
+        "extra": extra,
+        "host": HOST,
+        "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step_files(sdir)},
+        "v2": [
+            {
+                "rank": r.rank,
+                "crc32c": r.crc32c,
+                "header_sha256": r.header_sha256,
+                "crc32c_chunk_bytes": r.crc32c_chunk_bytes,
+            }
+            for r in records
+        ],
+        "ranks": expected_of(states),
+        "globals": globals_of(states),
+    }
+    (out / f"{name}.expected.json").write_text(
+        json.dumps(exp, indent=1, sort_keys=True, allow_nan=True, ensure_ascii=True) + "\n"
+    )
 
 
 def write_corrupt(out: Path) -> None:
@@ -266,11 +382,12 @@ def write_local(out: Path) -> None:
     write_corrupt(out)
 
 
-# ----------------------------------------------------------------------------------------- remote
+# --- remote
 
 
 def write_remote(out: Path) -> None:
-    """Upload ``out/zero2`` with the Uploader to a fresh moto server; store every object of the bucket."""
+    """Upload ``out/zero2`` with the Uploader to a fresh moto server; store every object of the
+    bucket."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: s3_infra, spawn
     import s3_infra
 
@@ -280,7 +397,10 @@ def write_remote(out: Path) -> None:
     step = CHECKPOINTS[REMOTE_OF][0]
     dst = out / "remote"
     shutil.rmtree(dst, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix="golden_v2_remote_") as tmp, s3_infra.run_moto_server() as url:
+    with (
+        tempfile.TemporaryDirectory(prefix="golden_v2_remote_") as tmp,
+        s3_infra.run_moto_server() as url,
+    ):
         root = Path(tmp) / "run"
         shutil.copytree(out / REMOTE_OF, root)
         loc = s3_infra.new_bucket(url, prefix=REMOTE_PREFIX)
@@ -293,19 +413,30 @@ def write_remote(out: Path) -> None:
         objects = {}
         for key in sorted(keys):
             assert key.startswith(REMOTE_PREFIX + "/"), f"object outside the prefix: {key}"
-            rel = key[len(REMOTE_PREFIX) + 1:]
+            rel = key[len(REMOTE_PREFIX) + 1 :]
             body = loc.client.get_object(Bucket=loc.bucket, Key=key)["Body"].read()
             p = dst / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(body)
             objects[rel] = {"sha256": hashlib.sha256(body).hexdigest(), "size_bytes": len(body)}
     local = json.loads((out / f"{REMOTE_OF}.expected.json").read_text())
-    exp = {"prefix": REMOTE_PREFIX, "local": REMOTE_OF, "step": step, "world_size": local["world_size"],
-           "save_id": local["save_id"], "created_at": local["created_at"],
-           "wall_clock_seconds": local["wall_clock_seconds"], "extra": local["extra"],
-           "latest_step": step, "objects": objects, "ranks": local["ranks"], "globals": local["globals"]}
-    (out / "remote.expected.json").write_text(json.dumps(exp, indent=1, sort_keys=True, allow_nan=True,
-                                                         ensure_ascii=True) + "\n")
+    exp = {
+        "prefix": REMOTE_PREFIX,
+        "local": REMOTE_OF,
+        "step": step,
+        "world_size": local["world_size"],
+        "save_id": local["save_id"],
+        "created_at": local["created_at"],
+        "wall_clock_seconds": local["wall_clock_seconds"],
+        "extra": local["extra"],
+        "latest_step": step,
+        "objects": objects,
+        "ranks": local["ranks"],
+        "globals": local["globals"],
+    }
+    (out / "remote.expected.json").write_text(
+        json.dumps(exp, indent=1, sort_keys=True, allow_nan=True, ensure_ascii=True) + "\n"
+    )
 
 
 def main(argv: list[str]) -> int:

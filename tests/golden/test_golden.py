@@ -1,5 +1,6 @@
-"""Golden schema-v1 checkpoints (tests/golden/v1, made by tests/golden/make_golden.py) load with the current
-code to exactly the recorded values. Every later schema version must keep these tests green."""
+"""Golden schema-v1 checkpoints (tests/golden/v1, made by tests/golden/make_golden.py) load with the
+current code to exactly the recorded values. Every later schema version must keep these tests
+green."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
+from spawn import python_cmd
 
 import tiered_ckpt as tc
-from spawn import python_cmd
 from tiered_ckpt import ShardCorruptedError
 
 GOLDEN = Path(__file__).resolve().parent
@@ -28,7 +29,9 @@ def expected(name: str) -> dict[str, Any]:
 
 def golden_files(base: Path) -> list[Path]:
     """Files of a golden tree, minus the transient read locks concurrent loads create (.lock.*)."""
-    return sorted(p.relative_to(base) for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return sorted(
+        p.relative_to(base) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")
+    )
 
 
 def lookup(state: dict[str, Any], path: list[str]) -> Any:
@@ -54,13 +57,20 @@ def test_golden_loads_exactly(name: str) -> None:
         assert hashlib.sha256((sdir / fname).read_bytes()).hexdigest() == sha, fname
     assert tc.committed_steps(root) == [exp["step"]]
     on_disk = json.loads((sdir / "manifest.json").read_text())
-    assert on_disk["schema_version"] == 1  # frozen v1 files; read through the named migration (issue 6)
+    assert (
+        on_disk["schema_version"] == 1
+    )  # frozen v1 files; read through the named migration
     m = tc.read_manifest(root)
-    assert (m.schema_version, m.step, m.world_size, m.save_id) == (tc.SCHEMA_VERSION, exp["step"],
-                                                                   exp["world_size"], exp["save_id"])
+    assert (m.schema_version, m.step, m.world_size, m.save_id) == (
+        tc.SCHEMA_VERSION,
+        exp["step"],
+        exp["world_size"],
+        exp["save_id"],
+    )
     assert m.created_at == exp["created_at"] and m.wall_clock_seconds == exp["wall_clock_seconds"]
-    assert json.dumps(m.extra, allow_nan=True, sort_keys=True) == json.dumps(exp["extra"], allow_nan=True,
-                                                                           sort_keys=True)
+    assert json.dumps(m.extra, allow_nan=True, sort_keys=True) == json.dumps(
+        exp["extra"], allow_nan=True, sort_keys=True
+    )
     loaded = tc.load_sharded(root, exp["world_size"])
     for r, want in enumerate(exp["ranks"]):
         got = loaded[r]
@@ -71,10 +81,14 @@ def test_golden_loads_exactly(name: str) -> None:
             assert hashlib.sha256(arr.tobytes()).hexdigest() == a["sha256"], a["path"]
             n_arrays += 1
         for v in want["values"]:
-            assert json.dumps(lookup(got, v["path"]), allow_nan=True) == json.dumps(v["value"], allow_nan=True)
+            assert json.dumps(lookup(got, v["path"]), allow_nan=True) == json.dumps(
+                v["value"], allow_nan=True
+            )
+
         # nothing more, nothing less
         def count(d: Any) -> int:
             return sum(count(v) if isinstance(v, dict) else 1 for v in d.values())
+
         assert count(got) == n_arrays + len(want["values"])
         assert tc.load_shard(root, r, exp["world_size"]).keys() == got.keys()
 
@@ -91,7 +105,9 @@ def test_golden_zero2_partitions() -> None:
 def test_golden_manifest_validates_against_schema(name: str) -> None:
     from importlib import resources
 
-    schema = json.loads(resources.files("tiered_ckpt").joinpath("schemas/manifest.v1.schema.json").read_text())
+    schema = json.loads(
+        resources.files("tiered_ckpt").joinpath("schemas/manifest.v1.schema.json").read_text()
+    )
     exp = expected(name)
     obj = json.loads((V1 / name / f"step_{exp['step']:010d}" / "manifest.json").read_text())
     errors = list(Draft202012Validator(schema).iter_errors(obj))
@@ -105,13 +121,14 @@ def test_golden_corrupt_is_refused() -> None:
 
 
 def test_make_golden_is_deterministic(tmp_path: Path) -> None:
-    """The generator is deterministic (two runs, identical bytes). The committed v1 files themselves are
-    frozen artefacts of schema v1: later code must load them, not reproduce them."""
+    """The generator is deterministic (two runs, identical bytes). The committed v1 files themselves
+    are frozen artefacts of schema v1: later code must load them, not reproduce them."""
     outs = []
     for name in ("a", "b"):
         out = tmp_path / name
-        proc = subprocess.run(python_cmd(GOLDEN / "make_golden.py", out), capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            python_cmd(GOLDEN / "make_golden.py", out), capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         outs.append(out)
     files = golden_files(outs[0])

@@ -1,5 +1,6 @@
-"""``tiered-ckpt ls | verify | gc`` on a local run directory, through the real console script (subprocess):
-exit codes 0 fine / 1 checkpoint fault / 2 usage error, one line per fault, never a traceback."""
+"""``tiered-ckpt ls | verify | gc`` on a local run directory, through the real console script
+(subprocess): exit codes 0 fine / 1 checkpoint fault / 2 usage error, one line per fault, never a
+traceback."""
 
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from spawn import cli_cmd, console_script, python_cmd
 
 import tiered_ckpt as tc
-from spawn import cli_cmd, console_script, python_cmd
 from tiered_ckpt.fs import hostname
 
 CMD = cli_cmd()  # this environment's console script
 
 
-def run(*args: str | os.PathLike[str], cmd: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run((cmd or CMD) + [str(a) for a in args], capture_output=True, text=True, timeout=60)
+def run(
+    *args: str | os.PathLike[str], cmd: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        (cmd or CMD) + [str(a) for a in args], capture_output=True, text=True, timeout=60
+    )
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     return proc
 
@@ -42,7 +47,9 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def test_console_script_is_installed() -> None:
-    assert console_script() is not None, "the tiered-ckpt console script is not installed beside sys.executable"
+    assert console_script() is not None, (
+        "the tiered-ckpt console script is not installed beside sys.executable"
+    )
 
 
 @pytest.mark.parametrize("sub", [[], ["ls"], ["verify"], ["gc"]])
@@ -52,8 +59,9 @@ def test_help_exits_zero(sub: list[str]) -> None:
     assert "usage:" in proc.stdout
 
 
-@pytest.mark.parametrize("args", [[], ["nope"], ["verify"], ["verify", "x", "--step", "abc"],
-                                  ["ls", "x", "--bogus"]])
+@pytest.mark.parametrize(
+    "args", [[], ["nope"], ["verify"], ["verify", "x", "--step", "abc"], ["ls", "x", "--bogus"]]
+)
 def test_usage_errors_exit_two(args: list[str]) -> None:
     proc = run(*args)
     assert proc.returncode == 2, proc.stderr
@@ -74,7 +82,11 @@ def test_ls_text_and_json(run_dir: Path) -> None:
     assert proc.returncode == 0
     rows = json.loads(proc.stdout)
     assert [(r["step"], r["state"], r["world_size"]) for r in rows] == [
-        (10, "committed", 2), (20, "committed", 2), (30, "committed", 2), (40, "uncommitted", None)]
+        (10, "committed", 2),
+        (20, "committed", 2),
+        (30, "committed", 2),
+        (40, "uncommitted", None),
+    ]
     size = sum(p.stat().st_size for p in (run_dir / "step_0000000010").glob("*.safetensors"))
     assert rows[0]["size_bytes"] == size > 800
     m = tc.read_manifest(run_dir, 20)
@@ -82,7 +94,9 @@ def test_ls_text_and_json(run_dir: Path) -> None:
 
 
 def test_ls_empty_and_missing(tmp_path: Path) -> None:
-    proc = run("ls", tmp_path)  # no run.json, no step: not a checkpoint root (tests/local/test_cli_targets.py)
+    proc = run(
+        "ls", tmp_path
+    )  # no run.json, no step: not a checkpoint root (tests/local/test_cli_targets.py)
     assert proc.returncode == 1 and "is not a checkpoint root" in proc.stderr
     proc = run("ls", tmp_path, "--allow-empty")
     assert proc.returncode == 0 and "no steps" in proc.stdout
@@ -172,7 +186,7 @@ def test_gc_removes_leftovers_of_dead_writers(run_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = lines(proc)
     assert out[-1] == "1 leftover(s) removed" or out[-1].endswith("leftover(s) removed")
-    removed = {ln[len("removed "):] for ln in out if ln.startswith("removed ")}
+    removed = {ln[len("removed ") :] for ln in out if ln.startswith("removed ")}
     assert str(left) in removed
     assert not left.exists() and not tmp_in_committed.exists() and not stale_lock.exists()
     assert {p: p.read_bytes() for p in committed.glob("*") if not p.name.startswith(".")} == before
@@ -193,11 +207,17 @@ def test_gc_keeps_leftovers_of_live_writers(run_dir: Path) -> None:
     proc = run("gc", run_dir, "--min-age-s", "0")
     assert proc.returncode == 0
     assert live.exists()
-    assert lines(proc) == [f"skipped {live}: uncommitted, its writer is alive (a save or restore in progress)",
-                           "0 leftover(s) removed, 1 skipped"]
+    assert lines(proc) == [
+        f"skipped {live}: uncommitted, its writer is alive (a save or restore in progress)",
+        "0 leftover(s) removed, 1 skipped",
+    ]
 
 
 def test_python_dash_m() -> None:
-    proc = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "ls", "--help"), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        python_cmd("-m", "tiered_ckpt.cli", "ls", "--help"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr

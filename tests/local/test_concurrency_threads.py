@@ -1,8 +1,8 @@
 """I4 within one process: two threads saving the same step never produce a committed mixed step.
 
 The on-disk save lock names its owner process, so it cannot tell two threads apart; the in-process
-registry in local.py does. Found by a QA run where 15 of 400 races committed a step whose manifest did
-not match its shard."""
+registry in local.py does. Found by a QA run where 15 of 400 races committed a step whose manifest
+did not match its shard."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import pytest
 import tiered_ckpt as tc
 
 
-def _race(root: Path, size: int, replace: bool) -> tuple[dict[float, str], dict[float, tc.ShardManifest]]:
-    """Two threads save step 1 of ``root`` (2 ranks, ``size`` float32 of value 1.0 resp. 2.0) at once:
-    each save's outcome (``ok``, ``concurrent`` or another error) and the manifest each successful one
-    returned."""
+def _race(
+    root: Path, size: int, replace: bool
+) -> tuple[dict[float, str], dict[float, tc.ShardManifest]]:
+    """Two threads save step 1 of ``root`` (2 ranks, ``size`` float32 of value 1.0 resp. 2.0) at
+    once: each save's outcome (``ok``, ``concurrent`` or another error) and the manifest each
+    successful one returned."""
     barrier = threading.Barrier(2)
     results: dict[float, str] = {}
     manifests: dict[float, tc.ShardManifest] = {}
@@ -28,11 +30,15 @@ def _race(root: Path, size: int, replace: bool) -> tuple[dict[float, str], dict[
     def go(v: float) -> None:
         barrier.wait()
         try:
-            manifests[v] = tc.save_sharded([{"w": np.full(size, v, np.float32)}] * 2, root, 1, replace=replace)
+            manifests[v] = tc.save_sharded(
+                [{"w": np.full(size, v, np.float32)}] * 2, root, 1, replace=replace
+            )
             results[v] = "ok"
         except tc.ConcurrentSaveError:
             results[v] = "concurrent"
-        except tc.CheckpointExistsError:  # the other save committed before this one began (no overlap)
+        except (
+            tc.CheckpointExistsError
+        ):  # the other save committed before this one began (no overlap)
             results[v] = "exists"
         except tc.CheckpointError as e:  # any other outcome is a failure of this test
             results[v] = f"{type(e).__name__}: {e}"
@@ -46,39 +52,55 @@ def _race(root: Path, size: int, replace: bool) -> tuple[dict[float, str], dict[
 
 
 def _content_of(root: Path, size: int, candidates: list[float]) -> list[float]:
-    """The candidate saves whose content every rank of the committed step 1 equals, byte for byte."""
+    """The candidate saves whose content every rank of the committed step 1 equals, byte for
+    byte."""
     got = tc.load_sharded(root, 2, 1)  # verified: every shard matches the committed manifest
-    return [v for v in candidates
-            if all(st["w"].tobytes() == np.full(size, v, np.float32).tobytes() for st in got)]
+    return [
+        v
+        for v in candidates
+        if all(st["w"].tobytes() == np.full(size, v, np.float32).tobytes() for st in got)
+    ]
 
 
-def _check_committed(root: Path, size: int, results: dict[float, str], manifests: dict[float, tc.ShardManifest],
-                     replace: bool) -> None:
+def _check_committed(
+    root: Path,
+    size: int,
+    results: dict[float, str],
+    manifests: dict[float, tc.ShardManifest],
+    replace: bool,
+) -> None:
     """Never a mix: the committed step 1 is, byte for byte on every rank, the content of exactly one
-    save, and that save is the successful one whose commit finished last (without ``replace``: the only
-    successful one). A commit's point is its manifest link, so "last" is read from the commits
-    themselves: the committed manifest is that save's (save_id), and its ``created_at`` (taken inside the
-    commit, microseconds) is the latest of the successful saves'."""
+    save, and that save is the successful one whose commit finished last (without ``replace``: the
+    only successful one). A commit's point is its manifest link, so "last" is read from the commits
+    themselves: the committed manifest is that save's (save_id), and its ``created_at`` (taken
+    inside the commit, microseconds) is the latest of the successful saves'."""
     winners = sorted(v for v, r in results.items() if r == "ok")
-    # a loser that overlapped the winner gets ConcurrentSaveError; one that started after the winner's
-    # commit (a loaded machine: the barrier only aligns the starts) gets CheckpointExistsError
+    # a loser that overlapped the winner gets ConcurrentSaveError; one that started after the
+    # winner's commit (a loaded machine: the barrier only aligns the starts) gets
+    # CheckpointExistsError
     allowed = {"ok", "concurrent"} if replace else {"ok", "concurrent", "exists"}
     assert set(results.values()) <= allowed and winners, results
     if not replace:
         assert len(winners) == 1, results
     matches = _content_of(root, size, [0.0, 1.0, 2.0])
-    assert len(matches) == 1, f"the committed step is a mix or none of the saves: {results}, {matches}"
+    assert len(matches) == 1, (
+        f"the committed step is a mix or none of the saves: {results}, {matches}"
+    )
     last = max(winners, key=lambda v: manifests[v].created_at)
     assert matches == [last], (results, {v: m.created_at for v, m in manifests.items()})
     on_disk = tc.read_manifest(root, 1)
-    assert (on_disk.save_id, on_disk.created_at) == (manifests[last].save_id, manifests[last].created_at)
+    assert (on_disk.save_id, on_disk.created_at) == (
+        manifests[last].save_id,
+        manifests[last].created_at,
+    )
 
 
 @pytest.mark.parametrize("replace", [False, True])
 def test_two_threads_same_step(tmp_path: Path, replace: bool) -> None:
-    """Without ``replace`` exactly one of two racing saves wins (the other gets ConcurrentSaveError).
-    With ``replace`` they may also both succeed: the second one claims the step after the first
-    committed and released it, and replaces it; the committed step is then the later commit's."""
+    """Without ``replace`` exactly one of two racing saves wins (the other gets
+    ConcurrentSaveError). With ``replace`` they may also both succeed: the second one claims the
+    step after the first committed and released it, and replaces it; the committed step is then the
+    later commit's."""
     outcomes: Counter[tuple[str, ...]] = Counter()
     for i in range(60):
         root = tmp_path / f"r{i}"
@@ -93,7 +115,10 @@ def test_two_threads_same_step(tmp_path: Path, replace: bool) -> None:
         assert set(outcomes) <= {("concurrent", "ok"), ("ok", "ok")}, outcomes
     else:  # on a loaded machine a loser may start after the winner committed ("exists"); the race must
         # still have been run for real at least once
-        assert set(outcomes) <= {("concurrent", "ok"), ("exists", "ok")} and outcomes[("concurrent", "ok")], outcomes
+        assert (
+            set(outcomes) <= {("concurrent", "ok"), ("exists", "ok")}
+            and outcomes[("concurrent", "ok")]
+        ), outcomes
 
 
 def test_two_threads_replacing_one_after_the_other_last_commit_wins(tmp_path: Path) -> None:
@@ -103,8 +128,11 @@ def test_two_threads_replacing_one_after_the_other_last_commit_wins(tmp_path: Pa
     results: dict[float, str] = {}
     manifests: dict[float, tc.ShardManifest] = {}
     for v in (1.0, 2.0):
+
         def go(v: float = v) -> None:
-            manifests[v] = tc.save_sharded([{"w": np.full(500, v, np.float32)}] * 2, tmp_path, 1, replace=True)
+            manifests[v] = tc.save_sharded(
+                [{"w": np.full(500, v, np.float32)}] * 2, tmp_path, 1, replace=True
+            )
             results[v] = "ok"
 
         t = threading.Thread(target=go)

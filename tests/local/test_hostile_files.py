@@ -1,20 +1,22 @@
-"""Hostile files inside a checkpoint directory (issue 11, Why 4 / Build 3): a FIFO, a symlink to a file
-outside the root, a symlink to ``/dev/zero``, a character device node (``mknod`` 1,5: ``/dev/zero``) or a
-directory where ``manifest.json``, ``uploaded.json``, ``pinned.json``, ``node_ranks.json``, ``run.json``,
-``.save.lock``, a shard file or the step directory itself should be.
+"""Hostile files inside a checkpoint directory (issue 11, Why 4 / Build 3): a FIFO, a symlink to a
+file outside the root, a symlink to ``/dev/zero``, a character device node (``mknod`` 1,5:
+``/dev/zero``) or a directory where ``manifest.json``, ``uploaded.json``, ``pinned.json``,
+``node_ranks.json``, ``run.json``, ``.save.lock``, a shard file or the step directory itself should
+be.
 
-Every case is its own run directory. One child process (tests/spawn.py) goes through the cases in turn;
-for each it runs ``load_sharded``, the CLI's ``ls`` and ``verify``, ``read_uploaded_marker`` and a
-``save_sharded(replace=True)`` of the step, each under a 10 s ``SIGALRM`` so that a hang is recorded as
-``HANG`` (a blocking ``open(2)`` of a FIFO is interrupted) instead of hanging the suite. The tests then
-assert the exact outcome per case: the typed error and its message naming the entry, the exact
-``verify`` line and exit status, "treated as absent" for ``uploaded.json``, "pinned" for ``pinned.json``
-(SPEC §11: any entry pins), and that the outside file was never read (its atime) nor its bytes returned.
+Every case is its own run directory. One child process (tests/spawn.py) goes through the cases in
+turn; for each it runs ``load_sharded``, the CLI's ``ls`` and ``verify``, ``read_uploaded_marker``
+and a ``save_sharded(replace=True)`` of the step, each under a 10 s ``SIGALRM`` so that a hang is
+recorded as ``HANG`` (a blocking ``open(2)`` of a FIFO is interrupted) instead of hanging the suite.
+The tests then assert the exact outcome per case: the typed error and its message naming the entry,
+the exact ``verify`` line and exit status, "treated as absent" for ``uploaded.json``, "pinned" for
+``pinned.json`` (SPEC §11: any entry pins), and that the outside file was never read (its atime) nor
+its bytes returned.
 
-Before the fix: ``uploaded.json`` and ``.save.lock`` as a FIFO hung (``Path.read_bytes``), a symlinked
-``uploaded.json`` or ``.save.lock`` was followed out of the root (the outside marker counted, the
-outside lock named a live writer: ``ConcurrentSaveError``), and the messages did not say what the entry
-was.
+Before the fix: ``uploaded.json`` and ``.save.lock`` as a FIFO hung (``Path.read_bytes``), a
+symlinked ``uploaded.json`` or ``.save.lock`` was followed out of the root (the outside marker
+counted, the outside lock named a live writer: ``ConcurrentSaveError``), and the messages did not
+say what the entry was.
 """
 
 from __future__ import annotations
@@ -29,24 +31,43 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from spawn import python_cmd
 
 import tiered_ckpt as tc
-from spawn import python_cmd
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.records import UploadedMarker
-from tiered_ckpt.layout import (MANIFEST_NAME, NODE_RANKS_NAME, PINNED_MARKER_NAME, RUN_RECORD_NAME, SAVE_LOCK_NAME,
-                                UPLOADED_MARKER_NAME, step_dir_name)
+from tiered_ckpt.layout import (
+    MANIFEST_NAME,
+    NODE_RANKS_NAME,
+    PINNED_MARKER_NAME,
+    RUN_RECORD_NAME,
+    SAVE_LOCK_NAME,
+    UPLOADED_MARKER_NAME,
+    step_dir_name,
+)
 
 WORLD = 2
 STEP = 1
 SHARD = "rank_00000.safetensors"
-TARGETS = [MANIFEST_NAME, UPLOADED_MARKER_NAME, PINNED_MARKER_NAME, NODE_RANKS_NAME, RUN_RECORD_NAME, SAVE_LOCK_NAME,
-           SHARD, "step-dir"]
+TARGETS = [
+    MANIFEST_NAME,
+    UPLOADED_MARKER_NAME,
+    PINNED_MARKER_NAME,
+    NODE_RANKS_NAME,
+    RUN_RECORD_NAME,
+    SAVE_LOCK_NAME,
+    SHARD,
+    "step-dir",
+]
 KINDS = ["fifo", "symlink-outside", "symlink-devzero", "chardev", "directory"]
 #: what each kind is, in the words of tiered_ckpt.safe_read, and the verb of the refusal
-WORDS = {"fifo": ("a FIFO", "open"), "symlink-outside": ("a symlink", "follow"),
-         "symlink-devzero": ("a symlink", "follow"), "chardev": ("a character device", "open"),
-         "directory": ("a directory", "open")}
+WORDS = {
+    "fifo": ("a FIFO", "open"),
+    "symlink-outside": ("a symlink", "follow"),
+    "symlink-devzero": ("a symlink", "follow"),
+    "chardev": ("a character device", "open"),
+    "directory": ("a directory", "open"),
+}
 T0 = "2026-01-01T00:00:00.000000Z"
 
 
@@ -77,13 +98,15 @@ def can_mknod(tmp: Path) -> bool:
 
 
 def outside_bytes(case: Case, entry: Path) -> bytes:
-    """Sound bytes for the outside file: what following the symlink would have read as this entry."""
+    """Sound bytes for the outside file: what following the symlink would have read as this
+    entry."""
     if case.target == UPLOADED_MARKER_NAME:
         return UploadedMarker(step=STEP, remote="s3://outside/bucket").to_json().encode()
     if case.target == RUN_RECORD_NAME:
         return RunLineage.first("e" * 32, T0).to_json().encode()
     if case.target == SAVE_LOCK_NAME:  # a live writer of another save: this test process
         from tiered_ckpt.fs import owner_token
+
         return json.dumps({"save_id": "f" * 32, "owner": owner_token(), "created_at": T0}).encode()
     if case.target == NODE_RANKS_NAME:
         return b'{"ranks": [0, 1], "world_size": 2}\n'
@@ -93,7 +116,8 @@ def outside_bytes(case: Case, entry: Path) -> bytes:
 
 
 def make_hostile(entry: Path, case: Case, outside: Path) -> Path:
-    """Replace (or create) ``entry`` with the case's kind; returns the outside file (or directory)."""
+    """Replace (or create) ``entry`` with the case's kind; returns the outside file (or
+    directory)."""
     secret = outside / "secret"
     if case.target == "step-dir":
         shutil.copytree(entry, outside / "stepcopy")
@@ -127,11 +151,21 @@ def build(base: Path, case: Case) -> dict[str, str]:
     tc.save_sharded(states(1), root, STEP)
     sdir = root / step_dir_name(STEP)
     if case.target == NODE_RANKS_NAME:
-        os.unlink(sdir / "rank_00001.safetensors")  # a node-local root: verify reads node_ranks.json
-    entry = {"step-dir": sdir, RUN_RECORD_NAME: root / RUN_RECORD_NAME}.get(case.target, sdir / case.target)
+        os.unlink(
+            sdir / "rank_00001.safetensors"
+        )  # a node-local root: verify reads node_ranks.json
+    entry = {"step-dir": sdir, RUN_RECORD_NAME: root / RUN_RECORD_NAME}.get(
+        case.target, sdir / case.target
+    )
     secret = make_hostile(entry, case, outside)
-    return {"id": case.id, "root": str(root), "sdir": str(sdir), "entry": str(entry), "secret": str(secret),
-            "atime": os.stat(secret).st_atime if secret.is_file() else None}
+    return {
+        "id": case.id,
+        "root": str(root),
+        "sdir": str(sdir),
+        "entry": str(entry),
+        "secret": str(secret),
+        "atime": os.stat(secret).st_atime if secret.is_file() else None,
+    }
 
 
 DRIVER = textwrap.dedent(r"""
@@ -203,8 +237,12 @@ def world(tmp_path_factory) -> dict[str, dict]:
     specs = [build(base, c) for c in CASES]
     (base / "cases.json").write_text(json.dumps(specs))
     (base / "driver.py").write_text(DRIVER)
-    proc = subprocess.run(python_cmd(base / "driver.py", base / "cases.json", base / "out.json"),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        python_cmd(base / "driver.py", base / "cases.json", base / "out.json"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((base / "out.json").read_text())
     return {s["id"]: {**s, **out[s["id"]]} for s in specs}
@@ -222,35 +260,69 @@ def expected(case: Case, w: dict) -> dict[str, object]:
     out: dict[str, object] = {"marker": None}
     if case.target == MANIFEST_NAME:
         msg = refusal(entry, case.kind)
-        out.update(load=["ManifestError", msg], verify=[1, f"step 1: corrupt: {msg}\n", ""], ls_state="corrupt")
+        out.update(
+            load=["ManifestError", msg],
+            verify=[1, f"step 1: corrupt: {msg}\n", ""],
+            ls_state="corrupt",
+        )
     elif case.target == SHARD:
         msg = f"step 1 rank 0 ({SHARD}): {refusal(entry, case.kind)}"
-        out.update(load=["ManifestError", msg], verify=[1, f"step 1: corrupt: {msg}\n", ""], ls_state="corrupt")
+        out.update(
+            load=["ManifestError", msg],
+            verify=[1, f"step 1: corrupt: {msg}\n", ""],
+            ls_state="corrupt",
+        )
     elif case.target in (UPLOADED_MARKER_NAME, SAVE_LOCK_NAME):
         out.update(load="ok", verify=ok_verify, ls_state="committed")
     elif case.target == PINNED_MARKER_NAME:
         out.update(load="ok", verify=[0, "step 1: committed (pinned)\n", ""], ls_state="committed")
     elif case.target == NODE_RANKS_NAME:
         msg = refusal(entry, case.kind)
-        out.update(load=["MissingShardError", "step 1 rank 1 (rank_00001.safetensors): shard file is missing"],
-                   verify=[1, f"step 1: corrupt: {msg}\n", ""], ls_state="corrupt")
+        out.update(
+            load=[
+                "MissingShardError",
+                "step 1 rank 1 (rank_00001.safetensors): shard file is missing",
+            ],
+            verify=[1, f"step 1: corrupt: {msg}\n", ""],
+            ls_state="corrupt",
+        )
     elif case.target == RUN_RECORD_NAME:
         msg = refusal(entry, case.kind)
-        err = f"tiered-ckpt: error: {msg}\n"  # the path once (before: scan named run.json once more)
+        err = (
+            f"tiered-ckpt: error: {msg}\n"  # the path once (before: scan named run.json once more)
+        )
         out.update(load=["ManifestError", msg], verify=[1, "", err], ls=[1, "", err])
     else:  # the step directory: never a step of the run; a symlinked one is reported
         out["load"] = ["NoCheckpointError", f"step 1 is not committed under {root}"]
         out["marker"] = None
         if case.kind == "symlink-outside":  # /dev/zero has no manifest.json: not committed
-            out["load"] = ["ManifestError", f"{sdir} is not a directory (symlinked step directories are refused)"]
+            out["load"] = [
+                "ManifestError",
+                f"{sdir} is not a directory (symlinked step directories are refused)",
+            ]
         if case.kind.startswith("symlink"):
-            out.update(verify=[1, f"step 1: corrupt: {step_dir_name(STEP)} is a symlink; step directories must be "
-                                  "real directories of the run (it is ignored by loads)\n", ""], ls_state="corrupt")
+            out.update(
+                verify=[
+                    1,
+                    f"step 1: corrupt: {step_dir_name(STEP)} is a symlink; step directories must be "
+                    "real directories of the run (it is ignored by loads)\n",
+                    "",
+                ],
+                ls_state="corrupt",
+            )
         else:
-            out.update(verify=[0, f"no steps under {root}\n", ""], ls=[0, f"no steps under {root}\n", ""])
-    if case.target == SAVE_LOCK_NAME:  # an unreadable lock is stale: removed and claimed; a directory cannot be
-        out.update(save="ok" if case.kind != "directory" else
-                   ["ConcurrentSaveError", f"step 1: could not claim the writer lock of {sdir}"], load_after_save="ok")
+            out.update(
+                verify=[0, f"no steps under {root}\n", ""], ls=[0, f"no steps under {root}\n", ""]
+            )
+    if (
+        case.target == SAVE_LOCK_NAME
+    ):  # an unreadable lock is stale: removed and claimed; a directory cannot be
+        out.update(
+            save="ok"
+            if case.kind != "directory"
+            else ["ConcurrentSaveError", f"step 1: could not claim the writer lock of {sdir}"],
+            load_after_save="ok",
+        )
     return out
 
 
@@ -279,13 +351,15 @@ def test_table_covers_every_target_and_kind() -> None:
 
 
 def test_a_symlinked_root_is_followed_once(tmp_path: Path) -> None:
-    """The root itself may be a symlink (``/nvme -> /mnt/disk0``): resolved, everything below it refused."""
+    """The root itself may be a symlink (``/nvme -> /mnt/disk0``): resolved, everything below it
+    refused."""
     real = tmp_path / "disk0" / "run"
     tc.save_sharded(states(1), real, STEP)
     link = tmp_path / "nvme"
     os.symlink(tmp_path / "disk0", link)
     assert tc.load_sharded(link / "run", WORLD)[1]["r"] == 1
     from tiered_ckpt.local.scan import scan
+
     assert [(s.step, s.state) for s in scan(link / "run")] == [(STEP, "committed")]
 
 
@@ -307,9 +381,15 @@ def test_safe_read_api(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         read_in_root(root, "step_0000000001/../../x", 5)
     os.symlink(root / "step_0000000001", root / "step_0000000003")
-    with pytest.raises(ShardCorruptedError, match=r"step_0000000003 is a symlink, not a directory; refusing to follow"):
+    with pytest.raises(
+        ShardCorruptedError,
+        match=r"step_0000000003 is a symlink, not a directory; refusing to follow",
+    ):
         read_in_root(root, "step_0000000003/a.json", 5, error=ShardCorruptedError)
     assert locate(root / "step_0000000001" / "a.json") == (root, "step_0000000001/a.json")
-    assert locate(root / "superseded" / "step_0000000001.abc" / "m.json") == (root, "superseded/step_0000000001.abc/m.json")
+    assert locate(root / "superseded" / "step_0000000001.abc" / "m.json") == (
+        root,
+        "superseded/step_0000000001.abc/m.json",
+    )
     assert locate(root / "run.json") == (root, "run.json")
     assert read_file(root / "step_0000000001" / "a.json", 5) == b"12345"

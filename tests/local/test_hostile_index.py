@@ -1,15 +1,16 @@
-"""Hostile tensor indexes in shard headers (issue 12: the index moved from ``manifest.json`` into each shard's
-``__metadata__["tiered_ckpt"]``, header format 2).
+"""Hostile tensor indexes in shard headers (issue 12: the index moved from ``manifest.json`` into
+each shard's ``__metadata__["tiered_ckpt"]``, header format 2).
 
-The attacker controls the files and rewrites ``manifest.json`` consistently: after every mutation the shard's
-``sha256``, ``crc32c``, ``size_bytes``, ``header_sha256`` and ``header_size_bytes`` match the crafted bytes, so
-only the index checks can catch it. Every outcome must be a typed error (never ``KeyError``/``TypeError``/
-``IndexError``/``ValueError``/``RecursionError``) through ``load_sharded``, ``load_shard``, a reshard on load,
-``tc.reshard`` and ``tiered-ckpt verify`` (one line, exit 1).
+The attacker controls the files and rewrites ``manifest.json`` consistently: after every mutation
+the shard's ``sha256``, ``crc32c``, ``size_bytes``, ``header_sha256`` and ``header_size_bytes``
+match the crafted bytes, so only the index checks can catch it. Every outcome must be a typed error
+(never ``KeyError``/``TypeError``/ ``IndexError``/``ValueError``/``RecursionError``) through
+``load_sharded``, ``load_shard``, a reshard on load, ``tc.reshard`` and ``tiered-ckpt verify`` (one
+line, exit 1).
 
-What a load of one rank checks (``load_shard``): that rank's header and index (its slices inside their own
-global shapes). Across ranks (slices of one global tensor agree on shape and dtype, do not overlap):
-``load_sharded``, a reshard (by tensor name and by state key) and ``verify``.
+What a load of one rank checks (``load_shard``): that rank's header and index (its slices inside
+their own global shapes). Across ranks (slices of one global tensor agree on shape and dtype, do not
+overlap): ``load_sharded``, a reshard (by tensor name and by state key) and ``verify``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,9 +35,15 @@ RULES = {"w": "take_rank0", "n": "take_rank0"}
 
 
 def states() -> list[dict[str, Any]]:
-    return [{"w": np.arange(4, dtype=np.float32) + r, "n": 1,
-             "g": tc.GlobalSlice(np.full(2, r + 1, np.float32), (2 * WORLD,), (2 * r,)),
-             "rep": tc.Replicated({"a": np.arange(3, dtype=np.int8)})} for r in range(WORLD)]
+    return [
+        {
+            "w": np.arange(4, dtype=np.float32) + r,
+            "n": 1,
+            "g": tc.GlobalSlice(np.full(2, r + 1, np.float32), (2 * WORLD,), (2 * r,)),
+            "rep": tc.Replicated({"a": np.arange(3, dtype=np.int8)}),
+        }
+        for r in range(WORLD)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,8 @@ def sdir(root: Path) -> Path:
 
 
 def resign(root: Path, rank: int, new: bytes) -> None:
-    """Replace rank's file by ``new`` and make every hash and size of the manifest's record match it."""
+    """Replace rank's file by ``new`` and make every hash and size of the manifest's record match
+    it."""
     p = sdir(root) / f"rank_{rank:05d}.safetensors"
     os.unlink(p)
     p.write_bytes(new)
@@ -67,17 +76,26 @@ def resign(root: Path, rank: int, new: bytes) -> None:
     crc = Crc32c()
     crc.update(new)
     n = int.from_bytes(new[:8], "little")
-    s.update(sha256=hashlib.sha256(new).hexdigest(), size_bytes=len(new), crc32c=crc.hexdigest(),
-             header_sha256=hashlib.sha256(new[: 8 + n]).hexdigest())
+    s.update(
+        sha256=hashlib.sha256(new).hexdigest(),
+        size_bytes=len(new),
+        crc32c=crc.hexdigest(),
+        header_sha256=hashlib.sha256(new[: 8 + n]).hexdigest(),
+    )
     assert "tensors" not in s and "header_size_bytes" in s  # the issue-12 record
     s["header_size_bytes"] = 8 + n
     os.unlink(mp)
     mp.write_text(json.dumps(m, indent=1))
 
 
-def edit(root: Path, rank: int, meta_fn: Callable[[dict[str, Any]], Any],
-         hdr_fn: Callable[[dict[str, Any]], Any] | None = None) -> None:
-    """Edit rank's ``tiered_ckpt`` metadata (and, with ``hdr_fn``, the safetensors header), re-encode, resign."""
+def edit(
+    root: Path,
+    rank: int,
+    meta_fn: Callable[[dict[str, Any]], Any],
+    hdr_fn: Callable[[dict[str, Any]], Any] | None = None,
+) -> None:
+    """Edit rank's ``tiered_ckpt`` metadata (and, with ``hdr_fn``, the safetensors header),
+    re-encode, resign."""
     raw = (sdir(root) / f"rank_{rank:05d}.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
     hdr = json.loads(raw[8 : 8 + n])
@@ -112,13 +130,14 @@ def outcome(fn: Callable[[], Any]) -> type[BaseException] | None:
 
 def verify_line(root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
     from tiered_ckpt.cli import main
+
     capsys.readouterr()
     rc = main(["verify", str(root)])
     out = capsys.readouterr()
     return rc, [ln for ln in (out.out + out.err).splitlines() if ln.strip()]
 
 
-# ------------------------------------------------------------------ malformed index, consistent hashes
+# --- malformed index, consistent hashes
 
 BAD_INDEX = {
     "crc-upper": (0, lambda m: m.__setitem__("crc32c", m["crc32c"].upper())),
@@ -149,18 +168,27 @@ BAD_INDEX = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INDEX))
-def test_hostile_index_is_typed_everywhere(root: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_hostile_index_is_typed_everywhere(
+    root: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     rank, fn = BAD_INDEX[case]
     edit(root, rank, fn)
     assert outcome(lambda: tc.load_sharded(root, WORLD)) is ShardCorruptedError
     assert outcome(lambda: tc.load_shard(root, rank, WORLD, verify="crc32c")) is ShardCorruptedError
-    assert outcome(lambda: tc.load_sharded(root, 1, reshard=True, rules=RULES)) is ShardCorruptedError
-    assert outcome(lambda: tc.reshard(root, None, 3, root.parent / "out", rules=RULES)) is ShardCorruptedError
+    assert (
+        outcome(lambda: tc.load_sharded(root, 1, reshard=True, rules=RULES)) is ShardCorruptedError
+    )
+    assert (
+        outcome(lambda: tc.reshard(root, None, 3, root.parent / "out", rules=RULES))
+        is ShardCorruptedError
+    )
     rc, lines = verify_line(root, capsys)
-    assert rc == 1 and len(lines) == 1 and lines[0].startswith("step 1: corrupt: step 1 rank 0"), lines
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("step 1: corrupt: step 1 rank 0"), (
+        lines
+    )
 
 
-# ------------------------------------------------------------------------------ slices across ranks
+# --- slices across ranks
 
 
 def overlap(m: dict[str, Any]) -> None:  # rank 1 claims rank 0's rows
@@ -172,10 +200,11 @@ def other_global(m: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("fn", [overlap, other_global], ids=["overlap", "global-shape-differs"])
-def test_load_sharded_checks_slices_across_ranks(root: Path, fn: Callable[[dict[str, Any]], None],
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: load_sharded returned both ranks' states (the manifest reader had checked this while manifests
-    listed tensors; the headers' indexes were never compared)."""
+def test_load_sharded_checks_slices_across_ranks(
+    root: Path, fn: Callable[[dict[str, Any]], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: load_sharded returned both ranks' states (the manifest reader had checked this while
+    manifests listed tensors; the headers' indexes were never compared)."""
     edit(root, 1, fn)
     with pytest.raises(ManifestError, match="slices of 'g'"):
         tc.load_sharded(root, WORLD)
@@ -187,8 +216,12 @@ def test_load_sharded_checks_slices_across_ranks(root: Path, fn: Callable[[dict[
     assert tc.load_shard(root, 1, WORLD)["g"].tolist() == [2.0, 2.0]
 
 
-def rename_g(meta_fn: Callable[[dict[str, Any]], None]) -> tuple[Callable[..., None], Callable[..., None]]:
-    """Rank 1 stores key ``g`` as tensor ``g2`` (the per-name cross-rank check sees two global tensors)."""
+def rename_g(
+    meta_fn: Callable[[dict[str, Any]], None],
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """Rank 1 stores key ``g`` as tensor ``g2`` (the per-name cross-rank check sees two global
+    tensors)."""
+
     def m(meta: dict[str, Any]) -> None:
         meta["tree"]["d"]["g"] = {"t": "g2"}
         meta_fn(meta)
@@ -196,15 +229,21 @@ def rename_g(meta_fn: Callable[[dict[str, Any]], None]) -> tuple[Callable[..., N
 
     def h(hdr: dict[str, Any]) -> None:
         hdr["g2"] = hdr.pop("g")
+
     return m, h
 
 
-@pytest.mark.parametrize("fn", [overlap, lambda m: m.__setitem__("slices", {"g": [[8], [6]]})],
-                         ids=["overlap", "global-shape-differs"])
-def test_reshard_checks_slices_at_one_key_named_apart(root: Path, fn: Callable[[dict[str, Any]], None]) -> None:
-    """Before: the reshard planner took the slices at key ``g`` as one tensor of rank 0's global shape without
-    checking rank 1's: rows [2, 4) of the result were ``np.empty`` (uninitialized memory, [1, 1, 0, 0] here),
-    returned and written without an error."""
+@pytest.mark.parametrize(
+    "fn",
+    [overlap, lambda m: m.__setitem__("slices", {"g": [[8], [6]]})],
+    ids=["overlap", "global-shape-differs"],
+)
+def test_reshard_checks_slices_at_one_key_named_apart(
+    root: Path, fn: Callable[[dict[str, Any]], None]
+) -> None:
+    """Before: the reshard planner took the slices at key ``g`` as one tensor of rank 0's global
+    shape without checking rank 1's: rows [2, 4) of the result were ``np.empty`` (uninitialized
+    memory, [1, 1, 0, 0] here), returned and written without an error."""
     edit(root, 1, *rename_g(fn))
     with pytest.raises(ManifestError, match="slices at 'g'"):
         tc.load_sharded(root, 1, reshard=True, rules=RULES)
@@ -219,14 +258,14 @@ def test_reshard_of_slices_named_apart_that_tile_still_works(root: Path) -> None
     assert got["g"].tolist() == [1.0, 1.0, 2.0, 2.0]
 
 
-# ------------------------------------------------------------------------------------ deep state trees
+# --- deep state trees
 
 
 def test_replicated_value_too_deep_is_refused_by_every_reader(root: Path) -> None:
-    """A replicated value nested past decode_state's 256 levels in rank 0's tree. Before: load_sharded refused
-    it (rank 0's tree is decoded) but load_shard(rank=1) and a reshard on load returned it (the reads of rank
-    0's replicated value recursed without a bound: ~2 frames per level, a RecursionError from a deeper
-    caller's stack)."""
+    """A replicated value nested past decode_state's 256 levels in rank 0's tree. Before:
+    load_sharded refused it (rank 0's tree is decoded) but load_shard(rank=1) and a reshard on load
+    returned it (the reads of rank 0's replicated value recursed without a bound: ~2 frames per
+    level, a RecursionError from a deeper caller's stack)."""
     edit(root, 0, lambda m: m["tree"]["d"].__setitem__("rep", {"r": deep(300)}))
     assert outcome(lambda: tc.load_sharded(root, WORLD)) is ShardCorruptedError
     with pytest.raises(ShardCorruptedError, match="malformed"):

@@ -1,7 +1,8 @@
-"""``ls`` counts and ``gc`` removes the temp files of dead writers, downloads included (issue 11, Why 6 /
-Build 5): a killed restore's ``..rank_00000...tmp.<uuid>.download`` files (a temp name with a suffix a
-download tool appended) used to stay in the step forever (``gc`` swept ``*.tmp`` only) and ``ls`` did not
-count them. Live writers' files and names that carry no owner token are left alone."""
+"""``ls`` counts and ``gc`` removes the temp files of dead writers, downloads included (issue 11,
+Why 6 / Build 5): a killed restore's ``..rank_00000...tmp.<uuid>.download`` files (a temp name with
+a suffix a download tool appended) used to stay in the step forever (``gc`` swept ``*.tmp`` only)
+and ``ls`` did not count them. Live writers' files and names that carry no owner token are left
+alone."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tiered_ckpt.layout import step_dir_name
 
 
 def _dead_token() -> str:
-    """An owner token of this node naming a process that has exited (and a start time it never had)."""
+    """An owner token of this node naming a process that has exited (and a start time it never
+    had)."""
     p = subprocess.Popen(["true"])
     p.wait()
     return f"{node_identity()}.{p.pid}.12345"
@@ -36,11 +38,14 @@ def _leftovers(tmp_path: Path) -> tuple[Path, Path, dict[Path, int]]:
     sdir = root / step_dir_name(7)
     dead, live = _dead_token(), owner_token()
     files = {
-        sdir / f".rank_00000.safetensors.{dead}.0a1b2c3d4e5f.tmp.9f8e7d6c.download": 9,  # dead download
+        sdir
+        / f".rank_00000.safetensors.{dead}.0a1b2c3d4e5f.tmp.9f8e7d6c.download": 9,  # dead download
         sdir / f".rank_00001.safetensors.{dead}.0a1b2c3d4e60.tmp": 5,  # dead staged temp
-        sdir / f".rank_00000.safetensors.{live}.0a1b2c3d4e61.tmp.11223344.download": 7,  # live: kept
+        sdir
+        / f".rank_00000.safetensors.{live}.0a1b2c3d4e61.tmp.11223344.download": 7,  # live: kept
         sdir / ".notes.tmp.bak": 3,  # no owner token: not ours, kept
-        root / f".run.json.{dead}.0a1b2c3d4e62.tmp": 4,  # a dead restore's run.json temp in the root
+        root
+        / f".run.json.{dead}.0a1b2c3d4e62.tmp": 4,  # a dead restore's run.json temp in the root
     }
     for p, n in files.items():
         p.write_bytes(b"x" * n)

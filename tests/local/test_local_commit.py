@@ -1,5 +1,5 @@
-"""The local commit protocol object itself (tiered_ckpt.local.commit.LocalStepCommit), step by step of its
-lifecycle; the crash matrices (tests/multiproc) kill and fault it at every system call."""
+"""The local commit protocol object itself (tiered_ckpt.local.commit.LocalStepCommit), step by step
+of its lifecycle; the crash matrices (tests/multiproc) kill and fault it at every system call."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import pytest
 from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
 from tiered_ckpt.fs import write_all
 from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, TMP_SUFFIX, step_dir_name
-from tiered_ckpt.local.commit import LocalStepCommit, durable_write_bytes, lock_holder, unlink_durable
+from tiered_ckpt.local.commit import (
+    LocalStepCommit,
+    durable_write_bytes,
+    lock_holder,
+    unlink_durable,
+)
 
 
 def _names(d: Path) -> set[str]:
@@ -97,7 +102,9 @@ def test_two_saves_of_one_step_never_share_it(tmp_path: Path) -> None:
     sdir = tmp_path / step_dir_name(9)
     sdir.mkdir()
     owner = f"otherhost.{os.getpid()}.0"  # another host: cannot be checked, so counted alive
-    (sdir / SAVE_LOCK_NAME).write_text(json.dumps({"save_id": "sid_x", "owner": owner, "created_at": ""}))
+    (sdir / SAVE_LOCK_NAME).write_text(
+        json.dumps({"save_id": "sid_x", "owner": owner, "created_at": ""})
+    )
     with pytest.raises(ConcurrentSaveError, match="another writer"):
         LocalStepCommit.open(tmp_path, 9, "sid_y")
     assert lock_holder(sdir) == "sid_x"
@@ -105,7 +112,9 @@ def test_two_saves_of_one_step_never_share_it(tmp_path: Path) -> None:
 
 def test_check_lock_sees_a_takeover(tmp_path: Path) -> None:
     with LocalStepCommit.open(tmp_path, 10, "sid_a") as c:
-        durable_write_bytes(c.step_dir / SAVE_LOCK_NAME, json.dumps({"save_id": "sid_b", "owner": "x.1.1"}).encode())
+        durable_write_bytes(
+            c.step_dir / SAVE_LOCK_NAME, json.dumps({"save_id": "sid_b", "owner": "x.1.1"}).encode()
+        )
         with pytest.raises(ConcurrentSaveError, match="has taken over"):
             c.check_lock()
 
@@ -149,7 +158,9 @@ def test_a_failed_rename_in_publish_leaves_no_temp(tmp_path: Path) -> None:
     assert not [n for n in os.listdir(tmp_path / step_dir_name(13)) if n.endswith(TMP_SUFFIX)]
 
 
-def test_a_failed_claim_leaves_no_step_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_claim_leaves_no_step_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
 
     def eio(*args: object, **kwargs: object) -> None:

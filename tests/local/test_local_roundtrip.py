@@ -1,10 +1,10 @@
 """Local tier round trip (issue 2, "Show" bullets 1 and 2).
 
 A 4-rank ZeRO-style checkpoint (fp16 params, fp32 master/exp_avg/exp_avg_sq flat partitions as 1-D
-``GlobalSlice`` s) plus every supported dtype, 0-d, zero-size, non-contiguous and big-endian inputs, nested
-dicts and JSON extras: byte-equal after load, readable by plain ``safetensors``. Then the seed's failure
-modes, each with its own error, and the API edges (step selection, roots, re-saving, mixed saves,
-unsupported state).
+``GlobalSlice`` s) plus every supported dtype, 0-d, zero-size, non-contiguous and big-endian inputs,
+nested dicts and JSON extras: byte-equal after load, readable by plain ``safetensors``. Then the
+seed's failure modes, each with its own error, and the API edges (step selection, roots, re-saving,
+mixed saves, unsupported state).
 """
 
 from __future__ import annotations
@@ -21,23 +21,46 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt import (
+    CheckpointError,
+    CheckpointExistsError,
+    ConcurrentSaveError,
+    GlobalSlice,
+    ManifestError,
+    MissingShardError,
+    NoCheckpointError,
+    ShardCorruptedError,
+    UnsupportedStateError,
+    WorldSizeMismatchError,
+)
 from tiered_ckpt.local.reader import verified_header
-from tiered_ckpt import (CheckpointError, CheckpointExistsError, ConcurrentSaveError, GlobalSlice,
-                         ManifestError, MissingShardError, NoCheckpointError, ShardCorruptedError,
-                         UnsupportedStateError, WorldSizeMismatchError)
 
 WORLD = 4
 PART = 5  # elements of the flat parameter vector per rank
 FLAT = WORLD * PART
 
 F8 = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu]
-NUMPY_DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
-                np.float16, np.float32, np.float64, np.complex64]
+NUMPY_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+]
 ALL_DTYPES = NUMPY_DTYPES + [ml_dtypes.bfloat16] + F8
 
 
 def rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Random bit patterns (NaN payloads, subnormals, negative zeros included); proper 0/1 for bool."""
+    """Random bit patterns (NaN payloads, subnormals, negative zeros included); proper 0/1 for
+    bool."""
     dt = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
     if dt == np.bool_:
@@ -51,7 +74,10 @@ def rank_state(rank: int, seed: int = 0) -> dict[str, Any]:
     sl = lambda a: GlobalSlice(a, (FLAT,), (rank * PART,))  # noqa: E731
     st: dict[str, Any] = {
         "model": {  # fp16 params, replicated as in ZeRO-1/2
-            "layer0": {"weight": rand(rng, (4, 3), np.float16), "bias": rand(rng, (3,), np.float16)},
+            "layer0": {
+                "weight": rand(rng, (4, 3), np.float16),
+                "bias": rand(rng, (3,), np.float16),
+            },
             "layer1": {"weight": rand(rng, (3, 2), np.float16)},
         },
         "optim": {
@@ -78,11 +104,17 @@ def rank_state(rank: int, seed: int = 0) -> dict[str, Any]:
             "high_dim": rand(rng, (1, 2, 1, 2, 1, 2), np.uint8),
         },
         "extra": {
-            "nan": math.nan, "inf": math.inf, "ninf": -math.inf,
+            "nan": math.nan,
+            "inf": math.inf,
+            "ninf": -math.inf,
             "unicode": "naïve ☃ 日本語 \u0000 end",
             "key/with/slash": {"and%percent": 1, "%2F": "literal escape text"},
             "list": [1, 2.5, None, True, "x", [], {}],
-            "big_int": 2**70, "neg": -3, "empty": {}, "bool": False, "none": None,
+            "big_int": 2**70,
+            "neg": -3,
+            "empty": {},
+            "bool": False,
+            "none": None,
         },
     }
     # every dtype, on ranks 0-2; rank 3 keeps numpy-only dtypes (for safetensors.numpy.load_file)
@@ -91,7 +123,9 @@ def rank_state(rank: int, seed: int = 0) -> dict[str, Any]:
         st["dtypes"][np.dtype(dt).name] = rand(rng, (3, 2), dt)
     if rank < 3:
         # a 2-D slice (one global tensor per float8 type, so that slices agree on the dtype)
-        st["dtypes"]["f8_slice"] = GlobalSlice(rand(rng, (2, 2), F8[0]), (4, 4), (2 * (rank // 2), 2 * (rank % 2)))
+        st["dtypes"]["f8_slice"] = GlobalSlice(
+            rand(rng, (2, 2), F8[0]), (4, 4), (2 * (rank // 2), 2 * (rank % 2))
+        )
         st["shapes"]["zero_d_e8m0"] = np.array(rand(rng, (), ml_dtypes.float8_e8m0fnu))
     else:
         for k in ("zero_d_bf16", "zero_size_bf16"):
@@ -123,8 +157,9 @@ def assert_same(got: Any, want: Any, path: str = "") -> None:
         assert got.shape == exp.shape, (path, got.shape, exp.shape)
         assert got.tobytes() == exp.tobytes(), path
     else:
-        assert json.dumps(got, allow_nan=True, sort_keys=True) == json.dumps(want, allow_nan=True,
-                                                                             sort_keys=True), path
+        assert json.dumps(got, allow_nan=True, sort_keys=True) == json.dumps(
+            want, allow_nan=True, sort_keys=True
+        ), path
 
 
 def _escape(k: str) -> str:
@@ -143,8 +178,13 @@ def tensor_items(state: dict[str, Any], prefix: tuple[str, ...] = ()):
 def saved(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], tc.ShardManifest]:
     root = tmp_path_factory.mktemp("rt") / "run"
     states = [rank_state(r) for r in range(WORLD)]
-    m = tc.save_sharded(states, root, 42, extra={"epoch": 3, "loss": [1.0, math.nan, math.inf],
-                                                 "ünï": "c/o%de"}, wall_clock_seconds=4521.0)
+    m = tc.save_sharded(
+        states,
+        root,
+        42,
+        extra={"epoch": 3, "loss": [1.0, math.nan, math.inf], "ünï": "c/o%de"},
+        wall_clock_seconds=4521.0,
+    )
     return root, states, m
 
 
@@ -174,14 +214,23 @@ def test_manifest_records_zero_partitions(saved) -> None:
         by = {t.name: t for t in verified_header(root / "step_0000000042", disk, r).tensors}
         for name in ("optim/fp32_master", "optim/exp_avg", "optim/exp_avg_sq"):
             t = by[name]
-            assert (t.dtype, t.shape, t.global_shape, t.global_offset) == ("F32", (PART,), (FLAT,), (r * PART,))
+            assert (t.dtype, t.shape, t.global_shape, t.global_offset) == (
+                "F32",
+                (PART,),
+                (FLAT,),
+                (r * PART,),
+            )
         assert by["model/layer0/weight"].global_shape is None
         assert by["model/layer0/weight"].dtype == "F16"
         assert by["shapes/zero_size"].data_offsets[0] == by["shapes/zero_size"].data_offsets[1]
         assert by["shapes/zero_d_f32"].shape == ()
         if r < 3:
             assert by["dtypes/bfloat16"].dtype == "BF16"
-            assert {by[f"dtypes/{np.dtype(d).name}"].dtype for d in F8} == {"F8_E4M3", "F8_E5M2", "F8_E8M0"}
+            assert {by[f"dtypes/{np.dtype(d).name}"].dtype for d in F8} == {
+                "F8_E4M3",
+                "F8_E5M2",
+                "F8_E8M0",
+            }
             t = by["dtypes/f8_slice"]
             assert t.global_shape == (4, 4) and t.global_offset == (2 * (r // 2), 2 * (r % 2))
         assert os.path.getsize(root / "step_0000000042" / rec.path) == rec.size_bytes
@@ -210,7 +259,8 @@ def test_shards_open_with_plain_safetensors(saved) -> None:
                 assert tuple(t.shape) == exp.shape, name
                 assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == exp.tobytes(), name
                 assert str(t.dtype).split(".")[1] == {"bool_": "bool", "bool": "bool"}.get(
-                    exp.dtype.name, exp.dtype.name), name
+                    exp.dtype.name, exp.dtype.name
+                ), name
     # rank 3 holds numpy-native dtypes only: safetensors' own numpy loader reads the whole file
     got = load_file(str(sdir / "rank_00003.safetensors"))
     want = dict(tensor_items(states[3]))
@@ -220,7 +270,7 @@ def test_shards_open_with_plain_safetensors(saved) -> None:
         assert got[name].tobytes() == exp.tobytes(), name
 
 
-# ------------------------------------------------------------------------------- failure modes
+# --- failure modes
 
 
 def _copy_step(saved, tmp_path: Path) -> Path:
@@ -265,7 +315,9 @@ def test_one_byte_flipped(saved, tmp_path, where) -> None:
     p = root / "step_0000000042" / "rank_00003.safetensors"
     data = bytearray(p.read_bytes())
     hlen = int.from_bytes(data[:8], "little")
-    pos = {"header_len": 0, "header": 8 + hlen // 2, "data": 8 + hlen + 3, "last": len(data) - 1}[where]
+    pos = {"header_len": 0, "header": 8 + hlen // 2, "data": 8 + hlen + 3, "last": len(data) - 1}[
+        where
+    ]
     data[pos] ^= 0x01
     p.write_bytes(bytes(data))
     with pytest.raises(ShardCorruptedError, match="sha256"):
@@ -274,7 +326,7 @@ def test_one_byte_flipped(saved, tmp_path, where) -> None:
         tc.load_shard(root, 3, WORLD)
 
 
-# ------------------------------------------------------------------------------- API edges
+# --- API edges
 
 
 def small(v: float) -> list[dict[str, Any]]:
@@ -327,8 +379,11 @@ def test_no_checkpoint(tmp_path) -> None:
     for root in (tmp_path / "missing", tmp_path):
         assert tc.committed_steps(root) == []
         assert tc.latest_step(root) is None
-        for call in (lambda: tc.load_sharded(root, 1), lambda: tc.load_shard(root, 0, 1),
-                     lambda: tc.read_manifest(root)):
+        for call in (
+            lambda: tc.load_sharded(root, 1),
+            lambda: tc.load_shard(root, 0, 1),
+            lambda: tc.read_manifest(root),
+        ):
             with pytest.raises(NoCheckpointError) as ei:
                 call()
             assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, CheckpointError)
@@ -360,7 +415,11 @@ def test_resave_committed_step_and_replace(tmp_path) -> None:
     recs = tc.read_manifest(root).shards
     with pytest.raises(CheckpointExistsError):
         tc.commit_step(root, 5, 2, recs)
-    after = {p.name: p.read_bytes() for p in (root / "step_0000000005").iterdir() if not p.name.startswith(".")}
+    after = {
+        p.name: p.read_bytes()
+        for p in (root / "step_0000000005").iterdir()
+        if not p.name.startswith(".")
+    }
     assert after == before  # nothing changed
     assert tc.load_sharded(root, 2)[0]["v"] == 1
     m2 = tc.save_sharded(small(3) + small(3)[:1], root, 5, replace=True)
@@ -405,21 +464,25 @@ class _Obj:
     pass
 
 
-@pytest.mark.parametrize("bad", [
-    pytest.param({1: np.zeros(2)}, id="int-key"),
-    pytest.param({"a": {2: 1}}, id="nested-int-key"),
-    pytest.param({"a": np.array([_Obj()], dtype=object)}, id="object-array"),
-    pytest.param({"a": np.array(["s"])}, id="unicode-array"),
-    pytest.param({"a": np.zeros(2, np.complex128)}, id="complex128"),
-    pytest.param({"a": np.zeros(2, np.longdouble)}, id="longdouble")
-    if np.dtype(np.longdouble).itemsize > 8 else pytest.param({"a": np.zeros(2, "V4")}, id="void"),
-    pytest.param({"a": np.zeros(2, "datetime64[s]")}, id="datetime64"),
-    pytest.param({"a": np.zeros(2, ml_dtypes.float8_e4m3fnuz)}, id="float8-e4m3fnuz"),
-    pytest.param({"a": np.zeros(2, ml_dtypes.int4)}, id="int4"),
-    pytest.param({"a": {1, 2}}, id="set"),
-    pytest.param({"a": _Obj()}, id="object"),
-    pytest.param({"a": b"bytes"}, id="bytes"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({1: np.zeros(2)}, id="int-key"),
+        pytest.param({"a": {2: 1}}, id="nested-int-key"),
+        pytest.param({"a": np.array([_Obj()], dtype=object)}, id="object-array"),
+        pytest.param({"a": np.array(["s"])}, id="unicode-array"),
+        pytest.param({"a": np.zeros(2, np.complex128)}, id="complex128"),
+        pytest.param({"a": np.zeros(2, np.longdouble)}, id="longdouble")
+        if np.dtype(np.longdouble).itemsize > 8
+        else pytest.param({"a": np.zeros(2, "V4")}, id="void"),
+        pytest.param({"a": np.zeros(2, "datetime64[s]")}, id="datetime64"),
+        pytest.param({"a": np.zeros(2, ml_dtypes.float8_e4m3fnuz)}, id="float8-e4m3fnuz"),
+        pytest.param({"a": np.zeros(2, ml_dtypes.int4)}, id="int4"),
+        pytest.param({"a": {1, 2}}, id="set"),
+        pytest.param({"a": _Obj()}, id="object"),
+        pytest.param({"a": b"bytes"}, id="bytes"),
+    ],
+)
 def test_unsupported_state(tmp_path, bad) -> None:
     with pytest.raises(UnsupportedStateError) as ei:
         tc.save_sharded([bad], tmp_path / "run", 1)

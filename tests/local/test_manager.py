@@ -1,5 +1,6 @@
 """CheckpointManager: save policy, async isolation, background failures (real injected I/O errors),
-rotation rules, upload gating, preemption, and two real gloo ranks (node-local roots, a rank dying)."""
+rotation rules, upload gating, preemption, and two real gloo ranks (node-local roots, a rank
+dying)."""
 
 from __future__ import annotations
 
@@ -15,28 +16,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from spawn import python_cmd
 
 import tiered_ckpt as tc
-
-from spawn import python_cmd
 from tiered_ckpt import CheckpointError, GlobalSlice, read_manifest
-from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, save_sharded
-from tiered_ckpt.training.manager import CheckpointManager
 from tiered_ckpt.local.rotation import RotationPolicy, plan_rotation, rotate
+from tiered_ckpt.locks import hold_step_lock
+from tiered_ckpt.training.manager import CheckpointManager
 
 
 def make_state(seed: int, n: int = 3, size: int = 4096) -> dict:
     rng = np.random.default_rng(seed)
-    return {"w": {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(n)},
-            "slice": GlobalSlice(rng.integers(0, 100, 16, dtype=np.int64), (64,), (16,)),
-            "meta": {"step": seed, "hist": [1.0, 2.0]}}
+    return {
+        "w": {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(n)},
+        "slice": GlobalSlice(rng.integers(0, 100, 16, dtype=np.int64), (64,), (16,)),
+        "meta": {"step": seed, "hist": [1.0, 2.0]},
+    }
 
 
 def snapshot(state: dict) -> dict:
-    return {"w": {k: v.copy() for k, v in state["w"].items()}, "slice": state["slice"].array.copy(),
-            "meta": json.loads(json.dumps(state["meta"]))}
+    return {
+        "w": {k: v.copy() for k, v in state["w"].items()},
+        "slice": state["slice"].array.copy(),
+        "meta": json.loads(json.dumps(state["meta"])),
+    }
 
 
 def digest(arrays: dict) -> str:
@@ -55,7 +60,7 @@ def mutate_in_place(state: dict) -> None:
     state["meta"]["step"] = -1
 
 
-# --------------------------------------------------------------------------------------- policy
+# --- policy
 
 
 def test_step_policy(tmp_path):
@@ -98,7 +103,7 @@ def test_numpy_only_manager_does_not_import_torch(tmp_path):
     subprocess.run(python_cmd("-c", code), check=True)
 
 
-# --------------------------------------------------------------------------------------- async
+# --- async
 
 
 def test_async_isolation_in_place_changes_after_save_do_not_leak(tmp_path):
@@ -181,7 +186,9 @@ FAILING_CHILD = textwrap.dedent("""
 
 def test_background_write_failure_surfaces_at_next_call(tmp_path):
     """A real EFBIG (RLIMIT_FSIZE) during the background write of step 2."""
-    p = subprocess.run(python_cmd("-c", FAILING_CHILD, tmp_path), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        python_cmd("-c", FAILING_CHILD, tmp_path), capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["returned"]
@@ -217,8 +224,18 @@ def test_background_fsync_eio_surfaces_at_wait(tmp_path):
     """)
     # fsyncs #1 and #2 write the new run's run.json (temp file, then the root directory: SPEC §11);
     # #3 is the writer lock's; #4 the shard's. Only the 4th fails.
-    cmd = ["/usr/bin/strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync", "-e",
-           "inject=fsync:error=EIO:when=4", *python_cmd("-c", code, tmp_path)]
+    cmd = [
+        "/usr/bin/strace",
+        "-f",
+        "-qq",
+        "-o",
+        "/dev/null",
+        "-e",
+        "trace=fsync",
+        "-e",
+        "inject=fsync:error=EIO:when=4",
+        *python_cmd("-c", code, tmp_path),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if p.returncode != 0 and "ptrace" in p.stderr:
         pytest.skip("ptrace not permitted here")
@@ -238,7 +255,9 @@ def test_save_after_close_is_an_error(tmp_path):
 def test_preemption_sigterm_takes_a_final_synchronous_save(tmp_path):
     old = signal.getsignal(signal.SIGTERM)
     try:
-        with CheckpointManager(tmp_path, save_every_steps=5, handle_sigterm=True, keep_last=10) as m:
+        with CheckpointManager(
+            tmp_path, save_every_steps=5, handle_sigterm=True, keep_last=10
+        ) as m:
             x = np.zeros(4)
             stopped = None
             for step in range(1, 100):
@@ -257,7 +276,7 @@ def test_preemption_sigterm_takes_a_final_synchronous_save(tmp_path):
     assert committed_steps(tmp_path) == [5, 7]
 
 
-# --------------------------------------------------------------------------------------- rotation
+# --- rotation
 
 
 def _commit(root: Path, step: int) -> None:
@@ -290,21 +309,29 @@ def test_upload_gated_rotation_and_pending_cap(tmp_path, caplog):
     policy = RotationPolicy(keep_last=1, upload_gated=True, max_pending_uploads=2)
     for s in (1, 2, 3, 4, 5):
         _commit(tmp_path, s)
-    (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text('{"step": 2, "remote": "s3://b/p"}')
+    (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text(
+        '{"step": 2, "remote": "s3://b/p"}'
+    )
     plan = plan_rotation(tmp_path, policy)
     assert plan.delete == (1, 2) and plan.dropped_pending == (1,) and plan.kept_pending == (3, 4)
     with caplog.at_level(logging.ERROR, logger="tiered_ckpt.local.rotation"):
         assert rotate(tmp_path, policy) == [1, 2]
-    assert any("not uploaded" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+    assert any(
+        "not uploaded" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records
+    )
     assert committed_steps(tmp_path) == [3, 4, 5]
 
 
 def test_manager_upload_gated(tmp_path):
-    with CheckpointManager(tmp_path, keep_last=1, upload_gated=True, max_pending_uploads=2, async_save=False) as m:
+    with CheckpointManager(
+        tmp_path, keep_last=1, upload_gated=True, max_pending_uploads=2, async_save=False
+    ) as m:
         for s in (1, 2, 3):
             m.save(s, {"x": np.full(2, s)})
         assert committed_steps(tmp_path) == [1, 2, 3]  # nothing uploaded yet: all kept (cap 2)
-        (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text('{"step": 2, "remote": "s3://b/p"}')
+        (tmp_path / step_dir_name(2) / UPLOADED_MARKER_NAME).write_text(
+            '{"step": 2, "remote": "s3://b/p"}'
+        )
         m.save(4, {"x": np.full(2, 4)})
         assert committed_steps(tmp_path) == [1, 3, 4]  # 2 was uploaded: rotated; 1 and 3 pending
         m.save(5, {"x": np.full(2, 5)})
@@ -321,7 +348,7 @@ def test_rotation_runs_only_after_a_successful_commit(tmp_path):
     assert committed_steps(tmp_path) == [2]
 
 
-# --------------------------------------------------------------------------------------- multi-rank
+# --- multi-rank
 
 
 @pytest.mark.slow  # multi-process (real gloo ranks): out of the quick tier
@@ -332,10 +359,12 @@ def test_two_ranks_node_local_roots(tmp_path):
     for rank, r in enumerate(res):
         assert r["latest"] == 6
         assert r["w"] == [float(rank) + 6] * 5
-        # Each node's root holds its own shard plus the same global manifest, and says which rank it holds.
+        # Each node's root holds its own shard plus the same global manifest, and says which rank it
+        # holds.
         assert r["files"] == ["manifest.json", "node_ranks.json", f"rank_{rank:05d}.safetensors"]
     m0, m1 = (read_manifest(tmp_path / f"node{r}", 6) for r in (0, 1))
-    # Same global manifest (commit_step stamps its own created_at on each node; the rest is identical).
+    # Same global manifest (commit_step stamps its own created_at on each node; the rest is
+    # identical).
     d0, d1 = m0.to_dict(), m1.to_dict()
     d0.pop("created_at"), d1.pop("created_at")
     assert d0 == d1 and m0.world_size == 2 and m0.extra == {"note": "ok"}

@@ -1,9 +1,11 @@
-"""``pinned.json`` of any kind pins (SPEC §11, safe side): a symlink (dangling or not), a FIFO, a directory or
-garbage all keep the step from rotation, never followed and never opened blocking. Before the fix a symlink
-or a FIFO counted as not pinned (rotation deleted the step) while garbage counted as pinned.
+"""``pinned.json`` of any kind pins (SPEC §11, safe side): a symlink (dangling or not), a FIFO, a
+directory or garbage all keep the step from rotation, never followed and never opened blocking.
+Before the fix a symlink or a FIFO counted as not pinned (rotation deleted the step) while garbage
+counted as pinned.
 
-:func:`tiered_ckpt.local.pins.pin_bytes` gives what a mirror of the pin may upload: the regular file's
-bytes, or a placeholder for any other entry (never a symlink's target, never a blocking FIFO read)."""
+:func:`tiered_ckpt.local.pins.pin_bytes` gives what a mirror of the pin may upload: the regular
+file's bytes, or a placeholder for any other entry (never a symlink's target, never a blocking FIFO
+read)."""
 
 from __future__ import annotations
 
@@ -87,11 +89,16 @@ def test_pin_bytes_never_follows_or_blocks(tmp_path: Path) -> None:
         assert got is not None and json.loads(got) == {"pinned_at": None, "step": 1}, kind
     (sdir / PINNED_MARKER_NAME).rmdir()
     (sdir / PINNED_MARKER_NAME).write_bytes(b"x" * (64 * 1024 + 1))
-    assert json.loads(pin_bytes(sdir)) == {"pinned_at": None, "step": 1}  # over the cap: the placeholder
+    assert json.loads(pin_bytes(sdir)) == {
+        "pinned_at": None,
+        "step": 1,
+    }  # over the cap: the placeholder
 
 
 def test_unpin_removes_a_non_regular_entry(tmp_path: Path) -> None:
     root = _root(tmp_path)
     _make("fifo", root / step_dir_name(2) / PINNED_MARKER_NAME, tmp_path)
     assert unpin_step(root, 2) is True
-    assert not is_pinned(root, 2) and not os.path.lexists(root / step_dir_name(2) / PINNED_MARKER_NAME)
+    assert not is_pinned(root, 2) and not os.path.lexists(
+        root / step_dir_name(2) / PINNED_MARKER_NAME
+    )

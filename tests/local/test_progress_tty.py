@@ -1,7 +1,7 @@
-"""The transfer commands' progress bar (issue 14, Build 6; ``tiered_ckpt.cli._progress``): drawn on a
-terminal (a real pty), never on a redirected stderr unless ``--progress`` forces it, and never going
-backwards: bytes taken back by a retried or cancelled transfer hold the bar, an interrupted bar is
-closed where it stands, and a fallback gets a bar of its own."""
+"""The transfer commands' progress bar ( ``tiered_ckpt.cli._progress``): drawn on
+a terminal (a real pty), never on a redirected stderr unless ``--progress`` forces it, and never
+going backwards: bytes taken back by a retried or cancelled transfer hold the bar, an interrupted
+bar is closed where it stands, and a fallback gets a bar of its own."""
 
 from __future__ import annotations
 
@@ -59,14 +59,18 @@ def test_no_bar_on_a_file_unless_forced(tmp_path) -> None:
     with open(tmp_path / "stderr.log", "w") as f:
         assert not progress_enabled(_args(), f)
         assert progress_enabled(_args("--progress"), f)
-        assert progress_enabled(_args("--progress", json=True), f)  # forced: the bar is on stderr, JSON on stdout
+        assert progress_enabled(
+            _args("--progress", json=True), f
+        )  # forced: the bar is on stderr, JSON on stdout
         assert not progress_enabled(_args("--no-progress"), f)
         bar = Progress(progress_enabled(_args(), f), stream=f)
         bar.start(100, "upload")
         bar(100)
         bar.close()
     assert (tmp_path / "stderr.log").read_bytes() == b""
-    assert not progress_enabled(argparse.Namespace(no_progress=True, json=False), io.StringIO())  # older dest
+    assert not progress_enabled(
+        argparse.Namespace(no_progress=True, json=False), io.StringIO()
+    )  # older dest
 
 
 def test_bar_never_goes_backwards() -> None:

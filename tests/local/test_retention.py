@@ -1,6 +1,7 @@
-"""Retention for issue 10: rotation never deletes the step it just committed (Why case 1), keep_every_steps,
-pins (``pinned.json``), superseded steps removed only once ``keep_last`` current steps exist, and upload-gated
-rotation that counts an ``uploaded.json`` only while it matches the step's manifest (Why case 4)."""
+"""Retention for issue 10: rotation never deletes the step it just committed (Why case 1),
+keep_every_steps, pins (``pinned.json``), superseded steps removed only once ``keep_last`` current
+steps exist, and upload-gated rotation that counts an ``uploaded.json`` only while it matches the
+step's manifest (Why case 4)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,19 @@ import pytest
 from tiered_ckpt.errors import NoCheckpointError
 from tiered_ckpt.format.lineage import Superseded
 from tiered_ckpt.format.records import UploadedMarker
-from tiered_ckpt.layout import MANIFEST_NAME, PINNED_MARKER_NAME, UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, save_sharded
-from tiered_ckpt.local import rotation
-from tiered_ckpt.local.markers import (has_uploaded_marker, manifest_sha256_of, read_uploaded_marker,
-                                       write_uploaded_marker)
+from tiered_ckpt.layout import (
+    MANIFEST_NAME,
+    PINNED_MARKER_NAME,
+    UPLOADED_MARKER_NAME,
+    step_dir_name,
+)
+from tiered_ckpt.local import committed_steps, rotation, save_sharded
+from tiered_ckpt.local.markers import (
+    has_uploaded_marker,
+    manifest_sha256_of,
+    read_uploaded_marker,
+    write_uploaded_marker,
+)
 from tiered_ckpt.local.pins import is_pinned, pin_step, pinned_steps, unpin_step
 from tiered_ckpt.local.rotation import RotationPolicy, is_uploaded, plan_rotation, rotate
 from tiered_ckpt.locks import hold_step_lock
@@ -39,15 +48,18 @@ def sha_of_manifest(root: Path, step: int) -> str:
 
 def mark_uploaded(root: Path, step: int, manifest_sha256: str | None = "current") -> None:
     sha = sha_of_manifest(root, step) if manifest_sha256 == "current" else manifest_sha256
-    write_uploaded_marker(root / step_dir_name(step), UploadedMarker(step=step, remote=REMOTE), manifest_sha256=sha)
+    write_uploaded_marker(
+        root / step_dir_name(step), UploadedMarker(step=step, remote=REMOTE), manifest_sha256=sha
+    )
 
 
-# ------------------------------------------------------------------------------ Why case 1: just committed
+# --- Why case 1: just committed
 
 
 def test_rollback_save_is_not_rotated_out_at_once(tmp_path: Path) -> None:
-    """Why case 1 on the rotation side: a root holds 500, 600, 700; a rolled-back job saves 100 and rotates
-    with keep_last=3. Before issue 10 rotate() deleted 100 at once (it keeps the newest by step number)."""
+    """Why case 1 on the rotation side: a root holds 500, 600, 700; a rolled-back job saves 100 and
+    rotates with keep_last=3. Before issue 10 rotate() deleted 100 at once (it keeps the newest by
+    step number)."""
     for s in (500, 600, 700):
         commit(tmp_path, s)
     commit(tmp_path, 100)
@@ -66,7 +78,7 @@ def test_just_committed_among_the_newest_changes_nothing(tmp_path: Path) -> None
     assert committed_steps(tmp_path) == [3, 4]
 
 
-# ------------------------------------------------------------------------------ keep_every_steps and pins
+# --- keep_every_steps and pins
 
 
 def test_keep_every_steps_keeps_multiples_for_good(tmp_path: Path) -> None:
@@ -139,15 +151,21 @@ def test_everything_in_one_root(tmp_path: Path) -> None:
     policy = RotationPolicy(keep_last=1, keep_every_steps=20)
     plan = plan_rotation(tmp_path, policy, just_committed=5)
     assert plan.delete == (10, 50)
-    assert plan.kept_pinned == (30,) and plan.kept_every == (20, 40) and plan.kept_just_committed == (5,)
+    assert (
+        plan.kept_pinned == (30,)
+        and plan.kept_every == (20, 40)
+        and plan.kept_just_committed == (5,)
+    )
     assert rotate(tmp_path, policy, just_committed=5) == [10, 50]
     assert committed_steps(tmp_path) == [5, 20, 30, 40, 60]
     assert pinned_steps(tmp_path) == [30]
 
 
-def test_pin_made_while_rotation_deletes_keeps_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pin written between the plan and the rename into trash: the pin is found inside the trash and the
-    step is put back (as for a lock holder that raced in)."""
+def test_pin_made_while_rotation_deletes_keeps_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pin written between the plan and the rename into trash: the pin is found inside the trash
+    and the step is put back (as for a lock holder that raced in)."""
     for s in (1, 2):
         commit(tmp_path, s)
     real_move = rotation.move_to_trash
@@ -170,24 +188,34 @@ def test_locked_steps_still_stay(tmp_path: Path) -> None:
         assert plan.delete == (2,) and plan.kept_locked == (1,)
 
 
-# ------------------------------------------------------------------------------ Why case 4: marker mismatch
+# --- Why case 4: marker mismatch
 
 
 def test_replaced_step_with_the_old_marker_is_not_uploaded(tmp_path: Path) -> None:
-    """Why case 4 (marker side): step 2 was uploaded, then re-saved with replace=True; its uploaded.json
-    (written by hand here, as the old sidecar left it) names the old manifest's sha256, so it no longer counts
-    and upload-gated rotation keeps the step."""
+    """Why case 4 (marker side): step 2 was uploaded, then re-saved with replace=True; its
+    uploaded.json (written by hand here, as the old sidecar left it) names the old manifest's
+    sha256, so it no longer counts and upload-gated rotation keeps the step."""
     for s in (1, 2, 3):
         commit(tmp_path, s)
     old_sha = sha_of_manifest(tmp_path, 2)
     save_sharded([{"x": np.full(4, 99.0, np.float32)}], tmp_path, 2, replace=True)
     assert sha_of_manifest(tmp_path, 2) != old_sha
     sdir = tmp_path / step_dir_name(2)
-    (sdir / UPLOADED_MARKER_NAME).write_text(json.dumps(
-        {"step": 2, "remote": REMOTE, "upload_manifest_sha256": "a" * 64, "manifest_sha256": old_sha}))
+    (sdir / UPLOADED_MARKER_NAME).write_text(
+        json.dumps(
+            {
+                "step": 2,
+                "remote": REMOTE,
+                "upload_manifest_sha256": "a" * 64,
+                "manifest_sha256": old_sha,
+            }
+        )
+    )
     mark_uploaded(tmp_path, 1)
     assert read_uploaded_marker(sdir) is not None  # the file is there and parses ...
-    assert not has_uploaded_marker(sdir) and not is_uploaded(tmp_path, 2)  # ... but no longer counts
+    assert not has_uploaded_marker(sdir) and not is_uploaded(
+        tmp_path, 2
+    )  # ... but no longer counts
     assert has_uploaded_marker(tmp_path / step_dir_name(1)) and is_uploaded(tmp_path, 1)
     policy = RotationPolicy(keep_last=1, upload_gated=True, max_pending_uploads=4)
     plan = plan_rotation(tmp_path, policy)
@@ -214,10 +242,15 @@ def test_marker_forms(tmp_path: Path) -> None:
     write_uploaded_marker(sdir, UploadedMarker(step=4, remote=REMOTE, manifest_sha256="b" * 64))
     assert not has_uploaded_marker(sdir)
     with pytest.raises(ValueError):
-        write_uploaded_marker(sdir, UploadedMarker(step=4, remote=REMOTE, manifest_sha256="b" * 64),
-                              manifest_sha256=sha)
+        write_uploaded_marker(
+            sdir,
+            UploadedMarker(step=4, remote=REMOTE, manifest_sha256="b" * 64),
+            manifest_sha256=sha,
+        )
     with pytest.raises(ValueError):
-        write_uploaded_marker(sdir, UploadedMarker(step=4, remote=REMOTE), manifest_sha256="not-hex")
+        write_uploaded_marker(
+            sdir, UploadedMarker(step=4, remote=REMOTE), manifest_sha256="not-hex"
+        )
     assert read_uploaded_marker(sdir).manifest_sha256 == "b" * 64  # type: ignore[union-attr]  # untouched
     # unreadable markers and manifests never count
     (sdir / UPLOADED_MARKER_NAME).write_text("{")
@@ -238,12 +271,12 @@ def test_dropped_pending_still_capped(tmp_path: Path, caplog: pytest.LogCaptureF
     assert sum("not uploaded" in r.getMessage() for r in caplog.records) == 2
 
 
-# ------------------------------------------------------------------------------ superseded steps
+# --- superseded steps
 
 
 class FakeLineage:
-    """Stands in for tiered_ckpt.local.lineage (engineer A1's): superseded entries of a root and their
-    removal, recorded."""
+    """Stands in for tiered_ckpt.local.lineage (engineer A1's): superseded entries of a root and
+    their removal, recorded."""
 
     def __init__(self, entries: list[SimpleNamespace]) -> None:
         self.entries = entries
@@ -259,18 +292,30 @@ class FakeLineage:
         self.removed.append(entry.step)
 
 
-def superseded_entry(root: Path, step: int, *, attempt: int = 2, from_step: int = 100) -> SimpleNamespace:
+def superseded_entry(
+    root: Path, step: int, *, attempt: int = 2, from_step: int = 100
+) -> SimpleNamespace:
     path = root / "superseded" / f"{step_dir_name(step)}.save{step}"
     path.mkdir(parents=True)
     (path / MANIFEST_NAME).write_text("{}")
-    return SimpleNamespace(step=step, save_id=f"save{step}", attempt=1, run_id="r1",
-                           superseded=Superseded(attempt, from_step), path=path, set_aside=True)
+    return SimpleNamespace(
+        step=step,
+        save_id=f"save{step}",
+        attempt=1,
+        run_id="r1",
+        superseded=Superseded(attempt, from_step),
+        path=path,
+        set_aside=True,
+    )
 
 
-def test_superseded_removed_only_once_keep_last_current_steps_exist(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_superseded_removed_only_once_keep_last_current_steps_exist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     entries = [superseded_entry(tmp_path, s) for s in (500, 600, 700)]
-    (entries[1].path / PINNED_MARKER_NAME).write_text("{}")  # a pinned superseded step is never removed
+    (entries[1].path / PINNED_MARKER_NAME).write_text(
+        "{}"
+    )  # a pinned superseded step is never removed
     fake = FakeLineage(entries)
     monkeypatch.setattr(rotation, "lineage", fake)
     policy = RotationPolicy(keep_last=2)
@@ -297,13 +342,18 @@ def test_rotation_works_without_lineage_records(tmp_path: Path) -> None:
 
 
 def test_rollback_with_real_lineage_records(tmp_path: Path) -> None:
-    """The whole of Why case 1 on one root, with the lineage module's own records: attempt 1 saved 500, 600,
-    700; attempt 2 supersedes from 100 (600 pinned, 700 still in place); rotation keeps the new steps and
-    the superseded ones until keep_last current steps exist, then removes all but the pinned one."""
+    """The whole of Why case 1 on one root, with the lineage module's own records: attempt 1 saved
+    500, 600, 700; attempt 2 supersedes from 100 (600 pinned, 700 still in place); rotation keeps
+    the new steps and the superseded ones until keep_last current steps exist, then removes all but
+    the pinned one."""
     from tiered_ckpt.format.lineage import RunLineage
     from tiered_ckpt.fs import utc_now
     from tiered_ckpt.layout import SUPERSEDED_DIR
-    from tiered_ckpt.local.lineage import set_aside_superseded, superseded_local_steps, write_run_record
+    from tiered_ckpt.local.lineage import (
+        set_aside_superseded,
+        superseded_local_steps,
+        write_run_record,
+    )
 
     rec = RunLineage.first("run0001", utc_now())
     write_run_record(tmp_path, rec)
@@ -313,14 +363,19 @@ def test_rollback_with_real_lineage_records(tmp_path: Path) -> None:
     rec2 = rec.new_attempt(supersedes_from=100, resumed_from=None, started_at=utc_now())
     write_run_record(tmp_path, rec2)
     set_aside_superseded(tmp_path, rec2)
-    moved_back = next(p for p in (tmp_path / SUPERSEDED_DIR).iterdir() if p.name.startswith(step_dir_name(700)))
+    moved_back = next(
+        p for p in (tmp_path / SUPERSEDED_DIR).iterdir() if p.name.startswith(step_dir_name(700))
+    )
     moved_back.rename(tmp_path / step_dir_name(700))  # as a crash before setting it aside leaves it
     policy = RotationPolicy(keep_last=2)
     commit(tmp_path, 100)
     assert committed_steps(tmp_path) == [100]
     assert rotate(tmp_path, policy, just_committed=100) == []
-    assert [(e.step, e.set_aside) for e in superseded_local_steps(tmp_path)] == [(500, True), (600, True),
-                                                                                 (700, False)]
+    assert [(e.step, e.set_aside) for e in superseded_local_steps(tmp_path)] == [
+        (500, True),
+        (600, True),
+        (700, False),
+    ]
     commit(tmp_path, 200)
     assert rotate(tmp_path, policy, just_committed=200) == []
     assert [(e.step, e.set_aside) for e in superseded_local_steps(tmp_path)] == [(600, True)]

@@ -1,5 +1,6 @@
-"""CheckpointManager's save outcomes as data (SaveOutcome, save_outcomes, on_save_outcome) and the job
-event log written from them (tiered_ckpt.training.events), which the demo reads instead of log text."""
+"""CheckpointManager's save outcomes as data (SaveOutcome, save_outcomes, on_save_outcome) and the
+job event log written from them (tiered_ckpt.training.events), which the demo reads instead of log
+text."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def test_failed_background_save_has_an_error_outcome(tmp_path):
     m = CheckpointManager(tmp_path, on_save_outcome=seen.append)
     m.save(1, {"x": np.zeros(10)})
     m.wait()
-    (tmp_path / step_dir_name(2)).write_bytes(b"")  # a file where step 2's directory must go: a real OSError
+    (tmp_path / step_dir_name(2)).write_bytes(
+        b""
+    )  # a file where step 2's directory must go: a real OSError
     m.save(2, {"x": np.ones(10)})
     with pytest.raises(CheckpointError):
         m.wait()
@@ -57,7 +60,9 @@ def test_a_failing_callback_does_not_fail_the_save(tmp_path):
 
 
 def test_outcome_json_roundtrip():
-    o = SaveOutcome(step=7, rank=3, seconds=0.25, stage_seconds=0.01, committed_here=True, error=None)
+    o = SaveOutcome(
+        step=7, rank=3, seconds=0.25, stage_seconds=0.01, committed_here=True, error=None
+    )
     assert SaveOutcome.from_json(json.loads(json.dumps(o.to_json()))) == o
     bad = SaveOutcome(step=8, rank=0, seconds=0.1, error="OSError: disk full")
     assert not bad.ok and SaveOutcome.from_json(bad.to_json()) == bad
@@ -67,7 +72,10 @@ def test_outcome_json_roundtrip():
 
 def test_job_event_log_roundtrip_skips_a_cut_line(tmp_path):
     path = tmp_path / "events.jsonl"
-    with JobEventLog(path) as ev, CheckpointManager(tmp_path / "ckpt", on_save_outcome=ev.save) as m:
+    with (
+        JobEventLog(path) as ev,
+        CheckpointManager(tmp_path / "ckpt", on_save_outcome=ev.save) as m,
+    ):
         ev.resumed(5)
         m.save(6, {"x": np.zeros(10)})
         m.save(7, {"x": np.zeros(10)})

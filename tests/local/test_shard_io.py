@@ -1,7 +1,7 @@
-"""Streaming shard I/O (tiered_ckpt.local.shard_io, issue 12 items 2-3): the verified read keeps several
-large reads in flight and still hashes in file order into one final buffer; the streaming write gathers
-chunks into few large writes. Byte equality, exact digests and exact error types; no thread outlives a
-call."""
+"""Streaming shard I/O (tiered_ckpt.local.shard_io, issue 12 items 2-3): the verified read keeps
+several large reads in flight and still hashes in file order into one final buffer; the streaming
+write gathers chunks into few large writes. Byte equality, exact digests and exact error types; no
+thread outlives a call."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ def test_read_verified_threads_hash_in_order(tmp_path: Path, size: int) -> None:
     assert _io_threads() == []
 
 
-def test_read_verified_defaults_read_large_blocks_several_at_once(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_verified_defaults_read_large_blocks_several_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The old reader issued 1 MiB reads one at a time (queue depth 1): 5.3 s for a cold 2 GiB shard
     against 1.4 s for plain large reads. Now: reads of READ_BYTES, more than one in flight, and the
     kernel told the file is read sequentially."""
@@ -96,8 +97,9 @@ def test_read_verified_short_file_is_corrupt(tmp_path: Path, readers: int) -> No
     assert _io_threads() == []
 
 
-def test_read_verified_os_error_propagates_and_stops_reads(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_verified_os_error_propagates_and_stops_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     size = 8 * READ
     p, _ = _file(tmp_path, size)
     real = os.preadv
@@ -127,11 +129,16 @@ class _Recorder:
         self.parts.append(bytes(data))
 
 
-def test_write_stream_batches_and_feeds_every_hasher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of odd sizes (and empty ones) go out in few writes of about write_bytes, byte-identical,
-    while both the threaded and the inline hashers see every byte in order."""
+def test_write_stream_batches_and_feeds_every_hasher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of odd sizes (and empty ones) go out in few writes of about write_bytes,
+    byte-identical, while both the threaded and the inline hashers see every byte in order."""
     rng = np.random.default_rng(1)
-    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5, 0, 70_000, 1, 300_000, 0, 4096, 123_457)]
+    arrays = [
+        rng.integers(0, 256, n, dtype=np.uint8)
+        for n in (5, 0, 70_000, 1, 300_000, 0, 4096, 123_457)
+    ]
     chunks = [memoryview(a) for a in arrays] + [memoryview(b"tail")]
     data = b"".join(bytes(c) for c in chunks)
     calls: list[int] = []
@@ -147,7 +154,9 @@ def test_write_stream_batches_and_feeds_every_hasher(tmp_path: Path, monkeypatch
     sha, rec = hashlib.sha256(), _Recorder()
     fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        n = shard_io.write_stream(fd, iter(chunks), [sha], inline_hashers=[rec], write_bytes=256 * KiB)
+        n = shard_io.write_stream(
+            fd, iter(chunks), [sha], inline_hashers=[rec], write_bytes=256 * KiB
+        )
     finally:
         os.close(fd)
     assert n == len(data) == (tmp_path / "out").stat().st_size
@@ -159,8 +168,9 @@ def test_write_stream_batches_and_feeds_every_hasher(tmp_path: Path, monkeypatch
     assert _io_threads() == []
 
 
-def test_write_stream_error_propagates_after_hasher_drained(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_stream_error_propagates_after_hasher_drained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def fail(fd: int, bufs: object) -> int:
         raise OSError(errno.ENOSPC, "injected")
 

@@ -1,11 +1,12 @@
 """Every child a test starts runs the test's own interpreter and environment (tests/spawn.py).
 
-Each child-spawning helper (a plain ``python_cmd`` child, the crash harness's fresh child, its fork server's
-child, the rank-worker launcher with both worker scripts) starts a child that reports ``sys.prefix`` and
-``tiered_ckpt.__file__``; both must equal this process's. ``sys.prefix`` is the telling one: a child
-started with the *realpath* of a virtual environment's ``python`` runs the base interpreter, whose
-``sys.prefix`` is the base installation's, even on a machine where the base interpreter happens to have
-every package installed (then ``tiered_ckpt`` would import and only the prefix differs).
+Each child-spawning helper (a plain ``python_cmd`` child, the crash harness's fresh child, its fork
+server's child, the rank-worker launcher with both worker scripts) starts a child that reports
+``sys.prefix`` and ``tiered_ckpt.__file__``; both must equal this process's. ``sys.prefix`` is the
+telling one: a child started with the *realpath* of a virtual environment's ``python`` runs the base
+interpreter, whose ``sys.prefix`` is the base installation's, even on a machine where the base
+interpreter happens to have every package installed (then ``tiered_ckpt`` would import and only the
+prefix differs).
 """
 
 from __future__ import annotations
@@ -16,29 +17,44 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import crash_harness
+import pytest
 import spawn
-from spawn import (DIST_WORKERS, ENV_PROBE_CODE, RESTORE_WORKERS, NotAnInterpreterError, child_env, env_report,
-                   python_cmd, python_exe, start_ranks, wait_ranks)
+from spawn import (
+    DIST_WORKERS,
+    ENV_PROBE_CODE,
+    RESTORE_WORKERS,
+    NotAnInterpreterError,
+    child_env,
+    env_report,
+    python_cmd,
+    python_exe,
+    start_ranks,
+    wait_ranks,
+)
 
 
 def _same_env(child: dict) -> None:
     parent = env_report()
-    assert child["prefix"] == parent["prefix"], f"child ran another environment: {child} vs parent {parent}"
-    assert os.path.realpath(child["tiered_ckpt"]) == os.path.realpath(parent["tiered_ckpt"]), (child, parent)
+    assert child["prefix"] == parent["prefix"], (
+        f"child ran another environment: {child} vs parent {parent}"
+    )
+    assert os.path.realpath(child["tiered_ckpt"]) == os.path.realpath(parent["tiered_ckpt"]), (
+        child,
+        parent,
+    )
 
 
 @pytest.fixture
 def fresh_python_exe():
-    """python_exe's cached answer cleared before and after (for tests that change sys.executable)."""
+    """python_exe's cached answer cleared before and after (for tests that change
+    sys.executable)."""
     python_exe.cache_clear()
     yield
     python_exe.cache_clear()
 
 
-# ------------------------------------------------------------------------------------------ the helper
+# --- the helper
 
 
 def test_python_exe_is_sys_executable_as_it_is() -> None:
@@ -46,7 +62,9 @@ def test_python_exe_is_sys_executable_as_it_is() -> None:
     assert python_cmd("-c", Path("x")) == [sys.executable, "-c", "x"]
 
 
-def test_a_symlink_to_the_interpreter_is_kept_not_resolved(tmp_path: Path, monkeypatch, fresh_python_exe) -> None:
+def test_a_symlink_to_the_interpreter_is_kept_not_resolved(
+    tmp_path: Path, monkeypatch, fresh_python_exe
+) -> None:
     link = tmp_path / "python"
     link.symlink_to(os.path.realpath(sys.executable))
     monkeypatch.setattr(sys, "executable", str(link))
@@ -55,9 +73,11 @@ def test_a_symlink_to_the_interpreter_is_kept_not_resolved(tmp_path: Path, monke
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ELF check is Linux-only")
 @pytest.mark.parametrize("through_symlink", [False, True])
-def test_a_script_interpreter_fails_loudly(tmp_path: Path, monkeypatch, fresh_python_exe,
-                                           through_symlink: bool) -> None:
-    """A pyenv-style shim (a shell script that execs Python) is refused: strace would trace the shell."""
+def test_a_script_interpreter_fails_loudly(
+    tmp_path: Path, monkeypatch, fresh_python_exe, through_symlink: bool
+) -> None:
+    """A pyenv-style shim (a shell script that execs Python) is refused: strace would trace the
+    shell."""
     shim = tmp_path / "shim"
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     shim.chmod(0o755)
@@ -77,27 +97,40 @@ def test_child_env_helpers_puts_the_helper_folder_first() -> None:
     env = child_env({"PYTHONPATH": "/elsewhere", "A": "1"}, helpers=True, B="2")
     assert env["PYTHONPATH"].split(os.pathsep) == [str(spawn.TESTS_DIR), "/elsewhere"]
     assert env["A"] == "1" and env["B"] == "2"
-    assert "PYTHONPATH" not in child_env({}) and child_env({}, helpers=True)["PYTHONPATH"] == str(spawn.TESTS_DIR)
+    assert "PYTHONPATH" not in child_env({}) and child_env({}, helpers=True)["PYTHONPATH"] == str(
+        spawn.TESTS_DIR
+    )
 
 
 def test_the_probe_tells_a_resolved_venv_interpreter_apart() -> None:
-    """What makes the checks below fail on the code that resolved the path: the resolved interpreter of a
-    virtual environment reports the base ``sys.prefix``."""
+    """What makes the checks below fail on the code that resolved the path: the resolved interpreter
+    of a virtual environment reports the base ``sys.prefix``."""
     if sys.prefix == sys.base_prefix:
         pytest.skip("not running in a virtual environment")
     resolved = os.path.realpath(sys.executable)
-    out = subprocess.run([resolved, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
-                         timeout=60, env=child_env())
+    out = subprocess.run(
+        [resolved, "-c", "import sys; print(sys.prefix)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() != sys.prefix
 
 
-# ------------------------------------------------------------------------------ each spawning helper
+# --- each spawning helper
 
 
 def test_plain_child_shares_the_environment() -> None:
-    out = subprocess.run(python_cmd("-c", ENV_PROBE_CODE), capture_output=True, text=True, timeout=60,
-                         env=child_env(), cwd="/")
+    out = subprocess.run(
+        python_cmd("-c", ENV_PROBE_CODE),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        cwd="/",
+    )
     assert out.returncode == 0, out.stderr
     _same_env(json.loads(out.stdout))
 

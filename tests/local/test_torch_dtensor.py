@@ -1,8 +1,10 @@
 """A model sharded with FSDP2 (its parameters and Adam moments are DTensors) is refused by the array
-capture/restore of :mod:`tiered_ckpt.torch` with an error that names the key, says it is a DTensor and
-points to ``tiered_ckpt.dcp`` (issue 13, item 4), never "cannot store a tensor of dtype torch.float32".
+capture/restore of :mod:`tiered_ckpt.torch` with an error that names the key, says it is a DTensor
+and points to ``tiered_ckpt.dcp`` (issue 13, item 4), never "cannot store a tensor of dtype
+torch.float32".
 
-One real gloo process group of world size 1 in this process (a DTensor needs one), torn down after."""
+One real gloo process group of world size 1 in this process (a DTensor needs one), torn down
+after."""
 
 from __future__ import annotations
 
@@ -18,16 +20,23 @@ from spawn import free_port  # noqa: E402
 pytestmark = pytest.mark.slow  # importing torch.distributed.tensor alone takes ~1.5 s here
 
 from tiered_ckpt.errors import UnsupportedStateError  # noqa: E402
-from tiered_ckpt.torch import (capture_optimizer, capture_training_state, restore_training_state,  # noqa: E402
-                               tensor_to_numpy)
+from tiered_ckpt.torch import (
+    capture_optimizer,
+    capture_training_state,
+    restore_training_state,  # noqa: E402
+    tensor_to_numpy,
+)
 
 
 @pytest.fixture(scope="module")
 def fsdp2_model():
-    """``(model, optimizer)``: a 2-layer MLP under ``fully_shard`` (per layer and root), one AdamW step."""
+    """``(model, optimizer)``: a 2-layer MLP under ``fully_shard`` (per layer and root), one AdamW
+    step."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
+    )
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -59,7 +68,9 @@ def test_fsdp2_model_and_optimizer_are_refused_naming_the_dtensor(fsdp2_model):
     with pytest.raises(UnsupportedStateError) as exc:
         capture_optimizer(opt, model)
     _assert_dtensor_error(exc, "0.weight")
-    assert re.search(r"exp_avg", str(exc.value)), str(exc.value)  # the state key, not only the parameter
+    assert re.search(r"exp_avg", str(exc.value)), str(
+        exc.value
+    )  # the state key, not only the parameter
     with pytest.raises(UnsupportedStateError) as exc:
         tensor_to_numpy(model.state_dict()["2.bias"])
     _assert_dtensor_error(exc, "DTensor")

@@ -1,5 +1,6 @@
 """Round trips of the torch adapter through the real local tier: model, optimizer (incl. a
-ZeroRedundancyOptimizer partition on two real gloo ranks), scheduler, GradScaler, RNG, data position."""
+ZeroRedundancyOptimizer partition on two real gloo ranks), scheduler, GradScaler, RNG, data
+position."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ torch = pytest.importorskip("torch")
 from spawn import DIST_WORKERS, start_ranks, wait_ranks  # noqa: E402
 
 from tiered_ckpt import commit_step, load_shard, write_shard  # noqa: E402
-from tiered_ckpt.training.data import DataPosition, ShuffledBatchSampler  # noqa: E402
 from tiered_ckpt.errors import CheckpointError  # noqa: E402
-from tiered_ckpt.training.torch_state import (capture_rng_state, capture_training_state, numpy_to_tensor,  # noqa: E402
-                               restore_rng_state, restore_training_state, tensor_to_numpy)
-
+from tiered_ckpt.training.data import DataPosition, ShuffledBatchSampler  # noqa: E402
+from tiered_ckpt.training.torch_state import (
+    capture_rng_state,
+    capture_training_state,
+    numpy_to_tensor,  # noqa: E402
+    restore_rng_state,
+    restore_training_state,
+    tensor_to_numpy,
+)
 
 
 def roundtrip(tmp_path: Path, state: dict) -> dict:
@@ -40,10 +46,16 @@ def bits(t):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_tensor_bits_exact_including_nan_payloads(tmp_path, dtype):
     g = torch.Generator().manual_seed(1)
-    width = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-             torch.float64: torch.int64}[dtype]
+    width = {
+        torch.float16: torch.int16,
+        torch.bfloat16: torch.int16,
+        torch.float32: torch.int32,
+        torch.float64: torch.int64,
+    }[dtype]
     info = torch.iinfo(width)
-    raw = torch.randint(info.min, info.max, (7, 5), generator=g, dtype=width)  # every bit pattern: NaNs, subnormals
+    raw = torch.randint(
+        info.min, info.max, (7, 5), generator=g, dtype=width
+    )  # every bit pattern: NaNs, subnormals
     t = raw.view(dtype)
     a = tensor_to_numpy(t)
     if dtype == torch.bfloat16:
@@ -54,8 +66,9 @@ def test_tensor_bits_exact_including_nan_payloads(tmp_path, dtype):
 
 def _model(dtype=torch.float32):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8),
-                               torch.nn.Linear(8, 2)).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2)
+    ).to(dtype)
 
 
 def _steps(model, opt, sched, scaler, n, seed):
@@ -77,12 +90,19 @@ def test_full_training_state_roundtrip_and_identical_continuation(tmp_path, dtyp
         # Two param groups with different hyper-parameters, params listed in a different order than
         # the model's: state must be matched by name, not index.
         ps = dict(m.named_parameters())
-        groups = [{"params": [ps["3.weight"], ps["0.weight"]], "weight_decay": 0.1},
-                  {"params": [ps["3.bias"], ps["0.bias"], ps["2.weight"], ps["2.bias"]], "weight_decay": 0.0}]
+        groups = [
+            {"params": [ps["3.weight"], ps["0.weight"]], "weight_decay": 0.1},
+            {
+                "params": [ps["3.bias"], ps["0.bias"], ps["2.weight"], ps["2.bias"]],
+                "weight_decay": 0.0,
+            },
+        ]
         opt = torch.optim.AdamW(groups, lr=0.01, betas=(0.8, 0.99))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         # GradScaler refuses to unscale fp16 gradients: it is exercised with fp32/bf16 parameters.
-        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2, enabled=dtype != torch.float16)
+        scaler = torch.amp.GradScaler(
+            "cpu", init_scale=256.0, growth_interval=2, enabled=dtype != torch.float16
+        )
         return m, opt, sched, scaler
 
     m1, o1, s1, sc1 = build()
@@ -104,12 +124,17 @@ def test_full_training_state_roundtrip_and_identical_continuation(tmp_path, dtyp
         for k, v in o1.state[p1].items():
             assert torch.equal(bits(v), bits(o2.state[p2][k])), k
     for g1, g2 in zip(o1.param_groups, o2.param_groups):
-        assert {k: v for k, v in g1.items() if k != "params"} == {k: v for k, v in g2.items() if k != "params"}
+        assert {k: v for k, v in g1.items() if k != "params"} == {
+            k: v for k, v in g2.items() if k != "params"
+        }
         assert isinstance(g2["betas"], tuple)
     assert s2.get_last_lr() == s1.get_last_lr() and s2.state_dict() == s1.state_dict()
     assert sc2.state_dict() == sc1.state_dict()
     if sc1.is_enabled():
-        assert sc2.get_scale() == sc1.get_scale() and sc2._get_growth_tracker() == sc1._get_growth_tracker()
+        assert (
+            sc2.get_scale() == sc1.get_scale()
+            and sc2._get_growth_tracker() == sc1._get_growth_tracker()
+        )
         assert sc1.get_scale() != 256.0  # it moved during training, and came back
     assert np.array_equal(gen.random(4), gen2.random(4))  # private generator restored
 
@@ -165,14 +190,27 @@ def test_rng_streams_roundtrip(tmp_path):
     json.dumps({k: v for k, v in st.items() if k == "python"}, default=lambda o: None)
 
     def draws():
-        return (random.random(), random.gauss(0, 1), np.random.random(3).tolist(), np.random.standard_normal(),
-                torch.rand(3).tolist(), torch.randn(2).tolist(), np_gen.random(3).tolist(),
-                mt_gen.integers(0, 1000, 3).tolist(), rs.random_sample(2).tolist(), torch.rand(2, generator=tg).tolist())
+        return (
+            random.random(),
+            random.gauss(0, 1),
+            np.random.random(3).tolist(),
+            np.random.standard_normal(),
+            torch.rand(3).tolist(),
+            torch.randn(2).tolist(),
+            np_gen.random(3).tolist(),
+            mt_gen.integers(0, 1000, 3).tolist(),
+            rs.random_sample(2).tolist(),
+            torch.rand(2, generator=tg).tolist(),
+        )
 
     expected = draws()
     back = roundtrip(tmp_path, st)
-    fresh = {"pcg": np.random.Generator(np.random.PCG64(0)), "mt": np.random.Generator(np.random.MT19937(0)),
-             "rs": np.random.RandomState(0), "torch": torch.Generator()}
+    fresh = {
+        "pcg": np.random.Generator(np.random.PCG64(0)),
+        "mt": np.random.Generator(np.random.MT19937(0)),
+        "rs": np.random.RandomState(0),
+        "torch": torch.Generator(),
+    }
     np_gen, mt_gen, rs, tg = fresh["pcg"], fresh["mt"], fresh["rs"], fresh["torch"]
     random.seed(99)
     np.random.seed(99)

@@ -1,5 +1,6 @@
 """``tiered-ckpt verify`` over a run directory with one good, one truncated, one uncommitted and one
-missing-shard step (issue 6): the right state and reason per step, ``--json``, ``--fast``, exit 1."""
+missing-shard step: the right state and reason per step, ``--json``, ``--fast``, exit
+1."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ GOOD, TRUNC, UNCOMMITTED, MISSING = 10, 20, 30, 40
 def run_dir(tmp_path: Path) -> Path:
     root = tmp_path / "run"
     for step in (GOOD, TRUNC, UNCOMMITTED, MISSING):
-        tc.save_sharded([{"w": np.arange(5000, dtype=np.float32) + r, "n": r} for r in range(3)], root, step)
+        tc.save_sharded(
+            [{"w": np.arange(5000, dtype=np.float32) + r, "n": r} for r in range(3)], root, step
+        )
     p = root / "step_0000000020" / "rank_00001.safetensors"
     os.truncate(p, p.stat().st_size - 1)
     os.unlink(root / "step_0000000030" / "manifest.json")
@@ -42,7 +45,9 @@ def parse_lines(text: str) -> dict[int, tuple[str, str]]:
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_verify_table_and_exit_code(run_dir: Path, capsys: pytest.CaptureFixture[str], fast: bool) -> None:
+def test_verify_table_and_exit_code(
+    run_dir: Path, capsys: pytest.CaptureFixture[str], fast: bool
+) -> None:
     rc = main(["verify", str(run_dir)] + (["--fast"] if fast else []))
     out = capsys.readouterr()
     assert rc == 1, out
@@ -60,25 +65,41 @@ def test_verify_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert rc == 1
     assert {r["step"]: r["state"] for r in rows} == EXPECTED
-    assert {r["step"]: r["world_size"] for r in rows} == {GOOD: 3, TRUNC: 3, UNCOMMITTED: None, MISSING: 3}
+    assert {r["step"]: r["world_size"] for r in rows} == {
+        GOOD: 3,
+        TRUNC: 3,
+        UNCOMMITTED: None,
+        MISSING: 3,
+    }
     assert all(set(r) >= {"step", "state", "reason"} for r in rows)
 
 
 def test_verify_single_steps(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(run_dir), "--step", str(GOOD)]) == 0
     assert main(["verify", str(run_dir), "--step", str(GOOD), "--fast"]) == 0
-    assert main(["verify", str(run_dir), "--step", str(UNCOMMITTED)]) == 1  # asked for, not committed
+    assert (
+        main(["verify", str(run_dir), "--step", str(UNCOMMITTED)]) == 1
+    )  # asked for, not committed
     assert main(["verify", str(run_dir), "--step", str(MISSING), "--fast"]) == 1
     capsys.readouterr()
 
 
-def test_only_uncommitted_is_not_a_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_only_uncommitted_is_not_a_fault(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tc.save_sharded([{"a": np.zeros(3)}], tmp_path, 1)
     tc.save_sharded([{"a": np.zeros(3)}], tmp_path, 2)
     os.unlink(tmp_path / "step_0000000002" / "manifest.json")
     assert main(["verify", str(tmp_path)]) == 0
-    assert parse_lines(capsys.readouterr().out) == {1: ("committed", ""), 2: ("uncommitted", parse_lines(
-        "step 2: uncommitted: no manifest.json (an interrupted or in-progress save)")[2][1])}
+    assert parse_lines(capsys.readouterr().out) == {
+        1: ("committed", ""),
+        2: (
+            "uncommitted",
+            parse_lines(
+                "step 2: uncommitted: no manifest.json (an interrupted or in-progress save)"
+            )[2][1],
+        ),
+    }
 
 
 def test_fast_detects_flipped_byte_and_scan_api(run_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""Tier 'multinode': the two-node drill in Linux namespaces (issue 10); a multi-process drill, so every test
-here is marked ``multiproc`` and ``slow`` too (``-m slow`` / ``-m multiproc`` select it)."""
+"""Tier 'multinode': the two-node drill in Linux namespaces; a multi-process drill, so
+every test here is marked ``multiproc`` and ``slow`` too (``-m slow`` / ``-m multiproc`` select
+it)."""
 
 from tiers import tier_hook
 

@@ -1,5 +1,5 @@
-"""Two "machines" on one Linux host, for the two-node drill (issue 10): network namespaces, pid and UTS
-namespaces, a private disk per node and an S3 server both nodes reach.
+"""Two "machines" on one Linux host, for the two-node drill: network namespaces, pid and
+UTS namespaces, a private disk per node and an S3 server both nodes reach.
 
 Topology (all names carry this process's pid, so concurrent runs never collide)::
 
@@ -9,22 +9,24 @@ Topology (all names carry this process's pid, so concurrent runs never collide):
                                         moto S3 server on 0.0.0.0:9000
 
 - Each node namespace has loopback up and an ``eth0`` (the same interface name on both, as on real
-  machines: ``GLOO_SOCKET_IFNAME=eth0``). The nodes reach the S3 server at ``http://10.77.0.1:9000``; the
-  test reaches it through the ``up0`` link at ``http://10.78.X.2:9000`` (no forwarding, no bridge: the
-  host's iptables/br_netfilter rules never see the traffic). The server runs in node A's *network*
-  namespace but not in its pid namespace: killing node A does not kill S3.
-- A node "boots" into a fresh pid, UTS and mount namespace (``ip netns exec NS unshare --uts --pid --fork
-  --mount-proc``): its init (pid 1 there) sets the host name and reaps orphans; every process of the node
-  is started into those namespaces with ``nsenter``, so the trainer and the node's sidecar share one pid
-  space and host name, and pids collide across nodes as on real machines. Killing the init
-  (:meth:`Node.power_off`) makes the kernel SIGKILL every process of the node at once.
-- Each node has its own disk directory (``<base>/disk_a``, ``<base>/disk_b``), bind-mounted inside the
-  node at the same path (``<base>/local_disk``, :attr:`Cluster.mount_point`) on both nodes, as a
+  machines: ``GLOO_SOCKET_IFNAME=eth0``). The nodes reach the S3 server at
+  ``http://10.77.0.1:9000``; the test reaches it through the ``up0`` link at
+  ``http://10.78.X.2:9000`` (no forwarding, no bridge: the host's iptables/br_netfilter rules never
+  see the traffic). The server runs in node A's *network* namespace but not in its pid namespace:
+  killing node A does not kill S3.
+- A node "boots" into a fresh pid, UTS and mount namespace (``ip netns exec NS unshare --uts --pid
+  --fork --mount-proc``): its init (pid 1 there) sets the host name and reaps orphans; every process
+  of the node is started into those namespaces with ``nsenter``, so the trainer and the node's
+  sidecar share one pid space and host name, and pids collide across nodes as on real machines.
+  Killing the init (:meth:`Node.power_off`) makes the kernel SIGKILL every process of the node at
+  once.
+- Each node has its own disk directory (``<base>/disk_a``, ``<base>/disk_b``), bind-mounted inside
+  the node at the same path (``<base>/local_disk``, :attr:`Cluster.mount_point`) on both nodes, as a
   node-local SSD at one path on every machine. The test reads a node's disk at :attr:`Node.disk`.
 
-:meth:`Cluster.up` raises :class:`NamespacesRefused` (the caller skips) when this host refuses any of it
-(not root, ``ip``/``unshare``/``nsenter``/``mount`` missing, EPERM); :meth:`Cluster.down` always deletes
-the namespaces and links and kills every process group it started, and is idempotent.
+:meth:`Cluster.up` raises :class:`NamespacesRefused` (the caller skips) when this host refuses any
+of it (not root, ``ip``/``unshare``/``nsenter``/``mount`` missing, EPERM); :meth:`Cluster.down`
+always deletes the namespaces and links and kills every process group it started, and is idempotent.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from spawn import child_env, python_cmd
 NODE_ADDRS = {"a": "10.77.0.1", "b": "10.77.0.2"}
 IFACE = "eth0"
 S3_PORT = 9000
-#: Environment a node's processes must not inherit (a proxy would be unreachable from the namespace).
+#: Environment a node's processes must not inherit (a proxy would be unreachable from the
+#: namespace).
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 
 #: The node's pid 1: set the host name, say ready, reap every orphan until killed.
@@ -89,7 +92,7 @@ def children_of(pid: int) -> list[int]:
                     data = f.read()
             except OSError:
                 continue
-            if int(data[data.rfind(b")") + 2:].split()[1]) == pid:
+            if int(data[data.rfind(b")") + 2 :].split()[1]) == pid:
                 out.append(int(d))
     return out
 
@@ -108,8 +111,9 @@ def _killpg(p: subprocess.Popen) -> None:
 
 @dataclass
 class Node:
-    """One machine: network namespace ``netns`` (address :attr:`addr` on ``eth0``), a disk directory, and
-    while booted an init process whose pid, UTS and mount namespaces every process of the node joins."""
+    """One machine: network namespace ``netns`` (address :attr:`addr` on ``eth0``), a disk
+    directory, and while booted an init process whose pid, UTS and mount namespaces every process of
+    the node joins."""
 
     key: str  # "a" / "b"
     netns: str
@@ -123,42 +127,73 @@ class Node:
     procs: list[subprocess.Popen] = field(default_factory=list)
     boots: int = 0
 
-    # ------------------------------------------------------------------------------------ power
+    # --- power
 
     def boot(self, hostname: str) -> None:
-        """Start the node's init (fresh pid/UTS/mount namespaces, host name ``hostname``, its disk mounted
-        at :attr:`mount_point`). Raises :class:`NamespacesRefused` if the host refuses it."""
+        """Start the node's init (fresh pid/UTS/mount namespaces, host name ``hostname``, its disk
+        mounted at :attr:`mount_point`). Raises :class:`NamespacesRefused` if the host refuses
+        it."""
         assert self.init is None, f"node {self.key} is already up"
         self.disk.mkdir(parents=True, exist_ok=True)
         self.boots += 1
         self.hostname = hostname
         script = 'mount --bind "$0" "$1" && exec "$2" -c "$3" "$4"'
-        argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--pid", "--fork", "--mount-proc",
-                "sh", "-c", script, str(self.disk), str(self.mount_point), python_cmd()[0], INIT_CODE, hostname]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            self.netns,
+            "unshare",
+            "--uts",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "sh",
+            "-c",
+            script,
+            str(self.disk),
+            str(self.mount_point),
+            python_cmd()[0],
+            INIT_CODE,
+            hostname,
+        ]
         err = open(self.logs / f"init_{self.key}{self.boots}.err", "wb")
-        self.init = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.init = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         err.close()
         line = self.init.stdout.readline().decode(errors="replace")  # type: ignore[union-attr]
         if not line.startswith("ready"):
             self.init.wait(timeout=10)
-            reason = (self.logs / f"init_{self.key}{self.boots}.err").read_text(errors="replace").strip()
+            reason = (
+                (self.logs / f"init_{self.key}{self.boots}.err").read_text(errors="replace").strip()
+            )
             self.init = None
-            raise NamespacesRefused(f"node {self.key}: `ip netns exec ... unshare --uts --pid --fork "
-                                    f"--mount-proc` failed: {reason or 'no output'}")
+            raise NamespacesRefused(
+                f"node {self.key}: `ip netns exec ... unshare --uts --pid --fork "
+                f"--mount-proc` failed: {reason or 'no output'}"
+            )
         ns_pid = int(line.split()[2])
         if ns_pid != 1:
-            raise NamespacesRefused(f"node {self.key}: init is pid {ns_pid} in its namespace, not 1")
+            raise NamespacesRefused(
+                f"node {self.key}: init is pid {ns_pid} in its namespace, not 1"
+            )
         deadline = time.monotonic() + 10
         while not (kids := children_of(self.init.pid)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"node {self.key}: cannot find the init process under {self.init.pid}")
+                raise RuntimeError(
+                    f"node {self.key}: cannot find the init process under {self.init.pid}"
+                )
             time.sleep(0.01)
         self.init_pid = kids[0]
 
     def power_off(self) -> None:
-        """SIGKILL the node's init: the kernel kills every process in its pid namespace at once (a node
-        that loses power). Waits until they are gone. No-op when the node is down."""
+        """SIGKILL the node's init: the kernel kills every process in its pid namespace at once (a
+        node that loses power). Waits until they are gone. No-op when the node is down."""
         if self.init is None:
             return
         if self.init_pid is not None:
@@ -176,21 +211,38 @@ class Node:
         self.init, self.init_pid, self.procs = None, None, []
 
     def replace_disk(self) -> None:
-        """The node is replaced: its disk is gone, the new machine has an empty one (node must be down)."""
+        """The node is replaced: its disk is gone, the new machine has an empty one (node must be
+        down)."""
         assert self.init is None, "replace the disk of a node that is down"
         shutil.rmtree(self.disk, ignore_errors=True)
         self.disk.mkdir(parents=True)
 
-    # ------------------------------------------------------------------------------------ processes
+    # --- processes
 
     def spawn(self, argv: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen:
-        """Start ``argv`` on this node (its net, pid, UTS and mount namespaces), output to ``log``, in a
-        process group of its own. :meth:`real_pid` gives its pid in the root pid namespace."""
+        """Start ``argv`` on this node (its net, pid, UTS and mount namespaces), output to ``log``,
+        in a process group of its own. :meth:`real_pid` gives its pid in the root pid namespace."""
         assert self.init_pid is not None, f"node {self.key} is down"
-        cmd = ["nsenter", f"--target={self.init_pid}", "--net", "--pid", "--uts", "--mount", "--", *argv]
+        cmd = [
+            "nsenter",
+            f"--target={self.init_pid}",
+            "--net",
+            "--pid",
+            "--uts",
+            "--mount",
+            "--",
+            *argv,
+        ]
         with open(log, "ab") as out:
-            p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 cwd=str(self.logs), start_new_session=True)
+            p = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=str(self.logs),
+                start_new_session=True,
+            )
         self.procs.append(p)
         return p
 
@@ -202,7 +254,9 @@ class Node:
             if kids:
                 return kids[0]
             if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"node {self.key}: no child under nsenter {p.pid} (exit {p.poll()})")
+                raise RuntimeError(
+                    f"node {self.key}: no child under nsenter {p.pid} (exit {p.poll()})"
+                )
             time.sleep(0.01)
 
     def env(self, endpoint: str, **extra: str) -> dict[str, str]:
@@ -211,13 +265,19 @@ class Node:
         env = child_env(**TEST_AWS_ENV)
         for name in (*TEST_AWS_ENV_REMOVE, *PROXY_VARS):
             env.pop(name, None)
-        env.update(AWS_ENDPOINT_URL=endpoint, GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1", **extra)
+        env.update(
+            AWS_ENDPOINT_URL=endpoint,
+            GLOO_SOCKET_IFNAME=IFACE,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            **extra,
+        )
         return env
 
 
 class Cluster:
-    """The two namespaces, their links and the S3 server; ``with Cluster(base) as c:`` or up()/down()."""
+    """The two namespaces, their links and the S3 server; ``with Cluster(base) as c:`` or
+    up()/down()."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -226,8 +286,12 @@ class Cluster:
         self.root_link = f"{tag}h"  # root side of the root<->A link
         self.mount_point = base / "local_disk"
         self.logs = base / "logs"
-        self.nodes = {k: Node(k, self.netns[k], NODE_ADDRS[k], base / f"disk_{k}", self.mount_point, self.logs)
-                      for k in ("a", "b")}
+        self.nodes = {
+            k: Node(
+                k, self.netns[k], NODE_ADDRS[k], base / f"disk_{k}", self.mount_point, self.logs
+            )
+            for k in ("a", "b")
+        }
         self.endpoint = f"http://{NODE_ADDRS['a']}:{S3_PORT}"  # as the nodes reach S3
         self.test_endpoint = ""  # as this process reaches S3 (set by up)
         self._made_ns: list[str] = []
@@ -244,7 +308,7 @@ class Cluster:
     def b(self) -> Node:
         return self.nodes["b"]
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             self.up()
         except BaseException:
@@ -255,7 +319,7 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.down()
 
-    # ------------------------------------------------------------------------------------ setup
+    # --- setup
 
     @staticmethod
     def check_host() -> None:
@@ -264,13 +328,17 @@ class Cluster:
             raise NamespacesRefused("network namespaces need root (euid is not 0)")
         missing = [t for t in ("ip", "unshare", "nsenter", "mount") if shutil.which(t) is None]
         if missing:
-            raise NamespacesRefused(f"missing tools: {', '.join(missing)} (iproute2, util-linux, mount)")
+            raise NamespacesRefused(
+                f"missing tools: {', '.join(missing)} (iproute2, util-linux, mount)"
+            )
 
     def _ip(self, *args: str) -> None:
         try:
             _run("ip", *args)
         except subprocess.CalledProcessError as e:
-            raise NamespacesRefused(f"`ip {' '.join(args)}` failed: {e.stderr.strip() or e.returncode}") from None
+            raise NamespacesRefused(
+                f"`ip {' '.join(args)}` failed: {e.stderr.strip() or e.returncode}"
+            ) from None
 
     def _free_subnet(self) -> int:
         """A third octet X for 10.78.X.0/30 that no root-namespace address uses yet."""
@@ -318,16 +386,28 @@ class Cluster:
     def _start_s3(self) -> None:
         env = self.a.env(self.endpoint)
         out = open(self.logs / "moto_server.log", "wb")
-        self.s3 = subprocess.Popen(["ip", "netns", "exec", self.netns["a"],
-                                    *python_cmd("-m", "moto.server", "-H", "0.0.0.0", "-p", str(S3_PORT))],
-                                   env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+        self.s3 = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.netns["a"],
+                *python_cmd("-m", "moto.server", "-H", "0.0.0.0", "-p", str(S3_PORT)),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         out.close()
         deadline = time.monotonic() + 60
         while True:
             if self.s3.poll() is not None:
-                raise RuntimeError("moto server exited: "
-                                   + (self.logs / "moto_server.log").read_text(errors="replace")[-2000:])
+                raise RuntimeError(
+                    "moto server exited: "
+                    + (self.logs / "moto_server.log").read_text(errors="replace")[-2000:]
+                )
             try:
                 with urllib.request.urlopen(self.test_endpoint + "/moto-api/", timeout=2):
                     return
@@ -335,33 +415,43 @@ class Cluster:
                 return
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server at {self.test_endpoint} did not answer in 60 s") from None
+                    raise RuntimeError(
+                        f"moto server at {self.test_endpoint} did not answer in 60 s"
+                    ) from None
                 time.sleep(0.1)
 
     def _probe_nodes(self) -> None:
-        """Boot both nodes once, check they are two machines (host names, pid spaces, disks, network,
-        S3), and power them off again. Raises :class:`NamespacesRefused` if the host refuses."""
-        code = ("import json, os, socket, sys, urllib.request, urllib.error\n"
-                "try:\n"
-                "    urllib.request.urlopen(sys.argv[1] + '/moto-api/', timeout=5); s3 = True\n"
-                "except urllib.error.HTTPError:\n"
-                "    s3 = True\n"
-                "except OSError as e:\n"
-                "    s3 = repr(e)\n"
-                "open(os.path.join(sys.argv[2], 'probe'), 'w').write(socket.gethostname())\n"
-                "print(json.dumps({'host': socket.gethostname(), 'pid': os.getpid(), 's3': s3,\n"
-                "                  'disk': sorted(os.listdir(sys.argv[2]))}))\n")
+        """Boot both nodes once, check they are two machines (host names, pid spaces, disks,
+        network, S3), and power them off again. Raises :class:`NamespacesRefused` if the host
+        refuses."""
+        code = (
+            "import json, os, socket, sys, urllib.request, urllib.error\n"
+            "try:\n"
+            "    urllib.request.urlopen(sys.argv[1] + '/moto-api/', timeout=5); s3 = True\n"
+            "except urllib.error.HTTPError:\n"
+            "    s3 = True\n"
+            "except OSError as e:\n"
+            "    s3 = repr(e)\n"
+            "open(os.path.join(sys.argv[2], 'probe'), 'w').write(socket.gethostname())\n"
+            "print(json.dumps({'host': socket.gethostname(), 'pid': os.getpid(), 's3': s3,\n"
+            "                  'disk': sorted(os.listdir(sys.argv[2]))}))\n"
+        )
         for k, node in self.nodes.items():
             node.boot(f"probe-{k}")
         try:
             for k, node in self.nodes.items():
                 log = self.logs / f"probe_{k}.out"
-                p = node.spawn(python_cmd("-c", code, self.endpoint, str(self.mount_point)),
-                               env=node.env(self.endpoint), log=log)
+                p = node.spawn(
+                    python_cmd("-c", code, self.endpoint, str(self.mount_point)),
+                    env=node.env(self.endpoint),
+                    log=log,
+                )
                 p.wait(timeout=60)
                 text = log.read_text(errors="replace").strip()
                 if p.returncode != 0:
-                    raise NamespacesRefused(f"node {k}: a process started with nsenter failed: {text[-1500:]}")
+                    raise NamespacesRefused(
+                        f"node {k}: a process started with nsenter failed: {text[-1500:]}"
+                    )
                 self.probe[k] = json.loads(text.splitlines()[-1])
         finally:
             for node in self.nodes.values():
@@ -369,7 +459,7 @@ class Cluster:
         for k, node in self.nodes.items():
             (node.disk / "probe").unlink()
 
-    # ------------------------------------------------------------------------------------ teardown
+    # --- teardown
 
     def down(self) -> None:
         """Kill every process this cluster started, delete its links and namespaces. Idempotent."""

@@ -1,22 +1,25 @@
 """The two-node drill of issue 10: ``torchrun --nnodes=2 --nproc_per_node=2`` of
-``tiered_ckpt.examples.train_zero`` on two "machines" (Linux namespaces, see :mod:`netns`), each with its
-own disk, host name and pid space, one ``tiered-ckpt upload --watch`` sidecar per node, and a moto S3
-server both nodes reach.
+``tiered_ckpt.examples.train_zero`` on two "machines" (Linux namespaces, see :mod:`netns`), each
+with its own disk, host name and pid space, one ``tiered-ckpt upload --watch`` sidecar per node, and
+a moto S3 server both nodes reach.
 
 Every scenario is compared with an uninterrupted two-node run (the ``reference`` fixture): after the
 restart the job trains to the end and rank 0's loss for every step after the resume point equals the
 reference's exactly (max |loss diff| 0.0, by the example's design).
 
 (a) both nodes SIGKILLed mid-run, both restarted (each from its own disk);
-(b) node B replaced while its upload lags: node B's sidecar is frozen (SIGSTOP) once the bucket holds a
-    committed step R, node A goes on uploading its shards of newer steps that node B never confirms; then
-    everything is SIGKILLed, node B's disk is deleted and the job restarts with an empty disk on node B:
-    it must resume from R (node B's ranks restore it from the bucket) and train to the end;
+(b) node B replaced while its upload lags: node B's sidecar is frozen (SIGSTOP) once the bucket
+holds a
+    committed step R, node A goes on uploading its shards of newer steps that node B never confirms;
+    then everything is SIGKILLed, node B's disk is deleted and the job restarts with an empty disk
+    on node B: it must resume from R (node B's ranks restore it from the bucket) and train to the
+    end;
 (c) cluster loss: both disks deleted, both nodes restore from the bucket;
 (d) (b) again with the same host name on both nodes (containers often share one).
 
-After each, the final step must also reach the bucket (both sidecars upload it and it commits remotely).
-Run with ``-s`` to see the per-scenario figures. Needs root and iproute2/util-linux: elsewhere it skips.
+After each, the final step must also reach the bucket (both sidecars upload it and it commits
+remotely). Run with ``-s`` to see the per-scenario figures. Needs root and iproute2/util-linux:
+elsewhere it skips.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -39,6 +42,7 @@ pytest.importorskip("torch")
 from netns import Cluster, NamespacesRefused  # noqa: E402
 from s3_infra import S3Location, new_bucket, sanitize_prefix  # noqa: E402
 from spawn import cli_cmd, python_cmd  # noqa: E402
+
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
 from tiered_ckpt.local import committed_steps  # noqa: E402
 from tiered_ckpt.remote.catalogue import remote_committed_steps  # noqa: E402
@@ -48,7 +52,9 @@ pytestmark = pytest.mark.slow
 STEPS = 40
 EVERY = 5
 SEED = 7
-SLEEP = 0.15  # seconds per step in the runs that get killed: time to watch and kill at the right moment
+SLEEP = (
+    0.15  # seconds per step in the runs that get killed: time to watch and kill at the right moment
+)
 RUN_TIMEOUT_S = 150.0
 WAIT_TIMEOUT_S = 90.0
 UPLOAD_TIMEOUT_S = 45.0
@@ -57,7 +63,7 @@ MASTER_PORTS = itertools.count(29400)
 ERROR_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b: .*")
 
 
-# ------------------------------------------------------------------------------------------ cluster
+# --- cluster
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +115,18 @@ class Run:
 
 
 class Drill:
-    """The job of one scenario on the cluster: fresh disks, its own bucket prefix, node host names."""
+    """The job of one scenario on the cluster: fresh disks, its own bucket prefix, node host
+    names."""
 
-    def __init__(self, cluster: Cluster, tmp_path: Path, name: str, hostnames: tuple[str, str], *,
-                 remote: bool = True) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        tmp_path: Path,
+        name: str,
+        hostnames: tuple[str, str],
+        *,
+        remote: bool = True,
+    ) -> None:
         self.c = cluster
         self.dir = tmp_path
         for node in cluster.nodes.values():
@@ -120,11 +134,14 @@ class Drill:
             node.replace_disk()  # a fresh cluster: empty disks
         self.hostnames = dict(zip(("a", "b"), hostnames))
         self.root = cluster.mount_point / "ckpt"  # the same path on both nodes
-        self.loc: S3Location | None = (new_bucket(cluster.test_endpoint, prefix=f"drill/{sanitize_prefix(name)}")
-                                       if remote else None)
+        self.loc: S3Location | None = (
+            new_bucket(cluster.test_endpoint, prefix=f"drill/{sanitize_prefix(name)}")
+            if remote
+            else None
+        )
         self.runs: list[Run] = []
 
-    # ------------------------------------------------------------------------------------ processes
+    # --- processes
 
     def start(self, tag: str, *, sidecars: bool = True, sleep: float = SLEEP) -> Run:
         """Boot both nodes and start the job (and the sidecars) on them."""
@@ -136,16 +153,53 @@ class Drill:
             if sidecars and self.loc is not None:
                 log = self.dir / f"{tag}.sidecar_{k}.log"
                 run.sidecars[k] = node.spawn(
-                    [*cli_cmd(), "--log-level", "INFO", "upload", "--watch", "--local", str(self.root),
-                     "--remote", self.loc.url, "--endpoint-url", self.c.endpoint, "--path-style",
-                     "--poll-interval-s", "0.2"], env=env, log=log)
+                    [
+                        *cli_cmd(),
+                        "--log-level",
+                        "INFO",
+                        "upload",
+                        "--watch",
+                        "--local",
+                        str(self.root),
+                        "--remote",
+                        self.loc.url,
+                        "--endpoint-url",
+                        self.c.endpoint,
+                        "--path-style",
+                        "--poll-interval-s",
+                        "0.2",
+                    ],
+                    env=env,
+                    log=log,
+                )
                 run.logs.append(log)
-            argv = python_cmd("-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                              f"--node_rank={i}", f"--master_addr={self.c.a.addr}",
-                              f"--master_port={port}", "-m", "tiered_ckpt.examples.train_zero",
-                              "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", str(self.root),
-                              "--seed", str(SEED), "--loss-log", str(run.loss_log), "--sleep-per-step",
-                              str(sleep), "--batch-per-rank", "4", "--keep-last", "3")
+            argv = python_cmd(
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=2",
+                f"--node_rank={i}",
+                f"--master_addr={self.c.a.addr}",
+                f"--master_port={port}",
+                "-m",
+                "tiered_ckpt.examples.train_zero",
+                "--steps",
+                str(STEPS),
+                "--ckpt-every",
+                str(EVERY),
+                "--root",
+                str(self.root),
+                "--seed",
+                str(SEED),
+                "--loss-log",
+                str(run.loss_log),
+                "--sleep-per-step",
+                str(sleep),
+                "--batch-per-rank",
+                "4",
+                "--keep-last",
+                "3",
+            )
             if self.loc is not None:
                 argv += ["--remote-url", self.loc.url, "--upload-gated"]
             log = self.dir / f"{tag}.train_{k}.log"
@@ -160,7 +214,8 @@ class Drill:
             node.power_off()
 
     def errors(self, run: Run) -> str:
-        """The distinct exception lines of ``run``'s logs, then the tail of each node's trainer log."""
+        """The distinct exception lines of ``run``'s logs, then the tail of each node's trainer
+        log."""
         seen: list[str] = []
         tails = []
         for log in run.logs:
@@ -182,22 +237,33 @@ class Drill:
             except subprocess.TimeoutExpired:
                 self.power_off()
                 got = losses(run.loss_log)
-                pytest.fail(f"{run.tag}: node {k}'s torchrun did not finish within {RUN_TIMEOUT_S:.0f} s "
-                            f"(rank 0 logged steps {min(got, default=None)}..{max(got, default=None)}); "
-                            f"errors:\n{self.errors(run)}")
+                pytest.fail(
+                    f"{run.tag}: node {k}'s torchrun did not finish within {RUN_TIMEOUT_S:.0f} s "
+                    f"(rank 0 logged steps {min(got, default=None)}..{max(got, default=None)}); "
+                    f"errors:\n{self.errors(run)}"
+                )
         got = losses(run.loss_log)
         rcs = {k: p.returncode for k, p in run.trainers.items()}
         if any(rcs.values()) or sorted(got) != list(range(first, STEPS + 1)):
             self.power_off()
-            pytest.fail(f"{run.tag}: torchrun exit codes {rcs}; rank 0 logged steps "
-                        f"{min(got, default=None)}..{max(got, default=None)} (expected {first}..{STEPS}); "
-                        f"errors:\n{self.errors(run)}")
+            pytest.fail(
+                f"{run.tag}: torchrun exit codes {rcs}; rank 0 logged steps "
+                f"{min(got, default=None)}..{max(got, default=None)} (expected {first}..{STEPS}); "
+                f"errors:\n{self.errors(run)}"
+            )
         return got
 
-    def wait_for(self, run: Run, what: str, cond: Callable[[], bool], timeout: float = WAIT_TIMEOUT_S, *,
-                 alive: Callable[[], bool] | None = None) -> None:
-        """Poll ``cond`` while ``alive()`` (default: the job runs); fail (with the job's errors) if it
-        stops being so, or ``timeout`` passes, first."""
+    def wait_for(
+        self,
+        run: Run,
+        what: str,
+        cond: Callable[[], bool],
+        timeout: float = WAIT_TIMEOUT_S,
+        *,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Poll ``cond`` while ``alive()`` (default: the job runs); fail (with the job's errors) if
+        it stops being so, or ``timeout`` passes, first."""
         watched = "the job" if alive is None else "what it watches"
         alive = alive or run.running
         deadline = time.monotonic() + timeout
@@ -207,12 +273,14 @@ class Drill:
                 rcs = {k: p.poll() for k, p in run.trainers.items()}
                 got = losses(run.loss_log)
                 self.power_off()
-                pytest.fail(f"{run.tag}: {why} before {what} (torchrun exit codes {rcs}; rank 0 reached "
-                            f"step {max(got, default=None)}; committed A {self.local('a')}, "
-                            f"B {self.local('b')}; remote {self.remote()}); errors:\n{self.errors(run)}")
+                pytest.fail(
+                    f"{run.tag}: {why} before {what} (torchrun exit codes {rcs}; rank 0 reached "
+                    f"step {max(got, default=None)}; committed A {self.local('a')}, "
+                    f"B {self.local('b')}; remote {self.remote()}); errors:\n{self.errors(run)}"
+                )
             time.sleep(0.1)
 
-    # ------------------------------------------------------------------------------------ state
+    # --- state
 
     def local(self, k: str) -> list[int]:
         """Steps committed on node ``k``'s disk."""
@@ -227,7 +295,8 @@ class Drill:
         return remote_committed_steps(self.loc.url, s3_client=self.loc.client)
 
     def remote_keys(self, step: int) -> list[str]:
-        """Every key under the prefix that belongs to ``step`` (any key naming its step directory)."""
+        """Every key under the prefix that belongs to ``step`` (any key naming its step
+        directory)."""
         assert self.loc is not None
         out: list[str] = []
         kw = {"Bucket": self.loc.bucket, "Prefix": self.loc.prefix + "/"}
@@ -246,9 +315,11 @@ class Drill:
             dead = {k: p.poll() for k, p in run.sidecars.items() if p.poll() is not None}
             if dead or time.monotonic() > deadline:
                 self.power_off()
-                pytest.fail(f"{run.tag}: step {step} not committed in the bucket "
-                            f"({'sidecars exited: ' + str(dead) if dead else f'{UPLOAD_TIMEOUT_S:.0f} s'}); "
-                            f"remote {self.remote()}; errors:\n{self.errors(run)}")
+                pytest.fail(
+                    f"{run.tag}: step {step} not committed in the bucket "
+                    f"({'sidecars exited: ' + str(dead) if dead else f'{UPLOAD_TIMEOUT_S:.0f} s'}); "
+                    f"remote {self.remote()}; errors:\n{self.errors(run)}"
+                )
             time.sleep(0.2)
         return time.monotonic() - t0
 
@@ -258,11 +329,12 @@ def compare(resumed: dict[int, float], reference: dict[int, float], first: int) 
     return max(abs(resumed[s] - reference[s]) for s in resumed)
 
 
-# ------------------------------------------------------------------------------------------ tests
+# --- tests
 
 
 def test_the_two_nodes_are_two_machines(cluster: Cluster) -> None:
-    """The harness itself: two host names, colliding pids, separate disks at one path, S3 from both."""
+    """The harness itself: two host names, colliding pids, separate disks at one path, S3 from
+    both."""
     pa, pb = cluster.probe["a"], cluster.probe["b"]
     assert (pa["host"], pb["host"]) == ("probe-a", "probe-b")
     assert pa["pid"] == pb["pid"]  # two pid spaces: the same pid on both nodes
@@ -272,8 +344,15 @@ def test_the_two_nodes_are_two_machines(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """The uninterrupted two-node run (no bucket, no sidecars): the loss curve every scenario must match."""
-    d = Drill(cluster, tmp_path_factory.mktemp("reference"), "reference", ("node-a", "node-b"), remote=False)
+    """The uninterrupted two-node run (no bucket, no sidecars): the loss curve every scenario must
+    match."""
+    d = Drill(
+        cluster,
+        tmp_path_factory.mktemp("reference"),
+        "reference",
+        ("node-a", "node-b"),
+        remote=False,
+    )
     run = d.start("reference", sidecars=False, sleep=0.0)
     t0 = time.monotonic()
     ref = d.finish(run, 1)
@@ -283,91 +362,140 @@ def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dic
     return ref
 
 
-def _after_restart(d: Drill, reference: dict[int, float], killed: Run, resume_from: int, label: str) -> None:
-    """Restart both nodes, train to the end, compare with the reference, wait for the final upload."""
+def _after_restart(
+    d: Drill, reference: dict[int, float], killed: Run, resume_from: int, label: str
+) -> None:
+    """Restart both nodes, train to the end, compare with the reference, wait for the final
+    upload."""
     before = losses(killed.loss_log)
-    assert before and all(before[s] == reference[s] for s in before)  # determinism before the kill too
+    assert before and all(
+        before[s] == reference[s] for s in before
+    )  # determinism before the kill too
     run = d.start("resumed", sleep=0.0)
     t0 = time.monotonic()
     got = d.finish(run, resume_from + 1)
     diff = compare(got, reference, resume_from + 1)
     up = d.wait_uploaded(run, STEPS)
     d.power_off()
-    print(f"\n[two-node drill] {label}: resumed from step {resume_from}, steps {resume_from + 1}..{STEPS} in "
-          f"{time.monotonic() - t0:.1f} s, final step in the bucket {up:.1f} s later; "
-          f"max abs loss difference = {diff!r}")
+    print(
+        f"\n[two-node drill] {label}: resumed from step {resume_from}, steps {resume_from + 1}..{STEPS} in "
+        f"{time.monotonic() - t0:.1f} s, final step in the bucket {up:.1f} s later; "
+        f"max abs loss difference = {diff!r}"
+    )
     assert diff == 0.0
 
 
-def test_a_sigkill_both_nodes_then_restart(cluster: Cluster, reference: dict[int, float], tmp_path: Path) -> None:
+def test_a_sigkill_both_nodes_then_restart(
+    cluster: Cluster, reference: dict[int, float], tmp_path: Path
+) -> None:
     d = Drill(cluster, tmp_path, "a-sigkill", ("node-a", "node-b"))
     run = d.start("killed")
     kill_at = 2 * EVERY + 3
-    d.wait_for(run, f"two committed steps on both nodes and step {kill_at}",
-               lambda: len(d.local("a")) >= 2 and len(d.local("b")) >= 2 and max(losses(run.loss_log), default=0)
-               >= kill_at)
+    d.wait_for(
+        run,
+        f"two committed steps on both nodes and step {kill_at}",
+        lambda: (
+            len(d.local("a")) >= 2
+            and len(d.local("b")) >= 2
+            and max(losses(run.loss_log), default=0) >= kill_at
+        ),
+    )
     d.power_off()
     remote = set(d.remote())
     offers = [set(d.local(k)) | remote for k in ("a", "b")]
     resume_from = max(offers[0] & offers[1])
-    print(f"\n[two-node drill] (a) killed after step {max(losses(run.loss_log))}: committed A {d.local('a')}, "
-          f"B {d.local('b')}, remote {sorted(remote)}")
+    print(
+        f"\n[two-node drill] (a) killed after step {max(losses(run.loss_log))}: committed A {d.local('a')}, "
+        f"B {d.local('b')}, remote {sorted(remote)}"
+    )
     _after_restart(d, reference, run, resume_from, "(a) SIGKILL both nodes")
 
 
-def _replace_lagging_node_b(cluster: Cluster, reference: dict[int, float], tmp_path: Path,
-                            hostnames: tuple[str, str], label: str) -> None:
+def _replace_lagging_node_b(
+    cluster: Cluster,
+    reference: dict[int, float],
+    tmp_path: Path,
+    hostnames: tuple[str, str],
+    label: str,
+) -> None:
     d = Drill(cluster, tmp_path, label, hostnames)
     run = d.start("lagging")
-    d.wait_for(run, f"step {2 * EVERY} committed in the bucket", lambda: max(d.remote(), default=0) >= 2 * EVERY)
+    d.wait_for(
+        run,
+        f"step {2 * EVERY} committed in the bucket",
+        lambda: max(d.remote(), default=0) >= 2 * EVERY,
+    )
     sidecar_b = cluster.b.real_pid(run.sidecars["b"])
     os.kill(sidecar_b, signal.SIGSTOP)  # node B's upload lags from now on
     frozen_at = max(d.remote())
 
     def a_is_ahead() -> bool:
-        """Node A (and B) committed a step S >= R + EVERY locally, node A's sidecar has put objects of S
-        into the bucket, and S is not remotely committed (node B never confirms it)."""
+        """Node A (and B) committed a step S >= R + EVERY locally, node A's sidecar has put objects
+        of S into the bucket, and S is not remotely committed (node B never confirms it)."""
         r = max(d.remote(), default=0)
-        ahead = [s for s in d.local("a") if s >= r + EVERY and s in d.local("b") and d.remote_keys(s)]
+        ahead = [
+            s for s in d.local("a") if s >= r + EVERY and s in d.local("b") and d.remote_keys(s)
+        ]
         return bool(ahead)
 
-    # node A's sidecar may still be uploading after the job's last step: that is a moment to kill too
-    d.wait_for(run, "node A uploaded a step node B has not confirmed (node A's sidecar ended)", a_is_ahead,
-               alive=lambda: run.sidecars["a"].poll() is None)
+    # node A's sidecar may still be uploading after the job's last step: that is a moment to kill
+    # too
+    d.wait_for(
+        run,
+        "node A uploaded a step node B has not confirmed (node A's sidecar ended)",
+        a_is_ahead,
+        alive=lambda: run.sidecars["a"].poll() is None,
+    )
     d.power_off()
     remote = d.remote()
     resume_from = max(remote)
     lagging = [s for s in d.local("a") if s > resume_from]
-    print(f"\n[two-node drill] {label}: node B's sidecar frozen at remote step {frozen_at}; killed after step "
-          f"{max(losses(run.loss_log))}: committed A {d.local('a')}, B {d.local('b')}, remote {remote}; "
-          f"node A's shards of {[s for s in lagging if d.remote_keys(s)]} in the bucket, not committed")
+    print(
+        f"\n[two-node drill] {label}: node B's sidecar frozen at remote step {frozen_at}; killed after step "
+        f"{max(losses(run.loss_log))}: committed A {d.local('a')}, B {d.local('b')}, remote {remote}; "
+        f"node A's shards of {[s for s in lagging if d.remote_keys(s)]} in the bucket, not committed"
+    )
     assert lagging and all(s not in remote for s in lagging)
     cluster.b.replace_disk()  # node B is replaced: a new machine with an empty disk
     _after_restart(d, reference, run, resume_from, label)
 
 
-def test_b_replace_node_b_while_its_upload_lags(cluster: Cluster, reference: dict[int, float],
-                                                tmp_path: Path) -> None:
-    _replace_lagging_node_b(cluster, reference, tmp_path, ("node-a", "node-b"), "(b) replace lagging node B")
+def test_b_replace_node_b_while_its_upload_lags(
+    cluster: Cluster, reference: dict[int, float], tmp_path: Path
+) -> None:
+    _replace_lagging_node_b(
+        cluster, reference, tmp_path, ("node-a", "node-b"), "(b) replace lagging node B"
+    )
 
 
-def test_c_cluster_loss_restores_from_the_bucket(cluster: Cluster, reference: dict[int, float],
-                                                 tmp_path: Path) -> None:
+def test_c_cluster_loss_restores_from_the_bucket(
+    cluster: Cluster, reference: dict[int, float], tmp_path: Path
+) -> None:
     d = Drill(cluster, tmp_path, "c-cluster-loss", ("node-a", "node-b"))
     run = d.start("lost")
-    d.wait_for(run, f"two steps (the newest >= {2 * EVERY}) committed in the bucket",
-               lambda: len(r := d.remote()) >= 2 and r[-1] >= 2 * EVERY)
+    d.wait_for(
+        run,
+        f"two steps (the newest >= {2 * EVERY}) committed in the bucket",
+        lambda: len(r := d.remote()) >= 2 and r[-1] >= 2 * EVERY,
+    )
     d.power_off()
     remote = d.remote()
-    print(f"\n[two-node drill] (c) killed after step {max(losses(run.loss_log))}: committed A {d.local('a')}, "
-          f"B {d.local('b')}, remote {remote}; both disks deleted")
+    print(
+        f"\n[two-node drill] (c) killed after step {max(losses(run.loss_log))}: committed A {d.local('a')}, "
+        f"B {d.local('b')}, remote {remote}; both disks deleted"
+    )
     for node in cluster.nodes.values():
         node.replace_disk()
     _after_restart(d, reference, run, max(remote), "(c) cluster loss")
 
 
-def test_d_replace_lagging_node_b_with_equal_host_names(cluster: Cluster, reference: dict[int, float],
-                                                        tmp_path: Path) -> None:
-    _replace_lagging_node_b(cluster, reference, tmp_path, ("node", "node"),
-                            "(d) replace lagging node B, equal host names")
-
+def test_d_replace_lagging_node_b_with_equal_host_names(
+    cluster: Cluster, reference: dict[int, float], tmp_path: Path
+) -> None:
+    _replace_lagging_node_b(
+        cluster,
+        reference,
+        tmp_path,
+        ("node", "node"),
+        "(d) replace lagging node B, equal host names",
+    )

@@ -1,13 +1,13 @@
-"""Rank processes of tests/multiproc/test_dcp_cluster_loss.py: a tiny FSDP2 model trained with AdamW over
-real gloo (one OS process per rank), checkpointed through DCPCheckpointManager.
+"""Rank processes of tests/multiproc/test_dcp_cluster_loss.py: a tiny FSDP2 model trained with AdamW
+over real gloo (one OS process per rank), checkpointed through DCPCheckpointManager.
 
-Run as ``python dcp_fsdp2_worker.py MODE ROOT OUT REMOTE_URL ENDPOINT`` with RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT set (``spawn.start_ranks``):
+Run as ``python dcp_fsdp2_worker.py MODE ROOT OUT REMOTE_URL ENDPOINT`` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set (``spawn.start_ranks``):
 
-- ``first``: train steps 1..STEPS from scratch (the uninterrupted run), async saves every SAVE_EVERY steps
-  up to step LAST_SAVE (keep_last=1, upload-gated), recording every step's loss;
-- ``resume``: ``mgr.load(into=state)`` (the step restored from the bucket), ``set_state_dict``, train on
-  to STEPS, recording the losses.
+- ``first``: train steps 1..STEPS from scratch (the uninterrupted run), async saves every SAVE_EVERY
+  steps up to step LAST_SAVE (keep_last=1, upload-gated), recording every step's loss;
+- ``resume``: ``mgr.load(into=state)`` (the step restored from the bucket), ``set_state_dict``,
+  train on to STEPS, recording the losses.
 
 Each rank writes ``OUT/<mode>_<rank>.json``: ``{"losses": {step: loss}, "loaded": step or null,
 "committed": [...], "attempt": n}``.
@@ -66,9 +66,15 @@ def main() -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, opt = build(mesh)
-    mgr = DCPCheckpointManager(root, save_every_steps=SAVE_EVERY, keep_last=1, upload_gated=True,
-                               remote_url=url, remote_s3_client=s3_infra.make_test_client(endpoint),
-                               async_mode="thread")
+    mgr = DCPCheckpointManager(
+        root,
+        save_every_steps=SAVE_EVERY,
+        keep_last=1,
+        upload_gated=True,
+        remote_url=url,
+        remote_s3_client=s3_infra.make_test_client(endpoint),
+        async_mode="thread",
+    )
     res: dict = {"losses": {}, "loaded": None}
     start = 0
     if mode == "resume":
@@ -79,7 +85,9 @@ def main() -> None:
     for step in range(start + 1, STEPS + 1):
         res["losses"][step] = train_step(model, opt, step, rank)
         if step <= LAST_SAVE and mgr.should_save(step):
-            mgr.save(step, dcp_state(model, opt, step))  # async: training goes on while it is written
+            mgr.save(
+                step, dcp_state(model, opt, step)
+            )  # async: training goes on while it is written
     mgr.close()
     res.update(committed=committed_steps(root), attempt=mgr.attempt)
     (Path(out) / f"{mode}_{rank}.json").write_text(json.dumps(res))

@@ -1,18 +1,20 @@
-"""Crash and fault-injection matrix of the local commit protocol (SPEC §2, I1-I5; issue 2 "Crash matrix").
+"""Crash and fault-injection matrix of the local commit protocol (SPEC §2, I1-I5; issue 2 "Crash
+matrix").
 
-A child process (tests/crash_child.py) saves a 4-rank step with the public API; strace, attached to it
-from outside once it is ready, either SIGKILLs it on entering the N-th call of a syscall or makes that call
-fail with EIO / ENOSPC / EACCES. Nothing in the package knows it is being tested. After every case the
-disk is checked with the package's own readers and by parsing any final-named file on its own:
+A child process (tests/crash_child.py) saves a 4-rank step with the public API; strace, attached to
+it from outside once it is ready, either SIGKILLs it on entering the N-th call of a syscall or makes
+that call fail with EIO / ENOSPC / EACCES. Nothing in the package knows it is being tested. After
+every case the disk is checked with the package's own readers and by parsing any final-named file on
+its own:
 
 - step 1 (committed before the child started) is still committed, verifies, and loads byte-equal;
 - the newest committed step is 1, or the new step 2 only if the manifest made it, and then step 2
-  verifies and holds exactly the new content (with ``replace=True``: the old step 2, the new one, or no
-  step 2, never a mixture: I2);
-- every file with a final name (``rank_XXXXX.safetensors``, ``manifest.json``) is complete: a shard parses
-  and decodes on its own to exactly the expected arrays, a manifest validates;
-- injected errors surface as ``CheckpointWriteError`` whose cause carries the injected errno, the attempt's
-  temp files are gone and step 1 is still the newest committed step (I5);
+  verifies and holds exactly the new content (with ``replace=True``: the old step 2, the new one, or
+  no step 2, never a mixture: I2);
+- every file with a final name (``rank_XXXXX.safetensors``, ``manifest.json``) is complete: a shard
+  parses and decodes on its own to exactly the expected arrays, a manifest validates;
+- injected errors surface as ``CheckpointWriteError`` whose cause carries the injected errno, the
+  attempt's temp files are gone and step 1 is still the newest committed step (I5);
 - the next save of the same step number (in-process, after ``gc`` or directly) works and loads.
 
 The matrices walk N = 1, 2, ... until the injection no longer hits anything (each call in turn). See
@@ -33,13 +35,18 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 import crash_harness as H
+import pytest
 from crash_child import make_states
 
 import tiered_ckpt
-from tiered_ckpt import CheckpointExistsError, latest_step, load_sharded, read_manifest, save_sharded
+from tiered_ckpt import (
+    CheckpointExistsError,
+    latest_step,
+    load_sharded,
+    read_manifest,
+    save_sharded,
+)
 from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME
 from tiered_ckpt.local.scan import gc, inspect_step
 
@@ -71,8 +78,9 @@ def _workers():
 
 @pytest.fixture
 def base(tmp_path: Path):
-    """Where the cases' run directories go: tmpfs when there is one (the protocol's syscalls are the same;
-    its fsyncs are free, which keeps hundreds of cases fast on a loaded machine), else tmp_path."""
+    """Where the cases' run directories go: tmpfs when there is one (the protocol's syscalls are the
+    same; its fsyncs are free, which keeps hundreds of cases fast on a loaded machine), else
+    tmp_path."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         d = Path(tempfile.mkdtemp(prefix="crash-matrix-", dir=shm))
@@ -82,6 +90,8 @@ def base(tmp_path: Path):
             shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path
+
+
 _STATES: dict[tuple[int, bool], list[dict]] = {}
 
 
@@ -92,7 +102,7 @@ def states(seed: int, big: bool = False) -> list[dict]:
     return _STATES[key]
 
 
-# ------------------------------------------------------------------------------------------ setup
+# --- setup
 
 
 def prepare(root: Path, replace: bool) -> None:
@@ -113,7 +123,7 @@ def _tmp_owner_pids(names: list[str]) -> set[int]:
     return pids
 
 
-# ------------------------------------------------------------------------------------------ checks
+# --- checks
 
 
 def check_previous_step(root: Path, problems: list[str]) -> None:
@@ -125,7 +135,9 @@ def check_previous_step(root: Path, problems: list[str]) -> None:
         problems.append(f"step {PREV_STEP} loads but differs from what was saved")
 
 
-def check_final_names(root: Path, allowed_seeds: list[tuple[int, bool]], problems: list[str]) -> None:
+def check_final_names(
+    root: Path, allowed_seeds: list[tuple[int, bool]], problems: list[str]
+) -> None:
     """Every final-named file of the new step is complete: shards decode on their own to exactly the
     arrays of one of ``allowed_seeds``; manifest.json validates."""
     sdir = root / f"step_{NEW_STEP:010d}"
@@ -138,13 +150,19 @@ def check_final_names(root: Path, allowed_seeds: list[tuple[int, bool]], problem
             try:
                 meta, st = H.read_final_shard(sdir / name)
             except Exception as e:  # noqa: BLE001 - any failure means partial bytes under a final name
-                problems.append(f"final-named {name} does not parse on its own ({sdir / name}: "
-                                f"{os.path.getsize(sdir / name)} bytes): {type(e).__name__}: {e}")
+                problems.append(
+                    f"final-named {name} does not parse on its own ({sdir / name}: "
+                    f"{os.path.getsize(sdir / name)} bytes): {type(e).__name__}: {e}"
+                )
                 continue
             if meta.get("rank") != rank or meta.get("step") != NEW_STEP:
-                problems.append(f"{name}: header says rank {meta.get('rank')} step {meta.get('step')}")
+                problems.append(
+                    f"{name}: header says rank {meta.get('rank')} step {meta.get('step')}"
+                )
             if not any(H.arrays_equal(st, states(seed, big)[rank]) for seed, big in allowed_seeds):
-                problems.append(f"{name}: complete file but content of none of the saves {allowed_seeds}")
+                problems.append(
+                    f"{name}: complete file but content of none of the saves {allowed_seeds}"
+                )
         elif name == MANIFEST_NAME:
             try:
                 read_manifest(root, NEW_STEP)
@@ -157,7 +175,8 @@ def check_final_names(root: Path, allowed_seeds: list[tuple[int, bool]], problem
 
 
 def check_new_step(root: Path, allowed_seeds: list[tuple[int, bool]], problems: list[str]) -> bool:
-    """If step 2 is committed it must verify and hold exactly one save's content. Returns committed."""
+    """If step 2 is committed it must verify and hold exactly one save's content. Returns
+    committed."""
     st = inspect_step(root, NEW_STEP)
     if st.state == "uncommitted":
         return False
@@ -166,7 +185,9 @@ def check_new_step(root: Path, allowed_seeds: list[tuple[int, bool]], problems: 
         return True
     loaded = load_sharded(root, WORLD, step=NEW_STEP)
     if not any(H.states_equal(loaded, states(seed, big)) for seed, big in allowed_seeds):
-        problems.append(f"committed step {NEW_STEP} verifies but is a mixture / not any single save's content")
+        problems.append(
+            f"committed step {NEW_STEP} verifies but is a mixture / not any single save's content"
+        )
     sid = read_manifest(root, NEW_STEP).save_id
     sdir = root / f"step_{NEW_STEP:010d}"
     for rank in range(WORLD):
@@ -203,18 +224,23 @@ def check_next_save(root: Path, use_gc: bool, problems: list[str]) -> None:
 
 
 def _after_manifest_link(res: H.CaseResult) -> bool:
-    """Whether the hit call came after manifest.json was linked into place (the step already committed)."""
+    """Whether the hit call came after manifest.json was linked into place (the step already
+    committed)."""
     idx = res.injected_index
     if idx is None:
         return False
-    return any(re.search(r'link\(".*\.manifest\.json\.[^"]*\.tmp", ".*/manifest\.json"\) = 0', t)
-               for t in res.trace[:idx])
+    return any(
+        re.search(r'link\(".*\.manifest\.json\.[^"]*\.tmp", ".*/manifest\.json"\) = 0', t)
+        for t in res.trace[:idx]
+    )
 
 
-# ------------------------------------------------------------------------------------------ one case
+# --- one case
 
 
-def kill_case(root: Path, variant: str, inj: H.Injection, big: bool, use_gc: bool) -> tuple[H.CaseResult, list[str]]:
+def kill_case(
+    root: Path, variant: str, inj: H.Injection, big: bool, use_gc: bool
+) -> tuple[H.CaseResult, list[str]]:
     replace = variant.startswith("replace")
     prepare(root, replace)
     res = H.run_child(root, variant=variant, step=NEW_STEP, seed=NEW_SEED, big=big, injection=inj)
@@ -226,8 +252,9 @@ def kill_case(root: Path, variant: str, inj: H.Injection, big: bool, use_gc: boo
     return res, problems
 
 
-def _kill_checks(root: Path, res: H.CaseResult, replace: bool, big: bool, use_gc: bool,
-                 problems: list[str]) -> None:
+def _kill_checks(
+    root: Path, res: H.CaseResult, replace: bool, big: bool, use_gc: bool, problems: list[str]
+) -> None:
     if res.hit and not res.killed:
         problems.append("the kill point was hit but the child was not killed")
     if not res.hit and res.returncode != 0:
@@ -250,23 +277,31 @@ def _kill_checks(root: Path, res: H.CaseResult, replace: bool, big: bool, use_gc
 
 
 def tolerated_open(res: H.CaseResult) -> bool:
-    """openat calls whose failure a save may survive: reading /proc/<pid>/stat (owner token) or reading an
-    existing writer lock (an unreadable lock is treated as stale). A lock is read through
-    ``tiered_ckpt.safe_read``, which walks to it from the root's fd: the read-only, non-blocking directory
-    opens of that walk (``O_DIRECTORY|O_NONBLOCK``; the commit protocol's own directory opens for fsync
-    carry no ``O_NONBLOCK``) fail the lock read like the lock's own open. The walk to a shard being
-    checked fails the save (CheckpointWriteError), which the other branch of the checks asserts."""
+    """openat calls whose failure a save may survive: reading /proc/<pid>/stat (owner token) or
+    reading an existing writer lock (an unreadable lock is treated as stale). A lock is read through
+    ``tiered_ckpt.safe_read``, which walks to it from the root's fd: the read-only, non-blocking
+    directory opens of that walk (``O_DIRECTORY|O_NONBLOCK``; the commit protocol's own directory
+    opens for fsync carry no ``O_NONBLOCK``) fail the lock read like the lock's own open. The walk
+    to a shard being checked fails the save (CheckpointWriteError), which the other branch of the
+    checks asserts."""
     line = res.injected_line or ""
     if not line.split("(", 1)[0].endswith(("openat", "open")):
         return False
-    lock = f'/{SAVE_LOCK_NAME}"' in line or f'"{SAVE_LOCK_NAME}"' in line  # by path, or relative to its dir fd
+    lock = (
+        f'/{SAVE_LOCK_NAME}"' in line or f'"{SAVE_LOCK_NAME}"' in line
+    )  # by path, or relative to its dir fd
     if "/proc/" in line or (lock and "O_RDONLY" in line and "O_CREAT" not in line):
         return True
     flags = line.rsplit(",", 1)[-1]
-    return all(f in flags for f in ("O_RDONLY", "O_DIRECTORY", "O_NONBLOCK")) and "O_CREAT" not in flags
+    return (
+        all(f in flags for f in ("O_RDONLY", "O_DIRECTORY", "O_NONBLOCK"))
+        and "O_CREAT" not in flags
+    )
 
 
-def errno_case(root: Path, variant: str, inj: H.Injection, big: bool = False) -> tuple[H.CaseResult, list[str]]:
+def errno_case(
+    root: Path, variant: str, inj: H.Injection, big: bool = False
+) -> tuple[H.CaseResult, list[str]]:
     replace = variant.startswith("replace")
     prepare(root, replace)
     res = H.run_child(root, variant=variant, step=NEW_STEP, seed=NEW_SEED, big=big, injection=inj)
@@ -282,33 +317,44 @@ def check_is_old(root: Path) -> bool:
     return H.states_equal(load_sharded(root, WORLD, step=NEW_STEP), states(OLD_SEED))
 
 
-def _errno_checks(root: Path, res: H.CaseResult, replace: bool, inj: H.Injection, big: bool,
-                  problems: list[str]) -> None:
+def _errno_checks(
+    root: Path, res: H.CaseResult, replace: bool, inj: H.Injection, big: bool, problems: list[str]
+) -> None:
     want = H.ERRNO[inj.kind]
     rep = res.report or {}
     allowed = [(NEW_SEED, big)] + ([(OLD_SEED, False)] if replace else [])
     if not res.hit:
         if res.returncode != 0:
-            problems.append(f"no injection hit, yet the child failed: {rep.get('type')}: {rep.get('message')}")
+            problems.append(
+                f"no injection hit, yet the child failed: {rep.get('type')}: {rep.get('message')}"
+            )
     elif res.returncode == 0:
         if not tolerated_open(res):
             problems.append("the injected error was swallowed: the save reported success")
     else:
         if res.returncode != 3 or rep.get("type") != "CheckpointWriteError":
-            problems.append(f"expected CheckpointWriteError (exit 3), got exit {res.returncode} "
-                            f"{rep.get('type')}: {rep.get('message')}")
+            problems.append(
+                f"expected CheckpointWriteError (exit 3), got exit {res.returncode} "
+                f"{rep.get('type')}: {rep.get('message')}"
+            )
         elif rep.get("cause_errno") != want or rep.get("errno") != want:
-            problems.append(f"cause errno {rep.get('cause_errno')} / errno {rep.get('errno')} "
-                            f"(cause {rep.get('cause_type')}), injected {want}")
+            problems.append(
+                f"cause errno {rep.get('cause_errno')} / errno {rep.get('errno')} "
+                f"(cause {rep.get('cause_type')}), injected {want}"
+            )
     left = H.tmp_files(root)
     if left:
-        problems.append(f"temp files of the failed attempt remain: {[os.path.basename(p) for p in left]}")
+        problems.append(
+            f"temp files of the failed attempt remain: {[os.path.basename(p) for p in left]}"
+        )
     check_previous_step(root, problems)
     committed = check_new_step(root, allowed, problems)
     check_final_names(root, allowed, problems)
     if res.returncode == 3 and committed and not replace:
-        problems.append("the save raised CheckpointWriteError but step 2 is committed (the caller's outcome "
-                        "must match the disk)")
+        problems.append(
+            "the save raised CheckpointWriteError but step 2 is committed (the caller's outcome "
+            "must match the disk)"
+        )
     if res.returncode == 3 and replace and committed and not check_is_old(root):
         problems.append("a failed replace left the new save committed")
     if res.returncode == 3 and not replace and not committed and latest_step(root) != PREV_STEP:
@@ -316,13 +362,19 @@ def _errno_checks(root: Path, res: H.CaseResult, replace: bool, inj: H.Injection
     check_next_save(root, use_gc=False, problems=problems)
 
 
-# ------------------------------------------------------------------------------------------ matrix driver
+# --- matrix driver
 
 
-def walk(base: Path, label: str, run_one, start: int = 1, stop: int | None = None,
-         only: list[int] | None = None) -> list[tuple[H.CaseResult, list[str]]]:
-    """Run ``run_one(root, n)`` for n = start, start+1, ... (two at a time) until a case hits nothing
-    (or for the explicit ``only`` list). Returns every (result, problems)."""
+def walk(
+    base: Path,
+    label: str,
+    run_one,
+    start: int = 1,
+    stop: int | None = None,
+    only: list[int] | None = None,
+) -> list[tuple[H.CaseResult, list[str]]]:
+    """Run ``run_one(root, n)`` for n = start, start+1, ... (two at a time) until a case hits
+    nothing (or for the explicit ``only`` list). Returns every (result, problems)."""
     out: list[tuple[H.CaseResult, list[str]]] = []
     ns = iter(only) if only is not None else iter(range(start, (stop or MAX_N) + 1))
     pool = _POOL
@@ -357,33 +409,43 @@ def hits(results: list[tuple[H.CaseResult, list[str]]]) -> list[str]:
 KILL_SYSCALLS = ["write", "fsync", "rename", "link", "unlink"]
 
 
-# ------------------------------------------------------------------------------------------ SIGKILL
+# --- SIGKILL
 
 
 @pytest.mark.slow
 def test_sigkill_at_every_call_of_the_protocol(base: Path) -> None:
-    """write_shard x4 + commit_step from one thread: SIGKILL on entering each write, fsync, rename, link
-    (the exclusive rename of the lock and the manifest) and unlink in turn, i.e. right after every
-    preceding step of the protocol, then the disk checks and the next save."""
+    """write_shard x4 + commit_step from one thread: SIGKILL on entering each write, fsync, rename,
+    link (the exclusive rename of the lock and the manifest) and unlink in turn, i.e. right after
+    every preceding step of the protocol, then the disk checks and the next save."""
     points: list[str] = []
     all_results = []
     for sc in KILL_SYSCALLS:
-        res = walk(base, f"k-{sc}", lambda root, n, sc=sc: kill_case(
-            root, "shards", H.Injection(sc, n), big=False, use_gc=(n % 2 == 0)))
+        res = walk(
+            base,
+            f"k-{sc}",
+            lambda root, n, sc=sc: kill_case(
+                root, "shards", H.Injection(sc, n), big=False, use_gc=(n % 2 == 0)
+            ),
+        )
         all_results += res
         points += hits(res)
     assert not any(p for _, p in all_results), report(all_results)
     distinct = sorted(set(points))
-    # Every shard: each write, its fsync, its rename; the manifest: write, fsync, link; and the lock.
+    # Every shard: each write, its fsync, its rename; the manifest: write, fsync, link; and the
+    # lock.
     for rank in range(WORLD):
         name = f"rank_{rank:05d}.safetensors"
         assert f"fsync:{name}(tmp)#1" in distinct, distinct
         assert any(p.startswith(f"rename:{name}(tmp)+{name}") for p in distinct), distinct
-        # a small shard goes out in one write (shard_io gathers small chunks); kills between the writes
-        # of one shard: test_sigkill_large_shards_partial_writes
+        # a small shard goes out in one write (shard_io gathers small chunks); kills between the
+        # writes of one shard: test_sigkill_large_shards_partial_writes
         assert f"write:{name}(tmp)#1" in distinct, distinct
-    for p in ("write:manifest.json(tmp)#1", "fsync:manifest.json(tmp)#1",
-              "link:manifest.json(tmp)+manifest.json#1", "unlink:manifest.json(tmp)#1"):
+    for p in (
+        "write:manifest.json(tmp)#1",
+        "fsync:manifest.json(tmp)#1",
+        "link:manifest.json(tmp)+manifest.json#1",
+        "unlink:manifest.json(tmp)#1",
+    ):
         assert p in distinct, distinct
     assert any(p.startswith("fsync:stepdir#") for p in distinct)
     assert len(distinct) >= 28, distinct  # 40 while every tensor of a small shard had its own write
@@ -391,36 +453,60 @@ def test_sigkill_at_every_call_of_the_protocol(base: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkill_threaded_save_sharded(base: Path) -> None:
-    """save_sharded writes the ranks from a thread pool: -f and when=N kill at the N-th call of whichever
-    rank thread gets there first; tracing the main thread alone kills inside the commit."""
+    """save_sharded writes the ranks from a thread pool: -f and when=N kill at the N-th call of
+    whichever rank thread gets there first; tracing the main thread alone kills inside the
+    commit."""
     all_results = []
     for sc in KILL_SYSCALLS:
-        all_results += walk(base, f"t-{sc}", lambda root, n, sc=sc: kill_case(
-            root, "sharded", H.Injection(sc, n), big=False, use_gc=(n % 2 == 1)))
-        all_results += walk(base, f"m-{sc}", lambda root, n, sc=sc: kill_case(
-            root, "sharded", H.Injection(sc, n, follow=False), big=False, use_gc=(n % 2 == 0)))
+        all_results += walk(
+            base,
+            f"t-{sc}",
+            lambda root, n, sc=sc: kill_case(
+                root, "sharded", H.Injection(sc, n), big=False, use_gc=(n % 2 == 1)
+            ),
+        )
+        all_results += walk(
+            base,
+            f"m-{sc}",
+            lambda root, n, sc=sc: kill_case(
+                root, "sharded", H.Injection(sc, n, follow=False), big=False, use_gc=(n % 2 == 0)
+            ),
+        )
     assert not any(p for _, p in all_results), report(all_results)
     distinct = set(hits(all_results))
-    assert {"write:manifest.json(tmp)#1", "fsync:manifest.json(tmp)#1",
-            "link:manifest.json(tmp)+manifest.json#1"} <= distinct, sorted(distinct)
+    assert {
+        "write:manifest.json(tmp)#1",
+        "fsync:manifest.json(tmp)#1",
+        "link:manifest.json(tmp)+manifest.json#1",
+    } <= distinct, sorted(distinct)
     assert len(distinct) >= 12, sorted(distinct)
 
 
 @pytest.mark.slow
 def test_sigkill_large_shards_partial_writes(base: Path) -> None:
-    """One 40 MiB tensor per rank (> 2 chunks of CHUNK_BYTES): killed between the chunk writes of a shard,
-    so its temp file holds part of the bytes; the final name never does."""
+    """One 40 MiB tensor per rank (> 2 chunks of CHUNK_BYTES): killed between the chunk writes of a
+    shard, so its temp file holds part of the bytes; the final name never does."""
     from tiered_ckpt.format.shard_file import CHUNK_BYTES
 
     assert 40 * 2**20 > 2 * CHUNK_BYTES
-    # shards variant, per rank: header, step (int64), big x3 chunks, exp_avg, w, b  (8 writes per rank)
-    cases = [H.Injection("write", n) for n in (4, 5, 6, 13)] + [H.Injection("fsync", 3),
-                                                               H.Injection("rename", 2)]
-    results = walk(base, "big", lambda root, n: kill_case(root, "shards", cases[n], big=True,
-                                                              use_gc=(n % 2 == 0)),
-                   only=list(range(len(cases))))
-    results += walk(base, "bigt", lambda root, n: kill_case(root, "sharded", H.Injection("write", n),
-                                                                big=True, use_gc=True), only=[4])
+    # shards variant, per rank: header, step (int64), big x3 chunks, exp_avg, w, b  (8 writes per
+    # rank)
+    cases = [H.Injection("write", n) for n in (4, 5, 6, 13)] + [
+        H.Injection("fsync", 3),
+        H.Injection("rename", 2),
+    ]
+    results = walk(
+        base,
+        "big",
+        lambda root, n: kill_case(root, "shards", cases[n], big=True, use_gc=(n % 2 == 0)),
+        only=list(range(len(cases))),
+    )
+    results += walk(
+        base,
+        "bigt",
+        lambda root, n: kill_case(root, "sharded", H.Injection("write", n), big=True, use_gc=True),
+        only=[4],
+    )
     assert not any(p for _, p in results), report(results)
     assert all(r.killed for r, _ in results), [r.describe() for r, _ in results if not r.killed]
     # at least one case really left a partial temp file: a kill between chunk writes
@@ -430,24 +516,39 @@ def test_sigkill_large_shards_partial_writes(base: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkill_replace_never_mixes(base: Path) -> None:
-    """replace=True over a committed step 2: after a kill anywhere, step 2 is the old save, the new save,
-    or not committed; never a mixture (I2)."""
+    """replace=True over a committed step 2: after a kill anywhere, step 2 is the old save, the new
+    save, or not committed; never a mixture (I2)."""
     all_results = []
     for sc in ("unlink", "fsync", "rename", "link", "write"):
-        all_results += walk(base, f"r-{sc}", lambda root, n, sc=sc: kill_case(
-            root, "replace_shards", H.Injection(sc, n), big=False, use_gc=(n % 2 == 0)))
+        all_results += walk(
+            base,
+            f"r-{sc}",
+            lambda root, n, sc=sc: kill_case(
+                root, "replace_shards", H.Injection(sc, n), big=False, use_gc=(n % 2 == 0)
+            ),
+        )
     for sc in ("unlink", "fsync", "rename"):
-        all_results += walk(base, f"rt-{sc}", lambda root, n, sc=sc: kill_case(
-            root, "replace", H.Injection(sc, n), big=False, use_gc=(n % 2 == 1)))
-        all_results += walk(base, f"rm-{sc}", lambda root, n, sc=sc: kill_case(
-            root, "replace", H.Injection(sc, n, follow=False), big=False, use_gc=False))
+        all_results += walk(
+            base,
+            f"rt-{sc}",
+            lambda root, n, sc=sc: kill_case(
+                root, "replace", H.Injection(sc, n), big=False, use_gc=(n % 2 == 1)
+            ),
+        )
+        all_results += walk(
+            base,
+            f"rm-{sc}",
+            lambda root, n, sc=sc: kill_case(
+                root, "replace", H.Injection(sc, n, follow=False), big=False, use_gc=False
+            ),
+        )
     assert not any(p for _, p in all_results), report(all_results)
     distinct = set(hits(all_results))
     assert "unlink:manifest.json#1" in distinct, sorted(distinct)  # the un-commit itself
     assert len(distinct) >= 12, sorted(distinct)
 
 
-# ------------------------------------------------------------------------------------------ errno
+# --- errno
 
 ERRNOS = ["EIO", "ENOSPC", "EACCES"]
 
@@ -458,33 +559,52 @@ def test_injected_errno_at_every_call(base: Path, err: str) -> None:
     """write, fsync, rename/link and open fail with ``err`` at each call of a small save in turn."""
     all_results = []
     for sc in ("write", "fsync", "rename", "link", "open"):
-        all_results += walk(base, f"{err}-{sc}", lambda root, n, sc=sc: errno_case(
-            root, "shards", H.Injection(sc, n, err)))
+        all_results += walk(
+            base,
+            f"{err}-{sc}",
+            lambda root, n, sc=sc: errno_case(root, "shards", H.Injection(sc, n, err)),
+        )
     assert not any(p for _, p in all_results), report(all_results)
     hit = [r for r, _ in all_results if r.hit]
     failed = [r for r in hit if r.returncode == 3]
     assert len(failed) >= 40, [r.point for r in failed]
-    # the only tolerated outcome of a hit besides CheckpointWriteError: a failed read of /proc or the lock
+    # the only tolerated outcome of a hit besides CheckpointWriteError: a failed read of /proc or
+    # the lock
     assert all(r.returncode == 3 or tolerated_open(r) for r in hit)
-    # the directory fsync right after manifest.json was linked failed too: the manifest was taken back
-    assert any(_after_manifest_link(r) and r.returncode == 3 for r in hit), "post-link point not reached"
+    # the directory fsync right after manifest.json was linked failed too: the manifest was taken
+    # back
+    assert any(_after_manifest_link(r) and r.returncode == 3 for r in hit), (
+        "post-link point not reached"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("err", ERRNOS)
 def test_injected_errno_threaded_and_replace(base: Path, err: str) -> None:
-    """The same faults in the threaded save_sharded (every rank thread fails at its N-th call; the main
-    thread alone for the commit) and in a replace=True save."""
+    """The same faults in the threaded save_sharded (every rank thread fails at its N-th call; the
+    main thread alone for the commit) and in a replace=True save."""
     results = []
     for sc in ("write", "fsync", "rename"):
-        results += walk(base, f"t{err}-{sc}", lambda root, n, sc=sc: errno_case(
-            root, "sharded", H.Injection(sc, n, err)))
+        results += walk(
+            base,
+            f"t{err}-{sc}",
+            lambda root, n, sc=sc: errno_case(root, "sharded", H.Injection(sc, n, err)),
+        )
     for sc in ("write", "link", "open"):
-        results += walk(base, f"m{err}-{sc}", lambda root, n, sc=sc: errno_case(
-            root, "sharded", H.Injection(sc, n, err, follow=False)), stop=6)
+        results += walk(
+            base,
+            f"m{err}-{sc}",
+            lambda root, n, sc=sc: errno_case(
+                root, "sharded", H.Injection(sc, n, err, follow=False)
+            ),
+            stop=6,
+        )
     for sc in ("write", "rename"):
-        results += walk(base, f"r{err}-{sc}", lambda root, n, sc=sc: errno_case(
-            root, "replace", H.Injection(sc, n, err)))
+        results += walk(
+            base,
+            f"r{err}-{sc}",
+            lambda root, n, sc=sc: errno_case(root, "replace", H.Injection(sc, n, err)),
+        )
     assert not any(p for _, p in results), report(results)
     assert sum(r.returncode == 3 for r, _ in results) >= 10
 
@@ -492,30 +612,43 @@ def test_injected_errno_threaded_and_replace(base: Path, err: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("err", ["EIO", "ENOSPC"])
 def test_injected_errno_mid_large_shard(base: Path, err: str) -> None:
-    """A write failing after 16 MiB of a 40 MiB tensor went out: typed error, the partial temp file is
-    removed, step 1 intact, next save fine."""
-    results = walk(base, f"big{err}", lambda root, n: errno_case(
-        root, "shards", H.Injection("write", n, err), big=True), only=[5])
-    (res, problems), = results
+    """A write failing after 16 MiB of a 40 MiB tensor went out: typed error, the partial temp file
+    is removed, step 1 intact, next save fine."""
+    results = walk(
+        base,
+        f"big{err}",
+        lambda root, n: errno_case(root, "shards", H.Injection("write", n, err), big=True),
+        only=[5],
+    )
+    ((res, problems),) = results
     assert not problems, report(results)
-    # writes of rank 0: header, the int64 counter, then the 40 MiB tensor in 16 MiB chunks: #4 is chunk 2
-    assert res.returncode == 3 and res.point == "write:rank_00000.safetensors(tmp)#4", res.describe()
+    # writes of rank 0: header, the int64 counter, then the 40 MiB tensor in 16 MiB chunks: #4 is
+    # chunk 2
+    assert res.returncode == 3 and res.point == "write:rank_00000.safetensors(tmp)#4", (
+        res.describe()
+    )
     assert res.report["cause_errno"] == H.ERRNO[err]
 
 
-# ------------------------------------------------------------------------------------------ post-commit faults
+# --- post-commit faults
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sc,which", [("fsync", "last"), ("unlink", 2)])
 def test_failure_after_manifest_link_is_consistent(base: Path, sc: str, which) -> None:
-    """EIO on the directory fsync (or on the temp-name unlink) right after manifest.json was linked into
-    place: the caller's outcome must match the disk. Either the save raises and step 1 is still the
-    newest committed step (the link was taken back), or the save reports success and step 2 verifies."""
+    """EIO on the directory fsync (or on the temp-name unlink) right after manifest.json was linked
+    into place: the caller's outcome must match the disk. Either the save raises and step 1 is still
+    the newest committed step (the link was taken back), or the save reports success and step 2
+    verifies."""
     prepare(base / "probe", False)
     probe = H.run_child(base / "probe", variant="shards", injection=H.Injection(sc, MAX_N, "EIO"))
-    n = which if isinstance(which, int) else sum(
-        1 for i, name, _ in H._entries(probe.trace) if name in H.SYSCALL_SETS[sc].split(","))
+    n = (
+        which
+        if isinstance(which, int)
+        else sum(
+            1 for i, name, _ in H._entries(probe.trace) if name in H.SYSCALL_SETS[sc].split(",")
+        )
+    )
     root = base / "r"
     prepare(root, False)
     res = H.run_child(root, variant="shards", injection=H.Injection(sc, n, "EIO"))
@@ -530,19 +663,21 @@ def test_failure_after_manifest_link_is_consistent(base: Path, sc: str, which) -
     else:
         assert res.returncode == 0, res.describe()
         assert check_new_step(root, [(NEW_SEED, False)], problems)
-        gc(root, min_age_s=0)  # a temp-name hard link left by the failed unlink belongs to a dead writer
+        gc(
+            root, min_age_s=0
+        )  # a temp-name hard link left by the failed unlink belongs to a dead writer
         assert not H.tmp_files(root)
     check_next_save(root, use_gc=False, problems=problems)
     assert not problems, problems
 
 
-# ------------------------------------------------------------------------------------------ I4
+# --- I4
 
 
 def test_two_processes_save_the_same_step_concurrently(tmp_path: Path) -> None:
     """Two processes save step 2 with different save_ids at the same instant (released together):
-    exactly one commits, the other gets ConcurrentSaveError (or CheckpointExistsError if it came after the
-    commit), and the committed step is entirely the winner's content."""
+    exactly one commits, the other gets ConcurrentSaveError (or CheckpointExistsError if it came
+    after the commit), and the committed step is entirely the winner's content."""
     for round_ in range(4):
         root = tmp_path / f"c{round_}"
         save_sharded(states(PREV_SEED), root, PREV_STEP)
@@ -550,14 +685,20 @@ def test_two_processes_save_the_same_step_concurrently(tmp_path: Path) -> None:
         seeds = (NEW_SEED, OLD_SEED)
         variant = "sharded" if round_ % 2 == 0 else "shards"
         assert _POOL is not None
-        futs = [_POOL.submit(H.run_child, root, variant=variant, step=NEW_STEP, seed=s,
-                             go_event=barrier.wait) for s in seeds]
+        futs = [
+            _POOL.submit(
+                H.run_child, root, variant=variant, step=NEW_STEP, seed=s, go_event=barrier.wait
+            )
+            for s in seeds
+        ]
         results = [f.result() for f in futs]
         ok = [s for s, r in zip(seeds, results) if r.returncode == 0]
         assert len(ok) == 1, [r.describe() for r in results]
         loser = next(r for r in results if r.returncode != 0)
-        assert loser.returncode == 4 and loser.report["type"] in ("ConcurrentSaveError",
-                                                                   "CheckpointExistsError"), loser.describe()
+        assert loser.returncode == 4 and loser.report["type"] in (
+            "ConcurrentSaveError",
+            "CheckpointExistsError",
+        ), loser.describe()
         problems: list[str] = []
         assert check_new_step(root, [(ok[0], False)], problems) and not problems, problems
         check_previous_step(root, problems)
@@ -567,18 +708,26 @@ def test_two_processes_save_the_same_step_concurrently(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("when", [1, 2, 3, 4, 5, 6, 8])
 def test_parked_writer_vs_committing_writer(base: Path, when: int) -> None:
-    """Writer B (write_shard x4 + commit_step) is parked for 1.5 s on entering its ``when``-th openat
-    (strace delay_enter: before, inside or after claiming the step's writer lock), while writer A
-    (save_sharded, threads) saves and commits the same step. Whatever the interleaving: exactly one save
-    commits, the other fails with ConcurrentSaveError or CheckpointExistsError, the committed step
-    verifies and is entirely the winner's content (no shard renamed over a committed one: I2, I4)."""
+    """Writer B (write_shard x4 + commit_step) is parked for 1.5 s on entering its ``when``-th
+    openat (strace delay_enter: before, inside or after claiming the step's writer lock), while
+    writer A (save_sharded, threads) saves and commits the same step. Whatever the interleaving:
+    exactly one save commits, the other fails with ConcurrentSaveError or CheckpointExistsError, the
+    committed step verifies and is entirely the winner's content (no shard renamed over a committed
+    one: I2, I4)."""
     root = base / "race"
     save_sharded(states(PREV_SEED), root, PREV_STEP)
     (root / f"step_{NEW_STEP:010d}").mkdir()  # an earlier, interrupted attempt left the directory
     go_b = threading.Event()
     assert _POOL is not None
-    fb = _POOL.submit(H.run_child, root, variant="shards", step=NEW_STEP, seed=OLD_SEED,
-                      delay=f"{H.SYSCALL_SETS['open']}:delay_enter=1500ms:when={when}", go_event=go_b.set)
+    fb = _POOL.submit(
+        H.run_child,
+        root,
+        variant="shards",
+        step=NEW_STEP,
+        seed=OLD_SEED,
+        delay=f"{H.SYSCALL_SETS['open']}:delay_enter=1500ms:when={when}",
+        go_event=go_b.set,
+    )
     assert go_b.wait(60)
     time.sleep(0.3)  # B is parked at its when-th openat (or done, if it issues fewer)
     ra = _POOL.submit(H.run_child, root, variant="sharded", step=NEW_STEP, seed=NEW_SEED).result()
@@ -588,8 +737,10 @@ def test_parked_writer_vs_committing_writer(base: Path, when: int) -> None:
     assert len(winners) == 1, [r.describe() for r in outcomes.values()]
     for seed, r in outcomes.items():
         if seed != winners[0]:
-            assert r.returncode == 4 and r.report["type"] in ("ConcurrentSaveError", "CheckpointExistsError"), \
-                r.describe()
+            assert r.returncode == 4 and r.report["type"] in (
+                "ConcurrentSaveError",
+                "CheckpointExistsError",
+            ), r.describe()
     problems: list[str] = []
     assert check_new_step(root, [(winners[0], False)], problems), "nothing committed"
     check_final_names(root, [(winners[0], False)], problems)
@@ -598,8 +749,8 @@ def test_parked_writer_vs_committing_writer(base: Path, when: int) -> None:
 
 
 def test_child_handshake_and_harness_sanity(tmp_path: Path) -> None:
-    """Without injection the child saves step 2 and it loads byte-equal; the traced-but-not-hit run too
-    (strace attached, injection beyond the protocol): the harness itself changes nothing."""
+    """Without injection the child saves step 2 and it loads byte-equal; the traced-but-not-hit run
+    too (strace attached, injection beyond the protocol): the harness itself changes nothing."""
     root = tmp_path / "plain"
     prepare(root, False)
     res = H.run_child(root, variant="shards", step=NEW_STEP, seed=NEW_SEED)
@@ -607,8 +758,13 @@ def test_child_handshake_and_harness_sanity(tmp_path: Path) -> None:
     assert H.states_equal(load_sharded(root, WORLD, step=NEW_STEP), states(NEW_SEED))
     root2 = tmp_path / "traced"
     prepare(root2, False)
-    res = H.run_child(root2, variant="sharded", step=NEW_STEP, seed=NEW_SEED,
-                      injection=H.Injection("write", MAX_N, "EIO"))
+    res = H.run_child(
+        root2,
+        variant="sharded",
+        step=NEW_STEP,
+        seed=NEW_SEED,
+        injection=H.Injection("write", MAX_N, "EIO"),
+    )
     assert res.returncode == 0 and not res.hit and res.trace, res.describe()
     assert any("manifest.json" in t for t in res.trace)
     assert tiered_ckpt.latest_step(root2) == NEW_STEP

@@ -1,7 +1,7 @@
-"""Issue 13, Show "Cluster loss with FSDP2": a 2-rank FSDP2 run checkpointed through DCPCheckpointManager
-(async saves, rotation and upload gating at the commit), uploaded by the real sidecar, its local tier
-deleted; the restart restores from the bucket and resumes with the uninterrupted run's losses exactly. On
-moto and on SeaweedFS."""
+"""Issue 13, Show "Cluster loss with FSDP2": a 2-rank FSDP2 run checkpointed through
+DCPCheckpointManager (async saves, rotation and upload gating at the commit), uploaded by the real
+sidecar, its local tier deleted; the restart restores from the bucket and resumes with the
+uninterrupted run's losses exactly. On moto and on SeaweedFS."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 import s3_infra
 from s3_servers import both_servers
 from spawn import cli_cmd, start_ranks, wait_ranks
+
 from tiered_ckpt.local import committed_steps, read_manifest
 from tiered_ckpt.remote.catalogue import read_catalogue
 from tiered_ckpt.remote.handle import StoreHandle
@@ -34,16 +34,32 @@ def run_ranks(mode: str, root: Path, out: Path, loc: s3_infra.S3Location) -> lis
 @pytest.mark.slow
 @both_servers
 def test_fsdp2_cluster_loss_restores_from_the_bucket_and_resumes_exactly(
-        tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     root, out = tmp_path / "ckpt", tmp_path
     first = run_ranks("first", root, out, s3_bucket)
     # Upload gating at the commit: keep_last=1, but step 3 was not uploaded yet when 6 committed.
     assert committed_steps(root) == SAVES and all(r["committed"] == SAVES for r in first)
     m = read_manifest(root, 6)
     assert m.world_size == 2 and "dcp" in m.extra and m.attempt == first[0]["attempt"] == 1
-    sidecar = subprocess.run([*cli_cmd(), "upload", "--once", "--local", str(root), "--remote", s3_bucket.url,
-                              "--endpoint-url", s3_bucket.endpoint_url, "--path-style", "--no-progress"],
-                             capture_output=True, text=True, timeout=120)
+    sidecar = subprocess.run(
+        [
+            *cli_cmd(),
+            "upload",
+            "--once",
+            "--local",
+            str(root),
+            "--remote",
+            s3_bucket.url,
+            "--endpoint-url",
+            s3_bucket.endpoint_url,
+            "--path-style",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sidecar.returncode == 0, sidecar.stderr[-4000:]
     with StoreHandle(s3_bucket.url, s3_client=s3_bucket.client) as st:
         assert sorted(s.step for s in read_catalogue(st).saves) == SAVES

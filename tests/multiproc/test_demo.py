@@ -1,7 +1,7 @@
-"""``tiered-ckpt demo`` end to end, as CI runs it: a subprocess, embedded S3 server, 4-rank job, SIGKILL,
-resume, cluster loss, restore, resume; exit 0, report printed, curves equal, PNG written. The moto run
-uses the ZeRO-1 example (the default ``--model zero``), the SeaweedFS run the FSDP2 one (``--model fsdp2``),
-so both trainers go through the whole story."""
+"""``tiered-ckpt demo`` end to end, as CI runs it: a subprocess, embedded S3 server, 4-rank job,
+SIGKILL, resume, cluster loss, restore, resume; exit 0, report printed, curves equal, PNG written.
+The moto run uses the ZeRO-1 example (the default ``--model zero``), the SeaweedFS run the FSDP2 one
+(``--model fsdp2``), so both trainers go through the whole story."""
 
 from __future__ import annotations
 
@@ -11,16 +11,30 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from spawn import child_env, python_cmd
 
 pytestmark = pytest.mark.slow
 
+
 def test_demo_runs_the_whole_story(tmp_path: Path) -> None:
     env = child_env({k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")})
-    p = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "demo", "--workdir", tmp_path / "demo",
-                                  "--steps", "30", "--ckpt-every", "5"), env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        python_cmd(
+            "-m",
+            "tiered_ckpt.cli",
+            "demo",
+            "--workdir",
+            tmp_path / "demo",
+            "--steps",
+            "30",
+            "--ckpt-every",
+            "5",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = p.stdout
     assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{p.stderr[-3000:]}"
     assert "tiered-ckpt demo report" in out
@@ -47,19 +61,40 @@ def test_demo_rejects_bad_settings(tmp_path, monkeypatch) -> None:
 
 
 def test_demo_on_seaweedfs(tmp_path: Path) -> None:
-    """``--server seaweedfs --model fsdp2``: the story of the FSDP2 example (DCP saves into the tiers) on a
-    ``weed mini`` process (loopback only, signatures and checksums checked), started under the workdir and
-    gone when the demo exits."""
+    """``--server seaweedfs --model fsdp2``: the story of the FSDP2 example (DCP saves into the
+    tiers) on a ``weed mini`` process (loopback only, signatures and checksums checked), started
+    under the workdir and gone when the demo exits."""
     env = child_env({k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")})
     work = tmp_path / "demo"
-    p = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "demo", "--server", "seaweedfs", "--model", "fsdp2",
-                                  "--workdir", work,
-                                  "--steps", "16", "--ckpt-every", "4", "--no-plot"), env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        python_cmd(
+            "-m",
+            "tiered_ckpt.cli",
+            "demo",
+            "--server",
+            "seaweedfs",
+            "--model",
+            "fsdp2",
+            "--workdir",
+            work,
+            "--steps",
+            "16",
+            "--ckpt-every",
+            "4",
+            "--no-plot",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = p.stdout
     assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{p.stderr[-3000:]}"
-    assert re.search(r"^  model\s+fsdp2: 4-rank FSDP2 job, gloo, checkpointed by torch\.distributed\.checkpoint",
-                     out, re.M)
+    assert re.search(
+        r"^  model\s+fsdp2: 4-rank FSDP2 job, gloo, checkpointed by torch\.distributed\.checkpoint",
+        out,
+        re.M,
+    )
     assert "[2/8] baseline: 4-rank FSDP2 run (tiered_ckpt.examples.train_fsdp2)" in out
     assert re.search(r"\[1/8\] S3: SeaweedFS \(weed mini\) at http://127\.0\.0\.1:\d+", out)
     assert re.search(r"bytes uploaded\s+\S+ MiB in 4 remotely committed steps", out)

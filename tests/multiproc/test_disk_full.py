@@ -1,8 +1,8 @@
-"""Disk full for real (SPEC §2 I5; issue 2 "Disk full"): a small tmpfs mounted by the test, a committed step,
-then saves that do not fit. Every failure must be a ``CheckpointWriteError`` whose ``__cause__`` is the
-``OSError`` with errno ENOSPC; the attempt's temp files are gone; the previous step is intact and still the
-newest committed one; once space is freed the next save succeeds. Skipped (with the reason) where the test
-may not mount a tmpfs."""
+"""Disk full for real (SPEC §2 I5; issue 2 "Disk full"): a small tmpfs mounted by the test, a
+committed step, then saves that do not fit. Every failure must be a ``CheckpointWriteError`` whose
+``__cause__`` is the ``OSError`` with errno ENOSPC; the attempt's temp files are gone; the previous
+step is intact and still the newest committed one; once space is freed the next save succeeds.
+Skipped (with the reason) where the test may not mount a tmpfs."""
 
 from __future__ import annotations
 
@@ -10,17 +10,22 @@ import errno
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
-
-import numpy as np
-import pytest
 
 import crash_harness as H
+import numpy as np
+import pytest
 from crash_child import make_states
 
-from tiered_ckpt import (CheckpointWriteError, commit_step, latest_step, load_sharded, save_sharded,
-                         write_shard)
+from tiered_ckpt import (
+    CheckpointWriteError,
+    commit_step,
+    latest_step,
+    load_sharded,
+    save_sharded,
+    write_shard,
+)
 from tiered_ckpt.local import new_save_id
 from tiered_ckpt.local.scan import inspect_step
 
@@ -32,8 +37,11 @@ def _mount_tmpfs(where: Path, size: int) -> str | None:
     """Mount a tmpfs of ``size`` bytes at ``where``; returns None on success, else why it failed."""
     if shutil.which("mount") is None:
         return "no mount(8) here"
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         return f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip()[:200]})"
     return None
@@ -79,10 +87,18 @@ def fill(path: Path, nbytes: int | None) -> None:
 
 
 def big_states(world: int, mib_per_rank: int, seed: int) -> list[dict]:
-    """Per rank one float32 tensor of ``mib_per_rank`` MiB (more than one 16 MiB write chunk when > 16)."""
+    """Per rank one float32 tensor of ``mib_per_rank`` MiB (more than one 16 MiB write chunk when >
+    16)."""
     n = mib_per_rank * MiB // 4
-    return [{"x": (np.arange(n, dtype=np.uint32) * np.uint32(seed * 7 + 1) + np.uint32(r)).view(np.float32),
-             "meta": {"rank": r, "seed": seed}} for r in range(world)]
+    return [
+        {
+            "x": (np.arange(n, dtype=np.uint32) * np.uint32(seed * 7 + 1) + np.uint32(r)).view(
+                np.float32
+            ),
+            "meta": {"rank": r, "seed": seed},
+        }
+        for r in range(world)
+    ]
 
 
 def assert_previous_intact(root: Path, prev: list[dict]) -> None:
@@ -101,8 +117,8 @@ def assert_enospc(exc: BaseException) -> None:
 @pytest.mark.slow
 def test_disk_full_mid_shard_write(small_fs: Path) -> None:
     """4 ranks x 10 MiB into ~20 MiB free (the writes get short, then ENOSPC): from a child process
-    (write_shard x4 + commit_step, 40 MiB per rank) and in-process with save_sharded; once the filler is
-    deleted the next save works."""
+    (write_shard x4 + commit_step, 40 MiB per rank) and in-process with save_sharded; once the
+    filler is deleted the next save works."""
     root = small_fs / "run"
     prev = make_states(1)
     save_sharded(prev, root, 1)
@@ -114,7 +130,9 @@ def test_disk_full_mid_shard_write(small_fs: Path) -> None:
     # from a separate process first (the error is reported by the child, typed, exit 3) ...
     res = H.run_child(root, variant="shards", step=2, seed=2, big=True, fresh=True)
     assert res.returncode == 3, res.describe()
-    assert res.report["type"] == "CheckpointWriteError" and res.report["cause_errno"] == errno.ENOSPC
+    assert (
+        res.report["type"] == "CheckpointWriteError" and res.report["cause_errno"] == errno.ENOSPC
+    )
     assert H.tmp_files(root) == [], H.tmp_files(root)
     assert_previous_intact(root, prev)
 
@@ -124,7 +142,8 @@ def test_disk_full_mid_shard_write(small_fs: Path) -> None:
     assert_enospc(ei.value)
     assert H.tmp_files(root) == [], H.tmp_files(root)
     assert_previous_intact(root, prev)
-    # whatever final-named shards made it are complete files (never partial bytes under a final name)
+    # whatever final-named shards made it are complete files (never partial bytes under a final
+    # name)
     sdir = root / "step_0000000002"
     for f in sorted(sdir.glob("rank_*.safetensors")):
         meta, st = H.read_final_shard(f)
@@ -139,8 +158,9 @@ def test_disk_full_mid_shard_write(small_fs: Path) -> None:
 
 @pytest.mark.slow
 def test_disk_full_at_the_commit_point(small_fs: Path) -> None:
-    """The shards fit, then the disk fills up: commit_step cannot write manifest.json. Typed error, no
-    temp file, step 1 still the newest committed step; once space is freed the commit goes through."""
+    """The shards fit, then the disk fills up: commit_step cannot write manifest.json. Typed error,
+    no temp file, step 1 still the newest committed step; once space is freed the commit goes
+    through."""
     root = small_fs / "run"
     prev = make_states(1)
     save_sharded(prev, root, 1)
@@ -178,5 +198,7 @@ def test_a_failed_save_does_not_block_other_processes(small_fs: Path) -> None:
     assert_enospc(ei.value)
     filler.unlink()
     res = H.run_child(root, variant="sharded", step=2, seed=2, fresh=True)
-    assert res.returncode == 0, res.describe()  # today: exit 4, ConcurrentSaveError naming this process
+    assert res.returncode == 0, (
+        res.describe()
+    )  # today: exit 4, ConcurrentSaveError naming this process
     assert H.states_equal(load_sharded(root, 4), make_states(2))

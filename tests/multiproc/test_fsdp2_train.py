@@ -1,12 +1,14 @@
-"""The FSDP2 example (:mod:`tiered_ckpt.examples.train_fsdp2`) on real gloo ranks, checkpointing through
-DCP into the local tier with ``tiered_ckpt.dcp`` (issue 13, slow: one process per rank).
+"""The FSDP2 example (:mod:`tiered_ckpt.examples.train_fsdp2`) on real gloo ranks, checkpointing
+through DCP into the local tier with ``tiered_ckpt.dcp`` (issue 13, slow: one process per rank).
 
-1. SIGKILL drill: 4 ranks (torchrun) killed, the whole process tree at once, at a random step after at
-   least two committed async saves; restarted (the tests' own launcher: one process per rank): the loss
-   of every step after the resume point equals the uninterrupted run's exactly (max |diff| == 0.0).
-2. Resharding: the uninterrupted run's final 4-rank checkpoint loaded at 2 and at 3 ranks (same global
-   batch): every global tensor (parameters, exp_avg, exp_avg_sq, reassembled with ``full_tensor()``)
-   byte-equal to the 4-rank run's own at that step; training continues and commits at the new world size.
+1. SIGKILL drill: 4 ranks (torchrun) killed, the whole process tree at once, at a random step after
+   at least two committed async saves; restarted (the tests' own launcher: one process per rank):
+   the loss of every step after the resume point equals the uninterrupted run's exactly (max |diff|
+   == 0.0).
+2. Resharding: the uninterrupted run's final 4-rank checkpoint loaded at 2 and at 3 ranks (same
+   global batch): every global tensor (parameters, exp_avg, exp_avg_sq, reassembled with
+   ``full_tensor()``) byte-equal to the 4-rank run's own at that step; training continues and
+   commits at the new world size.
 
 Bytes read per rank while resharding (4 -> 3, within 5% of what each rank needs) are checked in
 tests/dcp/test_dcp_reshard_bytes.py, on a model with 4 MiB tensors and no training: this example's
@@ -30,9 +32,10 @@ import pytest
 pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-import tiered_ckpt.examples  # noqa: E402
 from spawn import child_env, free_port, python_cmd, start_ranks, wait_ranks  # noqa: E402
 from test_resume_drill import alive, finish, kill_tree, losses  # noqa: E402
+
+import tiered_ckpt.examples  # noqa: E402
 from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -43,22 +46,47 @@ COMMON = ("--ckpt-every", str(EVERY), "--seed", "5")
 
 
 def args(world: int, root: Path, log: Path, steps: int = STEPS) -> list[str]:
-    return ["--steps", str(steps), "--root", str(root), "--loss-log", str(log),
-            "--batch-per-rank", str(GLOBAL_BATCH // world), *COMMON]
+    return [
+        "--steps",
+        str(steps),
+        "--root",
+        str(root),
+        "--loss-log",
+        str(log),
+        "--batch-per-rank",
+        str(GLOBAL_BATCH // world),
+        *COMMON,
+    ]
 
 
 def torchrun(root: Path, log: Path, *extra: str) -> subprocess.Popen:
-    """4 ranks under torchrun (``-m tiered_ckpt.examples.train_fsdp2``), in a session of their own."""
-    cmd = python_cmd("-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
-                     "-m", "tiered_ckpt.examples.train_fsdp2", *args(4, root, log), *extra)
+    """4 ranks under torchrun (``-m tiered_ckpt.examples.train_fsdp2``), in a session of their
+    own."""
+    cmd = python_cmd(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        f"--master_port={free_port()}",
+        "-m",
+        "tiered_ckpt.examples.train_fsdp2",
+        *args(4, root, log),
+        *extra,
+    )
     out = open(log.with_suffix(".out"), "wb")
-    return subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        env=child_env(OMP_NUM_THREADS="1"),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def run_ranks(world: int, root: Path, log: Path, *extra: str, steps: int = STEPS) -> str:
     """``world`` rank processes of the example's script (the tests' launcher); rank 0's output."""
-    logs = wait_ranks(start_ranks(SCRIPT, *args(world, root, log, steps), *extra, world=world), timeout=240)
+    logs = wait_ranks(
+        start_ranks(SCRIPT, *args(world, root, log, steps), *extra, world=world), timeout=240
+    )
     return logs[0]
 
 
@@ -86,7 +114,9 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(reference, tmp
         if max(losses(log1), default=0) >= kill_at and len(committed_steps(root)) >= 2:
             break
         time.sleep(0.01)
-    assert p.poll() is None, "the run ended before it could be killed: " + log1.with_suffix(".out").read_text()[-3000:]
+    assert p.poll() is None, (
+        "the run ended before it could be killed: " + log1.with_suffix(".out").read_text()[-3000:]
+    )
     pids = kill_tree(p.pid)  # torchrun and its four ranks at once
     p.wait()
     assert len(pids) >= 5, pids
@@ -97,7 +127,9 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(reference, tmp
     assert not alive(pids)
     killed, committed = losses(log1), committed_steps(root)
     resume_from = committed[-1]
-    print(f"\n[fsdp2 drill seed {seed}] killed after step {max(killed)} (target {kill_at}); committed {committed}")
+    print(
+        f"\n[fsdp2 drill seed {seed}] killed after step {max(killed)} (target {kill_at}); committed {committed}"
+    )
     assert len(committed) >= 2 and resume_from >= 2 * EVERY
     assert all(killed[s] == ref[s] for s in killed)  # same seed, same code: the same curve
 
@@ -106,7 +138,9 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(reference, tmp
     resumed = losses(log2)
     assert sorted(resumed) == list(range(resume_from + 1, STEPS + 1)), sorted(resumed)
     diff = max(abs(resumed[s] - ref[s]) for s in resumed)
-    print(f"[fsdp2 drill] resumed at {resume_from}: steps {resume_from + 1}..{STEPS}, max |loss diff| = {diff!r}")
+    print(
+        f"[fsdp2 drill] resumed at {resume_from}: steps {resume_from + 1}..{STEPS}, max |loss diff| = {diff!r}"
+    )
     assert diff == 0.0
     assert committed_steps(root)[-1] == STEPS
 
@@ -117,7 +151,9 @@ def test_reshard_4_ranks_to_fewer_byte_equal_and_training_continues(reference, t
     root = tmp_path / "ckpt"
     shutil.copytree(ref_root, root)
     loaded = tmp_path / "loaded.safetensors"
-    out = run_ranks(world, root, tmp_path / "loss.jsonl", "--dump-loaded", str(loaded), steps=STEPS + 2)
+    out = run_ranks(
+        world, root, tmp_path / "loss.jsonl", "--dump-loaded", str(loaded), steps=STEPS + 2
+    )
     assert f"resumed from step {STEPS}" in out, out[-3000:]
     want, got = safetensors_numpy.load_file(ref_final), safetensors_numpy.load_file(loaded)
     assert sorted(got) == sorted(want)

@@ -1,25 +1,26 @@
-"""``strace -f -y -e trace=open,openat,openat2`` of the real ``tiered-ckpt verify ROOT``, ``ls ROOT`` and
-``upload --once`` (against the moto server) on a root full of hostile entries (issue 11, Why 4 / Build 3):
-FIFOs, symlinks to files outside the root and to ``/dev/zero``, character devices and directories in
-place of ``manifest.json``, ``uploaded.json``, ``pinned.json``, ``adopted.json``, ``node_ranks.json`` and
-shards; a step directory and ``superseded/`` that are symlinks to a copy outside.
+"""``strace -f -y -e trace=open,openat,openat2`` of the real ``tiered-ckpt verify ROOT``, ``ls
+ROOT`` and ``upload --once`` (against the moto server) on a root full of hostile entries (issue 11,
+Why 4 / Build 3): FIFOs, symlinks to files outside the root and to ``/dev/zero``, character devices
+and directories in place of ``manifest.json``, ``uploaded.json``, ``pinned.json``, ``adopted.json``,
+``node_ranks.json`` and shards; a step directory and ``superseded/`` that are symlinks to a copy
+outside.
 
 From the log (``-y`` prints the path behind every dirfd and every returned fd) the test asserts:
 
-1. no open succeeded on a path outside the root, and no open of a path inside it returned an fd whose
-   path lies outside (a symlink followed out);
+1. no open succeeded on a path outside the root, and no open of a path inside it returned an fd
+   whose path lies outside (a symlink followed out);
 2. no FIFO, device or symlink entry was ever opened successfully (not even non-blocking);
-3. every read-only open of a path strictly inside the root has ``O_NOFOLLOW``, and ``O_NONBLOCK`` unless it
-   is a directory (``O_DIRECTORY``); for ``verify`` and ``ls`` directories included (the step directory is
-   opened ``O_DIRECTORY|O_NOFOLLOW``). The sidecar also writes (``uploaded.json``) and fsyncs the step
-   directory afterwards by path: its directory opens are the commit protocol's, not reads, and only its
-   file opens are held to the rule;
+3. every read-only open of a path strictly inside the root has ``O_NOFOLLOW``, and ``O_NONBLOCK``
+   unless it is a directory (``O_DIRECTORY``); for ``verify`` and ``ls`` directories included (the
+   step directory is opened ``O_DIRECTORY|O_NOFOLLOW``). The sidecar also writes (``uploaded.json``)
+   and fsyncs the step directory afterwards by path: its directory opens are the commit protocol's,
+   not reads, and only its file opens are held to the rule;
 4. the trace is live: the good step's manifest was opened.
 
-Python's own opens (imports, /proc, locale) are outside both the root and the outside directory and are
-ignored. Before the fix ``verify``/``ls`` listed step directories by path (``scandir``, no ``O_NOFOLLOW``),
-opened shard FIFOs and device nodes (non-blocking, then refused by ``fstat``), and the sidecar read a
-``/dev/zero`` ``uploaded.json`` until memory ran out (a FIFO one hangs it).
+Python's own opens (imports, /proc, locale) are outside both the root and the outside directory and
+are ignored. Before the fix ``verify``/``ls`` listed step directories by path (``scandir``, no
+``O_NOFOLLOW``), opened shard FIFOs and device nodes (non-blocking, then refused by ``fstat``), and
+the sidecar read a ``/dev/zero`` ``uploaded.json`` until memory ran out (a FIFO one hangs it).
 """
 
 from __future__ import annotations
@@ -35,17 +36,31 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import s3_infra
-import tiered_ckpt as tc
 from spawn import python_cmd
-from tiered_ckpt.layout import (ADOPTED_MARKER_NAME, MANIFEST_NAME, NODE_RANKS_NAME, PINNED_MARKER_NAME,
-                                SUPERSEDED_DIR, UPLOADED_MARKER_NAME, step_dir_name)
+
+import tiered_ckpt as tc
+from tiered_ckpt.layout import (
+    ADOPTED_MARKER_NAME,
+    MANIFEST_NAME,
+    NODE_RANKS_NAME,
+    PINNED_MARKER_NAME,
+    SUPERSEDED_DIR,
+    UPLOADED_MARKER_NAME,
+    step_dir_name,
+)
 
 STRACE = shutil.which("strace") or "/usr/bin/strace"
 SHARD = "rank_00000.safetensors"
 KINDS = ["fifo", "symlink-outside", "symlink-devzero", "chardev", "directory"]
-TARGETS = [MANIFEST_NAME, UPLOADED_MARKER_NAME, PINNED_MARKER_NAME, ADOPTED_MARKER_NAME, NODE_RANKS_NAME, SHARD]
+TARGETS = [
+    MANIFEST_NAME,
+    UPLOADED_MARKER_NAME,
+    PINNED_MARKER_NAME,
+    ADOPTED_MARKER_NAME,
+    NODE_RANKS_NAME,
+    SHARD,
+]
 GOOD = 1000
 
 
@@ -88,7 +103,9 @@ def build(base: Path) -> Hostile:
             tc.save_sharded(_states(step), root, step)
             sdir = root / step_dir_name(step)
             if target == NODE_RANKS_NAME:
-                os.unlink(sdir / "rank_00001.safetensors")  # node-local: verify reads node_ranks.json
+                os.unlink(
+                    sdir / "rank_00001.safetensors"
+                )  # node-local: verify reads node_ranks.json
             entry = sdir / target
             secret = outside / f"{step}-{target}"
             secret.write_bytes((entry.read_bytes() if entry.is_file() else b"{}") + b"\n")
@@ -100,16 +117,20 @@ def build(base: Path) -> Hostile:
     shutil.copytree(root / step_dir_name(GOOD), outside / "stepcopy")
     os.symlink(outside / "stepcopy", root / step_dir_name(step))
     (outside / "sup").mkdir()
-    shutil.copytree(root / step_dir_name(GOOD), outside / "sup" / f"{step_dir_name(GOOD)}.{'a' * 32}")
+    shutil.copytree(
+        root / step_dir_name(GOOD), outside / "sup" / f"{step_dir_name(GOOD)}.{'a' * 32}"
+    )
     os.symlink(outside / "sup", root / SUPERSEDED_DIR)
     odd += [root / step_dir_name(step), root / SUPERSEDED_DIR]
     return Hostile(root, outside, odd)
 
 
-_CALL = re.compile(r'^(\d+)\s+(?:open|openat|openat2)\((?:[^,"<]*(?:<([^>]*)>)?, )?"((?:[^"\\]|\\.)*)"'
-                   r'(?:, ([A-Z0-9_|]+))?(.*)$')
-_RESUMED = re.compile(r'^(\d+)\s+<\.\.\. (?:open|openat|openat2) resumed>(.*)$')
-_RESULT = re.compile(r'=\s+(-?\d+)(?:<([^>]*)>)?')
+_CALL = re.compile(
+    r'^(\d+)\s+(?:open|openat|openat2)\((?:[^,"<]*(?:<([^>]*)>)?, )?"((?:[^"\\]|\\.)*)"'
+    r"(?:, ([A-Z0-9_|]+))?(.*)$"
+)
+_RESUMED = re.compile(r"^(\d+)\s+<\.\.\. (?:open|openat|openat2) resumed>(.*)$")
+_RESULT = re.compile(r"=\s+(-?\d+)(?:<([^>]*)>)?")
 
 
 @dataclass
@@ -152,13 +173,31 @@ def _under(p: str, d: str) -> bool:
     return p == d or p.startswith(d + "/")
 
 
-def traced(tmp: Path, name: str, argv: list[str]) -> tuple[subprocess.CompletedProcess[str], list[Open]]:
+def traced(
+    tmp: Path, name: str, argv: list[str]
+) -> tuple[subprocess.CompletedProcess[str], list[Open]]:
     log = tmp / f"{name}.strace"
-    cmd = [STRACE, "-f", "-y", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
-           *python_cmd("-m", "tiered_ckpt.cli", *argv)]
+    cmd = [
+        STRACE,
+        "-f",
+        "-y",
+        "-qq",
+        "-s",
+        "4096",
+        "-e",
+        "trace=open,openat,openat2",
+        "-o",
+        str(log),
+        *python_cmd("-m", "tiered_ckpt.cli", *argv),
+    ]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)),
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{name} hung")
     if proc.returncode != 0 and "ptrace" in proc.stderr:
@@ -189,7 +228,9 @@ def check(h: Hostile, opens: list[Open], *, directories: bool) -> None:
                 bad.append(f"{o.path} opened without O_NONBLOCK ({o.flags})")
     assert bad == [], "\n".join(bad[:40])
     good = str(h.root / step_dir_name(GOOD) / MANIFEST_NAME)
-    assert any(o.path == good and o.fd >= 0 for o in seen), "the good step's manifest was not opened"
+    assert any(o.path == good and o.fd >= 0 for o in seen), (
+        "the good step's manifest was not opened"
+    )
 
 
 @pytest.fixture
@@ -205,7 +246,9 @@ def hostile(tmp_path: Path) -> Hostile:
 
 
 @pytest.mark.timeout(600)
-def test_verify_and_ls_open_nothing_outside_and_never_block(tmp_path: Path, hostile: Hostile) -> None:
+def test_verify_and_ls_open_nothing_outside_and_never_block(
+    tmp_path: Path, hostile: Hostile
+) -> None:
     proc, opens = traced(tmp_path, "verify", ["verify", str(hostile.root)])
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
@@ -220,12 +263,29 @@ def test_verify_and_ls_open_nothing_outside_and_never_block(tmp_path: Path, host
 
 
 @pytest.mark.timeout(600)
-def test_sidecar_opens_nothing_outside_and_never_blocks(tmp_path: Path, hostile: Hostile,
-                                                        s3_bucket: s3_infra.S3Location) -> None:
+def test_sidecar_opens_nothing_outside_and_never_blocks(
+    tmp_path: Path, hostile: Hostile, s3_bucket: s3_infra.S3Location
+) -> None:
     loc = s3_bucket
-    proc, opens = traced(tmp_path, "upload", ["upload", "--once", "--local", str(hostile.root), "--remote", loc.url,
-                                              "--endpoint-url", loc.endpoint_url, "--path-style", "--no-progress"])
-    assert proc.returncode == 1, proc.stderr[-2000:]  # the hostile manifests and shards fail their steps
+    proc, opens = traced(
+        tmp_path,
+        "upload",
+        [
+            "upload",
+            "--once",
+            "--local",
+            str(hostile.root),
+            "--remote",
+            loc.url,
+            "--endpoint-url",
+            loc.endpoint_url,
+            "--path-style",
+            "--no-progress",
+        ],
+    )
+    assert proc.returncode == 1, proc.stderr[
+        -2000:
+    ]  # the hostile manifests and shards fail their steps
     assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, proc.stderr[-2000:]
     assert f"step {GOOD}: committed remotely" in proc.stdout, proc.stdout
     check(hostile, opens, directories=False)

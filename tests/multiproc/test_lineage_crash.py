@@ -1,10 +1,12 @@
-"""Issue 10, Build 1: a crash in the middle of a lineage decision repeats the same decision on restart.
+"""Issue 10, Build 1: a crash in the middle of a lineage decision repeats the same decision on
+restart.
 
-A real child process runs ``CheckpointManager.load(10)`` on a root holding steps 10, 20, 30 (a rollback:
-attempt 2 must supersede 20 and 30) and is SIGKILLed by itself at a chosen point: after ``run.json`` is
-written and before anything is set aside; after the first of the two steps is set aside; after both
-are set aside and before the first save of attempt 2 writes anything. The restarted job (same command)
-must make the same decision: attempt 2 (never 3), 20 and 30 set aside, its own step 20 committed."""
+A real child process runs ``CheckpointManager.load(10)`` on a root holding steps 10, 20, 30 (a
+rollback: attempt 2 must supersede 20 and 30) and is SIGKILLed by itself at a chosen point: after
+``run.json`` is written and before anything is set aside; after the first of the two steps is set
+aside; after both are set aside and before the first save of attempt 2 writes anything. The
+restarted job (same command) must make the same decision: attempt 2 (never 3), 20 and 30 set aside,
+its own step 20 committed."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from spawn import python_cmd
+
 from tiered_ckpt import read_manifest
 from tiered_ckpt.local import committed_steps
 from tiered_ckpt.training.manager import CheckpointManager
@@ -54,7 +56,9 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(root: Path, kill_at: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(python_cmd("-c", CHILD, root, kill_at), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        python_cmd("-c", CHILD, root, kill_at), capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("kill_at", ["before_set_aside", "mid_set_aside", "before_first_save"])
@@ -86,8 +90,10 @@ def test_sigkill_during_the_decision_repeats_it(tmp_path: Path, kill_at: str) ->
     from tiered_ckpt.local import superseded_local_steps
 
     listed = superseded_local_steps(root)
-    assert [(e.step, e.attempt, e.superseded.attempt, e.superseded.from_step, e.set_aside) for e in listed] == [
-        (20, 1, 2, 11, True), (30, 1, 2, 11, True)]
+    assert [
+        (e.step, e.attempt, e.superseded.attempt, e.superseded.from_step, e.set_aside)
+        for e in listed
+    ] == [(20, 1, 2, 11, True), (30, 1, 2, 11, True)]
     assert listed[0].save_id == old20
     # A later restart that loads the newest step continues attempt 2.
     with CheckpointManager(root, keep_last=3, async_save=False) as mgr:

@@ -1,12 +1,12 @@
-"""Issue 10, Why case 2: the crash loop after a node replacement, on 4 real gloo ranks (two simulated
-nodes x two ranks, node-local roots) and a real S3 server (moto, over HTTP).
+"""Issue 10, Why case 2: the crash loop after a node replacement, on 4 real gloo ranks (two
+simulated nodes x two ranks, node-local roots) and a real S3 server (moto, over HTTP).
 
-Both nodes commit step 40 locally; node 1's upload of 40 is still running when the job dies; node 1 is
-replaced (its disk is gone). The newest step every rank can get is 30 (from the bucket). Before issue 10
-the job resumed from 30, reached 40 again and died with ``CheckpointExistsError: step 40 is already
-committed under .../node0`` inside ``DistributedSaveError``, on every restart. Now the resume starts
-attempt 2, node 0's step 40 is set aside, the second pass through 40 commits, and the job trains to the
-end with exactly the loss curve of an uninterrupted run."""
+Both nodes commit step 40 locally; node 1's upload of 40 is still running when the job dies; node 1
+is replaced (its disk is gone). The newest step every rank can get is 30 (from the bucket). Before
+issue 10 the job resumed from 30, reached 40 again and died with ``CheckpointExistsError: step 40 is
+already committed under .../node0`` inside ``DistributedSaveError``, on every restart. Now the
+resume starts attempt 2, node 0's step 40 is set aside, the second pass through 40 commits, and the
+job trains to the end with exactly the loss curve of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from s3_infra import S3Location
 from spawn import TESTS_DIR, start_ranks, wait_ranks
 
@@ -39,17 +38,21 @@ def test_node_replacement_resumes_past_the_lost_step(s3_bucket: S3Location, tmp_
     straight = run_mode("straight", tmp_path, s3_bucket)
     first = run_mode("first", tmp_path, s3_bucket)
     run_id = first[0]["run_id"]
-    assert [r["committed"] for r in first] == [[20, 30, 40]] * WORLD and {r["attempt"] for r in first} == {1}
+    assert [r["committed"] for r in first] == [[20, 30, 40]] * WORLD and {
+        r["attempt"] for r in first
+    } == {1}
     shutil.rmtree(tmp_path / "node1")  # node 1 is replaced: its disk is gone
 
-    resumed = run_mode("resume", tmp_path, s3_bucket)  # before issue 10: DistributedSaveError at step 40
+    resumed = run_mode(
+        "resume", tmp_path, s3_bucket
+    )  # before issue 10: DistributedSaveError at step 40
     for rank, res in enumerate(resumed):
         assert res["loaded"] == 30, rank
         assert (res["run_id"], res["attempt"]) == (run_id, 2)
         assert res["committed"] == [30, 40, 50]
-    # Node 0's old step 40 was set aside by the load (attempt 1, superseded by attempt 2 from step 31),
-    # not deleted and not loaded; node 1's new disk never had it. Rotation removed it once keep_last=3
-    # current steps existed (30, 40, 50).
+    # Node 0's old step 40 was set aside by the load (attempt 1, superseded by attempt 2 from step
+    # 31), not deleted and not loaded; node 1's new disk never had it. Rotation removed it once
+    # keep_last=3 current steps existed (30, 40, 50).
     assert [r["superseded_after_load"] for r in resumed] == [[[40, 1, 2, 31, True]]] * 2 + [[]] * 2
     assert [r["superseded"] for r in resumed] == [[]] * WORLD
     # The loss curve is the uninterrupted one, bit for bit.

@@ -1,11 +1,11 @@
-"""Owner tokens across pid namespaces (issue 10, Build 3; SPEC §11 "Nodes"): real processes in fresh pid
-namespaces (``unshare --pid --fork --mount-proc``), whose pids collide with each other's and with this
-machine's, must never have a live writer judged dead.
+"""Owner tokens across pid namespaces ( SPEC §11 "Nodes"): real processes in fresh
+pid namespaces (``unshare --pid --fork --mount-proc``), whose pids collide with each other's and
+with this machine's, must never have a live writer judged dead.
 
-Before the token carried the kernel boot id and the pid namespace, a token was ``<host>.<pid>.<start>``:
-a checker with the same host name saw "pid 1 is alive but started at another time" and judged the live
-writer in the other container dead, so ``gc`` removed its lock and temp file and rotation could delete the
-step under it.
+Before the token carried the kernel boot id and the pid namespace, a token was
+``<host>.<pid>.<start>``: a checker with the same host name saw "pid 1 is alive but started at
+another time" and judged the live writer in the other container dead, so ``gc`` removed its lock and
+temp file and rotation could delete the step under it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from spawn import child_env, python_cmd
+
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import save_sharded
 
@@ -82,7 +82,9 @@ def namespaces() -> None:
     """Skip (with the reason) where this host refuses new pid namespaces."""
     if shutil.which("unshare") is None:
         pytest.skip("unshare(1) is not installed")
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         pytest.skip(f"new pid namespaces refused here: {probe.stderr.strip() or probe.returncode}")
 
@@ -99,21 +101,29 @@ def _check(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_live_writer_in_another_pid_namespace_with_a_colliding_pid_is_alive(namespaces: None,
-                                                                            tmp_path: Path) -> None:
+def test_a_live_writer_in_another_pid_namespace_with_a_colliding_pid_is_alive(
+    namespaces: None, tmp_path: Path
+) -> None:
     sdir = _step(tmp_path)
-    writer = subprocess.Popen(_ns("-c", WRITER, str(sdir)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=child_env())
+    writer = subprocess.Popen(
+        _ns("-c", WRITER, str(sdir)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         w = json.loads(writer.stdout.readline())
-        # The checker runs in a second fresh namespace: it is pid 1 there, like the writer in its own.
+        # The checker runs in a second fresh namespace: it is pid 1 there, like the writer in its
+        # own.
         other = _check(_ns("-c", CHECKER, str(sdir), w["token"]))
         assert w["pid"] == other["pid"] == 1  # colliding pids, as on two machines or two containers
-        assert other["start"] != w["start"]   # the old check: "pid 1 lives but started later: dead"
+        assert other["start"] != w["start"]  # the old check: "pid 1 lives but started later: dead"
         assert other["alive"] is True
         assert other["stale"] == [] and other["live"] == [["upload", w["token"]]]
-        assert other["gc"] == [] and other["left"] == sorted(["manifest.json", "rank_00000.safetensors",
-                                                              w["lock"], w["tmp"]])
+        assert other["gc"] == [] and other["left"] == sorted(
+            ["manifest.json", "rank_00000.safetensors", w["lock"], w["tmp"]]
+        )
         assert other["token"].split(".")[0] != w["token"].split(".")[0]  # another pid namespace
         # This machine's own namespace (where pid 1 is its init) cannot tell either: alive.
         here = _check(python_cmd("-c", CHECKER, str(sdir), w["token"]))
@@ -123,9 +133,9 @@ def test_a_live_writer_in_another_pid_namespace_with_a_colliding_pid_is_alive(na
         writer.stdin.close()
         assert writer.wait(timeout=60) == 0
     assert sorted(os.listdir(sdir)) == sorted(["manifest.json", "rank_00000.safetensors", w["tmp"]])
-    # Dead now, but in a namespace this one cannot look into: still "cannot tell", never swept. (A fresh
-    # namespace may get the dead one's inode number back; then it judges by pid and start time, rightly:
-    # every process of the old namespace is dead once its number is reused.)
+    # Dead now, but in a namespace this one cannot look into: still "cannot tell", never swept. (A
+    # fresh namespace may get the dead one's inode number back; then it judges by pid and start
+    # time, rightly: every process of the old namespace is dead once its number is reused.)
     after = _check(python_cmd("-c", CHECKER, str(sdir), w["token"]))
     assert after["alive"] is True and w["tmp"] in after["left"]
 
@@ -133,7 +143,9 @@ def test_a_live_writer_in_another_pid_namespace_with_a_colliding_pid_is_alive(na
 def test_in_one_pid_namespace_a_dead_owner_is_dead_and_a_live_one_alive(namespaces: None) -> None:
     r = _check(_ns("-c", SAME_NAMESPACE))
     assert r["me"].split(".")[1] == "1" and r["me_alive"] is True
-    assert r["dead"].split(".")[0] == r["me"].split(".")[0] == r["live"].split(".")[0]  # one namespace
+    assert (
+        r["dead"].split(".")[0] == r["me"].split(".")[0] == r["live"].split(".")[0]
+    )  # one namespace
     assert r["dead_alive"] is False
     assert r["live_alive"] is True
 
@@ -144,13 +156,23 @@ def test_old_format_tokens_keep_their_meaning() -> None:
     me = os.getpid()
     assert owner_alive(f"{hostname()}.{me}.{process_start_time(me)}") is True
     assert owner_alive(f"{hostname()}.{me}.0") is True
-    assert owner_alive(f"{hostname()}.{me}.{(process_start_time(me) or 0) + 1}") is False  # pid reused
+    assert (
+        owner_alive(f"{hostname()}.{me}.{(process_start_time(me) or 0) + 1}") is False
+    )  # pid reused
     assert owner_alive(f"{hostname()}.{2**22 + 12345}.1") is False  # no such pid on this host
     assert owner_alive(f"some-other-host.{2**22 + 12345}.1") is True  # another host: cannot tell
 
 
 def test_new_tokens_of_another_boot_or_namespace_are_never_dead() -> None:
-    from tiered_ckpt.fs import boot_id, hostname, owner_alive, owner_token, pid_namespace, temp_name_for, temp_owner
+    from tiered_ckpt.fs import (
+        boot_id,
+        hostname,
+        owner_alive,
+        owner_token,
+        pid_namespace,
+        temp_name_for,
+        temp_owner,
+    )
 
     dead_pid = 2**22 + 12345
     me = owner_token()
@@ -161,7 +183,12 @@ def test_new_tokens_of_another_boot_or_namespace_are_never_dead() -> None:
     assert owner_alive(f"{hostname()}_{other_boot}_{pid_namespace()}.{dead_pid}.1") is True
     assert owner_alive(f"{hostname()}_{boot_id()}_1.{dead_pid}.1") is True
     assert owner_alive(f"elsewhere_{boot_id()}_{pid_namespace()}.{dead_pid}.1") is True
-    for bad in ("", "a.b", f"{hostname()}__1.{dead_pid}.1", f"{hostname()}_a_b_c.{dead_pid}.1",
-                f"{hostname()}_{boot_id()}_{pid_namespace()}.x.1"):
+    for bad in (
+        "",
+        "a.b",
+        f"{hostname()}__1.{dead_pid}.1",
+        f"{hostname()}_a_b_c.{dead_pid}.1",
+        f"{hostname()}_{boot_id()}_{pid_namespace()}.x.1",
+    ):
         assert owner_alive(bad) is False, bad
     assert sys.platform != "linux" or boot_id() != "x"

@@ -2,11 +2,11 @@
 (issue 6, slow: two torchrun launches).
 
 What is byte-equal after ``reshard`` 4 -> 2: the global fp32 master, exp_avg and exp_avg_sq vectors
-(reassembled from the new partitions), the Adam step, the step counter, the loss history and the data
-position (taken from rank 0 by explicit rules). What cannot be: the per-rank RNG streams (4 dropout
-streams cannot become 2 equivalent ones; the rule here lets new rank j continue old rank j's stream),
-so the continued loss curve is a valid continuation but not the 4-rank run's, bit for bit. The global
-batch is kept (``--batch-per-rank`` doubled) so that the data order continues exactly.
+(reassembled from the new partitions), the Adam step, the step counter, the loss history and the
+data position (taken from rank 0 by explicit rules). What cannot be: the per-rank RNG streams (4
+dropout streams cannot become 2 equivalent ones; the rule here lets new rank j continue old rank j's
+stream), so the continued loss curve is a valid continuation but not the 4-rank run's, bit for bit.
+The global batch is kept (``--batch-per-rank`` doubled) so that the data order continues exactly.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from spawn import child_env, free_port, python_cmd
+
 import tiered_ckpt as tc
 from tiered_ckpt.local.reshard import even_split, reshard
 
@@ -29,9 +29,27 @@ STEPS, STOP, EVERY = 10, 6, 3
 
 
 def run(world: int, root: Path, log: Path, *extra: str) -> str:
-    cmd = python_cmd("-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
-                     EXAMPLE, "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", root, "--seed", "7",
-                     "--sync-save", "--loss-log", log, "--data-bytes", "32768", *extra)
+    cmd = python_cmd(
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        f"--master_port={free_port()}",
+        EXAMPLE,
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--root",
+        root,
+        "--seed",
+        "7",
+        "--sync-save",
+        "--loss-log",
+        log,
+        "--data-bytes",
+        "32768",
+        *extra,
+    )
     env = child_env(OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -52,8 +70,11 @@ def test_train_4_ranks_reshard_resume_at_2(tmp_path: Path) -> None:
     # per-rank state needs rules; without them the error names the keys
     with pytest.raises(tc.ReshardError, match="rng/torch_cpu"):
         reshard(a, STOP, 2, b)
-    rules = {"zero/adam_step": "take_rank0", "progress": "take_rank0",
-             "rng": lambda old, m: old[:m]}  # new rank j continues old rank j's streams (documented choice)
+    rules = {
+        "zero/adam_step": "take_rank0",
+        "progress": "take_rank0",
+        "rng": lambda old, m: old[:m],
+    }  # new rank j continues old rank j's streams (documented choice)
     res = reshard(a, STOP, 2, b, rules=rules)
     m2 = res.manifest
     assert m2.world_size == 2 and res.bytes_read < res.source_bytes * 1.5

@@ -1,13 +1,14 @@
 """Resume drill on real processes: examples/train_zero.py under torchrun, 4 gloo ranks on CPU.
 
 1. An uninterrupted 60-step run (its own torchrun) is the reference curve.
-2. A run SIGKILLed (torchrun and all four ranks: the whole process tree) at a random step after at least
-   two committed checkpoints, then restarted: the losses after the resume point equal the reference.
+2. A run SIGKILLed (torchrun and all four ranks: the whole process tree) at a random step after at
+   least two committed checkpoints, then restarted: the losses after the resume point equal the
+   reference.
 3. A run stopped cleanly (async saves) and restarted: same.
 
-The assertions are on the losses (rank 0's per-step JSON lines), not on torchrun's exit code. The max
-absolute difference is printed (run with ``-s`` to see it); it is 0.0 by design (see the example's
-docstring), and the test allows < 1e-4 as the spec does.
+The assertions are on the losses (rank 0's per-step JSON lines), not on torchrun's exit code. The
+max absolute difference is printed (run with ``-s`` to see it); it is 0.0 by design (see the
+example's docstring), and the test allows < 1e-4 as the spec does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 pytest.importorskip("torch")
 
 from spawn import child_env, free_port, python_cmd  # noqa: E402
+
 from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
 from tiered_ckpt.local.reader import verified_header  # noqa: E402
 
@@ -38,12 +40,31 @@ EVERY = 10
 
 def launch(root: Path, loss_log: Path, *extra: str, sleep: float = 0.0) -> subprocess.Popen:
     """torchrun of the example (its own session: keeps the test runner out of any signal)."""
-    cmd = python_cmd("-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
-                     EXAMPLE, "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--root", root, "--seed", "1234",
-                     "--loss-log", loss_log, "--sleep-per-step", str(sleep), *extra)
+    cmd = python_cmd(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        f"--master_port={free_port()}",
+        EXAMPLE,
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--root",
+        root,
+        "--seed",
+        "1234",
+        "--loss-log",
+        loss_log,
+        "--sleep-per-step",
+        str(sleep),
+        *extra,
+    )
     env = child_env(OMP_NUM_THREADS="1")
     out = open(loss_log.with_suffix(".out"), "wb")
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def losses(path: Path) -> dict[int, float]:
@@ -70,8 +91,8 @@ def finish(p: subprocess.Popen, timeout: float = 240) -> None:
 
 
 def process_tree(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants (from /proc ppid links). torchrun starts each worker in a
-    session of its own, so a killpg of torchrun's group would not reach the ranks."""
+    """``root_pid`` and all its descendants (from /proc ppid links). torchrun starts each worker in
+    a session of its own, so a killpg of torchrun's group would not reach the ranks."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -81,7 +102,7 @@ def process_tree(root_pid: int) -> list[int]:
                 data = f.read()
         except OSError:
             continue
-        fields = data[data.rfind(b")") + 2:].split()
+        fields = data[data.rfind(b")") + 2 :].split()
         if fields[0] != b"Z":
             children.setdefault(int(fields[1]), []).append(int(d))
     out, todo = [], [root_pid]
@@ -111,7 +132,7 @@ def alive(pids: list[int]) -> list[int]:
                 data = f.read()
         except OSError:
             continue
-        if data[data.rfind(b")") + 2:].split()[0] != b"Z":
+        if data[data.rfind(b")") + 2 :].split()[0] != b"Z":
             out.append(pid)
     return out
 
@@ -153,8 +174,10 @@ def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
     assert not alive(pids)
     killed = losses(log1)
     resume_from = committed_steps(root)[-1]
-    print(f"\n[drill seed {seed}] killed after step {max(killed)} (target {kill_at}); "
-          f"committed {committed_steps(root)}; resuming from {resume_from}")
+    print(
+        f"\n[drill seed {seed}] killed after step {max(killed)} (target {kill_at}); "
+        f"committed {committed_steps(root)}; resuming from {resume_from}"
+    )
     assert resume_from >= 2 * EVERY
     # Same seed, same code: the killed run's own curve already equals the reference (determinism).
     assert all(killed[s] == reference[s] for s in killed)
@@ -162,7 +185,9 @@ def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
     p2 = launch(root, log2)
     finish(p2)
     diff = compare(losses(log2), reference, resume_from + 1)
-    print(f"[drill] SIGKILL resume: steps {resume_from + 1}..{STEPS}, max abs loss difference = {diff!r}")
+    print(
+        f"[drill] SIGKILL resume: steps {resume_from + 1}..{STEPS}, max abs loss difference = {diff!r}"
+    )
     assert diff < 1e-4
     assert diff == 0.0  # bit-identical by design; a non-zero value is a regression worth a look
 
@@ -176,12 +201,16 @@ def test_clean_stop_and_restart_of_async_run_matches(reference, tmp_path):
     # The manifest describes the real ZeRO partition: contiguous slices covering the flat vector.
     m = read_manifest(root, stop)
     spans = sorted((sh.param_shard_offset, sh.param_shard_numel) for sh in m.shards)
-    index = verified_header(root / f"step_{stop:010d}", m, 0).tensors  # the tensor index is in the header
+    index = verified_header(
+        root / f"step_{stop:010d}", m, 0
+    ).tensors  # the tensor index is in the header
     total = next(t.global_shape[0] for t in index if t.name.endswith("master"))
     assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
     assert spans[-1][0] + spans[-1][1] == total and m.world_size == 4
     finish(launch(root, log2))
     diff = compare(losses(log2), reference, stop + 1)
-    print(f"\n[drill] clean stop/restart: steps {stop + 1}..{STEPS}, max abs loss difference = {diff!r}")
+    print(
+        f"\n[drill] clean stop/restart: steps {stop + 1}..{STEPS}, max abs loss difference = {diff!r}"
+    )
     assert diff < 1e-4
     assert diff == 0.0

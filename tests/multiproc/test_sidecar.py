@@ -1,5 +1,5 @@
-"""The sidecar as a real process (``tiered-ckpt upload --watch``): SIGKILL at random points, SIGTERM; on
-moto and on SeaweedFS."""
+"""The sidecar as a real process (``tiered-ckpt upload --watch``): SIGKILL at random points,
+SIGTERM; on moto and on SeaweedFS."""
 
 from __future__ import annotations
 
@@ -13,24 +13,44 @@ import time
 from pathlib import Path
 
 import pytest
-
 import s3_infra
-from s3_servers import both_servers
 from _upload_util import list_keys, make_step, remote_bytes, save_prefix
+from s3_servers import both_servers
 from spawn import python_cmd
+
+from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, read_manifest
-from tiered_ckpt.format.upload_manifest import UploadManifest
 
 MiB = 1024 * 1024
 
 
 def _start(root: Path, loc: s3_infra.S3Location, *extra: str) -> subprocess.Popen[bytes]:
     """Start the sidecar; its log goes to ``<root>.log`` (a pipe nobody reads would block it)."""
-    cmd = python_cmd("-m", "tiered_ckpt.cli", "--log-level", "INFO", "upload", "--local", root,
-                     "--remote", loc.url, "--endpoint-url", loc.endpoint_url, "--path-style", "--watch",
-                     "--poll-interval-s", "0.1", "--part-size-mib", "5", "--multipart-threshold-mib", "6",
-                     "--max-concurrency", "4", *extra)
+    cmd = python_cmd(
+        "-m",
+        "tiered_ckpt.cli",
+        "--log-level",
+        "INFO",
+        "upload",
+        "--local",
+        root,
+        "--remote",
+        loc.url,
+        "--endpoint-url",
+        loc.endpoint_url,
+        "--path-style",
+        "--watch",
+        "--poll-interval-s",
+        "0.1",
+        "--part-size-mib",
+        "5",
+        "--multipart-threshold-mib",
+        "6",
+        "--max-concurrency",
+        "4",
+        *extra,
+    )
     log = open(f"{root}.log", "ab")
     try:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
@@ -39,12 +59,16 @@ def _start(root: Path, loc: s3_infra.S3Location, *extra: str) -> subprocess.Pope
 
 
 def _uploaded(root: Path) -> set[int]:
-    return {s for s in committed_steps(root) if (root / step_dir_name(s) / UPLOADED_MARKER_NAME).is_file()}
+    return {
+        s
+        for s in committed_steps(root)
+        if (root / step_dir_name(s) / UPLOADED_MARKER_NAME).is_file()
+    }
 
 
 def _check_no_unconfirmed(loc: s3_infra.S3Location, verify_bytes: bool) -> list[int]:
-    """Every upload manifest names shards whose confirmation record and object exist with the right size
-    (and, with ``verify_bytes``, the right sha256). Returns the remotely committed steps."""
+    """Every upload manifest names shards whose confirmation record and object exist with the right
+    size (and, with ``verify_bytes``, the right sha256). Returns the remotely committed steps."""
     steps = []
     for key in list_keys(loc):
         if not key.endswith("/upload_manifest.json"):
@@ -64,7 +88,9 @@ def _check_no_unconfirmed(loc: s3_infra.S3Location, verify_bytes: bool) -> list[
 
 @pytest.mark.slow
 @both_servers
-def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+def test_sigkill_at_random_points_then_restart(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     rng = random.Random(int(os.environ.get("TC_SIGKILL_SEED", "1234")))
     root = tmp_path / "node"
     next_step = 1
@@ -92,9 +118,12 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
         while _uploaded(root) != set(committed_steps(root)) and time.monotonic() < t_end:
             time.sleep(0.2)
         assert _uploaded(root) == set(committed_steps(root))
-        # The killed sidecars may have finished every step already: then SIGTERM could land before this
-        # one has installed its handler (its "sidecar: ..." line is logged right after) and kill it.
-        while log_path.read_text().count("sidecar: ") == started_before and time.monotonic() < t_end:
+        # The killed sidecars may have finished every step already: then SIGTERM could land before
+        # this one has installed its handler (its "sidecar: ..." line is logged right after) and
+        # kill it.
+        while (
+            log_path.read_text().count("sidecar: ") == started_before and time.monotonic() < t_end
+        ):
             time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -108,13 +137,18 @@ def test_sigkill_at_random_points_then_restart(tmp_path: Path, s3_bucket: s3_inf
     assert remote == committed_steps(root)
     for s in remote:
         sp = save_prefix(s3_bucket, root, s)
-        assert remote_bytes(s3_bucket, f"{sp}/manifest.json") == (root / step_dir_name(s) / "manifest.json").read_bytes()
+        assert (
+            remote_bytes(s3_bucket, f"{sp}/manifest.json")
+            == (root / step_dir_name(s) / "manifest.json").read_bytes()
+        )
         assert read_manifest(root, s).step == s
     assert not s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.bucket).get("Uploads")
 
 
 @both_servers
-def test_sigterm_mid_upload_exits_zero_and_leaves_nothing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+def test_sigterm_mid_upload_exits_zero_and_leaves_nothing(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     root = tmp_path / "node"
     make_step(root, 1, shard_bytes=40 * MiB)
     proc = _start(root, s3_bucket)
@@ -150,8 +184,16 @@ def test_cli_once_json_and_errors(tmp_path: Path, s3_bucket: s3_infra.S3Location
     root = tmp_path / "node"
     make_step(root, 1, shard_bytes=1 * MiB)
     make_step(root, 2, shard_bytes=1 * MiB)
-    base = ["upload", "--local", str(root), "--remote", s3_bucket.url, "--endpoint-url", s3_bucket.endpoint_url,
-            "--path-style"]
+    base = [
+        "upload",
+        "--local",
+        str(root),
+        "--remote",
+        s3_bucket.url,
+        "--endpoint-url",
+        s3_bucket.endpoint_url,
+        "--path-style",
+    ]
     assert main([*base, "--once", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in out] == [2, 1] and {r["state"] for r in out} == {"committed"}

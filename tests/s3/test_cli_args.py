@@ -1,5 +1,5 @@
-"""CLI argument validation, through ``python -m tiered_ckpt.cli`` (subprocess): a usage error exits 2, a
-fault found at runtime exits 1, each with exactly one line on stderr and never a traceback."""
+"""CLI argument validation, through ``python -m tiered_ckpt.cli`` (subprocess): a usage error exits
+2, a fault found at runtime exits 1, each with exactly one line on stderr and never a traceback."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import tiered_ckpt as tc
 from restore_util import publish, save_step
 from s3_infra import S3Location
 from spawn import child_env, python_cmd
+
+import tiered_ckpt as tc
 from tiered_ckpt.layout import MAX_WORLD_SIZE
 from tiered_ckpt.local.reshard import reshard
 from tiered_ckpt.local.scan import COMMITTED, INCOMPLETE, scan
@@ -21,14 +21,19 @@ from tiered_ckpt.local.scan import COMMITTED, INCOMPLETE, scan
 CLI = python_cmd("-m", "tiered_ckpt.cli")
 
 
-def run(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=120, env=env)
+def run(
+    *args: str | os.PathLike[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        CLI + [str(a) for a in args], capture_output=True, text=True, timeout=120, env=env
+    )
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     return proc
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str], rc: int) -> str:
-    """Exit code ``rc`` and exactly one ``tiered-ckpt: error: ...`` line on stderr; returns that line."""
+    """Exit code ``rc`` and exactly one ``tiered-ckpt: error: ...`` line on stderr; returns that
+    line."""
     assert proc.returncode == rc, (proc.returncode, proc.stdout, proc.stderr)
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(err) == 1, proc.stderr
@@ -46,31 +51,63 @@ def run_dir(tmp_path: Path) -> Path:
 S3 = "s3://some-bucket/prefix"
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["verify", "{root}", "--step", "-1"], "--step"),
-    (["verify", "{root}", "--step", "x"], "--step"),
-    (["verify", "--remote", "notaurl"], "s3://"),
-    (["ls", "--remote", "notaurl"], "s3://"),
-    (["restore", "--remote", "notaurl", "--local", "{tmp}/dest"], "s3://"),
-    (["upload", "--remote", "notaurl", "--local", "{root}"], "s3://"),
-    (["restore", "--remote", S3, "--local", "{tmp}/dest", "--concurrency", "-1"], "--concurrency"),
-    (["restore", "--remote", S3, "--local", "{tmp}/dest", "--concurrency", "0"], "--concurrency"),
-    (["restore", "--remote", S3, "--local", "{tmp}/dest", "--part-size-mib", "0"], "--part-size-mib"),
-    (["restore", "--remote", S3, "--local", "{tmp}/dest", "--parallel-shards", "0"], "--parallel-shards"),
-    (["restore", "--remote", S3, "--local", "{tmp}/dest", "--ranks", "1-x"], "rank"),
-    (["restore", "--remote", S3, "--local", "{tmp}/dest", "--step", "-3"], "--step"),
-    (["upload", "--remote", S3, "--local", "{root}", "--part-size-mib", "0"], "--part-size-mib"),
-    (["upload", "--remote", S3, "--local", "{root}", "--max-concurrency", "0"], "--max-concurrency"),
-    (["upload", "--remote", S3, "--local", "{root}", "--metrics-port", "99999"], "--metrics-port"),
-    (["upload", "--remote", S3, "--local", "{root}", "--metrics-port", "-1"], "--metrics-port"),
-    (["upload", "--remote", S3, "--local", "{root}", "--poll-interval-s", "nan", "--watch"], "--poll-interval-s"),
-    (["--log-level", "nonsense", "ls", "{root}"], "--log-level"),
-    (["reshard", "{root}", "--world-size", "0", "--out", "{tmp}/out"], "--world-size"),
-    (["reshard", "{root}", "--world-size", str(MAX_WORLD_SIZE + 1), "--out", "{tmp}/out"], "--world-size"),
-    (["gc", "{root}", "--min-age-s", "-5"], "--min-age-s"),
-    (["verify", "{root}", "--ranks", "2-1"], "rank"),
-])
-def test_usage_errors_exit_two_with_one_line(args: list[str], needle: str, run_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["verify", "{root}", "--step", "-1"], "--step"),
+        (["verify", "{root}", "--step", "x"], "--step"),
+        (["verify", "--remote", "notaurl"], "s3://"),
+        (["ls", "--remote", "notaurl"], "s3://"),
+        (["restore", "--remote", "notaurl", "--local", "{tmp}/dest"], "s3://"),
+        (["upload", "--remote", "notaurl", "--local", "{root}"], "s3://"),
+        (
+            ["restore", "--remote", S3, "--local", "{tmp}/dest", "--concurrency", "-1"],
+            "--concurrency",
+        ),
+        (
+            ["restore", "--remote", S3, "--local", "{tmp}/dest", "--concurrency", "0"],
+            "--concurrency",
+        ),
+        (
+            ["restore", "--remote", S3, "--local", "{tmp}/dest", "--part-size-mib", "0"],
+            "--part-size-mib",
+        ),
+        (
+            ["restore", "--remote", S3, "--local", "{tmp}/dest", "--parallel-shards", "0"],
+            "--parallel-shards",
+        ),
+        (["restore", "--remote", S3, "--local", "{tmp}/dest", "--ranks", "1-x"], "rank"),
+        (["restore", "--remote", S3, "--local", "{tmp}/dest", "--step", "-3"], "--step"),
+        (
+            ["upload", "--remote", S3, "--local", "{root}", "--part-size-mib", "0"],
+            "--part-size-mib",
+        ),
+        (
+            ["upload", "--remote", S3, "--local", "{root}", "--max-concurrency", "0"],
+            "--max-concurrency",
+        ),
+        (
+            ["upload", "--remote", S3, "--local", "{root}", "--metrics-port", "99999"],
+            "--metrics-port",
+        ),
+        (["upload", "--remote", S3, "--local", "{root}", "--metrics-port", "-1"], "--metrics-port"),
+        (
+            ["upload", "--remote", S3, "--local", "{root}", "--poll-interval-s", "nan", "--watch"],
+            "--poll-interval-s",
+        ),
+        (["--log-level", "nonsense", "ls", "{root}"], "--log-level"),
+        (["reshard", "{root}", "--world-size", "0", "--out", "{tmp}/out"], "--world-size"),
+        (
+            ["reshard", "{root}", "--world-size", str(MAX_WORLD_SIZE + 1), "--out", "{tmp}/out"],
+            "--world-size",
+        ),
+        (["gc", "{root}", "--min-age-s", "-5"], "--min-age-s"),
+        (["verify", "{root}", "--ranks", "2-1"], "rank"),
+    ],
+)
+def test_usage_errors_exit_two_with_one_line(
+    args: list[str], needle: str, run_dir: Path, tmp_path: Path
+) -> None:
     proc = run(*[a.format(root=run_dir, tmp=tmp_path) for a in args])
     line = one_error_line(proc, 2)
     assert needle in line
@@ -80,7 +117,9 @@ def test_usage_errors_exit_two_with_one_line(args: list[str], needle: str, run_d
 
 def test_env_defaults_are_validated_like_flags(run_dir: Path) -> None:
     env = child_env(TIERED_CKPT_METRICS_PORT="70000")
-    assert "--metrics-port" in one_error_line(run("upload", "--remote", S3, "--local", run_dir, env=env), 2)
+    assert "--metrics-port" in one_error_line(
+        run("upload", "--remote", S3, "--local", run_dir, env=env), 2
+    )
     env = child_env(TIERED_CKPT_REMOTE="http://nope")
     assert "s3://" in one_error_line(run("upload", "--local", run_dir, env=env), 2)
 
@@ -90,9 +129,15 @@ def test_log_level_any_case_is_accepted(run_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("cmd", [["gc", "{missing}"],
-                                 ["upload", "--local", "{missing}", "--remote", S3],
-                                 ["verify", "{missing}"], ["ls", "{missing}"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["gc", "{missing}"],
+        ["upload", "--local", "{missing}", "--remote", S3],
+        ["verify", "{missing}"],
+        ["ls", "{missing}"],
+    ],
+)
 def test_missing_directory_is_an_error(cmd: list[str], tmp_path: Path) -> None:
     """(``upload --watch`` is the exception: a sidecar starts before the job makes its directory and
     waits for it; tests/test_demo.py runs exactly that.)"""
@@ -128,7 +173,7 @@ def test_s3_flags_on_every_remote_command(cmd: str) -> None:
         assert flag in proc.stdout, (cmd, flag)
 
 
-# ------------------------------------------------------------------------------ against moto's server
+# --- against moto's server
 
 
 @pytest.fixture()
@@ -141,7 +186,13 @@ def remote(tmp_path: Path, s3_bucket: S3Location) -> S3Location:
 
 def _no_endpoint_env() -> dict[str, str]:
     """The test environment without any endpoint: only the command's flags can reach moto."""
-    return child_env({k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")})
+    return child_env(
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+        }
+    )
 
 
 def _s3(loc: S3Location) -> list[str]:
@@ -149,7 +200,15 @@ def _s3(loc: S3Location) -> list[str]:
 
 
 def test_verify_remote_uses_the_s3_flags(remote: S3Location) -> None:
-    proc = run("verify", "--remote", remote.url, *_s3(remote), "--region", "us-east-1", env=_no_endpoint_env())
+    proc = run(
+        "verify",
+        "--remote",
+        remote.url,
+        *_s3(remote),
+        "--region",
+        "us-east-1",
+        env=_no_endpoint_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["step 20: committed"]
 
@@ -158,9 +217,20 @@ def test_verify_remote_uses_the_s3_flags(remote: S3Location) -> None:
 def test_restore_ranks_outside_world_size_is_one_line(remote: S3Location, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     for ranks in ("0-99", "0-99999"):
-        proc = run("restore", "--remote", remote.url, "--local", dest, *_s3(remote), "--no-progress",
-                   "--ranks", ranks)
-        line = one_error_line(proc, 2)  # a usage error (issue 14): the ranks are checked against the step
+        proc = run(
+            "restore",
+            "--remote",
+            remote.url,
+            "--local",
+            dest,
+            *_s3(remote),
+            "--no-progress",
+            "--ranks",
+            ranks,
+        )
+        line = one_error_line(
+            proc, 2
+        )  # a usage error: the ranks are checked against the step
         assert "rank" in line and "world" in line and len(line) < 600, line
         assert not dest.exists() or tc.committed_steps(dest) == []
 
@@ -168,10 +238,21 @@ def test_restore_ranks_outside_world_size_is_one_line(remote: S3Location, tmp_pa
 @pytest.mark.slow  # about 3 s (quick-tier budget)
 def test_verify_ranks_after_partial_restore(remote: S3Location, tmp_path: Path) -> None:
     dest = tmp_path / "node0"
-    proc = run("restore", "--remote", remote.url, "--local", dest, *_s3(remote), "--no-progress", "--ranks", "0-1")
+    proc = run(
+        "restore",
+        "--remote",
+        remote.url,
+        "--local",
+        dest,
+        *_s3(remote),
+        "--no-progress",
+        "--ranks",
+        "0-1",
+    )
     assert proc.returncode == 0, proc.stderr
 
-    # the whole step is not here: a node-local root, verified for the ranks it holds (issue 10 Why 7) ...
+    # the whole step is not here: a node-local root, verified for the ranks it holds (issue 10 Why
+    # 7) ...
     proc = run("verify", dest)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["step 20: committed (node-local: ranks 0-1 of 4)"]
@@ -184,9 +265,17 @@ def test_verify_ranks_after_partial_restore(remote: S3Location, tmp_path: Path) 
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.splitlines() == ["step 20: committed"]
     proc = run("verify", dest, "--ranks", "0-2")
-    assert proc.returncode == 1 and proc.stdout.startswith("step 20: incomplete") and "rank 2" in proc.stdout
+    assert (
+        proc.returncode == 1
+        and proc.stdout.startswith("step 20: incomplete")
+        and "rank 2" in proc.stdout
+    )
     proc = run("verify", dest, "--ranks", "0-99")
-    assert proc.returncode == 1 and proc.stdout.startswith("step 20: incomplete") and "world size 4" in proc.stdout
+    assert (
+        proc.returncode == 1
+        and proc.stdout.startswith("step 20: incomplete")
+        and "world size 4" in proc.stdout
+    )
     assert len(proc.stdout.splitlines()) == 1
 
     # a flipped byte in one of this node's shards is still found

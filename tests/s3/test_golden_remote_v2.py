@@ -1,7 +1,8 @@
-"""The frozen round-1 remote prefix of schema v2 (tests/golden/v2/remote: the objects the uploader of commit
-b0b9ce5 wrote for the zero2 step, see tests/golden/make_golden_v2.py) is put on the moto server as it was
-written, under a fresh prefix and under the prefix it was written for, and must restore with the current
-code into an empty root to exactly the recorded values. Every later version must keep these tests green."""
+"""The frozen round-1 remote prefix of schema v2 (tests/golden/v2/remote: the objects the uploader
+of commit b0b9ce5 wrote for the zero2 step, see tests/golden/make_golden_v2.py) is put on the moto
+server as it was written, under a fresh prefix and under the prefix it was written for, and must
+restore with the current code into an empty root to exactly the recorded values. Every later version
+must keep these tests green."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from s3_infra import S3Location, new_bucket
 
 import tiered_ckpt as tc
-from s3_infra import S3Location, new_bucket
 from tiered_ckpt.remote.verify import scan_remote
 
 V2 = Path(__file__).resolve().parent.parent / "golden" / "v2"
@@ -70,9 +71,14 @@ def remote_objects(loc: S3Location) -> dict[str, bytes]:
 
 @pytest.fixture(params=["fresh_prefix", "original_prefix"])
 def frozen(request: pytest.FixtureRequest, s3_bucket: S3Location, moto_server: str) -> S3Location:
-    """The frozen prefix on the server: under the test's own fresh prefix (the upload manifest then names
-    another prefix, as in a copied bucket), or in a fresh bucket under the prefix it was written for."""
-    loc = s3_bucket if request.param == "fresh_prefix" else new_bucket(moto_server, prefix=rexp()["prefix"])
+    """The frozen prefix on the server: under the test's own fresh prefix (the upload manifest then
+    names another prefix, as in a copied bucket), or in a fresh bucket under the prefix it was
+    written for."""
+    loc = (
+        s3_bucket
+        if request.param == "fresh_prefix"
+        else new_bucket(moto_server, prefix=rexp()["prefix"])
+    )
     put_frozen(loc)
     return loc
 
@@ -105,17 +111,22 @@ def test_frozen_remote_v2_restores_exactly(frozen: S3Location, tmp_path: Path) -
     whole = tc.load_sharded(root, 1, reshard=True, rules=RESHARD_RULES, verify="crc32c")[0]
     for g in exp["globals"]:
         arr = lookup(whole, g["path"])
-        assert list(arr.shape) == g["global_shape"] and hashlib.sha256(arr.tobytes()).hexdigest() == g["sha256"]
+        assert (
+            list(arr.shape) == g["global_shape"]
+            and hashlib.sha256(arr.tobytes()).hexdigest() == g["sha256"]
+        )
     assert remote_objects(frozen) == before  # restore only reads
 
 
 def test_frozen_remote_v2_restores_one_node(frozen: S3Location, tmp_path: Path) -> None:
-    """A node-local root restoring only rank 0 (which owns the replicated values) gets its shard and the
-    global manifest, and loads rank 0 exactly."""
+    """A node-local root restoring only rank 0 (which owns the replicated values) gets its shard and
+    the global manifest, and loads rank 0 exactly."""
     exp = rexp()
     node = tmp_path / "node0"
     m = tc.restore(frozen.url, node, step=exp["step"], ranks=[0], s3_client=frozen.client)
     assert m.step == exp["step"]
     sdir = node / f"step_{exp['step']:010d}"
-    assert (sdir / "rank_00000.safetensors").is_file() and not (sdir / "rank_00001.safetensors").exists()
+    assert (sdir / "rank_00000.safetensors").is_file() and not (
+        sdir / "rank_00001.safetensors"
+    ).exists()
     assert_rank_state(tc.load_shard(node, 0, exp["world_size"], verify="crc32c"), exp["ranks"][0])

@@ -1,7 +1,7 @@
-"""Restore (moto over HTTP) of a step whose shard header holds a hostile tensor index or state tree, with
-every hash of the manifest and upload manifest matching the crafted bytes (issue 12: the index is in the
-header). The restore must fail typed (ShardCorruptedError), commit nothing and leave no file, as a load of
-the same step would fail; ``fallback=True`` then restores the step before."""
+"""Restore (moto over HTTP) of a step whose shard header holds a hostile tensor index or state tree,
+with every hash of the manifest and upload manifest matching the crafted bytes (issue 12: the index
+is in the header). The restore must fail typed (ShardCorruptedError), commit nothing and leave no
+file, as a load of the same step would fail; ``fallback=True`` then restores the step before."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
-
-import tiered_ckpt as tc
 from restore_util import files_under, publish
 from s3_infra import S3Location
+
+import tiered_ckpt as tc
 from tiered_ckpt import ShardCorruptedError
 from tiered_ckpt.format.crc32c import Crc32c
 
@@ -39,9 +40,13 @@ def _edit(sdir: Path, rank: int, fn: Callable[[dict[str, Any]], Any]) -> None:
     m = json.loads((sdir / "manifest.json").read_text())
     crc = Crc32c()
     crc.update(new)
-    m["shards"][rank].update(sha256=hashlib.sha256(new).hexdigest(), size_bytes=len(new), crc32c=crc.hexdigest(),
-                             header_sha256=hashlib.sha256(new[: 8 + len(body)]).hexdigest(),
-                             header_size_bytes=8 + len(body))
+    m["shards"][rank].update(
+        sha256=hashlib.sha256(new).hexdigest(),
+        size_bytes=len(new),
+        crc32c=crc.hexdigest(),
+        header_sha256=hashlib.sha256(new[: 8 + len(body)]).hexdigest(),
+        header_size_bytes=8 + len(body),
+    )
     os.unlink(sdir / "manifest.json")
     (sdir / "manifest.json").write_text(json.dumps(m, indent=1))
 
@@ -57,11 +62,22 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_restore_of_hostile_header_fails_typed(case: str, s3_bucket: S3Location, tmp_path: Path) -> None:
+def test_restore_of_hostile_header_fails_typed(
+    case: str, s3_bucket: S3Location, tmp_path: Path
+) -> None:
     src = tmp_path / "src"
     for step in (1, 2):
-        tc.save_sharded([{"w": np.arange(4, dtype=np.float32) + r,
-                          "g": tc.GlobalSlice(np.full(2, r, np.float32), (4,), (2 * r,))} for r in range(2)], src, step)
+        tc.save_sharded(
+            [
+                {
+                    "w": np.arange(4, dtype=np.float32) + r,
+                    "g": tc.GlobalSlice(np.full(2, r, np.float32), (4,), (2 * r,)),
+                }
+                for r in range(2)
+            ],
+            src,
+            step,
+        )
     _edit(src / "step_0000000002", 1, CASES[case])
     with pytest.raises(ShardCorruptedError):  # the crafted step does not load either
         tc.load_sharded(src, 2, 2)

@@ -1,6 +1,7 @@
-"""Every remote read is bounded in size and time (issue 11, Why 1-3): a hostile S3 server (tests/hostile_http.py,
-a real HTTP server in a thread) streams an endless ``latest``, sends more than HEAD announced, or trickles
-one byte at a time. The store must refuse each within its cap / deadline, never grow without bound.
+"""Every remote read is bounded in size and time (issue 11, Why 1-3): a hostile S3 server
+(tests/hostile_http.py, a real HTTP server in a thread) streams an endless ``latest``, sends more
+than HEAD announced, or trickles one byte at a time. The store must refuse each within its cap /
+deadline, never grow without bound.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from hostile_http import LIST_KEY, Behaviour, HostileS3, run_bounded, wait_for
 from spawn import child_env, cli_cmd
+
 from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UploadError
 from tiered_ckpt.remote.catalogue import read_latest_pointer
 from tiered_ckpt.remote.limits import MAX_POINTER_BYTES
@@ -48,7 +49,9 @@ def _status_kib(field: str) -> int:
 def test_endless_latest_is_refused_with_bounded_memory(srv: HostileS3) -> None:
     srv.set(f"{PREFIX}/latest", Behaviour("endless", limit_bytes=300 * MiB))
     with _store(srv) as store:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
+        Path("/proc/self/clear_refs").write_text(
+            "5"
+        )  # reset the peak RSS (VmHWM) to the current RSS
         before = _status_kib("VmRSS")
         result = run_bounded(lambda: read_latest_pointer(store), 30)
         growth_kib = _status_kib("VmHWM") - before
@@ -60,9 +63,9 @@ def test_endless_latest_is_refused_with_bounded_memory(srv: HostileS3) -> None:
 
 
 def _peak_rss_kib(proc: subprocess.Popen[bytes], *, timeout_s: float) -> int:
-    """The child's peak RSS since its exec (``VmHWM`` of /proc/<pid>/status, sampled every 20 ms until it
-    exits; ``wait4``'s ``ru_maxrss`` would count the parent's RSS at fork: Linux keeps it across exec).
-    SIGKILLs the child after ``timeout_s``."""
+    """The child's peak RSS since its exec (``VmHWM`` of /proc/<pid>/status, sampled every 20 ms
+    until it exits; ``wait4``'s ``ru_maxrss`` would count the parent's RSS at fork: Linux keeps it
+    across exec). SIGKILLs the child after ``timeout_s``."""
     peak, deadline = 0, time.monotonic() + timeout_s
     while proc.poll() is None:
         try:
@@ -81,8 +84,16 @@ def _peak_rss_kib(proc: subprocess.Popen[bytes], *, timeout_s: float) -> int:
 def test_cli_refuses_an_endless_latest(srv: HostileS3, tmp_path: Path, command: str) -> None:
     srv.set(f"{PREFIX}/latest", Behaviour("endless", limit_bytes=300 * MiB))
     local = ["--local", str(tmp_path / "run")] if command == "restore" else []
-    cmd = [*cli_cmd(), command, "--remote", f"s3://{BUCKET}/{PREFIX}", *local, "--endpoint-url", srv.endpoint_url,
-           "--path-style"]
+    cmd = [
+        *cli_cmd(),
+        command,
+        "--remote",
+        f"s3://{BUCKET}/{PREFIX}",
+        *local,
+        "--endpoint-url",
+        srv.endpoint_url,
+        "--path-style",
+    ]
     err_path = tmp_path / "stderr"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=child_env())
@@ -104,18 +115,25 @@ def test_download_stops_within_one_part_of_the_planned_size(srv: HostileS3, tmp_
     assert isinstance(result, ShardCorruptedError), result
     assert "400" in str(result) or str(planned) in str(result)
     assert not dest.exists()
-    wait_for(lambda: False, 0.5)  # let the server's writer settle (its socket buffers fill, then it fails)
+    wait_for(
+        lambda: False, 0.5
+    )  # let the server's writer settle (its socket buffers fill, then it fails)
     assert 0 < srv.sent[f"{PREFIX}/shard"] < planned + part, srv.sent
     assert srv.requests[("GET", f"{PREFIX}/shard")] == 1  # not retried
 
 
-def test_download_refuses_a_head_size_other_than_planned_before_any_byte(srv: HostileS3, tmp_path: Path) -> None:
+def test_download_refuses_a_head_size_other_than_planned_before_any_byte(
+    srv: HostileS3, tmp_path: Path
+) -> None:
     srv.set(f"{PREFIX}/shard", Behaviour("object", data=b"x" * 1000))
     dest = tmp_path / "shard.tmp"
     with _store(srv) as store:
         with pytest.raises(ShardCorruptedError, match=r"1000 bytes.*planned 999"):
             store.download_file("shard", dest, expected_size=999)
-    assert srv.requests[("GET", f"{PREFIX}/shard")] == 0 and srv.requests[("HEAD", f"{PREFIX}/shard")] == 1
+    assert (
+        srv.requests[("GET", f"{PREFIX}/shard")] == 0
+        and srv.requests[("HEAD", f"{PREFIX}/shard")] == 1
+    )
     assert not dest.exists()
 
 
@@ -123,13 +141,19 @@ def test_download_refuses_a_head_size_other_than_planned_before_any_byte(srv: Ho
 def test_trickling_body_fails_within_the_stall_timeout(srv: HostileS3) -> None:
     srv.set(f"{PREFIX}/latest", Behaviour("trickle", size=1000, interval_s=0.3))
     settings = DeadlineSettings(stall_timeout_s=1.0, deadline_base_s=30.0)
-    with _store(srv, deadlines=settings, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.0, max_wait_s=0.0)) as st:
+    with _store(
+        srv,
+        deadlines=settings,
+        retry=RetryPolicy(max_attempts=2, initial_wait_s=0.0, max_wait_s=0.0),
+    ) as st:
         t0 = time.monotonic()
         result = run_bounded(lambda: st.get_bytes("latest", max_bytes=MAX_POINTER_BYTES), 15)
         elapsed = time.monotonic() - t0
     assert type(result) is UploadError, result
     assert isinstance(result.last_exception, RequestDeadlineError)
-    assert "failed after 2 attempt(s)" in str(result) and "stalled: no bytes for 1.0 s" in str(result), result
+    assert "failed after 2 attempt(s)" in str(result) and "stalled: no bytes for 1.0 s" in str(
+        result
+    ), result
     assert elapsed < 4.0
     assert srv.requests[("GET", f"{PREFIX}/latest")] == 2  # retried: a deadline hit is retryable
 
@@ -150,7 +174,8 @@ def test_trickling_headers_fail_within_the_deadline(srv: HostileS3) -> None:
 
 @pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: Path) -> None:
-    """The ranged GETs of s3transfer run under the same deadlines (its worker threads, its body reads)."""
+    """The ranged GETs of s3transfer run under the same deadlines (its worker threads, its body
+    reads)."""
     srv.set(f"{PREFIX}/shard", Behaviour("trickle", size=100_000, interval_s=0.3))
     settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.5)
     dest = tmp_path / "shard.tmp"
@@ -169,12 +194,18 @@ def test_trickling_download_fails_within_the_deadline(srv: HostileS3, tmp_path: 
 
 @pytest.mark.parametrize("kind", ["endless", "announced"])
 def test_endless_list_answer_is_refused_with_bounded_memory(srv: HostileS3, kind: str) -> None:
-    """A LIST page is read by botocore inside the call (no stream): its body is capped too. ``endless``: no
-    Content-Length, zeros for ever; ``announced``: a 300 MiB Content-Length, refused before the body."""
-    behaviour = (Behaviour("endless", limit_bytes=300 * MiB) if kind == "endless"
-                 else Behaviour("bigger", size=300 * MiB, big_size=300 * MiB))
+    """A LIST page is read by botocore inside the call (no stream): its body is capped too.
+    ``endless``: no Content-Length, zeros for ever; ``announced``: a 300 MiB Content-Length, refused
+    before the body."""
+    behaviour = (
+        Behaviour("endless", limit_bytes=300 * MiB)
+        if kind == "endless"
+        else Behaviour("bigger", size=300 * MiB, big_size=300 * MiB)
+    )
     srv.set(LIST_KEY, behaviour)
-    with _store(srv, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.05, max_wait_s=0.1)) as store:
+    with _store(
+        srv, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.05, max_wait_s=0.1)
+    ) as store:
         Path("/proc/self/clear_refs").write_text("5")
         before = _status_kib("VmRSS")
         result = run_bounded(lambda: list(store.list_keys("step_")), 30)
@@ -184,4 +215,6 @@ def test_endless_list_answer_is_refused_with_bounded_memory(srv: HostileS3, kind
     assert growth_kib < 64 * 1024, f"RSS grew {growth_kib} KiB"
     attempts = 2  # each attempt is refused past the cap
     assert srv.requests[("GET", "")] <= attempts
-    assert srv.sent[LIST_KEY] < attempts * (16 * MiB + 8 * MiB)  # the cap, plus what socket buffers took
+    assert srv.sent[LIST_KEY] < attempts * (
+        16 * MiB + 8 * MiB
+    )  # the cap, plus what socket buffers took

@@ -7,10 +7,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 import s3_infra
 from _upload_util import SMALL, make_step
+from prometheus_client.parser import text_string_to_metric_families
+
 from tiered_ckpt import Uploader
 from tiered_ckpt.local import read_manifest
 from tiered_ckpt.remote.metrics import UploadMetrics
@@ -23,7 +23,9 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 @pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
-def test_metrics_endpoint(tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+def test_metrics_endpoint(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
+) -> None:
     root = tmp_path / "node"
     for s in (1, 2):
         make_step(root, s, shard_bytes=3 * 1024 * 1024)
@@ -31,8 +33,14 @@ def test_metrics_endpoint(tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_
     port = metrics.serve(0, addr="127.0.0.1")
     client = s3_infra.make_test_client(fault_proxy.url)
     try:
-        with Uploader(root, s3_bucket.url, s3_client=client, metrics=metrics,
-                      retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.02), **SMALL) as up:
+        with Uploader(
+            root,
+            s3_bucket.url,
+            s3_client=client,
+            metrics=metrics,
+            retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.02),
+            **SMALL,
+        ) as up:
             m0 = _scrape(port)
             assert m0["tiered_ckpt_upload_bytes_total"] == 0
             assert math.isnan(m0["tiered_ckpt_upload_seconds_since_newest_remote"])

@@ -1,16 +1,17 @@
 """Run identity, lineage and fencing on the remote tier (issue 10, Why cases 1 and 3, remote halves;
 SPEC §11), against moto's S3 server over HTTP (a real process; unique bucket per test).
 
-- two runs on one prefix: the second run's sidecar is refused (RunMismatchError naming both run ids and
-  --adopt-prefix), nothing of its save reaches the bucket and it writes no uploaded.json; adopting the
-  prefix replaces the claim;
+- two runs on one prefix: the second run's sidecar is refused (RunMismatchError naming both run ids
+  and --adopt-prefix), nothing of its save reaches the bucket and it writes no uploaded.json;
+  adopting the prefix replaces the claim;
 - a round-1 prefix (no run.json) is adopted with a warning by the first run that uploads to it;
-- rollback: attempt 1 uploaded 500/600/700, attempt 2 (resumed from 500) uploads 510: restore picks 510
-  and carries the run into the new root; 600/700 are listed as superseded; an old-attempt sidecar
-  uploading 800 is refused, and even its commit (had it checked before attempt 2 was published) cannot
-  move ``latest`` back;
-- fencing: an object overwritten between its confirmation and the commit, or a changed manifest.json,
-  stops the commit (no upload manifest, no uploaded.json), and the next pass repairs it.
+- rollback: attempt 1 uploaded 500/600/700, attempt 2 (resumed from 500) uploads 510: restore picks
+  510 and carries the run into the new root; 600/700 are listed as superseded; an old-attempt
+  sidecar uploading 800 is refused, and even its commit (had it checked before attempt 2 was
+  published) cannot move ``latest`` back;
+- fencing: an object overwritten between its confirmation and the commit, or a changed
+  manifest.json, stops the commit (no upload manifest, no uploaded.json), and the next pass repairs
+  it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import s3_infra
 from _upload_util import make_step, remote_bytes, save_entry, save_prefix, split_nodes
 from restore_util import publish
+
 from tiered_ckpt import Uploader, committed_steps, list_remote_steps, restore
 from tiered_ckpt.errors import NoCheckpointError, RunMismatchError, UploadError
 from tiered_ckpt.format.lineage import RunLineage
@@ -58,7 +59,9 @@ def uploader(root: Path, loc: s3_infra.S3Location, **kw) -> Uploader:
 
 def bucket_keys(loc: s3_infra.S3Location) -> list[str]:
     out = []
-    for page in loc.client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.prefix + "/"):
+    for page in loc.client.get_paginator("list_objects_v2").paginate(
+        Bucket=loc.bucket, Prefix=loc.prefix + "/"
+    ):
         out += [o["Key"] for o in page.get("Contents", [])]
     return sorted(out)
 
@@ -72,10 +75,12 @@ def marker(root: Path, s: int) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-# ------------------------------------------------------------------------------------ two runs, one prefix
+# --- two runs, one prefix
 
 
-def test_second_run_on_a_claimed_prefix_is_refused(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+def test_second_run_on_a_claimed_prefix_is_refused(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     a, b = tmp_path / "runA", tmp_path / "runB"
     new_run(a, RUN_A)
     new_run(b, RUN_B)
@@ -101,8 +106,9 @@ def test_second_run_on_a_claimed_prefix_is_refused(tmp_path: Path, s3_bucket: s3
     assert (m.run_id, m.save_id) == (RUN_A, read_manifest(a, 10).save_id)
 
 
-def test_adopt_prefix_replaces_the_claim(tmp_path: Path, s3_bucket: s3_infra.S3Location,
-                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_adopt_prefix_replaces_the_claim(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture
+) -> None:
     from tiered_ckpt.remote.shard_upload import StepStats
     from tiered_ckpt.remote.step_upload import upload_step
 
@@ -113,36 +119,58 @@ def test_adopt_prefix_replaces_the_claim(tmp_path: Path, s3_bucket: s3_infra.S3L
     step(b, 20)
     with uploader(a, s3_bucket) as up:
         up.upload_step(10)
-    with uploader(b, s3_bucket) as up, caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.lineage"):
-        upload_step(up._sender, up._shard_executor, up.prefix, up.local_root, 20, b / step_dir_name(20),
-                    StepStats(), adopt_prefix=True)
+    with (
+        uploader(b, s3_bucket) as up,
+        caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.lineage"),
+    ):
+        upload_step(
+            up._sender,
+            up._shard_executor,
+            up.prefix,
+            up.local_root,
+            20,
+            b / step_dir_name(20),
+            StepStats(),
+            adopt_prefix=True,
+        )
     assert any("adopting it for run " + RUN_B in r.getMessage() for r in caplog.records)
     assert remote_record(s3_bucket) == lin_b
     assert marker(b, 20) is not None
-    rows = {(r.step, r.run_id): r for r in list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client)}
+    rows = {
+        (r.step, r.run_id): r for r in list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client)
+    }
     assert rows[(20, RUN_B)].status == "current"
-    assert rows[(10, RUN_A)].status == f"run {RUN_A}, not the prefix's run {RUN_B}"  # listed, never chosen
+    assert (
+        rows[(10, RUN_A)].status == f"run {RUN_A}, not the prefix's run {RUN_B}"
+    )  # listed, never chosen
     assert restore(s3_bucket.url, tmp_path / "r", s3_client=s3_bucket.client).step == 20
     with pytest.raises(NoCheckpointError, match="no current save"):
         restore(s3_bucket.url, tmp_path / "r2", step=10, s3_client=s3_bucket.client)
 
 
-def test_round1_prefix_is_adopted_with_a_warning(tmp_path: Path, s3_bucket: s3_infra.S3Location,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_round1_prefix_is_adopted_with_a_warning(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture
+) -> None:
     old = tmp_path / "round1"
     step(old, 10)  # a root without run.json, published in the round-1 layout (no claim)
     publish(s3_bucket.client, s3_bucket.bucket, s3_bucket.prefix, old, 10)
     root = tmp_path / "run"
     lin = new_run(root, RUN_A)
     step(root, 20)
-    with uploader(root, s3_bucket) as up, caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.lineage"):
+    with (
+        uploader(root, s3_bucket) as up,
+        caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.lineage"),
+    ):
         up.upload_step(20)
     assert [r.getMessage() for r in caplog.records if "round-1" in r.getMessage()] == [
-        f"{s3_bucket.url} holds steps but no run claim (a round-1 prefix): adopting it for run {RUN_A}"]
+        f"{s3_bucket.url} holds steps but no run claim (a round-1 prefix): adopting it for run {RUN_A}"
+    ]
     assert remote_record(s3_bucket) == lin
     rows = list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client)
     assert [(r.step, r.state, r.status, r.attempt) for r in rows] == [
-        (10, "committed", "current", 1), (20, "committed", "current", 1)]
+        (10, "committed", "current", 1),
+        (20, "committed", "current", 1),
+    ]
     # The round-1 step is still read as it is and restores (attempt 1 of no run: current).
     m = restore(s3_bucket.url, tmp_path / "r10", step=10, s3_client=s3_bucket.client)
     assert m.save_id == read_manifest(old, 10).save_id and m.run_id is None
@@ -151,12 +179,14 @@ def test_round1_prefix_is_adopted_with_a_warning(tmp_path: Path, s3_bucket: s3_i
     assert RunLineage.from_json((dest / RUN_RECORD_NAME).read_text()) == lin  # the run is carried
 
 
-# ------------------------------------------------------------------------------------ rollback
+# --- rollback
 
 
 def _attempt2(root: Path, lin1: RunLineage) -> RunLineage:
     """What the manager records when it resumes from step 500 while 600 and 700 exist."""
-    lin2 = lin1.new_attempt(supersedes_from=501, resumed_from=500, started_at="2026-01-02T00:00:00.000000Z")
+    lin2 = lin1.new_attempt(
+        supersedes_from=501, resumed_from=500, started_at="2026-01-02T00:00:00.000000Z"
+    )
     (root / RUN_RECORD_NAME).write_text(lin2.to_json())
     return lin2
 
@@ -186,13 +216,17 @@ def test_rollback_on_the_remote_tier(tmp_path: Path, s3_bucket: s3_infra.S3Locat
 
     rows = list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client)
     assert [(r.step, r.attempt, r.status) for r in rows] == [
-        (500, 1, "current"), (510, 2, "current"),
-        (600, 1, "superseded by attempt 2 from step 501"), (700, 1, "superseded by attempt 2 from step 501")]
+        (500, 1, "current"),
+        (510, 2, "current"),
+        (600, 1, "superseded by attempt 2 from step 501"),
+        (700, 1, "superseded by attempt 2 from step 501"),
+    ]
     from tiered_ckpt.remote.catalogue import remote_committed_steps
 
     assert remote_committed_steps(s3_bucket.url, s3_client=s3_bucket.client) == [500, 510]
 
-    # The old cluster's sidecar: 800 is superseded by the bucket's record; never uploaded, no marker.
+    # The old cluster's sidecar: 800 is superseded by the bucket's record; never uploaded, no
+    # marker.
     with uploader(old_cluster, s3_bucket) as up:
         with pytest.raises(UploadError, match="step 800 is superseded by attempt 2") as ei:
             up.upload_step(800)
@@ -208,22 +242,29 @@ def test_rollback_on_the_remote_tier(tmp_path: Path, s3_bucket: s3_infra.S3Locat
     m = restore(s3_bucket.url, dest, s3_client=s3_bucket.client)
     assert (m.step, m.attempt) == (510, 2)
     assert committed_steps(dest) == [510]
-    assert RunLineage.from_json((dest / RUN_RECORD_NAME).read_text()) == lin2  # the run goes on there
+    assert (
+        RunLineage.from_json((dest / RUN_RECORD_NAME).read_text()) == lin2
+    )  # the run goes on there
     with pytest.raises(NoCheckpointError, match="superseded by attempt 2 from step 501"):
         restore(s3_bucket.url, tmp_path / "x", step=700, s3_client=s3_bucket.client)
 
     from tiered_ckpt.remote.verify import scan_remote
 
-    got = [(r.step, r.state, r.reason) for r in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)]
-    assert got == [(500, "committed", ""), (510, "committed", ""),
-                   (600, "committed", "superseded by attempt 2 from step 501"),
-                   (700, "committed", "superseded by attempt 2 from step 501"),
-                   (800, "committed", "superseded by attempt 2 from step 501")]
+    got = [
+        (r.step, r.state, r.reason) for r in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)
+    ]
+    assert got == [
+        (500, "committed", ""),
+        (510, "committed", ""),
+        (600, "committed", "superseded by attempt 2 from step 501"),
+        (700, "committed", "superseded by attempt 2 from step 501"),
+        (800, "committed", "superseded by attempt 2 from step 501"),
+    ]
 
 
 def _commit_without_lineage_check(root: Path, loc: s3_infra.S3Location, s: int) -> None:
-    """The remote commit protocol of ``root``'s step ``s`` alone (what a sidecar does after its lineage
-    check passed): shards, records, fence, upload manifest, ``latest``."""
+    """The remote commit protocol of ``root``'s step ``s`` alone (what a sidecar does after its
+    lineage check passed): shards, records, fence, upload manifest, ``latest``."""
     from tiered_ckpt.remote.commit import RemoteStepCommit
     from tiered_ckpt.remote.shard_upload import StepStats, upload_shard
     from tiered_ckpt.remote.step_upload import read_local_manifest
@@ -238,7 +279,9 @@ def _commit_without_lineage_check(root: Path, loc: s3_infra.S3Location, s: int) 
         commit.move_latest(commit.write_upload_manifest(commit.gather()))
 
 
-def test_latest_moves_only_to_a_greater_attempt_and_step(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+def test_latest_moves_only_to_a_greater_attempt_and_step(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     root = tmp_path / "node"
     lin1 = new_run(root, RUN_A)
     step(root, 700)
@@ -255,10 +298,13 @@ def test_latest_moves_only_to_a_greater_attempt_and_step(tmp_path: Path, s3_buck
     step(root, 520)
     with uploader(root, s3_bucket) as up:
         up.upload_step(520)
-    assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).order == (2, 520)
+    assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).order == (
+        2,
+        520,
+    )
 
 
-# ------------------------------------------------------------------------------------ fencing
+# --- fencing
 
 
 def _two_nodes(tmp_path: Path, s: int) -> tuple[Path, Path, Path]:
@@ -272,7 +318,8 @@ def _two_nodes(tmp_path: Path, s: int) -> tuple[Path, Path, Path]:
 
 
 def test_object_overwritten_after_confirmation_is_never_committed(
-        tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     from tiered_ckpt.remote.upload import StepIncompleteError
 
     src, a, b = _two_nodes(tmp_path, 7)
@@ -287,27 +334,40 @@ def test_object_overwritten_after_confirmation_is_never_committed(
     with uploader(b, s3_bucket) as up:
         with pytest.raises(UploadError) as ei:
             up.upload_step(7)
-    assert type(ei.value).__name__ == "FencingError" and ei.value.key.endswith("rank_00000.safetensors") and "rank_00000.safetensors" in str(ei.value)
+    assert (
+        type(ei.value).__name__ == "FencingError"
+        and ei.value.key.endswith("rank_00000.safetensors")
+        and "rank_00000.safetensors" in str(ei.value)
+    )
     assert f"{sp}/upload_manifest.json" not in bucket_keys(s3_bucket)  # nothing committed
     assert marker(b, 7) is None and marker(a, 7) is None
-    # Node A's next pass sees its record no longer matches the object and sends rank 0 again; then the
-    # commit goes through and every object is the confirmed one.
+    # Node A's next pass sees its record no longer matches the object and sends rank 0 again; then
+    # the commit goes through and every object is the confirmed one.
     with uploader(a, s3_bucket) as up:
         um = up.upload_step(7)
-    assert remote_bytes(s3_bucket, key) == (src / step_dir_name(7) / "rank_00000.safetensors").read_bytes()
+    assert (
+        remote_bytes(s3_bucket, key)
+        == (src / step_dir_name(7) / "rank_00000.safetensors").read_bytes()
+    )
     for rs in um.shards:
         head = s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=rs.key)
         assert head["ETag"] == rs.etag and head["ContentLength"] == rs.size_bytes
-    assert marker(a, 7)["manifest_sha256"] == hashlib.sha256(
-        (a / step_dir_name(7) / MANIFEST_NAME).read_bytes()).hexdigest()
+    assert (
+        marker(a, 7)["manifest_sha256"]
+        == hashlib.sha256((a / step_dir_name(7) / MANIFEST_NAME).read_bytes()).hexdigest()
+    )
     from tiered_ckpt.remote.verify import scan_remote
 
-    assert [(r.step, r.state) for r in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)] == [(7, "committed")]
+    assert [(r.step, r.state) for r in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)] == [
+        (7, "committed")
+    ]
 
 
-def test_changed_remote_manifest_is_never_committed(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
-    """manifest.json changed after this node mirrored it, before its commit: the fence's sha256 check
-    refuses the commit; the next pass mirrors the manifest again and commits."""
+def test_changed_remote_manifest_is_never_committed(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
+    """manifest.json changed after this node mirrored it, before its commit: the fence's sha256
+    check refuses the commit; the next pass mirrors the manifest again and commits."""
     from tiered_ckpt.remote.commit import RemoteStepCommit
     from tiered_ckpt.remote.shard_upload import StepStats, upload_shard
     from tiered_ckpt.remote.step_upload import read_local_manifest
@@ -327,7 +387,9 @@ def test_changed_remote_manifest_is_never_committed(tmp_path: Path, s3_bucket: s
         for rec in m.shards[2:]:
             upload_shard(up._sender, commit, sdir, rec, StepStats())
         um = commit.gather()
-        s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=mkey, Body=mbytes.replace(b'"step"', b'"step" '))
+        s3_bucket.client.put_object(
+            Bucket=s3_bucket.bucket, Key=mkey, Body=mbytes.replace(b'"step"', b'"step" ')
+        )
         with pytest.raises(UploadError) as ei:
             commit.write_upload_manifest(um)
         assert type(ei.value).__name__ == "FencingError" and ei.value.key.endswith(MANIFEST_NAME)
@@ -339,9 +401,9 @@ def test_changed_remote_manifest_is_never_committed(tmp_path: Path, s3_bucket: s
 
 
 def test_claim_decisions_on_the_server(s3_bucket: s3_infra.S3Location) -> None:
-    """claim_or_check / publish_lineage directly: claim, steady state (one GET), move forward, a record
-    that already extends ours, diverged records (LineageError, nothing written), an unreadable record
-    (ManifestError unless adopting)."""
+    """claim_or_check / publish_lineage directly: claim, steady state (one GET), move forward, a
+    record that already extends ours, diverged records (LineageError, nothing written), an
+    unreadable record (ManifestError unless adopting)."""
     from tiered_ckpt.errors import LineageError, ManifestError
     from tiered_ckpt.remote.lineage import claim_or_check, publish_lineage, read_remote_lineage
     from tiered_ckpt.store import S3Store
@@ -372,13 +434,17 @@ def test_an_empty_run_record_is_a_manifest_error(s3_bucket: s3_infra.S3Location)
     from tiered_ckpt.remote.lineage import read_remote_record
     from tiered_ckpt.store import S3Store
 
-    s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{RUN_RECORD_NAME}", Body=b"")
+    s3_bucket.client.put_object(
+        Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{RUN_RECORD_NAME}", Body=b""
+    )
     with S3Store.from_url(s3_bucket.url, client=s3_bucket.client) as st:
         with pytest.raises(ManifestError, match="run.json"):
             read_remote_record(st)
 
 
-def test_a_latest_pointer_naming_no_commit_does_not_hold_latest(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+def test_a_latest_pointer_naming_no_commit_does_not_hold_latest(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     """A hostile or hand-edited ``latest`` far ahead ((attempt 9, step 10**9), naming no save) would
     have stopped ``latest`` from ever moving again; it is replaced by the next real commit."""
     root = tmp_path / "node"
@@ -386,7 +452,12 @@ def test_a_latest_pointer_naming_no_commit_does_not_hold_latest(tmp_path: Path, 
     step(root, 10)
     bogus = LatestPointer(10**9, "ab" * 32, attempt=9, save_id="nosuchsave")
     client = s3_infra.make_test_client(s3_bucket.endpoint_url)
-    client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/latest", Body=bogus.to_json().encode())
+    client.put_object(
+        Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/latest", Body=bogus.to_json().encode()
+    )
     with uploader(root, s3_bucket) as up:
         up.upload_step(10)
-    assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).order == (1, 10)
+    assert LatestPointer.from_json(remote_bytes(s3_bucket, f"{s3_bucket.prefix}/latest")).order == (
+        1,
+        10,
+    )

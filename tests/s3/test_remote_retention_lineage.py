@@ -1,5 +1,6 @@
-"""Lineage-aware remote retention, pins mirrored to the bucket, restore carrying the run, and the cost of a
-poll while other nodes confirm (SPEC §11; issue 10 Build 1 and 4), against moto's S3 server over HTTP."""
+"""Lineage-aware remote retention, pins mirrored to the bucket, restore carrying the run, and the
+cost of a poll while other nodes confirm (SPEC §11; issue 10 Build 1 and 4), against moto's S3
+server over HTTP."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import s3_infra
-from s3_servers import both_servers
 from _upload_util import make_step, save_entry, split_nodes
+from s3_servers import both_servers
+
 from tiered_ckpt import Uploader, restore
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import PINNED_MARKER_NAME, RUN_RECORD_NAME, step_dir_name
@@ -51,7 +52,9 @@ def saves(loc: s3_infra.S3Location, client=None) -> list[tuple[int, int, str]]:
 
 def keys(loc: s3_infra.S3Location) -> list[str]:
     out = []
-    for page in loc.client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.prefix + "/"):
+    for page in loc.client.get_paginator("list_objects_v2").paginate(
+        Bucket=loc.bucket, Prefix=loc.prefix + "/"
+    ):
         out += [o["Key"] for o in page.get("Contents", [])]
     return out
 
@@ -59,7 +62,8 @@ def keys(loc: s3_infra.S3Location) -> list[str]:
 @both_servers
 @pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
-        tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
     root = tmp_path / "node"
     lin1 = new_run(root, RUN_A)
     for s in (500, 600, 700):
@@ -78,7 +82,9 @@ def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
     with uploader(root, s3_bucket, policy=policy) as up:
         step(root, 510)
         up.upload_step(510)
-        assert up.apply_remote_retention() == []  # 2 current steps < keep_last: nothing superseded goes
+        assert (
+            up.apply_remote_retention() == []
+        )  # 2 current steps < keep_last: nothing superseded goes
         step(root, 520)
         up.upload_step(520)
         assert up.apply_remote_retention() == [700]  # 3 current: 700 goes, the pinned 600 stays
@@ -86,14 +92,19 @@ def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
         step(root, 530)
         up.upload_step(530)
         assert up.apply_remote_retention() == [500]  # the oldest current beyond keep_last
-    assert saves(s3_bucket) == [(510, 2, "current"), (520, 2, "current"), (530, 2, "current"),
-                                (600, 1, "superseded by attempt 2 from step 501")]
+    assert saves(s3_bucket) == [
+        (510, 2, "current"),
+        (520, 2, "current"),
+        (530, 2, "current"),
+        (600, 1, "superseded by attempt 2 from step 501"),
+    ]
     assert remote_committed_steps(s3_bucket.url, s3_client=s3_bucket.client) == [510, 520, 530]
 
 
 @both_servers
-def test_pins_of_steps_uploaded_earlier_are_mirrored(tmp_path: Path, s3_bucket: s3_infra.S3Location,
-                                                     fault_proxy: s3_infra.FaultProxy) -> None:
+def test_pins_of_steps_uploaded_earlier_are_mirrored(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
+) -> None:
     from tiered_ckpt.remote.step_upload import mirror_pins
 
     root = tmp_path / "node"
@@ -110,7 +121,10 @@ def test_pins_of_steps_uploaded_earlier_are_mirrored(tmp_path: Path, s3_bucket: 
         assert mirror_pins(up.store, root, done) == [2]
         reqs = fault_proxy.requests[n0:]
         assert [(r.method, r.key.rsplit("/", 1)[-1]) for r in reqs] == [
-            ("HEAD", PINNED_MARKER_NAME), ("HEAD", "upload_manifest.json"), ("PUT", PINNED_MARKER_NAME)]
+            ("HEAD", PINNED_MARKER_NAME),
+            ("HEAD", "upload_manifest.json"),
+            ("PUT", PINNED_MARKER_NAME),
+        ]
         n1 = len(fault_proxy.requests)
         assert mirror_pins(up.store, root, done) == []  # remembered: no request at all
         assert len(fault_proxy.requests) == n1
@@ -152,12 +166,13 @@ def test_restore_carries_the_run(tmp_path: Path, s3_bucket: s3_infra.S3Location)
 
 
 @both_servers
-def test_a_poll_while_other_nodes_confirm_is_one_list(tmp_path: Path, s3_bucket: s3_infra.S3Location,
-                                                      fault_proxy: s3_infra.FaultProxy) -> None:
-    """The commit object of a StepIncompleteError, passed back as ``resume``, makes the next poll one
-    LIST of the save's .confirm/ prefix: no re-read of the run record, the upload manifest, the local
-    shards' records or the mirrored manifest, and no re-PUT of anything. Once the other node's records
-    are listed they are GET once, then the fence and the commit."""
+def test_a_poll_while_other_nodes_confirm_is_one_list(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
+) -> None:
+    """The commit object of a StepIncompleteError, passed back as ``resume``, makes the next poll
+    one LIST of the save's .confirm/ prefix: no re-read of the run record, the upload manifest, the
+    local shards' records or the mirrored manifest, and no re-PUT of anything. Once the other node's
+    records are listed they are GET once, then the fence and the commit."""
     from tiered_ckpt.remote.shard_upload import StepStats
     from tiered_ckpt.remote.step_upload import upload_step
     from tiered_ckpt.remote.upload import StepIncompleteError
@@ -170,9 +185,18 @@ def test_a_poll_while_other_nodes_confirm_is_one_list(tmp_path: Path, s3_bucket:
         (r / RUN_RECORD_NAME).write_text(lin.to_json())
     client = s3_infra.make_test_client(fault_proxy.url)
     with uploader(a, s3_bucket, client) as up:
+
         def poll(resume):
-            return upload_step(up._sender, up._shard_executor, up.prefix, up.local_root, 9, a / step_dir_name(9),
-                               StepStats(), resume=resume)
+            return upload_step(
+                up._sender,
+                up._shard_executor,
+                up.prefix,
+                up.local_root,
+                9,
+                a / step_dir_name(9),
+                StepStats(),
+                resume=resume,
+            )
 
         with pytest.raises(StepIncompleteError) as ei:
             poll(None)

@@ -1,6 +1,6 @@
-"""restore() and list_remote_steps() against moto's S3 server over HTTP (a real process; unique bucket
-per test). Remote steps are written in the documented layout by tests/restore_util.publish; the real
-uploader's round trip is in test_restore_e2e.py."""
+"""restore() and list_remote_steps() against moto's S3 server over HTTP (a real process; unique
+bucket per test). Remote steps are written in the documented layout by tests/restore_util.publish;
+the real uploader's round trip is in test_restore_e2e.py."""
 
 from __future__ import annotations
 
@@ -10,15 +10,34 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from restore_util import assert_states_equal, files_under, publish, save_step
 from s3_infra import FaultProxy, S3Location, make_test_client
 from s3_servers import both_servers
-from tiered_ckpt import (CheckpointExistsError, MissingShardError, NoCheckpointError, ShardCorruptedError,
-                         committed_steps, list_remote_steps, load_shard, load_sharded, restore)
-from tiered_ckpt.layout import (MANIFEST_NAME, UPLOADED_MARKER_NAME, remote_key, remote_latest_key,
-                                step_dir_name)
-from tiered_ckpt.remote.restore import REMOTE_COMMITTED, REMOTE_NO_UPLOAD_MANIFEST, plan_restore, restore_detailed
+
+from tiered_ckpt import (
+    CheckpointExistsError,
+    MissingShardError,
+    NoCheckpointError,
+    ShardCorruptedError,
+    committed_steps,
+    list_remote_steps,
+    load_shard,
+    load_sharded,
+    restore,
+)
+from tiered_ckpt.layout import (
+    MANIFEST_NAME,
+    UPLOADED_MARKER_NAME,
+    remote_key,
+    remote_latest_key,
+    step_dir_name,
+)
+from tiered_ckpt.remote.restore import (
+    REMOTE_COMMITTED,
+    REMOTE_NO_UPLOAD_MANIFEST,
+    plan_restore,
+    restore_detailed,
+)
 from tiered_ckpt.training.resume import ensure_local
 
 
@@ -37,7 +56,9 @@ def _restore(loc: S3Location, root: Path, **kw):
 
 
 @both_servers
-def test_cluster_loss_restores_newest_step_byte_equal(run, s3_bucket: S3Location, tmp_path: Path) -> None:
+def test_cluster_loss_restores_newest_step_byte_equal(
+    run, s3_bucket: S3Location, tmp_path: Path
+) -> None:
     src, states = run
     original = (src / step_dir_name(20) / MANIFEST_NAME).read_bytes()
     shutil.rmtree(src)  # cluster loss: the local tier is gone
@@ -48,7 +69,9 @@ def test_cluster_loss_restores_newest_step_byte_equal(run, s3_bucket: S3Location
     assert (sdir / UPLOADED_MARKER_NAME).is_file()  # the sidecar will not send it back
     for rank, got in enumerate(load_sharded(src, 4, 20)):
         assert_states_equal(got, states[20][rank])
-    assert not [f for f in files_under(src) if f.endswith(".tmp") or ".lock" in f or "download" in f]
+    assert not [
+        f for f in files_under(src) if f.endswith(".tmp") or ".lock" in f or "download" in f
+    ]
 
 
 @both_servers
@@ -59,8 +82,15 @@ def test_restore_named_step_and_dry_run(run, s3_bucket: S3Location, tmp_path: Pa
     assert plan.step == 10 and plan.ranks == (0, 1, 2, 3) and len(plan.objects) == 4
     assert plan.total_bytes == plan.manifest.total_bytes
     assert not dest.exists()  # a dry run writes nothing
-    res = restore_detailed(s3_bucket.url, dest, s3_client=s3_bucket.client, step=10, max_parallel_shards=2,
-                           download_part_size_bytes=8 << 20, download_max_concurrency=2)
+    res = restore_detailed(
+        s3_bucket.url,
+        dest,
+        s3_client=s3_bucket.client,
+        step=10,
+        max_parallel_shards=2,
+        download_part_size_bytes=8 << 20,
+        download_max_concurrency=2,
+    )
     assert res.manifest.step == 10 and res.bytes_downloaded == plan.total_bytes
     assert_states_equal(load_shard(dest, 3, 4, 10), states[10][3])
     with pytest.raises(NoCheckpointError, match="step 15"):
@@ -68,7 +98,9 @@ def test_restore_named_step_and_dry_run(run, s3_bucket: S3Location, tmp_path: Pa
 
 
 @both_servers
-def test_partial_restore_of_a_replaced_nodes_ranks(run, s3_bucket: S3Location, tmp_path: Path) -> None:
+def test_partial_restore_of_a_replaced_nodes_ranks(
+    run, s3_bucket: S3Location, tmp_path: Path
+) -> None:
     src, states = run
     sdir = src / step_dir_name(20)
     for r in (2, 3):
@@ -84,7 +116,9 @@ def test_partial_restore_of_a_replaced_nodes_ranks(run, s3_bucket: S3Location, t
     node = tmp_path / "node1"
     _restore(s3_bucket, node, ranks=[2, 3])
     assert sorted(p.name for p in (node / step_dir_name(20)).glob("*.safetensors")) == [
-        "rank_00002.safetensors", "rank_00003.safetensors"]
+        "rank_00002.safetensors",
+        "rank_00003.safetensors",
+    ]
     for r in (2, 3):
         assert_states_equal(load_shard(node, r, 4), states[20][r])
     with pytest.raises(MissingShardError):
@@ -99,10 +133,12 @@ def test_partial_restore_of_a_replaced_nodes_ranks(run, s3_bucket: S3Location, t
 
 
 def test_lagging_list_and_missing_upload_manifest_are_never_chosen(
-        run, s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path) -> None:
+    run, s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
     src, states = run
     loc = s3_bucket
-    # Step 30 reached the bucket without its upload manifest (the sidecar died before the commit mark).
+    # Step 30 reached the bucket without its upload manifest (the sidecar died before the commit
+    # mark).
     save_step(src, 30)
     publish(loc.client, loc.bucket, loc.prefix, src, 30, upload_manifest=False)
     # LIST lags: it does not show step 20 (the newest complete step) at all.
@@ -121,7 +157,8 @@ def test_lagging_list_and_missing_upload_manifest_are_never_chosen(
         restore(loc.url, tmp_path / "b", s3_client=client, step=30)
     assert committed_steps(tmp_path / "b") == []
 
-    # No pointer and LIST still lagging: the newest step LIST can show whose commit point GET confirms.
+    # No pointer and LIST still lagging: the newest step LIST can show whose commit point GET
+    # confirms.
     loc.client.delete_object(Bucket=loc.bucket, Key=remote_latest_key(loc.prefix))
     assert restore(loc.url, tmp_path / "c", s3_client=client).step == 10
     # Once LIST catches up, step 20 is found without a pointer; step 30 still never is.
@@ -131,7 +168,8 @@ def test_lagging_list_and_missing_upload_manifest_are_never_chosen(
 
 @both_servers
 def test_corrupt_remote_shard_fails_cleanly_then_falls_back(
-        run, s3_bucket: S3Location, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run, s3_bucket: S3Location, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     src, states = run
     loc = s3_bucket
     key = remote_key(loc.prefix, 20, "rank_00001.safetensors")
@@ -142,7 +180,9 @@ def test_corrupt_remote_shard_fails_cleanly_then_falls_back(
     with pytest.raises(ShardCorruptedError) as ei:
         _restore(loc, dest)
     assert "step 20" in str(ei.value) and "rank_00001.safetensors" in str(ei.value)
-    assert committed_steps(dest) == [] and files_under(dest) == []  # nothing committed, no temp files
+    assert (
+        committed_steps(dest) == [] and files_under(dest) == []
+    )  # nothing committed, no temp files
 
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.restore"):
         res = restore_detailed(loc.url, dest, s3_client=loc.client, fallback=True)
@@ -156,7 +196,9 @@ def test_corrupt_remote_shard_fails_cleanly_then_falls_back(
 @both_servers
 def test_missing_object_and_bad_manifest_mirror(run, s3_bucket: S3Location, tmp_path: Path) -> None:
     loc = s3_bucket
-    loc.client.delete_object(Bucket=loc.bucket, Key=remote_key(loc.prefix, 20, "rank_00003.safetensors"))
+    loc.client.delete_object(
+        Bucket=loc.bucket, Key=remote_key(loc.prefix, 20, "rank_00003.safetensors")
+    )
     with pytest.raises(MissingShardError) as ei:
         _restore(loc, tmp_path / "a")
     assert "step 20" in str(ei.value) and "rank_00003.safetensors" in str(ei.value)
@@ -175,14 +217,17 @@ def test_missing_object_and_bad_manifest_mirror(run, s3_bucket: S3Location, tmp_
 
 
 def test_local_step_of_another_save_is_not_overwritten_without_replace(
-        run, s3_bucket: S3Location, tmp_path: Path) -> None:
+    run, s3_bucket: S3Location, tmp_path: Path
+) -> None:
     _, states = run
     dest = tmp_path / "dest"
     save_step(dest, 20, world_size=4)  # same step number, different save
     mine = hashlib.sha256((dest / step_dir_name(20) / MANIFEST_NAME).read_bytes()).hexdigest()
     with pytest.raises(CheckpointExistsError):
         _restore(s3_bucket, dest)
-    assert hashlib.sha256((dest / step_dir_name(20) / MANIFEST_NAME).read_bytes()).hexdigest() == mine
+    assert (
+        hashlib.sha256((dest / step_dir_name(20) / MANIFEST_NAME).read_bytes()).hexdigest() == mine
+    )
     _restore(s3_bucket, dest, replace=True)
     for rank, got in enumerate(load_sharded(dest, 4, 20)):
         assert_states_equal(got, states[20][rank])
@@ -190,7 +235,9 @@ def test_local_step_of_another_save_is_not_overwritten_without_replace(
 
 @both_servers
 def test_empty_bucket(s3_bucket: S3Location, tmp_path: Path) -> None:
-    with pytest.raises(NoCheckpointError, match="is not a checkpoint prefix"):  # no run.json, no step
+    with pytest.raises(
+        NoCheckpointError, match="is not a checkpoint prefix"
+    ):  # no run.json, no step
         _restore(s3_bucket, tmp_path)
     assert list_remote_steps(s3_bucket.url, s3_client=s3_bucket.client) == []
 
@@ -214,14 +261,19 @@ def test_restore_decides_under_the_writer_lock(run, s3_bucket: S3Location, tmp_p
     (sdir / SAVE_LOCK_NAME).write_text(json.dumps(lock))  # another host's writer: counted alive
     with pytest.raises(ConcurrentSaveError, match="another writer"):
         _restore(loc, dest)
-    assert sorted(os.listdir(sdir)) == [SAVE_LOCK_NAME] and json.loads((sdir / SAVE_LOCK_NAME).read_text()) == lock
+    assert (
+        sorted(os.listdir(sdir)) == [SAVE_LOCK_NAME]
+        and json.loads((sdir / SAVE_LOCK_NAME).read_text()) == lock
+    )
     shutil.rmtree(dest)
 
     save_step(dest, 20)  # committed locally by another save
     before = {n: (sdir / n).read_bytes() for n in os.listdir(sdir)}
     with pytest.raises(CheckpointExistsError):
         _restore(loc, dest)
-    assert {n: (sdir / n).read_bytes() for n in os.listdir(sdir)} == before  # untouched, no lock left
+    assert {
+        n: (sdir / n).read_bytes() for n in os.listdir(sdir)
+    } == before  # untouched, no lock left
 
     key = remote_key(loc.prefix, 20, "rank_00002.safetensors")
     body = bytearray(loc.client.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
@@ -229,7 +281,9 @@ def test_restore_decides_under_the_writer_lock(run, s3_bucket: S3Location, tmp_p
     loc.client.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
     with pytest.raises(ShardCorruptedError):
         _restore(loc, dest, replace=True)
-    assert {n: (sdir / n).read_bytes() for n in os.listdir(sdir)} == before  # failed before any change
+    assert {
+        n: (sdir / n).read_bytes() for n in os.listdir(sdir)
+    } == before  # failed before any change
 
 
 @both_servers

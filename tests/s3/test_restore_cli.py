@@ -1,4 +1,5 @@
-"""``tiered-ckpt restore`` and ``tiered-ckpt ls --remote`` (in-process ``cli.main``) against moto's server."""
+"""``tiered-ckpt restore`` and ``tiered-ckpt ls --remote`` (in-process ``cli.main``) against moto's
+server."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from restore_util import assert_states_equal, publish, save_step
 from s3_infra import S3Location
 from s3_servers import both_servers
+
 from tiered_ckpt import committed_steps, load_shard, load_sharded
 from tiered_ckpt.cli import main
 from tiered_ckpt.layout import remote_key
@@ -32,7 +33,9 @@ def _s3(loc: S3Location) -> list[str]:
 
 @pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 @both_servers
-def test_restore_cli(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_restore_cli(
+    run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     dest = tmp_path / "dest"
     base = ["restore", "--remote", s3_bucket.url, "--local", str(dest), *_s3(s3_bucket)]
     assert main([*base, "--dry-run"]) == 0
@@ -40,21 +43,44 @@ def test_restore_cli(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.
     assert "would restore step 20" in out and "rank_00003.safetensors" in out and not dest.exists()
     assert main([*base, "--dry-run", "--json", "--ranks", "2-3"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["dry_run"] and plan["step"] == 20 and plan["ranks"] == [2, 3] and len(plan["objects"]) == 2
+    assert (
+        plan["dry_run"]
+        and plan["step"] == 20
+        and plan["ranks"] == [2, 3]
+        and len(plan["objects"]) == 2
+    )
 
     assert main([*base, "--no-progress"]) == 0
     assert "restored step 20" in capsys.readouterr().out
     for rank, got in enumerate(load_sharded(dest, 4, 20)):
         assert_states_equal(got, run[20][rank])
 
-    assert main([*base, "--step", "10", "--ranks", "1", "--json", "--part-size-mib", "8", "--concurrency", "2"]) == 0
+    assert (
+        main(
+            [
+                *base,
+                "--step",
+                "10",
+                "--ranks",
+                "1",
+                "--json",
+                "--part-size-mib",
+                "8",
+                "--concurrency",
+                "2",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert res["step"] == 10 and res["ranks"] == [1] and res["bytes_downloaded"] > 0
     assert_states_equal(load_shard(dest, 1, 4, 10), run[10][1])
 
 
 @both_servers
-def test_restore_cli_failures(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_restore_cli_failures(
+    run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     loc = s3_bucket
     key = remote_key(loc.prefix, 20, "rank_00000.safetensors")
     body = bytearray(loc.client.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
@@ -64,7 +90,9 @@ def test_restore_cli_failures(run, s3_bucket: S3Location, tmp_path: Path, capsys
     base = ["restore", "--remote", loc.url, "--local", str(dest), *_s3(loc), "--no-progress"]
     assert main(base) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "(the object in the bucket is corrupt)" in err[0] and "step 20" in err[0]
+    assert (
+        len(err) == 1 and "(the object in the bucket is corrupt)" in err[0] and "step 20" in err[0]
+    )
     assert "Error" not in err[0]  # no class name at the default verbosity
     assert committed_steps(dest) == []
     assert main([*base, "--fallback"]) == 0
@@ -77,7 +105,9 @@ def test_restore_cli_failures(run, s3_bucket: S3Location, tmp_path: Path, capsys
 
 
 @both_servers
-def test_ls_remote(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_ls_remote(
+    run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["ls", "--remote", s3_bucket.url, *_s3(s3_bucket)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["step", "state"]
@@ -87,7 +117,10 @@ def test_ls_remote(run, s3_bucket: S3Location, tmp_path: Path, capsys: pytest.Ca
     assert main(["ls", "--remote", s3_bucket.url, *_s3(s3_bucket), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["state"], r["latest"]) for r in rows] == [
-        (10, "committed", False), (20, "committed", True), (30, "no upload manifest", False)]
+        (10, "committed", False),
+        (20, "committed", True),
+        (30, "no upload manifest", False),
+    ]
     assert main(["ls"]) == 2  # neither ROOT nor --remote
     assert main(["ls", str(tmp_path / "src")]) == 0  # the local listing is unchanged
     assert "committed" in capsys.readouterr().out

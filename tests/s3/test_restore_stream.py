@@ -1,15 +1,16 @@
-"""Restore's download path (issue 12 item 5) on moto: every shard's bytes are fetched once, through ranged
-GETs that tile each object exactly, hashed as they arrive (the file is never read back for hashing), and a
-damaged byte in one shard's middle part still fails the step with nothing committed."""
+"""Restore's download path (issue 12 item 5) on moto: every shard's bytes are fetched once, through
+ranged GETs that tile each object exactly, hashed as they arrive (the file is never read back for
+hashing), and a damaged byte in one shard's middle part still fails the step with nothing
+committed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from restore_util import assert_states_equal, files_under, make_states, publish
 from s3_infra import S3Location
+
 from tiered_ckpt import ShardCorruptedError, committed_steps, load_sharded, save_sharded
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.remote import download
@@ -31,12 +32,16 @@ def published(tmp_path: Path, s3_bucket: S3Location) -> list[dict]:
 
 
 def _store(loc: S3Location) -> S3Store:
-    return S3Store.from_url(loc.url, client=loc.client,
-                            transfer=TransferSettings(download_part_size_bytes=MiB, download_max_concurrency=4))
+    return S3Store.from_url(
+        loc.url,
+        client=loc.client,
+        transfer=TransferSettings(download_part_size_bytes=MiB, download_max_concurrency=4),
+    )
 
 
 def test_restore_gets_each_byte_once_and_never_rereads_the_file(
-        published: list[dict], s3_bucket: S3Location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    published: list[dict], s3_bucket: S3Location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_rehash(path: Path) -> None:
         raise AssertionError(f"the downloaded file {path} was read again to hash it")
 
@@ -50,7 +55,9 @@ def test_restore_gets_each_byte_once_and_never_rereads_the_file(
             inner(key, offset, out, object_size=object_size)
 
         monkeypatch.setattr(st, "read_range_into", counting)
-        monkeypatch.setattr(st, "download_file", lambda *a, **k: pytest.fail("a whole-file download"))
+        monkeypatch.setattr(
+            st, "download_file", lambda *a, **k: pytest.fail("a whole-file download")
+        )
         res = restore_detailed(s3_bucket.url, tmp_path / "dest", store=st)
     sizes = {o.key: o.size_bytes for o in res.plan.objects}
     assert set(got) == set(sizes) and len(sizes) == 4
@@ -64,10 +71,13 @@ def test_restore_gets_each_byte_once_and_never_rereads_the_file(
 
 
 def test_a_damaged_byte_in_a_middle_part_fails_and_commits_nothing(
-        published: list[dict], s3_bucket: S3Location, tmp_path: Path) -> None:
+    published: list[dict], s3_bucket: S3Location, tmp_path: Path
+) -> None:
     obj = plan_restore(s3_bucket.url, s3_client=s3_bucket.client).objects[2]
     full_key = f"{s3_bucket.prefix}/{obj.key}" if s3_bucket.prefix else obj.key
-    body = bytearray(s3_bucket.client.get_object(Bucket=s3_bucket.bucket, Key=full_key)["Body"].read())
+    body = bytearray(
+        s3_bucket.client.get_object(Bucket=s3_bucket.bucket, Key=full_key)["Body"].read()
+    )
     body[MiB + MiB // 2] ^= 0x01  # inside part 1 of 3: neither the header nor the tail
     s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=full_key, Body=bytes(body))
     dest = tmp_path / "dest"
@@ -78,8 +88,9 @@ def test_a_damaged_byte_in_a_middle_part_fails_and_commits_nothing(
     assert [f for f in files_under(dest) if "rank_" in f] == []  # staged downloads removed again
 
 
-def test_buffers_stay_within_the_window(published: list[dict], s3_bucket: S3Location, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_buffers_stay_within_the_window(
+    published: list[dict], s3_bucket: S3Location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     made: list[int] = []
     real = download._Window.buffer
 

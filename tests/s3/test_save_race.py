@@ -1,17 +1,18 @@
-"""Two saves of one step racing into one prefix (issue 10, Why case 3): two real sidecar processes
-(tests/_save_race_worker.py) start ``upload_step`` of the same step number at the same moment, each from
-its own root holding its own save, against moto's S3 server (a real process). 20 trials of each case:
+"""Two saves of one step racing into one prefix: two real sidecar processes
+(tests/_save_race_worker.py) start ``upload_step`` of the same step number at the same moment, each
+from its own root holding its own save, against moto's S3 server (a real process). 20 trials of each
+case:
 
 - **two runs** (the roots' run.json name different runs, e.g. two jobs configured with one prefix):
-  exactly one claims the prefix and commits; the other is refused with ``RunMismatchError`` and writes
-  no ``uploaded.json``;
-- **one run, two saves** (an old cluster's sidecar still alive next to the new cluster's, both saves of
-  the step in the same attempt): each commits its own save under its own keys.
+  exactly one claims the prefix and commits; the other is refused with ``RunMismatchError`` and
+  writes no ``uploaded.json``;
+- **one run, two saves** (an old cluster's sidecar still alive next to the new cluster's, both saves
+  of the step in the same attempt): each commits its own save under its own keys.
 
 In every trial ``verify --remote`` finds every committed save intact, each commit names only its own
-save's objects (keys, sha256, the mirrored manifest), and every ``uploaded.json`` written names the local
-manifest it was written for. Before per-save keys and fencing, both saves wrote the same keys: one side
-could exit 0 with its marker while the commit mixed the two saves.
+save's objects (keys, sha256, the mirrored manifest), and every ``uploaded.json`` written names the
+local manifest it was written for. Before per-save keys and fencing, both saves wrote the same keys:
+one side could exit 0 with its marker while the commit mixed the two saves.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 import s3_infra
 from _upload_util import make_step, remote_bytes
 from spawn import TESTS_DIR, child_env, python_cmd
+
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, UPLOADED_MARKER_NAME, step_dir_name
@@ -54,23 +55,39 @@ def _run_trials(tmp_path: Path, loc: s3_infra.S3Location, two_runs: bool) -> lis
     for i in range(TRIALS):
         ra = _root(tmp_path / f"t{i}" / "a", "a" * 32, seed=2 * i + 1)
         rb = _root(tmp_path / f"t{i}" / "b", ("b" if two_runs else "a") * 32, seed=2 * i + 2)
-        plan.append({"trial": i, "roots": {"a": str(ra), "b": str(rb)}, "step": STEP,
-                     "url": f"s3://{loc.bucket}/{loc.prefix}/trial{i:02d}"})
+        plan.append(
+            {
+                "trial": i,
+                "roots": {"a": str(ra), "b": str(rb)},
+                "step": STEP,
+                "url": f"s3://{loc.bucket}/{loc.prefix}/trial{i:02d}",
+            }
+        )
     (sync / "plan.json").write_text(json.dumps(plan))
     env = child_env(helpers=True, **s3_infra.TEST_AWS_ENV)
-    procs = [subprocess.Popen(python_cmd(TESTS_DIR / "_save_race_worker.py", sync, loc.endpoint_url, n), env=env)
-             for n in "ab"]
+    procs = [
+        subprocess.Popen(
+            python_cmd(TESTS_DIR / "_save_race_worker.py", sync, loc.endpoint_url, n), env=env
+        )
+        for n in "ab"
+    ]
     try:
         deadline = time.monotonic() + 120
         while not all((sync / f"ready_{n}").exists() for n in "ab"):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "workers did not start"
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+                "workers did not start"
+            )
             time.sleep(0.01)
         for t in plan:
             (sync / f"go_{t['trial']}").write_text("")
             while not all((sync / f"res_{t['trial']}_{n}.json").exists() for n in "ab"):
-                assert time.monotonic() < deadline + 300 and all(p.poll() in (None, 0) for p in procs)
+                assert time.monotonic() < deadline + 300 and all(
+                    p.poll() in (None, 0) for p in procs
+                )
                 time.sleep(0.005)
-            t["res"] = {n: json.loads((sync / f"res_{t['trial']}_{n}.json").read_text()) for n in "ab"}
+            t["res"] = {
+                n: json.loads((sync / f"res_{t['trial']}_{n}.json").read_text()) for n in "ab"
+            }
         for p in procs:
             assert p.wait(timeout=60) == 0
     finally:
@@ -84,7 +101,10 @@ def _run_trials(tmp_path: Path, loc: s3_infra.S3Location, two_runs: bool) -> lis
 def _check_trial(t: dict, loc: s3_infra.S3Location) -> dict[str, bool]:
     url = t["url"]
     rows = scan_remote(url, s3_client=loc.client)
-    assert rows and all(r.state == "committed" for r in rows), (t["trial"], [(r.state, r.reason) for r in rows])
+    assert rows and all(r.state == "committed" for r in rows), (
+        t["trial"],
+        [(r.state, r.reason) for r in rows],
+    )
     won = {}
     for n, root in t["roots"].items():
         root = Path(root)
@@ -103,7 +123,9 @@ def _check_trial(t: dict, loc: s3_infra.S3Location) -> dict[str, bool]:
         um = UploadManifest.from_json(remote_bytes(loc, f"{sp}/upload_manifest.json"))
         assert um.save_id == m.save_id and um.manifest_sha256 == hashlib.sha256(mbytes).hexdigest()
         assert remote_bytes(loc, f"{sp}/{MANIFEST_NAME}") == mbytes
-        assert [(s.key, s.sha256) for s in um.shards] == [(f"{sp}/{r.path}", r.sha256) for r in m.shards]
+        assert [(s.key, s.sha256) for s in um.shards] == [
+            (f"{sp}/{r.path}", r.sha256) for r in m.shards
+        ]
         assert hashlib.sha256(remote_bytes(loc, um.shards[0].key)).hexdigest() == m.shards[0].sha256
     return won
 

@@ -7,14 +7,16 @@ from pathlib import Path
 
 import s3_infra
 from _upload_util import list_keys, make_step
+
 from tiered_ckpt import Uploader
 from tiered_ckpt.layout import PINNED_MARKER_NAME, save_entry_name
 from tiered_ckpt.local import read_manifest
 from tiered_ckpt.local.pins import pin_step
 
 
-def test_a_pin_made_after_the_upload_reaches_the_bucket(tmp_path: Path, s3_bucket: s3_infra.S3Location,
-                                                         fault_proxy: s3_infra.FaultProxy) -> None:
+def test_a_pin_made_after_the_upload_reaches_the_bucket(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
+) -> None:
     root = tmp_path / "node"
     make_step(root, 1, world_size=2, shard_bytes=16 * 1024)
     key = f"{s3_bucket.prefix}/{save_entry_name(1, read_manifest(root, 1).save_id)}/{PINNED_MARKER_NAME}"
@@ -30,9 +32,12 @@ def test_a_pin_made_after_the_upload_reaches_the_bucket(tmp_path: Path, s3_bucke
         assert [r.method for r in fault_proxy.requests[n:] if PINNED_MARKER_NAME in r.target] == []
 
 
-def test_a_fifo_or_symlink_pin_is_mirrored_without_opening_it(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> None:
-    """A pinned.json that is a FIFO (or a symlink out of the root) counts as pinned; mirroring it must not
-    block on the FIFO nor upload the symlink's target: a placeholder pin goes to the bucket."""
+def test_a_fifo_or_symlink_pin_is_mirrored_without_opening_it(
+    tmp_path: Path, s3_bucket: s3_infra.S3Location
+) -> None:
+    """A pinned.json that is a FIFO (or a symlink out of the root) counts as pinned; mirroring it
+    must not block on the FIFO nor upload the symlink's target: a placeholder pin goes to the
+    bucket."""
     import json
     import os
 
@@ -43,7 +48,9 @@ def test_a_fifo_or_symlink_pin_is_mirrored_without_opening_it(tmp_path: Path, s3
     secret.write_text("do not upload me")
     os.mkfifo(root / "step_0000000001" / PINNED_MARKER_NAME)
     os.symlink(secret, root / "step_0000000002" / PINNED_MARKER_NAME)
-    with Uploader(root, s3_bucket.url, s3_client=s3_infra.make_test_client(s3_bucket.endpoint_url)) as up:
+    with Uploader(
+        root, s3_bucket.url, s3_client=s3_infra.make_test_client(s3_bucket.endpoint_url)
+    ) as up:
         assert sorted(up.run(once=True, poll_interval_s=0.01)) == [1, 2]
     client = s3_infra.make_test_client(s3_bucket.endpoint_url)
     for step in (1, 2):

@@ -1,12 +1,13 @@
-"""``S3Store.get_bytes`` caps what it reads into memory (issue 11, Why 1) against a real server (moto):
-an object at the cap is read whole, one byte over is refused naming the object and the cap, an empty
-object (a ranged GET answers 416 there) reads as ``b""``, and the remote tier's readers pass their kind's cap."""
+"""``S3Store.get_bytes`` caps what it reads into memory (issue 11, Why 1) against a real server
+(moto): an object at the cap is read whole, one byte over is refused naming the object and the cap,
+an empty object (a ranged GET answers 416 there) reads as ``b""``, and the remote tier's readers
+pass their kind's cap."""
 
 from __future__ import annotations
 
 import pytest
-
 from s3_infra import S3Location
+
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.layout import LATEST_POINTER_NAME
 from tiered_ckpt.remote.catalogue import read_latest_pointer, read_latest_pointer_versioned
@@ -33,9 +34,13 @@ def test_an_empty_object_reads_as_empty(store: S3Store) -> None:
     assert store.get_bytes("empty", max_bytes=1) == b""
 
 
-def test_an_oversized_latest_is_a_manifest_error_for_readers_and_replaced_by_the_sidecar(store: S3Store) -> None:
+def test_an_oversized_latest_is_a_manifest_error_for_readers_and_replaced_by_the_sidecar(
+    store: S3Store,
+) -> None:
     store.put_bytes(LATEST_POINTER_NAME, b" " * (MAX_POINTER_BYTES + 1))
-    with pytest.raises(ManifestError, match=rf"{store.url}/latest is larger than the {MAX_POINTER_BYTES}-byte cap"):
+    with pytest.raises(
+        ManifestError, match=rf"{store.url}/latest is larger than the {MAX_POINTER_BYTES}-byte cap"
+    ):
         read_latest_pointer(store)
     pointer, etag = read_latest_pointer_versioned(store)  # the sidecar moves it with If-Match
     assert pointer is None and etag == store.head(LATEST_POINTER_NAME).etag

@@ -4,11 +4,11 @@ test), with faults injected by tests/s3_infra.FaultProxy.
 What moto 5.2.1 does, as pinned here (the uploader and restore rely on these notes):
 
 * ``PutObject`` with ``If-None-Match: *`` on an existing key: 412 ``PreconditionFailed`` (honoured).
-  ``If-Match`` with a stale ETag: 412; ``If-Match`` on a missing key: 404 ``NoSuchKey``. Both surface as
-  ``PreconditionFailedError``.
-* ``ChecksumSHA256`` of a single PUT: moto stores and reports the value in the request header, even if it
-  is wrong for the body: it does not validate (``probe_checksum_validation`` -> False), and a byte
-  damaged in transit goes unnoticed by any checksum comparison -> the uploader must read back.
+  ``If-Match`` with a stale ETag: 412; ``If-Match`` on a missing key: 404 ``NoSuchKey``. Both
+  surface as ``PreconditionFailedError``.
+* ``ChecksumSHA256`` of a single PUT: moto stores and reports the value in the request header, even
+  if it is wrong for the body: it does not validate (``probe_checksum_validation`` -> False), and a
+  byte damaged in transit goes unnoticed by any checksum comparison -> the uploader must read back.
 * Multipart uploads: moto reports the composite ``base64(sha256(part digests))`` WITHOUT the ``-N``
   suffix AWS adds, and computes the part digests from the bytes it received: a byte damaged in an
   UploadPart body shows up as a different composite, which the store detects and retries.
@@ -27,14 +27,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from s3transfer.utils import ChunksizeAdjuster
-
 from s3_infra import (
-    _encode_chunked,
-    _read_chunked,
     FaultProxy,
     S3Location,
     S3Server,
+    _encode_chunked,
+    _read_chunked,
     is_complete_multipart,
     is_list_objects,
     is_put_object,
@@ -42,6 +40,8 @@ from s3_infra import (
     make_test_client,
 )
 from s3_servers import both_servers, seaweedfs_only
+from s3transfer.utils import ChunksizeAdjuster
+
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
 from tiered_ckpt.store import (
@@ -109,7 +109,7 @@ def raw_get(loc: S3Location, key: str) -> bytes:
     return loc.client.get_object(Bucket=loc.bucket, Key=f"{loc.prefix}/{key}")["Body"].read()
 
 
-# ------------------------------------------------------------------------------------------ pure parts
+# --- pure parts
 
 
 def test_parse_s3_url() -> None:
@@ -117,15 +117,31 @@ def test_parse_s3_url() -> None:
     assert parse_s3_url("s3://my-bucket/some/prefix/") == ("my-bucket", "some/prefix")
     assert parse_s3_url("s3://my-bucket") == ("my-bucket", "")
     assert parse_s3_url("s3://my-bucket/") == ("my-bucket", "")
-    for bad in ["", "my-bucket/x", "http://my-bucket/x", "s3://", "s3:///x", "s3://My_Bucket/x",
-                "s3://b/x", "s3://my-bucket//x", "s3://my-bucket/a/../b", "s3://my-bucket/x?versionId=1",
-                "s3://key:secret@my-bucket/x", "s3://my-bucket:443/x", "s3://192.168.1.1/x"]:
+    for bad in [
+        "",
+        "my-bucket/x",
+        "http://my-bucket/x",
+        "s3://",
+        "s3:///x",
+        "s3://My_Bucket/x",
+        "s3://b/x",
+        "s3://my-bucket//x",
+        "s3://my-bucket/a/../b",
+        "s3://my-bucket/x?versionId=1",
+        "s3://key:secret@my-bucket/x",
+        "s3://my-bucket:443/x",
+        "s3://192.168.1.1/x",
+    ]:
         with pytest.raises(ValueError):
             parse_s3_url(bad)
 
 
-@pytest.mark.parametrize("size", [0, 1, 5 * MiB - 1, 5 * MiB, 5 * MiB + 1, 12 * MiB + 7, 60 * 1024 * MiB])
-@pytest.mark.parametrize(("threshold", "part"), [(5 * MiB, 5 * MiB), (64 * MiB, 64 * MiB), (8 * MiB, 6 * MiB)])
+@pytest.mark.parametrize(
+    "size", [0, 1, 5 * MiB - 1, 5 * MiB, 5 * MiB + 1, 12 * MiB + 7, 60 * 1024 * MiB]
+)
+@pytest.mark.parametrize(
+    ("threshold", "part"), [(5 * MiB, 5 * MiB), (64 * MiB, 64 * MiB), (8 * MiB, 6 * MiB)]
+)
 def test_plan_part_sizes_matches_s3transfer(size: int, threshold: int, part: int) -> None:
     plan = plan_part_sizes(size, multipart_threshold_bytes=threshold, part_size_bytes=part)
     if size < threshold:
@@ -158,10 +174,14 @@ def test_composite_crc32c() -> None:
 
     from tiered_ckpt.store.checksums import composite_crc32c_b64, crc32c_b64
 
-    assert crc32c_b64(b"123456789") == base64.b64encode(bytes.fromhex("e3069283")).decode()  # check value
+    assert (
+        crc32c_b64(b"123456789") == base64.b64encode(bytes.fromhex("e3069283")).decode()
+    )  # check value
     parts = [b"a" * 10, b"b" * 3]
     crcs = [google_crc32c.value(p).to_bytes(4, "big") for p in parts]
-    expected = base64.b64encode(google_crc32c.value(b"".join(crcs)).to_bytes(4, "big")).decode() + "-2"
+    expected = (
+        base64.b64encode(google_crc32c.value(b"".join(crcs)).to_bytes(4, "big")).decode() + "-2"
+    )
     assert composite_crc32c_b64(crcs) == expected
     assert checksums_match(expected[:-2], expected)
     with pytest.raises(ValueError):
@@ -172,8 +192,8 @@ def test_composite_crc32c() -> None:
 
 @both_servers
 def test_server_composite_crc32c_matches_local(s3_bucket: S3Location) -> None:
-    """A multipart upload with CRC32C part checksums (what the uploader sends): the composite the server
-    reports (HEAD, ChecksumMode=ENABLED) is the one computed locally from the part CRCs."""
+    """A multipart upload with CRC32C part checksums (what the uploader sends): the composite the
+    server reports (HEAD, ChecksumMode=ENABLED) is the one computed locally from the part CRCs."""
     import google_crc32c
 
     from tiered_ckpt.store.checksums import composite_crc32c_b64
@@ -181,14 +201,25 @@ def test_server_composite_crc32c_matches_local(s3_bucket: S3Location) -> None:
     c, key = s3_bucket.client, f"{s3_bucket.prefix}/crc32c.bin"
     parts = [os.urandom(5 * MiB), os.urandom(1234)]
     crcs = [google_crc32c.value(p).to_bytes(4, "big") for p in parts]
-    up = c.create_multipart_upload(Bucket=s3_bucket.bucket, Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
+    up = c.create_multipart_upload(Bucket=s3_bucket.bucket, Key=key, ChecksumAlgorithm="CRC32C")[
+        "UploadId"
+    ]
     done = []
     for n, (p, crc) in enumerate(zip(parts, crcs), start=1):
         b64 = base64.b64encode(crc).decode()
-        r = c.upload_part(Bucket=s3_bucket.bucket, Key=key, UploadId=up, PartNumber=n, Body=p,
-                          ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64)
+        r = c.upload_part(
+            Bucket=s3_bucket.bucket,
+            Key=key,
+            UploadId=up,
+            PartNumber=n,
+            Body=p,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=b64,
+        )
         done.append({"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64})
-    c.complete_multipart_upload(Bucket=s3_bucket.bucket, Key=key, UploadId=up, MultipartUpload={"Parts": done})
+    c.complete_multipart_upload(
+        Bucket=s3_bucket.bucket, Key=key, UploadId=up, MultipartUpload={"Parts": done}
+    )
     head = c.head_object(Bucket=s3_bucket.bucket, Key=key, ChecksumMode="ENABLED")
     assert checksums_match(head["ChecksumCRC32C"], composite_crc32c_b64(crcs))
 
@@ -214,7 +245,7 @@ def test_settings_validation() -> None:
     }
 
 
-# ------------------------------------------------------------------------------------ basic round trips
+# --- basic round trips
 
 
 @both_servers
@@ -271,12 +302,14 @@ def test_local_io_errors_stay_os_errors(store: S3Store, tmp_path: Path) -> None:
 def test_download_writes_dest_path_itself_and_never_renames(
     store: S3Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The contract restore relies on: the object lands in the temp name the caller chose (an existing
-    file there is truncated), nothing else appears in the directory, and the store neither fsyncs nor
-    renames (the caller commits through tiered_ckpt.local.commit)."""
+    """The contract restore relies on: the object lands in the temp name the caller chose (an
+    existing file there is truncated), nothing else appears in the directory, and the store neither
+    fsyncs nor renames (the caller commits through tiered_ckpt.local.commit)."""
     store.put_bytes("d.bin", b"new bytes")
     for name in ("fsync", "replace", "rename"):
-        monkeypatch.setattr(os, name, lambda *a, _n=name, **k: pytest.fail(f"download_file called os.{_n}"))
+        monkeypatch.setattr(
+            os, name, lambda *a, _n=name, **k: pytest.fail(f"download_file called os.{_n}")
+        )
     dest = tmp_path / ".d.bin.tmp"
     dest.write_bytes(b"old and longer content")
     assert store.download_file("d.bin", dest) == len(b"new bytes")
@@ -284,9 +317,15 @@ def test_download_writes_dest_path_itself_and_never_renames(
     assert [p.name for p in tmp_path.iterdir()] == [dest.name]
 
 
-def test_failed_download_removes_dest_path(s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path) -> None:
-    st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1,
-                    retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.02))
+def test_failed_download_removes_dest_path(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    st = make_store(
+        s3_bucket,
+        endpoint_url=fault_proxy.url,
+        botocore_max_attempts=1,
+        retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.02),
+    )
     st.put_bytes("d.bin", os.urandom(1000))
     fault_proxy.fail_all(status=500, code="InternalError")
     dest = tmp_path / ".d.bin.tmp"
@@ -304,8 +343,9 @@ def test_bad_keys_are_rejected(store: S3Store) -> None:
 
 
 @both_servers
-def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_path: Path,
-                                          s3_server: S3Server) -> None:
+def test_upload_file_multipart_round_trip(
+    store: S3Store, blob_path: Path, tmp_path: Path, s3_server: S3Server
+) -> None:
     progress: list[int] = []
     lock = threading.Lock()
 
@@ -325,14 +365,21 @@ def test_upload_file_multipart_round_trip(store: S3Store, blob_path: Path, tmp_p
     assert info.size_bytes == blob_path.stat().st_size
     assert info.etag.endswith('-3"')  # a real 3-part multipart upload
     assert sum(progress) == info.size_bytes
-    # moto reports the composite checksum, computed as AWS documents it, minus the "-3" suffix; SeaweedFS
-    # reports it as AWS does.
+    # moto reports the composite checksum, computed as AWS documents it, minus the "-3" suffix;
+    # SeaweedFS reports it as AWS does.
     assert digests.checksum_sha256_b64.endswith("-3")
-    expected = digests.checksum_sha256_b64 if s3_server.name == "seaweedfs" else digests.checksum_sha256_b64[:-2]
+    expected = (
+        digests.checksum_sha256_b64
+        if s3_server.name == "seaweedfs"
+        else digests.checksum_sha256_b64[:-2]
+    )
     assert info.checksum_sha256 == expected
     data = blob_path.read_bytes()
-    parts = [data[i:i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
-    assert composite_sha256_b64([hashlib.sha256(p).digest() for p in parts]) == digests.checksum_sha256_b64
+    parts = [data[i : i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
+    assert (
+        composite_sha256_b64([hashlib.sha256(p).digest() for p in parts])
+        == digests.checksum_sha256_b64
+    )
 
     dest = tmp_path / "down" / "rank_00000.safetensors"
     dest.parent.mkdir()
@@ -354,17 +401,19 @@ def test_upload_file_single_put_reports_plain_sha256(store: S3Store, tmp_path: P
 
 
 @both_servers
-def test_upload_with_wrong_expected_checksum(store: S3Store, tmp_path: Path, blob_path: Path,
-                                            s3_server: S3Server) -> None:
-    # Multipart: moto computes the composite from the bytes it got, so the mismatch is caught (retried,
-    # then reported) - as AWS would.
+def test_upload_with_wrong_expected_checksum(
+    store: S3Store, tmp_path: Path, blob_path: Path, s3_server: S3Server
+) -> None:
+    # Multipart: moto computes the composite from the bytes it got, so the mismatch is caught
+    # (retried, then reported) - as AWS would.
     wrong = composite_sha256_b64([hashlib.sha256(b"other").digest()] * 3)
     with pytest.raises(UploadError) as info:
         store.upload_file("big.bin", blob_path, expected_checksum_sha256_b64=wrong)
     assert isinstance(info.value.last_exception, ShardCorruptedError)
     assert list(store.list_multipart_uploads()) == []
-    # Single PUT: the expected value is sent as the ChecksumSHA256 header. AWS/MinIO/SeaweedFS reject it
-    # (BadDigest, retried, then UploadError); moto stores the wrong value and echoes it back.
+    # Single PUT: the expected value is sent as the ChecksumSHA256 header. AWS/MinIO/SeaweedFS
+    # reject it (BadDigest, retried, then UploadError); moto stores the wrong value and echoes it
+    # back.
     path = tmp_path / "small.bin"
     path.write_bytes(b"x" * 1000)
     if s3_server.validates_checksums:
@@ -380,18 +429,22 @@ def test_upload_with_wrong_expected_checksum(store: S3Store, tmp_path: Path, blo
 
 @both_servers
 def test_write_settings_are_sent(s3_bucket: S3Location, tmp_path: Path) -> None:
-    st = make_store(s3_bucket, write=WriteSettings(server_side_encryption="AES256", storage_class="STANDARD_IA"))
+    st = make_store(
+        s3_bucket, write=WriteSettings(server_side_encryption="AES256", storage_class="STANDARD_IA")
+    )
     st.put_bytes("a", b"x")
     path = tmp_path / "f"
     path.write_bytes(os.urandom(6 * MiB))
     st.upload_file("b", path)
     for key in ("a", "b"):
-        head = s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{key}")
+        head = s3_bucket.client.head_object(
+            Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/{key}"
+        )
         assert head["ServerSideEncryption"] == "AES256" and head["StorageClass"] == "STANDARD_IA"
     st.close()
 
 
-# ------------------------------------------------------------------------------- conditional writes
+# --- conditional writes
 
 
 @both_servers
@@ -418,7 +471,7 @@ def test_if_match_moves_the_pointer_only_from_the_version_read(store: S3Store) -
         store.put_bytes("latest", b"4", if_match=v2.etag, if_none_match=True)
 
 
-# ------------------------------------------------------------------------------------ checksum probe
+# --- checksum probe
 
 
 def test_probe_checksum_validation_is_false_on_moto(store: S3Store) -> None:
@@ -427,16 +480,24 @@ def test_probe_checksum_validation_is_false_on_moto(store: S3Store) -> None:
     assert list(store.list_keys(PROBE_KEY_PREFIX)) == []  # probe deleted
 
 
-# ------------------------------------------------------------------------------------------ multipart
+# --- multipart
 
 
 @both_servers
-def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location, s3_server: S3Server) -> None:
+def test_list_and_abort_multipart_uploads(
+    store: S3Store, s3_bucket: S3Location, s3_server: S3Server
+) -> None:
     full = f"{s3_bucket.prefix}/step_0000000003/rank_00001.safetensors"
-    upload_id = s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key=full)["UploadId"]
-    s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key="elsewhere/x")  # outside prefix
+    upload_id = s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key=full)[
+        "UploadId"
+    ]
+    s3_bucket.client.create_multipart_upload(
+        Bucket=s3_bucket.bucket, Key="elsewhere/x"
+    )  # outside prefix
     uploads = list(store.list_multipart_uploads())
-    assert [(u.key, u.upload_id) for u in uploads] == [("step_0000000003/rank_00001.safetensors", upload_id)]
+    assert [(u.key, u.upload_id) for u in uploads] == [
+        ("step_0000000003/rank_00001.safetensors", upload_id)
+    ]
     assert list(store.list_multipart_uploads("step_0000000004/")) == []
     assert store.abort_multipart_upload(uploads[0].key, upload_id) is True
     if s3_server.name == "moto":  # SeaweedFS answers 204 to an abort of an upload it no longer has
@@ -446,8 +507,8 @@ def test_list_and_abort_multipart_uploads(store: S3Store, s3_bucket: S3Location,
 
 @both_servers
 def test_multipart_operations_of_the_interface(store: S3Store) -> None:
-    """create -> upload_part (CRC32C each, out of order) -> complete, as remote/transfer.py drives them;
-    HEAD reports the composite ChecksumCRC32C; read_sha256 streams the object back."""
+    """create -> upload_part (CRC32C each, out of order) -> complete, as remote/transfer.py drives
+    them; HEAD reports the composite ChecksumCRC32C; read_sha256 streams the object back."""
     from tiered_ckpt.store.checksums import composite_crc32c_b64, crc32c_b64
 
     key = "step_0000000005/rank_00000.safetensors"
@@ -456,9 +517,15 @@ def test_multipart_operations_of_the_interface(store: S3Store) -> None:
     assert store.plan_parts(5 * MiB - 1) is None
     upload_id = store.create_multipart_upload(key, checksum_algorithm="CRC32C")
     assert [(u.key, u.upload_id) for u in store.list_multipart_uploads()] == [(key, upload_id)]
-    parts = [store.upload_part(key, upload_id, n, d, checksum_algorithm="CRC32C", checksum_b64=crc32c_b64(d))
-             for n, d in reversed(list(enumerate(data, start=1)))][::-1]
-    assert [p.part_number for p in parts] == [1, 2] and all(isinstance(p, UploadedPart) for p in parts)
+    parts = [
+        store.upload_part(
+            key, upload_id, n, d, checksum_algorithm="CRC32C", checksum_b64=crc32c_b64(d)
+        )
+        for n, d in reversed(list(enumerate(data, start=1)))
+    ][::-1]
+    assert [p.part_number for p in parts] == [1, 2] and all(
+        isinstance(p, UploadedPart) for p in parts
+    )
     store.complete_multipart_upload(key, upload_id, parts)
     info = store.head(key)
     assert info is not None and info.size_bytes == len(data[0]) + len(data[1])
@@ -472,9 +539,11 @@ def test_multipart_operations_of_the_interface(store: S3Store) -> None:
         store.read_sha256("step_0000000005/missing")
 
 
-def test_no_such_upload_is_typed_and_not_retried(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
-    """An upload aborted under us: S3 answers UploadPart / CompleteMultipartUpload with 404 NoSuchUpload
-    (injected here: moto 5.2.1 answers those calls on an aborted upload with a 500)."""
+def test_no_such_upload_is_typed_and_not_retried(
+    s3_bucket: S3Location, fault_proxy: FaultProxy
+) -> None:
+    """An upload aborted under us: S3 answers UploadPart / CompleteMultipartUpload with 404
+    NoSuchUpload (injected here: moto 5.2.1 answers those calls on an aborted upload with a 500)."""
     from tiered_ckpt.store.checksums import crc32c_b64
 
     st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
@@ -482,11 +551,17 @@ def test_no_such_upload_is_typed_and_not_retried(s3_bucket: S3Location, fault_pr
     upload_id = st.create_multipart_upload(key, checksum_algorithm="CRC32C")
     part_rule = fault_proxy.fail_first(None, is_upload_part, status=404, code="NoSuchUpload")
     with pytest.raises(NoSuchUploadError):
-        st.upload_part(key, upload_id, 1, b"x", checksum_algorithm="CRC32C", checksum_b64=crc32c_b64(b"x"))
+        st.upload_part(
+            key, upload_id, 1, b"x", checksum_algorithm="CRC32C", checksum_b64=crc32c_b64(b"x")
+        )
     assert part_rule.applied == 1  # not retried
-    complete_rule = fault_proxy.fail_first(None, is_complete_multipart, status=404, code="NoSuchUpload")
+    complete_rule = fault_proxy.fail_first(
+        None, is_complete_multipart, status=404, code="NoSuchUpload"
+    )
     with pytest.raises(NoSuchUploadError):
-        st.complete_multipart_upload(key, upload_id, [UploadedPart(1, '"etag"', "CRC32C", crc32c_b64(b"x"))])
+        st.complete_multipart_upload(
+            key, upload_id, [UploadedPart(1, '"etag"', "CRC32C", crc32c_b64(b"x"))]
+        )
     assert complete_rule.applied == 1
     fault_proxy.clear_rules()
     assert st.abort_multipart_upload(key, upload_id) is True
@@ -502,14 +577,14 @@ def test_read_sha256_stops_on_the_stop_event(store: S3Store) -> None:
         store.read_sha256("r.bin", stop_event=stop)
 
 
-# ------------------------------------------------------------------------------------- faults: retries
+# --- faults: retries
 
 
 def test_slowdown_on_parts_and_complete_is_retried(
     s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path
 ) -> None:
-    # botocore makes 1 attempt per call here, so every 503 reaches the store's whole-upload retry: up to
-    # 3 + 1 failed uploads, hence the default max_attempts (6) with short waits.
+    # botocore makes 1 attempt per call here, so every 503 reaches the store's whole-upload retry:
+    # up to 3 + 1 failed uploads, hence the default max_attempts (6) with short waits.
     st = make_store(
         s3_bucket,
         endpoint_url=fault_proxy.url,
@@ -539,7 +614,9 @@ def test_slowdown_absorbed_by_botocore_retries(
     st.close()
 
 
-def test_connection_resets_are_retried(s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path) -> None:
+def test_connection_resets_are_retried(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, blob_path: Path
+) -> None:
     st = make_store(
         s3_bucket,
         endpoint_url=fault_proxy.url,
@@ -561,7 +638,9 @@ def test_connection_resets_are_retried(s3_bucket: S3Location, fault_proxy: Fault
     st.close()
 
 
-def test_reset_on_download_is_retried(s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path) -> None:
+def test_reset_on_download_is_retried(
+    s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
     st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
     data = os.urandom(9 * MiB)
     s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/d.bin", Body=data)
@@ -602,7 +681,9 @@ def test_access_denied_is_not_retried(s3_bucket: S3Location, fault_proxy: FaultP
     with pytest.raises(UploadError) as info:
         st.put_bytes("x", b"x")
     assert denied.applied == 1
-    assert str(info.value).startswith("access denied (AccessDenied, HTTP 403) to s3://")  # a RemoteAccessError
+    assert str(info.value).startswith(
+        "access denied (AccessDenied, HTTP 403) to s3://"
+    )  # a RemoteAccessError
     st.close()
 
 
@@ -628,8 +709,10 @@ def test_stop_event_interrupts_retries(s3_bucket: S3Location, fault_proxy: Fault
 def test_stop_event_cancels_an_in_flight_upload(s3_bucket: S3Location, blob_path: Path) -> None:
     stop = threading.Event()
     st = make_store(
-        s3_bucket, transfer=TransferSettings(multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB,
-                                             max_concurrency=1),
+        s3_bucket,
+        transfer=TransferSettings(
+            multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB, max_concurrency=1
+        ),
         stop_event=stop,
     )
     progress: list[int] = []
@@ -646,10 +729,12 @@ def test_stop_event_cancels_an_in_flight_upload(s3_bucket: S3Location, blob_path
     st.close()
 
 
-# ----------------------------------------------------------------------- faults: damaged request bodies
+# --- faults: damaged request bodies
 
 
-def test_flipped_byte_in_single_put_is_not_caught_by_moto(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+def test_flipped_byte_in_single_put_is_not_caught_by_moto(
+    s3_bucket: S3Location, fault_proxy: FaultProxy
+) -> None:
     """moto echoes the checksum header instead of validating it: the store reports what it sent, the
     stored bytes differ. This is why the uploader reads back when the probe says the server does not
     validate (on AWS/MinIO the PUT is rejected with BadDigest and retried)."""
@@ -674,14 +759,18 @@ def test_flipped_byte_in_upload_part_is_detected_and_retried(
     flip = fault_proxy.flip_byte_first(1, is_upload_part)
     info = st.upload_file("big.bin", blob_path)
     assert flip.applied == 1
-    assert fault_proxy.count(lambda r: r.method == "POST" and "uploads" in r.target) == 2  # uploaded twice
+    assert (
+        fault_proxy.count(lambda r: r.method == "POST" and "uploads" in r.target) == 2
+    )  # uploaded twice
     assert raw_get(s3_bucket, "big.bin") == blob_path.read_bytes()
-    assert checksums_match(info.checksum_sha256 or "", st.file_digests(blob_path).checksum_sha256_b64)
+    assert checksums_match(
+        info.checksum_sha256 or "", st.file_digests(blob_path).checksum_sha256_b64
+    )
     assert list(st.list_multipart_uploads()) == []
     st.close()
 
 
-# ------------------------------------------------------------------------------------- lagging LIST
+# --- lagging LIST
 
 
 def test_hidden_from_list_but_found_by_head(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
@@ -698,9 +787,12 @@ def test_hidden_from_list_but_found_by_head(s3_bucket: S3Location, fault_proxy: 
     st.close()
 
 
-def test_conditional_create_whose_response_is_lost(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
-    """Documented caveat of retried conditional writes: our own successful create, whose response was
-    lost, comes back as PreconditionFailedError on the retry; deterministic content lets callers check."""
+def test_conditional_create_whose_response_is_lost(
+    s3_bucket: S3Location, fault_proxy: FaultProxy
+) -> None:
+    """Documented caveat of retried conditional writes: our own successful create, whose response
+    was lost, comes back as PreconditionFailedError on the retry; deterministic content lets callers
+    check."""
     st = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1)
     fault_proxy.reset_first(1, is_put_object, after_forward=True)
     with pytest.raises(PreconditionFailedError):
@@ -722,7 +814,9 @@ def _raw_put(port: int, target: str, body: bytes, headers: dict[str, str]) -> in
     return resp.status
 
 
-def test_proxy_forwards_chunked_request_bodies(s3_bucket: S3Location, fault_proxy: FaultProxy) -> None:
+def test_proxy_forwards_chunked_request_bodies(
+    s3_bucket: S3Location, fault_proxy: FaultProxy
+) -> None:
     body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
     port = int(fault_proxy.url.rsplit(":", 1)[1])
     target = f"/{s3_bucket.bucket}/{s3_bucket.prefix}/chunked.txt"
@@ -743,8 +837,9 @@ def test_proxy_forwards_chunked_request_bodies(s3_bucket: S3Location, fault_prox
 
 
 def test_proxy_keeps_aws_chunked_framing() -> None:
-    """botocore's aws-chunked bodies (over HTTPS: chunk extensions, trailing checksum) survive the proxy's
-    parse and re-encode byte for byte (moto's server itself does not accept them over plain HTTP)."""
+    """botocore's aws-chunked bodies (over HTTPS: chunk extensions, trailing checksum) survive the
+    proxy's parse and re-encode byte for byte (moto's server itself does not accept them over plain
+    HTTP)."""
     raw = (
         b"400;chunk-signature=abc\r\n" + b"a" * 1024 + b"\r\n"
         b"3\r\nxyz\r\n"
@@ -768,17 +863,21 @@ def test_ensure_bucket_creates_once_and_fails_typed(moto_server: str) -> None:
     assert client.get_object(Bucket=name, Key="k")["Body"].read() == b"x"
     import socket
 
-    with socket.socket() as sock:  # a port nothing listens on: neither HeadBucket nor CreateBucket answers
+    with (
+        socket.socket() as sock
+    ):  # a port nothing listens on: neither HeadBucket nor CreateBucket answers
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    unreachable = make_s3_client(endpoint_url=dead, path_style=True, botocore_max_attempts=1, connect_timeout_s=1)
+    unreachable = make_s3_client(
+        endpoint_url=dead, path_style=True, botocore_max_attempts=1, connect_timeout_s=1
+    )
     with pytest.raises(UploadError, match=f"cannot use bucket '{name}'"):
         ensure_bucket(unreachable, name)
 
 
-# ------------------------------------------------------------------------------------------- SeaweedFS
-# A server that really checks: the paths moto cannot exercise (it validates no checksum and accepts any
-# signature).
+# --- SeaweedFS
+# A server that really checks: the paths moto cannot exercise (it validates no checksum and accepts
+# any signature).
 
 
 @seaweedfs_only
@@ -789,11 +888,15 @@ def test_probe_checksum_validation_is_true_on_seaweedfs(store: S3Store) -> None:
 
 
 @seaweedfs_only
-def test_wrong_secret_is_denied_and_not_retried(s3_bucket: S3Location, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SeaweedFS checks SigV4 against its identity file: a wrong secret is 403 SignatureDoesNotMatch, an
-    unknown key 403 InvalidAccessKeyId; neither is retried."""
-    for var, value, code in (("AWS_SECRET_ACCESS_KEY", "not-the-secret", "SignatureDoesNotMatch"),
-                             ("AWS_ACCESS_KEY_ID", "nobody", "InvalidAccessKeyId")):
+def test_wrong_secret_is_denied_and_not_retried(
+    s3_bucket: S3Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SeaweedFS checks SigV4 against its identity file: a wrong secret is 403
+    SignatureDoesNotMatch, an unknown key 403 InvalidAccessKeyId; neither is retried."""
+    for var, value, code in (
+        ("AWS_SECRET_ACCESS_KEY", "not-the-secret", "SignatureDoesNotMatch"),
+        ("AWS_ACCESS_KEY_ID", "nobody", "InvalidAccessKeyId"),
+    ):
         with monkeypatch.context() as m:
             m.setenv(var, value)
             st = make_store(s3_bucket, endpoint_url=s3_bucket.endpoint_url, botocore_max_attempts=1)
@@ -802,22 +905,29 @@ def test_wrong_secret_is_denied_and_not_retried(s3_bucket: S3Location, monkeypat
             st.close()
         err = info.value.last_exception.response  # type: ignore[union-attr]
         assert (err["Error"]["Code"], err["ResponseMetadata"]["HTTPStatusCode"]) == (code, 403)
-        assert str(info.value).startswith(f"the S3 server refused the credentials ({code}, HTTP 403) for s3://")
+        assert str(info.value).startswith(
+            f"the S3 server refused the credentials ({code}, HTTP 403) for s3://"
+        )
     assert s3_bucket.client.list_objects_v2(Bucket=s3_bucket.bucket).get("KeyCount") == 0
 
 
 @seaweedfs_only
 @pytest.mark.parametrize("size", [1000, 6 * MiB], ids=["put", "part"])
 def test_byte_flipped_in_flight_is_rejected_by_the_server(
-        s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path, size: int) -> None:
-    """A byte flipped between the client and SeaweedFS (PutObject body, or an UploadPart body) is refused
-    by the server itself (400 BadDigest: the checksum sent no longer matches); retried, the object lands
-    byte-equal."""
+    s3_bucket: S3Location, fault_proxy: FaultProxy, tmp_path: Path, size: int
+) -> None:
+    """A byte flipped between the client and SeaweedFS (PutObject body, or an UploadPart body) is
+    refused by the server itself (400 BadDigest: the checksum sent no longer matches); retried, the
+    object lands byte-equal."""
     path = tmp_path / "blob.bin"
     path.write_bytes(os.urandom(size))
     is_body = is_put_object if size < SMALL_PARTS.multipart_threshold_bytes else is_upload_part
-    once = make_store(s3_bucket, endpoint_url=fault_proxy.url, botocore_max_attempts=1,
-                      retry=RetryPolicy(max_attempts=1))
+    once = make_store(
+        s3_bucket,
+        endpoint_url=fault_proxy.url,
+        botocore_max_attempts=1,
+        retry=RetryPolicy(max_attempts=1),
+    )
     flip = fault_proxy.flip_byte_first(1, is_body)
     with pytest.raises(UploadError) as info:
         once.upload_file("blob.bin", path)
@@ -838,10 +948,11 @@ def test_byte_flipped_in_flight_is_rejected_by_the_server(
 
 @both_servers
 def test_objects_larger_than_the_buffered_response_cap_head_download_and_read_back(
-        store: S3Store, tmp_path: Path) -> None:
-    """A HEAD's Content-Length is the object's size, not a body: an object past the 16 MiB cap on buffered
-    responses (store/client.py) is HEADed, downloaded and read back like any other (a first version of
-    the cap refused every shard over 16 MiB)."""
+    store: S3Store, tmp_path: Path
+) -> None:
+    """A HEAD's Content-Length is the object's size, not a body: an object past the 16 MiB cap on
+    buffered responses (store/client.py) is HEADed, downloaded and read back like any other (a first
+    version of the cap refused every shard over 16 MiB)."""
     from tiered_ckpt.store.client import MAX_BUFFERED_RESPONSE_BYTES
 
     size = MAX_BUFFERED_RESPONSE_BYTES + 3 * 1024 * 1024 + 5
@@ -854,4 +965,6 @@ def test_objects_larger_than_the_buffered_response_cap_head_download_and_read_ba
     assert store.download_file("big/rank_00000.safetensors", dest, expected_size=size) == size
     assert dest.read_bytes() == src.read_bytes()
     assert store.read_sha256("big/rank_00000.safetensors", max_bytes=size) == (
-        size, hashlib.sha256(src.read_bytes()).hexdigest())
+        size,
+        hashlib.sha256(src.read_bytes()).hexdigest(),
+    )

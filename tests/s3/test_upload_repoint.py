@@ -9,6 +9,7 @@ from pathlib import Path
 
 from _upload_util import SMALL, make_step
 from s3_infra import S3Location
+
 from tiered_ckpt import Uploader, restore
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.remote.restore import remote_committed_steps
@@ -21,7 +22,9 @@ def _uploader(root: Path, url: str, loc: S3Location) -> Uploader:
     return Uploader(root, url, s3_client=loc.client, retry=FAST, **SMALL)
 
 
-def test_marker_of_another_remote_leaves_the_step_pending(tmp_path: Path, s3_bucket: S3Location) -> None:
+def test_marker_of_another_remote_leaves_the_step_pending(
+    tmp_path: Path, s3_bucket: S3Location
+) -> None:
     root = tmp_path / "run"
     for s in (1, 2):
         make_step(root, s, world_size=2, shard_bytes=1 << 20)

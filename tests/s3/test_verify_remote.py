@@ -1,5 +1,5 @@
-"""``tiered-ckpt verify --remote``: every remote step checked against its upload manifest (moto server
-over HTTP; steps published in the documented layout by restore_util.publish)."""
+"""``tiered-ckpt verify --remote``: every remote step checked against its upload manifest (moto
+server over HTTP; steps published in the documented layout by restore_util.publish)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from restore_util import publish, save_step
 from s3_infra import S3Location
-from spawn import child_env, python_cmd
 from s3_servers import both_servers
+from spawn import child_env, python_cmd
+
 from tiered_ckpt.layout import remote_key, shard_file_name
 from tiered_ckpt.remote.verify import scan_remote
 
@@ -40,15 +40,29 @@ def test_scan_remote_states(tmp_path: Path, s3_bucket: S3Location) -> None:
     _remote_root(tmp_path, s3_bucket)
     full = {s.step: s for s in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)}
     assert {k: v.state for k, v in full.items()} == {
-        10: "committed", 20: "corrupt", 30: "incomplete", 40: "corrupt", 50: "uncommitted"}
+        10: "committed",
+        20: "corrupt",
+        30: "incomplete",
+        40: "corrupt",
+        50: "uncommitted",
+    }
     assert "sha256" in full[20].reason and "rank 1" in full[20].reason
     assert "rank 2" in full[30].reason
-    # --fast: these shards were PUT without checksums (none stored) and schema 1 records no ETag, so the
-    # same-size flip in step 20 is not seen, and the rows say they were checked by size only; the rest is.
+    # --fast: these shards were PUT without checksums (none stored) and schema 1 records no ETag, so
+    # the same-size flip in step 20 is not seen, and the rows say they were checked by size only;
+    # the rest is.
     fast = {s.step: s for s in scan_remote(s3_bucket.url, s3_client=s3_bucket.client, fast=True)}
     assert {k: v.state for k, v in fast.items()} == {
-        10: "committed", 20: "committed", 30: "incomplete", 40: "corrupt", 50: "uncommitted"}
-    assert (fast[20].checked, fast[20].note) == ("size", "size only: the server stores no CRC32C or SHA-256 checksum")
+        10: "committed",
+        20: "committed",
+        30: "incomplete",
+        40: "corrupt",
+        50: "uncommitted",
+    }
+    assert (fast[20].checked, fast[20].note) == (
+        "size",
+        "size only: the server stores no CRC32C or SHA-256 checksum",
+    )
     only = scan_remote(s3_bucket.url, s3_client=s3_bucket.client, step=10)
     assert [(s.step, s.state) for s in only] == [(10, "committed")]
 
@@ -64,8 +78,14 @@ def test_cli_verify_remote(tmp_path: Path, s3_bucket: S3Location) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert [ln.split(":")[0:2] for ln in lines] == [
-        ["step 10", " committed"], ["step 20", " corrupt"], ["step 30", " incomplete"], ["step 40", " corrupt"],
-        ["step 50", " uncommitted"]]
-    proc = subprocess.run(cmd + ["--step", "10", "--json"], capture_output=True, text=True, env=env, timeout=120)
+        ["step 10", " committed"],
+        ["step 20", " corrupt"],
+        ["step 30", " incomplete"],
+        ["step 40", " corrupt"],
+        ["step 50", " uncommitted"],
+    ]
+    proc = subprocess.run(
+        cmd + ["--step", "10", "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert [(r["step"], r["state"]) for r in json.loads(proc.stdout)] == [(10, "committed")]

@@ -1,7 +1,7 @@
-"""The CLI's own description of itself (issue 14, Build 6): every flag of every subcommand has help text,
-``--help`` shows each default once, ``--version`` prints the installed version, and the global options
-(``--debug``, ``--log-level``, ``--log-wire``) work after the subcommand too and are listed in its
-``--help``. Parsing only (``build_parser``) and in-process ``main`` calls."""
+"""The CLI's own description of itself: every flag of every subcommand has help
+text, ``--help`` shows each default once, ``--version`` prints the installed version, and the global
+options (``--debug``, ``--log-level``, ``--log-wire``) work after the subcommand too and are listed
+in its ``--help``. Parsing only (``build_parser``) and in-process ``main`` calls."""
 
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 
 def _documented(p: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in p._actions if not isinstance(a, (argparse._HelpAction, argparse._VersionAction,
-                                                        argparse._SubParsersAction))]
+    return [
+        a
+        for a in p._actions
+        if not isinstance(
+            a, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+        )
+    ]
 
 
 def _name(a: argparse.Action) -> str:
@@ -33,8 +38,12 @@ def _name(a: argparse.Action) -> str:
 
 def test_every_flag_of_every_subcommand_has_help() -> None:
     p = build_parser()
-    missing = [f"{cmd} {_name(a)}" for cmd, sp in _subparsers(p).items() for a in _documented(sp)
-               if not (a.help or "").strip() or a.help is argparse.SUPPRESS]
+    missing = [
+        f"{cmd} {_name(a)}"
+        for cmd, sp in _subparsers(p).items()
+        for a in _documented(sp)
+        if not (a.help or "").strip() or a.help is argparse.SUPPRESS
+    ]
     missing += [f"tiered-ckpt {_name(a)}" for a in _documented(p) if not (a.help or "").strip()]
     assert missing == []
 
@@ -51,7 +60,11 @@ def test_help_shows_each_default_once() -> None:
             if text.lower().count("default") > 1:
                 twice.append(f"{cmd} {_name(a)}: {text}")
             takes_value = a.nargs != 0
-            if takes_value and a.default not in (None, argparse.SUPPRESS, [], "") and "default" not in text.lower():
+            if (
+                takes_value
+                and a.default not in (None, argparse.SUPPRESS, [], "")
+                and "default" not in text.lower()
+            ):
                 unsaid.append(f"{cmd} {_name(a)} (default {a.default!r})")
     assert twice == [] and unsaid == []
 
@@ -72,17 +85,37 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"tiered-ckpt {importlib.metadata.version('tiered-ckpt')}\n"
 
 
-@pytest.mark.parametrize("argv, debug, level, wire", [
-    (["ls", "ROOT", "--debug"], True, "WARNING", False),
-    (["--debug", "ls", "ROOT"], True, "WARNING", False),
-    (["ls", "ROOT", "--log-level", "info", "--log-wire"], False, "INFO", True),
-    (["--log-level", "error", "ls", "ROOT"], False, "ERROR", False),  # not overwritten by the subcommand
-    (["--log-level", "error", "ls", "ROOT", "--log-level", "debug"], False, "DEBUG", False),  # the later wins
-    (["upload", "--watch"], False, "INFO", False),  # the sidecar's default: one line per step uploaded
-    (["upload", "--once"], False, "WARNING", False),
-    (["--log-level", "warning", "upload", "--watch"], False, "WARNING", False),
-])
-def test_global_options_before_or_after_the_subcommand(argv: list[str], debug: bool, level: str, wire: bool) -> None:
+@pytest.mark.parametrize(
+    "argv, debug, level, wire",
+    [
+        (["ls", "ROOT", "--debug"], True, "WARNING", False),
+        (["--debug", "ls", "ROOT"], True, "WARNING", False),
+        (["ls", "ROOT", "--log-level", "info", "--log-wire"], False, "INFO", True),
+        (
+            ["--log-level", "error", "ls", "ROOT"],
+            False,
+            "ERROR",
+            False,
+        ),  # not overwritten by the subcommand
+        (
+            ["--log-level", "error", "ls", "ROOT", "--log-level", "debug"],
+            False,
+            "DEBUG",
+            False,
+        ),  # the later wins
+        (
+            ["upload", "--watch"],
+            False,
+            "INFO",
+            False,
+        ),  # the sidecar's default: one line per step uploaded
+        (["upload", "--once"], False, "WARNING", False),
+        (["--log-level", "warning", "upload", "--watch"], False, "WARNING", False),
+    ],
+)
+def test_global_options_before_or_after_the_subcommand(
+    argv: list[str], debug: bool, level: str, wire: bool
+) -> None:
     args = build_parser().parse_args(argv)
     assert (args.debug, args.log_level, args.log_wire) == (debug, level, wire)
 
@@ -93,7 +126,9 @@ def test_global_options_in_every_subcommand_help() -> None:
         assert all(re.search(rf"^\s+{opt}\b", text, re.M) for opt in GLOBAL_OPTIONS), cmd
 
 
-def test_debug_after_the_subcommand_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_debug_after_the_subcommand_shows_the_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "step_0000000001").mkdir()  # a checkpoint root whose only step is not committed
     argv = ["reshard", str(tmp_path), "--world-size", "2", "--out", str(tmp_path / "out")]
     assert main(argv) == 1
@@ -105,8 +140,12 @@ def test_debug_after_the_subcommand_shows_the_traceback(tmp_path: Path, capsys: 
     assert last.startswith("tiered-ckpt: error: ") and str(tmp_path) in last
 
 
-def test_an_unknown_flag_after_the_subcommand_points_to_its_help(capsys: pytest.CaptureFixture[str]) -> None:
-    """``ls ROOT --bogus`` said "see 'tiered-ckpt --help'" (the fresh user's finding): the subcommand's."""
+def test_an_unknown_flag_after_the_subcommand_points_to_its_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``ls ROOT --bogus`` said "see 'tiered-ckpt --help'" (the fresh user's finding): the
+    subcommand's."""
     assert main(["ls", "/nonexistent", "--bogus"]) == 2
-    assert capsys.readouterr().err == ("tiered-ckpt: error: unrecognized arguments: --bogus "
-                                       "(see 'tiered-ckpt ls --help')\n")
+    assert capsys.readouterr().err == (
+        "tiered-ckpt: error: unrecognized arguments: --bogus (see 'tiered-ckpt ls --help')\n"
+    )

@@ -1,4 +1,4 @@
-"""CRC32C recorded at save time (schema v2) and the fast verification path (issue 6)."""
+"""CRC32C recorded at save time (schema v2) and the fast verification path."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_crc32c_extend_matches_google_crc32c_on_any_buffer() -> None:
     assert crc32c_extend(7, b"") == 7
     h = Crc32c()
     for i in range(0, len(raw), 4096):
-        h.update(memoryview(raw)[i:i + 4096])
+        h.update(memoryview(raw)[i : i + 4096])
     assert h.hexdigest() == crc_hex(g(raw)) == f"{g(raw):08x}"
 
 
@@ -52,32 +52,36 @@ def test_tensor_chunk_crcs_any_feeding(piece: int) -> None:
     h = TensorChunkCrcs(len(header), recs, 4096)
     stream = header + data
     for i in range(0, len(stream), piece):
-        h.update(memoryview(stream)[i:i + piece])
+        h.update(memoryview(stream)[i : i + piece])
     got = h.result()
     for r in recs:
-        b = data[r.data_offsets[0]:r.data_offsets[1]]
-        want = tuple(crc_hex(g(b[k:k + 4096])) for k in range(0, len(b), 4096))
+        b = data[r.data_offsets[0] : r.data_offsets[1]]
+        want = tuple(crc_hex(g(b[k : k + 4096])) for k in range(0, len(b), 4096))
         assert got[r.name] == want and len(want) == chunk_count(len(b), 4096)
 
 
 def test_manifest_records_crc32c_header_sha_and_chunks(tmp_path: Path) -> None:
     n = (1 << 20) + 1000  # float32: 4 MiB + 4000 B, i.e. 5 chunks of 1 MiB
-    states = [{"w": GlobalSlice(np.full(n, r, np.float32), (2 * n,), (r * n,)), "x": np.arange(3), "j": r}
-              for r in range(2)]
+    states = [
+        {"w": GlobalSlice(np.full(n, r, np.float32), (2 * n,), (r * n,)), "x": np.arange(3), "j": r}
+        for r in range(2)
+    ]
     m = tc.save_sharded(states, tmp_path, 1)
-    assert all(rec.tensors is None for rec in m.shards)  # issue 12: the chunk CRCs are in each header
+    assert all(
+        rec.tensors is None for rec in m.shards
+    )  # issue 12: the chunk CRCs are in each header
     m = manifest_with_tensors(tmp_path / "step_0000000001", m)
     for rec in m.shards:
         raw = (tmp_path / "step_0000000001" / rec.path).read_bytes()
         assert rec.crc32c == crc_hex(g(raw))
         assert rec.sha256 == hashlib.sha256(raw).hexdigest()
         hlen = int.from_bytes(raw[:8], "little")
-        assert rec.header_sha256 == hashlib.sha256(raw[:8 + hlen]).hexdigest()
+        assert rec.header_sha256 == hashlib.sha256(raw[: 8 + hlen]).hexdigest()
         cs = rec.crc32c_chunk_bytes
         assert cs == 1 << 20
         for t in rec.tensors:
-            b = raw[8 + hlen + t.data_offsets[0]: 8 + hlen + t.data_offsets[1]]
-            assert t.crc32c == tuple(crc_hex(g(b[k:k + cs])) for k in range(0, len(b), cs))
+            b = raw[8 + hlen + t.data_offsets[0] : 8 + hlen + t.data_offsets[1]]
+            assert t.crc32c == tuple(crc_hex(g(b[k : k + cs])) for k in range(0, len(b), cs))
         assert len({t.name: t for t in rec.tensors}["w"].crc32c) == 5
 
 

@@ -1,4 +1,5 @@
-"""DeadlineSettings (store/settings.py) and the retry verdict on a deadline hit (issue 11, Build 2): pure."""
+"""DeadlineSettings (store/settings.py) and the retry verdict on a deadline hit:
+pure."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from tiered_ckpt.store.settings import DeadlineSettings
 
 def test_defaults_let_a_multi_gib_part_through_a_slow_link() -> None:
     d = DeadlineSettings()
-    assert (d.stall_timeout_s, d.deadline_base_s, d.min_rate_bytes_per_s) == (60.0, 60.0, 256 * 1024)
+    assert (d.stall_timeout_s, d.deadline_base_s, d.min_rate_bytes_per_s) == (
+        60.0,
+        60.0,
+        256 * 1024,
+    )
     assert d.deadline_s(0) == 60.0
     assert d.deadline_s(5 * 1024**3) == 60.0 + 20480.0  # 5 GiB at 256 KiB/s
 
@@ -24,4 +29,6 @@ def test_bad_values_are_refused(field: str, value: object) -> None:
 
 
 def test_a_deadline_hit_is_retried_by_the_store() -> None:
-    assert is_retryable_s3_error(RequestDeadlineError("get_object b/k: deadline of 3.0 s passed", seconds=3.0))
+    assert is_retryable_s3_error(
+        RequestDeadlineError("get_object b/k: deadline of 3.0 s passed", seconds=3.0)
+    )

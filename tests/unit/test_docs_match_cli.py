@@ -4,21 +4,21 @@
 What is read, and how (keep the docs to these forms and the test keeps up with every new flag):
 
 - ``docs/sidecar.md``, the table whose header starts ``| flag | default |``: one row per flag of
-  ``tiered-ckpt upload``, every one of them. The flag cell's first code span is the flag (a value after
-  it such as ``flat|hashed`` must list exactly the flag's choices); the default cell is the bare value
-  (``16``, ``flat``, ```127.0.0.1```) or ``—`` for none. A value is compared with argparse's default
-  (string defaults converted by the flag's type, as argparse does); where that is unset, with the
-  ``(default X`` its ``--help`` states.
-- ``README.md``, section ``## Command line``: the table's first column names ``tiered-ckpt CMD``; every
-  flag in any code span of that row must exist on CMD (a span starting with a subcommand name, such as
-  ``ls --remote``, names its own). Every subcommand of ``build_parser()`` must have a row, and every
-  global option (``tiered-ckpt --X CMD``) must be named in the section's prose.
+  ``tiered-ckpt upload``, every one of them. The flag cell's first code span is the flag (a value
+  after it such as ``flat|hashed`` must list exactly the flag's choices); the default cell is the
+  bare value (``16``, ``flat``, ```127.0.0.1```) or ``—`` for none. A value is compared with
+  argparse's default (string defaults converted by the flag's type, as argparse does); where that is
+  unset, with the ``(default X`` its ``--help`` states.
+- ``README.md``, section ``## Command line``: the table's first column names ``tiered-ckpt CMD``;
+  every flag in any code span of that row must exist on CMD (a span starting with a subcommand name,
+  such as ``ls --remote``, names its own). Every subcommand of ``build_parser()`` must have a row,
+  and every global option (``tiered-ckpt --X CMD``) must be named in the section's prose.
 - Everywhere in README.md, docs/sidecar.md and docs/runbook.md: a code span or code-block line
-  ``tiered-ckpt [GLOBAL FLAGS] CMD [FLAGS]`` names only flags that exist (global ones before CMD). In
-  sidecar.md a span that starts with a flag names flags of ``upload`` (or global ones); in the README's
-  Command line prose, global ones.
-- Stated defaults in prose, in the forms ```--flag ...` (default V``, ```--flag ...`, default V`` and
-  ```--flag ...`, V [unit] by default``, in sidecar.md and the README's Command line section.
+  ``tiered-ckpt [GLOBAL FLAGS] CMD [FLAGS]`` names only flags that exist (global ones before CMD).
+  In sidecar.md a span that starts with a flag names flags of ``upload`` (or global ones); in the
+  README's Command line prose, global ones.
+- Stated defaults in prose, in the forms ```--flag ...` (default V``, ```--flag ...`, default V``
+  and ```--flag ...`, V [unit] by default``, in sidecar.md and the README's Command line section.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -54,7 +54,8 @@ def _flags(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 @pytest.fixture(scope="module")
 def cli() -> Cli:
-    """build_parser() as a fresh shell without TIERED_CKPT_* settings sees it (defaults read them)."""
+    """build_parser() as a fresh shell without TIERED_CKPT_* settings sees it (defaults read
+    them)."""
     from tiered_ckpt.cli import build_parser
 
     with pytest.MonkeyPatch.context() as mp:
@@ -85,7 +86,7 @@ def _table(text: str, first_header: str) -> Iterator[list[str]]:
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("|") and _cells(line)[0] == first_header:
-            for row in lines[i + 2:]:
+            for row in lines[i + 2 :]:
                 if not row.startswith("|"):
                     return
                 yield _cells(row)
@@ -106,8 +107,8 @@ def _code_lines(text: str) -> Iterator[str]:
 
 
 def _parse_command(span: str, cli: Cli) -> tuple[list[str], str | None, list[str]] | None:
-    """``tiered-ckpt [global flags] CMD [flags]`` (``CMD ...`` alone too) -> (global flags, CMD, CMD's
-    flags); ``None`` when the span is no command line. An unknown CMD comes back as it is."""
+    """``tiered-ckpt [global flags] CMD [flags]`` (``CMD ...`` alone too) -> (global flags, CMD,
+    CMD's flags); ``None`` when the span is no command line. An unknown CMD comes back as it is."""
     tokens = span.split()
     if tokens and tokens[0] in cli.commands:
         return [], tokens[0], FLAG_RE.findall(" ".join(tokens[1:]))
@@ -120,14 +121,23 @@ def _parse_command(span: str, cli: Cli) -> tuple[list[str], str | None, list[str
         i += 2 if a is not None and a.nargs is None and "=" not in tokens[i] else 1
     if i >= len(tokens) or not re.fullmatch(r"[a-z][a-z-]*", tokens[i]):
         return globals_, None, []
-    return globals_, tokens[i], FLAG_RE.findall(" ".join(tokens[i + 1:]))
+    return globals_, tokens[i], FLAG_RE.findall(" ".join(tokens[i + 1 :]))
 
 
-def _check_flags(where: str, command: str | None, flags: list[str], cli: Cli, problems: list[str],
-                 *, also_global: bool = True) -> None:
+def _check_flags(
+    where: str,
+    command: str | None,
+    flags: list[str],
+    cli: Cli,
+    problems: list[str],
+    *,
+    also_global: bool = True,
+) -> None:
     if command is not None and command not in cli.commands:
-        problems.append(f"{where}: `tiered-ckpt {command}` is no subcommand of build_parser() "
-                        f"(it has {', '.join(sorted(cli.commands))})")
+        problems.append(
+            f"{where}: `tiered-ckpt {command}` is no subcommand of build_parser() "
+            f"(it has {', '.join(sorted(cli.commands))})"
+        )
         return
     known = cli.flags(command)
     for f in flags:
@@ -138,8 +148,8 @@ def _check_flags(where: str, command: str | None, flags: list[str], cli: Cli, pr
 
 
 def _cli_default(action: argparse.Action) -> object:
-    """argparse's default for ``action`` (a string default converted by its type, as argparse does); where
-    none is set, the ``(default X`` its help states; ``None`` when neither."""
+    """argparse's default for ``action`` (a string default converted by its type, as argparse does);
+    where none is set, the ``(default X`` its help states; ``None`` when neither."""
     d = action.default
     if isinstance(d, str) and action.type is not None and d != argparse.SUPPRESS:
         d = action.type(d)  # type: ignore[operator]
@@ -165,7 +175,7 @@ def _shown(v: object) -> str:
     return "none" if v is None else repr(v)
 
 
-# ------------------------------------------------------------------------------------------ tests
+# --- tests
 
 
 def test_sidecar_flags_table_is_every_upload_flag_with_its_default(cli: Cli) -> None:
@@ -178,26 +188,42 @@ def test_sidecar_flags_table_is_every_upload_flag_with_its_default(cli: Cli) -> 
         spans = _spans(cells[0])
         flags = FLAG_RE.findall(spans[0]) if spans else []
         if not flags:
-            problems.append(f"{SIDECAR} flags table: row {cells[0]!r} names no flag in its first code span")
+            problems.append(
+                f"{SIDECAR} flags table: row {cells[0]!r} names no flag in its first code span"
+            )
             continue
         flag = flags[0]
         seen.add(flag)
         action = upload.get(flag)
         if action is None:
-            problems.append(f"{SIDECAR} flags table: `tiered-ckpt upload {flag}` does not exist in build_parser()")
+            problems.append(
+                f"{SIDECAR} flags table: `tiered-ckpt upload {flag}` does not exist in build_parser()"
+            )
             continue
         value = spans[0].split(None, 1)[1] if " " in spans[0] else ""
-        if "|" in value and action.choices is not None and set(value.split("|")) != set(action.choices):
-            problems.append(f"{SIDECAR} flags table: `upload {flag}` lists choices {value!r}, argparse has "
-                            f"{'|'.join(action.choices)!r}")
+        if (
+            "|" in value
+            and action.choices is not None
+            and set(value.split("|")) != set(action.choices)
+        ):
+            problems.append(
+                f"{SIDECAR} flags table: `upload {flag}` lists choices {value!r}, argparse has "
+                f"{'|'.join(action.choices)!r}"
+            )
         if len(cells) < 2:
             problems.append(f"{SIDECAR} flags table: `upload {flag}` row has no default cell")
         elif not _same(cells[1], _cli_default(action)):
-            problems.append(f"{SIDECAR} flags table: `upload {flag}` default is {cells[1].strip('`')!r} in the "
-                            f"docs, {_shown(_cli_default(action))} in argparse/--help")
-    for flag in sorted(set(upload) - seen - {"--help"} - set(cli.global_flags)):  # global ones: README
-        problems.append(f"{SIDECAR} flags table lacks `tiered-ckpt upload {flag}` "
-                        f"(argparse default: {_shown(_cli_default(upload[flag]))}; help: {upload[flag].help!r})")
+            problems.append(
+                f"{SIDECAR} flags table: `upload {flag}` default is {cells[1].strip('`')!r} in the "
+                f"docs, {_shown(_cli_default(action))} in argparse/--help"
+            )
+    for flag in sorted(
+        set(upload) - seen - {"--help"} - set(cli.global_flags)
+    ):  # global ones: README
+        problems.append(
+            f"{SIDECAR} flags table lacks `tiered-ckpt upload {flag}` "
+            f"(argparse default: {_shown(_cli_default(upload[flag]))}; help: {upload[flag].help!r})"
+        )
     assert not problems, "\n".join(problems)
 
 
@@ -211,18 +237,30 @@ def test_readme_command_table_names_every_subcommand_and_only_real_flags(cli: Cl
         spans = _spans(" | ".join(cells))
         head = _parse_command(spans[0], cli) if spans else None
         if head is None or head[1] is None:
-            problems.append(f"{README} Command line table: row {cells[0]!r} does not start with `tiered-ckpt CMD`")
+            problems.append(
+                f"{README} Command line table: row {cells[0]!r} does not start with `tiered-ckpt CMD`"
+            )
             continue
         command = head[1]
         for span in spans:
             parsed = _parse_command(span, cli)
             cmd = parsed[1] if parsed is not None and parsed[1] is not None else command
             named.add(cmd)
-            flags = parsed[2] if parsed is not None and parsed[1] is not None else FLAG_RE.findall(span)
-            _check_flags(f"{README} Command line table, row `tiered-ckpt {command}`", cmd, flags, cli, problems)
+            flags = (
+                parsed[2] if parsed is not None and parsed[1] is not None else FLAG_RE.findall(span)
+            )
+            _check_flags(
+                f"{README} Command line table, row `tiered-ckpt {command}`",
+                cmd,
+                flags,
+                cli,
+                problems,
+            )
     for missing in sorted(set(cli.commands) - named):
-        problems.append(f"{README} Command line table has no row for `tiered-ckpt {missing}` (a subcommand of "
-                        "build_parser())")
+        problems.append(
+            f"{README} Command line table has no row for `tiered-ckpt {missing}` (a subcommand of "
+            "build_parser())"
+        )
     prose = re.sub(r"(?m)^\|.*\n", "", sec)
     for span in _spans(prose):
         parsed = _parse_command(span, cli)
@@ -230,8 +268,10 @@ def test_readme_command_table_names_every_subcommand_and_only_real_flags(cli: Cl
             _check_flags(f"{README} Command line prose", None, FLAG_RE.findall(span), cli, problems)
     mentioned = set(FLAG_RE.findall(" ".join(_spans(prose))))
     for flag in sorted(set(cli.global_flags) - mentioned - {"--help"}):
-        problems.append(f"{README} Command line prose does not mention the global option `tiered-ckpt {flag}` "
-                        f"(help: {cli.global_flags[flag].help!r})")
+        problems.append(
+            f"{README} Command line prose does not mention the global option `tiered-ckpt {flag}` "
+            f"(help: {cli.global_flags[flag].help!r})"
+        )
     assert not problems, "\n".join(problems)
 
 
@@ -244,18 +284,24 @@ def test_every_command_line_in_the_docs_names_real_flags(cli: Cli) -> None:
                 parsed = _parse_command(part, cli)
                 if parsed is None:
                     if rel == SIDECAR and part.startswith("--"):
-                        _check_flags(f"{SIDECAR} `{span}`", "upload", FLAG_RE.findall(part), cli, problems)
+                        _check_flags(
+                            f"{SIDECAR} `{span}`", "upload", FLAG_RE.findall(part), cli, problems
+                        )
                     continue
                 globals_, command, flags = parsed
                 _check_flags(f"{rel} `{span}`", None, globals_, cli, problems)
                 if command is not None:
-                    _check_flags(f"{rel} `{span}`", command, flags, cli, problems, also_global=False)
+                    _check_flags(
+                        f"{rel} `{span}`", command, flags, cli, problems, also_global=False
+                    )
     assert not problems, "\n".join(problems)
 
 
 _STATED = [
     re.compile(r"`((?:[a-z-]+ )?--[a-z][a-z0-9-]*)[^`]*`\)?,?\s+\(?default:?\s+`?([^\s`;,)]+)"),
-    re.compile(r"`((?:[a-z-]+ )?--[a-z][a-z0-9-]*)[^`]*`,\s+`?([^\s`;,)]+)`?(?:\s+[A-Za-z]+)?\s+by default"),
+    re.compile(
+        r"`((?:[a-z-]+ )?--[a-z][a-z0-9-]*)[^`]*`,\s+`?([^\s`;,)]+)`?(?:\s+[A-Za-z]+)?\s+by default"
+    ),
 ]
 
 
@@ -281,7 +327,11 @@ def test_defaults_stated_in_prose_are_argparses(cli: Cli, rel: str) -> None:
             if action is None:
                 problems.append(f"{rel}: `{m.group(0)}` names a flag that does not exist")
             elif not _same(m.group(2), _cli_default(action)):
-                problems.append(f"{rel}: {m.group(0)!r} says the default of `{flag}` is {m.group(2)!r}; "
-                                f"argparse/--help say {_shown(_cli_default(action))}")
-    assert found, f"{rel}: no stated default found (the patterns of this test no longer match the docs?)"
+                problems.append(
+                    f"{rel}: {m.group(0)!r} says the default of `{flag}` is {m.group(2)!r}; "
+                    f"argparse/--help say {_shown(_cli_default(action))}"
+                )
+    assert found, (
+        f"{rel}: no stated default found (the patterns of this test no longer match the docs?)"
+    )
     assert not problems, "\n".join(problems)

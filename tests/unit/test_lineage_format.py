@@ -1,5 +1,6 @@
-"""The schema-3 records of issue 10 (format/lineage.py, the per-save remote key scheme in layout.py, the
-lineage fields of the upload manifest, latest pointer, confirmation record and uploaded marker)."""
+"""The schema-3 records of issue 10 (format/lineage.py, the per-save remote key scheme in layout.py,
+the lineage fields of the upload manifest, latest pointer, confirmation record and uploaded
+marker)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,33 @@ from tiered_ckpt.errors import LineageError, ManifestError
 from tiered_ckpt.format.lineage import Attempt, RunLineage, Superseded
 from tiered_ckpt.format.records import ConfirmationRecord, UploadedMarker
 from tiered_ckpt.format.upload_manifest import LatestPointer, RemoteShard, UploadManifest
-from tiered_ckpt.layout import (parse_remote_step_entry, remote_run_key, remote_save_key, remote_save_prefix,
-                                save_entry_name)
+from tiered_ckpt.layout import (
+    parse_remote_step_entry,
+    remote_run_key,
+    remote_save_key,
+    remote_save_prefix,
+    save_entry_name,
+)
 
 SHA = "ab" * 32
 
 
 def rolled_back() -> RunLineage:
-    """500, 600, 700 saved in attempt 1; attempt 2 resumed from 500; attempt 3 saved 100 without loading."""
-    return (RunLineage.first("run-a", "t1")
-            .new_attempt(supersedes_from=501, resumed_from=500, started_at="t2")
-            .new_attempt(supersedes_from=100, resumed_from=None, started_at="t3"))
+    """500, 600, 700 saved in attempt 1; attempt 2 resumed from 500; attempt 3 saved 100 without
+    loading."""
+    return (
+        RunLineage.first("run-a", "t1")
+        .new_attempt(supersedes_from=501, resumed_from=500, started_at="t2")
+        .new_attempt(supersedes_from=100, resumed_from=None, started_at="t3")
+    )
 
 
 def test_current_and_superseded_steps() -> None:
     lin = rolled_back()
     assert lin.attempt == 3
-    assert lin.superseded_by(1, 600) == Superseded(2, 501)  # the earliest attempt that supersedes it
+    assert lin.superseded_by(1, 600) == Superseded(
+        2, 501
+    )  # the earliest attempt that supersedes it
     assert lin.superseded_by(1, 500) == Superseded(3, 100)
     assert lin.superseded_by(2, 550) == Superseded(3, 100)
     assert lin.is_current(1, 99) and lin.is_current(2, 99) and lin.is_current(3, 700)
@@ -39,12 +50,18 @@ def test_round_trip_is_canonical_and_validated() -> None:
     assert RunLineage.from_json(lin.to_json()) == lin
     assert lin.to_json() == RunLineage.from_json(lin.to_json().encode()).to_json()
     d = lin.to_dict()
-    for change, msg in [({"run_id": "../x"}, "run_id"), ({"schema_version": 2}, "not supported"),
-                        ({"attempts": []}, "non-empty"), ({"attempts": d["attempts"][1:]}, "expected 1"),
-                        ({"attempts": [dict(d["attempts"][0], supersedes_from=3)]}, "attempt 1 and only"),
-                        ({"attempts": [d["attempts"][0], dict(d["attempts"][1], supersedes_from=None)]},
-                         "attempt 1 and only"),
-                        ({"extra": 1}, "unknown")]:
+    for change, msg in [
+        ({"run_id": "../x"}, "run_id"),
+        ({"schema_version": 2}, "not supported"),
+        ({"attempts": []}, "non-empty"),
+        ({"attempts": d["attempts"][1:]}, "expected 1"),
+        ({"attempts": [dict(d["attempts"][0], supersedes_from=3)]}, "attempt 1 and only"),
+        (
+            {"attempts": [d["attempts"][0], dict(d["attempts"][1], supersedes_from=None)]},
+            "attempt 1 and only",
+        ),
+        ({"extra": 1}, "unknown"),
+    ]:
         with pytest.raises(ManifestError, match=msg):
             RunLineage.from_dict(dict(d, **change))
 
@@ -66,7 +83,13 @@ def test_per_save_remote_keys() -> None:
     assert remote_run_key("runs/a") == "runs/a/run.json" and remote_run_key("") == "run.json"
     assert parse_remote_step_entry(save_entry_name(40, "s-1_x")) == (40, "s-1_x")
     assert parse_remote_step_entry("step_0000000040") == (40, None)
-    for bad in ("step_0000000040.", "step_0000000040.a.b", "step_40.x", "step_0000000040.x/", "step_0000000040.é"):
+    for bad in (
+        "step_0000000040.",
+        "step_0000000040.a.b",
+        "step_40.x",
+        "step_0000000040.x/",
+        "step_0000000040.é",
+    ):
         assert parse_remote_step_entry(bad) is None
     with pytest.raises(ValueError):
         save_entry_name(40, "a.b")
@@ -74,12 +97,29 @@ def test_per_save_remote_keys() -> None:
 
 def upload_manifest(version: int, sid: str = "s1") -> UploadManifest:
     key_sid = sid if version >= 2 else None
-    shards = tuple(RemoteShard(r, remote_save_key("p", 7, key_sid, f"rank_{r:05d}.safetensors"), 100, SHA,
-                               "read-back", '"e%d"' % r if version >= 2 else None) for r in range(2))
+    shards = tuple(
+        RemoteShard(
+            r,
+            remote_save_key("p", 7, key_sid, f"rank_{r:05d}.safetensors"),
+            100,
+            SHA,
+            "read-back",
+            '"e%d"' % r if version >= 2 else None,
+        )
+        for r in range(2)
+    )
     extra = dict(run_id="run-a", attempt=2, created_at="t") if version >= 2 else {}
-    return UploadManifest(step=7, world_size=2, save_id=sid, prefix="p",
-                          manifest_key=remote_save_key("p", 7, key_sid, "manifest.json"), manifest_sha256=SHA,
-                          shards=shards, schema_version=version, **extra)
+    return UploadManifest(
+        step=7,
+        world_size=2,
+        save_id=sid,
+        prefix="p",
+        manifest_key=remote_save_key("p", 7, key_sid, "manifest.json"),
+        manifest_sha256=SHA,
+        shards=shards,
+        schema_version=version,
+        **extra,
+    )
 
 
 def test_upload_manifest_schema_2_and_round_1() -> None:
@@ -110,7 +150,9 @@ def test_latest_pointer_orders_by_attempt_then_step() -> None:
     new = LatestPointer(40, SHA, attempt=2, save_id="s2")
     assert LatestPointer.from_json(new.to_json()) == new and new.order > old.order
     with pytest.raises(ManifestError, match="go together"):
-        LatestPointer.from_json(json.dumps({"step": 1, "upload_manifest_sha256": SHA, "attempt": 2}))
+        LatestPointer.from_json(
+            json.dumps({"step": 1, "upload_manifest_sha256": SHA, "attempt": 2})
+        )
 
 
 def test_confirmation_etag_and_marker_manifest_sha_are_optional() -> None:

@@ -1,6 +1,7 @@
-"""Library code configures no logging (issue 11, Build 4): no handler, no ``basicConfig``, never the root
-logger. Only the CLI's logging module (``tiered_ckpt.cli._logs``) adds a handler; a script may configure
-logging inside its ``if __name__ == "__main__":`` block. Checked on the source with ``ast``."""
+"""Library code configures no logging: no handler, no ``basicConfig``, never the
+root logger. Only the CLI's logging module (``tiered_ckpt.cli._logs``) adds a handler; a script may
+configure logging inside its ``if __name__ == "__main__":`` block. Checked on the source with
+``ast``."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ def _main_blocks(tree: ast.Module) -> set[int]:
     """Line numbers inside ``if __name__ == "__main__":`` blocks."""
     lines: set[int] = set()
     for node in tree.body:
-        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__"
+        ):
             for sub in ast.walk(node):
                 if hasattr(sub, "lineno"):
                     lines.add(sub.lineno)
@@ -41,11 +46,20 @@ def logging_violations(sources: dict[str, str]) -> list[str]:
                     out.append(f"{mod}:{node.lineno}: {name}()")
                 elif name == "setLevel" and not mod.startswith("tiered_ckpt.cli"):
                     out.append(f"{mod}:{node.lineno}: setLevel()")
-                elif name == "getLogger" and (not node.args or (isinstance(node.args[0], ast.Constant)
-                                                                and node.args[0].value in ("", "root", None))):
+                elif name == "getLogger" and (
+                    not node.args
+                    or (
+                        isinstance(node.args[0], ast.Constant)
+                        and node.args[0].value in ("", "root", None)
+                    )
+                ):
                     out.append(f"{mod}:{node.lineno}: the root logger")
-            elif isinstance(node, ast.Attribute) and node.attr == "root" and isinstance(node.value, ast.Name) \
-                    and node.value.id == "logging":
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "root"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "logging"
+            ):
                 out.append(f"{mod}:{node.lineno}: logging.root")
     return out
 

@@ -1,10 +1,11 @@
 """Manifest schema v1: the dataclasses, their JSON, and the shipped JSON Schema agree.
 
-- real manifests (written by the public API) validate against ``schemas/manifest.v{SCHEMA_VERSION}.schema.json``
-  (v2 since issue 6; v1 manifests are covered by tests/test_migration.py and the golden checkpoints);
-- every manifest the code accepts validates; mutations the code rejects also fail the schema wherever the
-  schema can express the rule (``schema=True`` in the table below), and the cross-field rules the schema
-  cannot express are listed with ``schema=False``.
+- real manifests (written by the public API) validate against
+  ``schemas/manifest.v{SCHEMA_VERSION}.schema.json`` (v2 since issue 6; v1 manifests are covered by
+  tests/test_migration.py and the golden checkpoints);
+- every manifest the code accepts validates; mutations the code rejects also fail the schema
+  wherever the schema can express the rule (``schema=True`` in the table below), and the cross-field
+  rules the schema cannot express are listed with ``schema=False``.
 """
 
 from __future__ import annotations
@@ -12,23 +13,28 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from jsonschema import Draft202012Validator
 
 import tiered_ckpt as tc
-from tiered_ckpt.format import manifest as mf
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError
+from tiered_ckpt.format import manifest as mf
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord
 
 SHA = "ab" * 32
 
 
 def load_schema() -> dict[str, Any]:
-    text = resources.files("tiered_ckpt").joinpath(f"schemas/manifest.v{mf.SCHEMA_VERSION}.schema.json").read_text()
+    text = (
+        resources.files("tiered_ckpt")
+        .joinpath(f"schemas/manifest.v{mf.SCHEMA_VERSION}.schema.json")
+        .read_text()
+    )
     return json.loads(text)
 
 
@@ -52,11 +58,28 @@ def base_dict() -> dict[str, Any]:
             TensorRecord("w/emb", "BF16", (2, 2), (12, 20), (2, 4), (0, 2 * r)),
             TensorRecord("flag", "BOOL", (), (20, 21)),
         )
-        shards.append(ShardRecord(rank=r, path=f"rank_{r:05d}.safetensors", sha256=SHA, size_bytes=200,
-                                  param_shard_offset=3 * r, param_shard_numel=3, host="node-1.example",
-                                  save_id="sid_1", tensors=tensors))
-    m = ShardManifest(world_size=2, step=7, shards=tuple(shards), save_id="sid_1", wall_clock_seconds=12.5,
-                      created_at="2024-01-02T03:04:05.000000Z", extra={"lr": 0.1, "nan": math.nan})
+        shards.append(
+            ShardRecord(
+                rank=r,
+                path=f"rank_{r:05d}.safetensors",
+                sha256=SHA,
+                size_bytes=200,
+                param_shard_offset=3 * r,
+                param_shard_numel=3,
+                host="node-1.example",
+                save_id="sid_1",
+                tensors=tensors,
+            )
+        )
+    m = ShardManifest(
+        world_size=2,
+        step=7,
+        shards=tuple(shards),
+        save_id="sid_1",
+        wall_clock_seconds=12.5,
+        created_at="2024-01-02T03:04:05.000000Z",
+        extra={"lr": 0.1, "nan": math.nan},
+    )
     return m.to_dict()
 
 
@@ -67,14 +90,20 @@ def test_schema_is_valid_2020_12_and_shipped() -> None:
     # every field to_dict writes is documented, and additionalProperties is closed at every level
     d = base_dict()
     assert set(schema["properties"]) == set(d)
-    # header_size_bytes (issue 12) is optional: written by saves since then, absent in base_dict()
-    assert set(schema["$defs"]["shard"]["properties"]) == set(d["shards"][0]) | {"header_size_bytes"}
+    # header_size_bytes is optional: written by saves since then, absent in base_dict()
+    assert set(schema["$defs"]["shard"]["properties"]) == set(d["shards"][0]) | {
+        "header_size_bytes"
+    }
     # a tensor's crc32c (chunk checksums, v2) is optional: written when known, absent in base_dict()
-    assert set(schema["$defs"]["tensor"]["properties"]) == set(d["shards"][0]["tensors"][0]) | {"crc32c"}
+    assert set(schema["$defs"]["tensor"]["properties"]) == set(d["shards"][0]["tensors"][0]) | {
+        "crc32c"
+    }
     for node in (schema, schema["$defs"]["shard"], schema["$defs"]["tensor"]):
         assert node["additionalProperties"] is False
     assert schema["properties"]["schema_version"]["const"] == mf.SCHEMA_VERSION
-    assert sorted(schema["$defs"]["tensor"]["properties"]["dtype"]["enum"]) == sorted(mf.DTYPE_SIZES)
+    assert sorted(schema["$defs"]["tensor"]["properties"]["dtype"]["enum"]) == sorted(
+        mf.DTYPE_SIZES
+    )
 
 
 def test_base_manifest_roundtrips_and_validates(validator: Draft202012Validator) -> None:
@@ -85,7 +114,9 @@ def test_base_manifest_roundtrips_and_validates(validator: Draft202012Validator)
     assert "NaN" in text
     m2 = ShardManifest.from_json(text)
     assert m2.to_json() == text
-    assert json.loads(text, parse_constant=lambda c: c) == json.loads(m2.to_json(), parse_constant=lambda c: c)
+    assert json.loads(text, parse_constant=lambda c: c) == json.loads(
+        m2.to_json(), parse_constant=lambda c: c
+    )
     assert m2.shards[1].tensors[1].global_offset == (0, 2)
     assert m2.total_bytes == 400
     rec = m2.shards[0]
@@ -97,15 +128,27 @@ def test_real_manifests_validate(tmp_path, validator: Draft202012Validator) -> N
 
     states = []
     for r in range(3):
-        states.append({
-            "model": {"w": np.full((2, 3), r, np.float16), "b": np.zeros((0, 4), ml_dtypes.bfloat16)},
-            "optim": {"fp32": tc.GlobalSlice(np.arange(4, dtype=np.float32), (12,), (4 * r,)),
-                      "exp_avg": tc.GlobalSlice(np.ones(4, np.float32), (12,), (4 * r,))},
-            "step": np.int64(5),
-            "misc": {"a/b%c": [1, "x", None], "inf": math.inf},
-        })
-    tc.save_sharded(states, tmp_path, 11, extra={"loss": [1.0, math.nan], "ü": "ünïcode"},
-                    wall_clock_seconds=4521)
+        states.append(
+            {
+                "model": {
+                    "w": np.full((2, 3), r, np.float16),
+                    "b": np.zeros((0, 4), ml_dtypes.bfloat16),
+                },
+                "optim": {
+                    "fp32": tc.GlobalSlice(np.arange(4, dtype=np.float32), (12,), (4 * r,)),
+                    "exp_avg": tc.GlobalSlice(np.ones(4, np.float32), (12,), (4 * r,)),
+                },
+                "step": np.int64(5),
+                "misc": {"a/b%c": [1, "x", None], "inf": math.inf},
+            }
+        )
+    tc.save_sharded(
+        states,
+        tmp_path,
+        11,
+        extra={"loss": [1.0, math.nan], "ü": "ünïcode"},
+        wall_clock_seconds=4521,
+    )
     text = (tmp_path / "step_0000000011" / "manifest.json").read_text()
     obj = json.loads(text)
     assert schema_ok(validator, obj), list(validator.iter_errors(obj))[:3]
@@ -119,7 +162,14 @@ def test_real_manifests_validate(tmp_path, validator: Draft202012Validator) -> N
 
 def test_manifest_module_does_no_io() -> None:
     src = resources.files("tiered_ckpt").joinpath("format/manifest.py").read_text()
-    for needle in ("import os", "open(", "import pathlib", "from pathlib", "import socket", "import threading"):
+    for needle in (
+        "import os",
+        "open(",
+        "import pathlib",
+        "from pathlib",
+        "import socket",
+        "import threading",
+    ):
         assert needle not in src, needle
 
 
@@ -128,10 +178,12 @@ def test_dataclass_construction_is_validated() -> None:
         ShardManifest(world_size=1, step=-1, shards=(), save_id="x")
     d = base_dict()
     with pytest.raises(MissingShardError):
-        ShardManifest(world_size=3, step=7, shards=ShardManifest.from_dict(d).shards, save_id="sid_1")
+        ShardManifest(
+            world_size=3, step=7, shards=ShardManifest.from_dict(d).shards, save_id="sid_1"
+        )
 
 
-# -------------------------------------------------------------------------- code <-> schema agreement
+# --- code <-> schema agreement
 
 Mut = Callable[[dict[str, Any]], None]
 
@@ -147,6 +199,7 @@ def _set(path: str, value: Any) -> Mut:
             node[int(last)] = value
         else:
             node[last] = value
+
     return f
 
 
@@ -157,6 +210,7 @@ def _del(path: str) -> Mut:
         for k in keys[:-1]:
             node = node[int(k)] if isinstance(node, list) else node[k]
         del node[keys[-1]]
+
     return f
 
 
@@ -164,6 +218,7 @@ def _seq(*fs: Mut) -> Mut:
     def f(d: dict[str, Any]) -> None:
         for g in fs:
             g(d)
+
     return f
 
 
@@ -201,7 +256,12 @@ REJECTED: list[tuple[str, Mut, type[CheckpointError], bool]] = [
     ("shard-rank-negative", _set("shards.0.rank", -1), ManifestError, True),
     ("shard-path-dotdot", _set("shards.0.path", "../rank_00000.safetensors"), ManifestError, True),
     ("shard-path-absolute", _set("shards.0.path", "/etc/passwd"), ManifestError, True),
-    ("shard-path-other-rank", _set("shards.0.path", "rank_00001.safetensors"), ManifestError, False),
+    (
+        "shard-path-other-rank",
+        _set("shards.0.path", "rank_00001.safetensors"),
+        ManifestError,
+        False,
+    ),
     ("shard-path-subdir", _set("shards.0.path", "x/rank_00000.safetensors"), ManifestError, True),
     ("sha-upper", _set("shards.0.sha256", SHA.upper()), ManifestError, True),
     ("sha-short", _set("shards.0.sha256", SHA[:-1]), ManifestError, True),
@@ -217,14 +277,37 @@ REJECTED: list[tuple[str, Mut, type[CheckpointError], bool]] = [
     ("host-bad", _set("shards.0.host", "a b"), ManifestError, True),
     ("shard-save-id-bad", _set("shards.0.save_id", "a b"), ManifestError, True),
     ("shard-save-id-mixed", _set("shards.0.save_id", "other"), ManifestError, False),
-    ("rank-duplicate", _seq(_set("shards.1.rank", 0), _set("shards.1.path", "rank_00000.safetensors")),
-     MissingShardError, False),
+    (
+        "rank-duplicate",
+        _seq(_set("shards.1.rank", 0), _set("shards.1.path", "rank_00000.safetensors")),
+        MissingShardError,
+        False,
+    ),
     ("rank-missing", lambda d: d["shards"].pop(), MissingShardError, False),
-    ("rank-beyond-world", _seq(_set("shards.1.rank", 2), _set("shards.1.path", "rank_00002.safetensors"),
-                                _set("world_size", 2)), MissingShardError, False),
-    ("extra-shard-beyond-world", lambda d: d["shards"].append(
-        dict(copy.deepcopy(d["shards"][1]), rank=2, path="rank_00002.safetensors", param_shard_numel=0,
-             tensors=[])), ManifestError, False),
+    (
+        "rank-beyond-world",
+        _seq(
+            _set("shards.1.rank", 2),
+            _set("shards.1.path", "rank_00002.safetensors"),
+            _set("world_size", 2),
+        ),
+        MissingShardError,
+        False,
+    ),
+    (
+        "extra-shard-beyond-world",
+        lambda d: d["shards"].append(
+            dict(
+                copy.deepcopy(d["shards"][1]),
+                rank=2,
+                path="rank_00002.safetensors",
+                param_shard_numel=0,
+                tensors=[],
+            )
+        ),
+        ManifestError,
+        False,
+    ),
     ("tensors-object", _set("shards.0.tensors", {}), ManifestError, True),
     ("tensor-unknown-key", _set(f"{T0}.x", 1), ManifestError, True),
     ("tensor-name-empty", _set(f"{T0}.name", ""), ManifestError, True),
@@ -233,15 +316,27 @@ REJECTED: list[tuple[str, Mut, type[CheckpointError], bool]] = [
     ("tensor-dtype-lower", _set(f"{T0}.dtype", "f32"), ManifestError, True),
     ("tensor-shape-negative", _set(f"{T0}.shape", [-3]), ManifestError, True),
     ("tensor-shape-bool", _set(f"{T0}.shape", [True]), ManifestError, True),
-    ("tensor-shape-absurd", _seq(_set(f"{T0}.shape", [2**20, 2**20, 2**20]),
-                                 _set(f"{T0}.global_shape", [2**20, 2**20, 2**20]),
-                                 _set(f"{T0}.global_offset", [0, 0, 0])), ManifestError, False),
+    (
+        "tensor-shape-absurd",
+        _seq(
+            _set(f"{T0}.shape", [2**20, 2**20, 2**20]),
+            _set(f"{T0}.global_shape", [2**20, 2**20, 2**20]),
+            _set(f"{T0}.global_offset", [0, 0, 0]),
+        ),
+        ManifestError,
+        False,
+    ),
     ("tensor-shape-too-many-dims", _set(f"{T0}.shape", [1] * 65), ManifestError, True),
     ("tensor-offsets-three", _set(f"{T0}.data_offsets", [0, 12, 12]), ManifestError, True),
     ("tensor-offsets-reversed", _set(f"{T0}.data_offsets", [12, 0]), ManifestError, False),
     ("tensor-offsets-span", _set(f"{T0}.data_offsets", [0, 16]), ManifestError, False),
     ("tensor-offsets-gap", _seq(_set(f"{T0}.data_offsets", [4, 16])), ManifestError, False),
-    ("tensor-offsets-overlap", _set("shards.0.tensors.1.data_offsets", [8, 16]), ManifestError, False),
+    (
+        "tensor-offsets-overlap",
+        _set("shards.0.tensors.1.data_offsets", [8, 16]),
+        ManifestError,
+        False,
+    ),
     ("tensor-name-duplicate", _set("shards.0.tensors.1.name", "opt/master"), ManifestError, False),
     ("global-shape-alone", _del(f"{T0}.global_offset"), ManifestError, True),
     ("global-offset-alone", _del(f"{T0}.global_shape"), ManifestError, True),
@@ -276,12 +371,22 @@ ACCEPTED: list[tuple[str, Mut]] = [
     ("shard-save-id-absent", _del("shards.1.save_id")),
     ("shard-save-id-empty", _set("shards.1.save_id", "")),
     ("wall-clock-int", _set("wall_clock_seconds", 3)),
-    ("no-tensors", lambda d: [s.update(tensors=[], param_shard_numel=0, param_shard_offset=0)
-                              for s in d["shards"]]),
+    (
+        "no-tensors",
+        lambda d: [
+            s.update(tensors=[], param_shard_numel=0, param_shard_offset=0) for s in d["shards"]
+        ],
+    ),
     ("created-at-empty", _set("created_at", "")),
-    ("zero-size-slices", _seq(_set(f"{T0}.shape", [0]), _set(f"{T0}.data_offsets", [0, 0]),
-                              _set("shards.0.tensors.1.data_offsets", [0, 8]),
-                              _set("shards.0.tensors.2.data_offsets", [8, 9]))),
+    (
+        "zero-size-slices",
+        _seq(
+            _set(f"{T0}.shape", [0]),
+            _set(f"{T0}.data_offsets", [0, 0]),
+            _set("shards.0.tensors.1.data_offsets", [0, 8]),
+            _set("shards.0.tensors.2.data_offsets", [8, 9]),
+        ),
+    ),
     ("shards-out-of-order", lambda d: d["shards"].reverse()),
 ]
 
@@ -312,7 +417,9 @@ def test_duplicate_json_key_rejected() -> None:
         ShardManifest.from_json(bad)
 
 
-@pytest.mark.parametrize("text", [b"", b"{", b"\xff\xfe", b"[1]", b"null", b"1" * 10, b"[" * 100_000])
+@pytest.mark.parametrize(
+    "text", [b"", b"{", b"\xff\xfe", b"[1]", b"null", b"1" * 10, b"[" * 100_000]
+)
 def test_bad_json_is_manifest_error(text: bytes) -> None:
     with pytest.raises(ManifestError):
         ShardManifest.from_json(text)

@@ -1,5 +1,6 @@
-"""Schema migration v1 -> v2 (issue 6): the named migration, v1 checkpoints (golden and made here) still
-load and reshard with sha256 fallback, newer manifests are refused, both JSON Schemas are shipped."""
+"""Schema migration v1 -> v2: the named migration, v1 checkpoints (golden and made here)
+still load and reshard with sha256 fallback, newer manifests are refused, both JSON Schemas are
+shipped."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ V3_KEYS = ("run_id", "attempt")
 
 
 def schema(version: int) -> Draft202012Validator:
-    text = resources.files("tiered_ckpt").joinpath(f"schemas/manifest.v{version}.schema.json").read_text()
+    text = (
+        resources.files("tiered_ckpt")
+        .joinpath(f"schemas/manifest.v{version}.schema.json")
+        .read_text()
+    )
     s = json.loads(text)
     Draft202012Validator.check_schema(s)
     return Draft202012Validator(s)
@@ -48,9 +53,15 @@ def to_v1(d: dict[str, Any]) -> dict[str, Any]:
 
 def write_v1_step(root: Path, world: int = 4, n: int = 1001) -> np.ndarray:
     flat = np.arange(n, dtype=np.float32)
-    states = [{"p": GlobalSlice(flat[o:o + c], (n,), (o,)), "lr": 0.5} for o, c in even_split(n, world)]
-    m = manifest_with_tensors(root / "step_0000000009", tc.save_sharded(states, root, 9))  # v1 lists tensors
-    (root / "step_0000000009" / "manifest.json").write_text(json.dumps(to_v1(m.to_dict()), indent=1))
+    states = [
+        {"p": GlobalSlice(flat[o : o + c], (n,), (o,)), "lr": 0.5} for o, c in even_split(n, world)
+    ]
+    m = manifest_with_tensors(
+        root / "step_0000000009", tc.save_sharded(states, root, 9)
+    )  # v1 lists tensors
+    (root / "step_0000000009" / "manifest.json").write_text(
+        json.dumps(to_v1(m.to_dict()), indent=1)
+    )
     return flat
 
 
@@ -72,8 +83,10 @@ def test_migration_is_named_and_registered() -> None:
 
 
 def test_v2_manifest_upgrades_to_attempt_1_of_no_run(tmp_path: Path) -> None:
-    m = manifest_with_tensors(tmp_path / "step_0000000005",
-                              tc.save_sharded([{"a": np.arange(3.0)}, {"a": np.arange(2.0)}], tmp_path, 5))
+    m = manifest_with_tensors(
+        tmp_path / "step_0000000005",
+        tc.save_sharded([{"a": np.arange(3.0)}, {"a": np.arange(2.0)}], tmp_path, 5),
+    )
     raw = to_v2(m.to_dict())
     assert not list(schema(2).iter_errors(raw))
     before = copy.deepcopy(raw)
@@ -89,20 +102,42 @@ def test_v2_manifest_upgrades_to_attempt_1_of_no_run(tmp_path: Path) -> None:
 
 
 def test_v2_with_v3_fields_is_refused() -> None:
-    m = tc.ShardManifest(world_size=1, step=1, save_id="s", shards=(tc.ShardRecord(
-        rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),))
+    m = tc.ShardManifest(
+        world_size=1,
+        step=1,
+        save_id="s",
+        shards=(
+            tc.ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),
+        ),
+    )
     for key, value in (("run_id", "r"), ("attempt", 2)):
         bad = to_v2(m.to_dict())
         bad[key] = value
-        with pytest.raises(ManifestError, match=r"unknown keys \['%s'\] \(schema_version 2\)" % key):
+        with pytest.raises(
+            ManifestError, match=r"unknown keys \['%s'\] \(schema_version 2\)" % key
+        ):
             mf.ShardManifest.from_dict(bad)
 
 
 def test_v3_lineage_fields_are_validated() -> None:
-    m = tc.ShardManifest(world_size=1, step=1, save_id="s", run_id="run-1", attempt=4, shards=(tc.ShardRecord(
-        rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),))
+    m = tc.ShardManifest(
+        world_size=1,
+        step=1,
+        save_id="s",
+        run_id="run-1",
+        attempt=4,
+        shards=(
+            tc.ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),
+        ),
+    )
     assert mf.ShardManifest.from_json(m.to_json()) == m
-    for key, value in (("run_id", "../x"), ("run_id", ""), ("attempt", 0), ("attempt", True), ("attempt", "2")):
+    for key, value in (
+        ("run_id", "../x"),
+        ("run_id", ""),
+        ("attempt", 0),
+        ("attempt", True),
+        ("attempt", "2"),
+    ):
         bad = m.to_dict()
         bad[key] = value
         with pytest.raises(ManifestError, match=key):
@@ -124,7 +159,10 @@ def test_v1_manifest_upgrades_with_null_checksums(tmp_path: Path) -> None:
     assert up["schema_version"] == 2 and not list(schema(2).iter_errors(up))
     m = tc.read_manifest(tmp_path)
     assert (m.schema_version, m.run_id, m.attempt) == (3, None, 1)
-    assert all(s.crc32c is None and s.header_sha256 is None and s.crc32c_chunk_bytes is None for s in m.shards)
+    assert all(
+        s.crc32c is None and s.header_sha256 is None and s.crc32c_chunk_bytes is None
+        for s in m.shards
+    )
     assert all(t.crc32c is None for s in m.shards for t in s.tensors)
     # re-serialised, it is a valid v3 manifest
     assert not list(schema(3).iter_errors(json.loads(m.to_json())))
@@ -148,24 +186,33 @@ def test_newer_manifest_is_refused_clearly(tmp_path: Path) -> None:
     d = m.to_dict()
     d["schema_version"] = mf.SCHEMA_VERSION + 1
     (tmp_path / "step_0000000001" / "manifest.json").write_text(json.dumps(d))
-    with pytest.raises(ManifestError, match=r"schema_version 4 is newer .* understands \(3\); upgrade"):
+    with pytest.raises(
+        ManifestError, match=r"schema_version 4 is newer .* understands \(3\); upgrade"
+    ):
         tc.load_sharded(tmp_path, 1)
 
 
 def test_v2_cross_field_rules() -> None:
-    base = tc.ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=100,
-                          tensors=(tc.TensorRecord("t", "U8", (5000,), (0, 5000)),)).to_dict()
+    base = tc.ShardRecord(
+        rank=0,
+        path="rank_00000.safetensors",
+        sha256="ab" * 32,
+        size_bytes=100,
+        tensors=(tc.TensorRecord("t", "U8", (5000,), (0, 5000)),),
+    ).to_dict()
     base["size_bytes"] = 6000
     ok = dict(base, crc32c="0badf00d", header_sha256="cd" * 32, crc32c_chunk_bytes=4096)
     ok["tensors"] = [dict(base["tensors"][0], crc32c=["00000000", "11111111"])]
     tc.ShardRecord.from_dict(ok)
     tc.ShardRecord.from_dict(dict(ok, tensors=base["tensors"]))  # tensor checksums are optional
-    for change, msg in [({"crc32c": None}, "all set or all null"),
-                        ({"crc32c_chunk_bytes": 5000}, "power of two"),
-                        ({"crc32c_chunk_bytes": 1024}, "out of range"),
-                        ({"crc32c": "XYZ"}, "malformed"),
-                        ({"tensors": [dict(base["tensors"][0], crc32c=["00000000"])]}, "must list 2"),
-                        ({"crc32c": None, "header_sha256": None, "crc32c_chunk_bytes": None}, "is set but")]:
+    for change, msg in [
+        ({"crc32c": None}, "all set or all null"),
+        ({"crc32c_chunk_bytes": 5000}, "power of two"),
+        ({"crc32c_chunk_bytes": 1024}, "out of range"),
+        ({"crc32c": "XYZ"}, "malformed"),
+        ({"tensors": [dict(base["tensors"][0], crc32c=["00000000"])]}, "must list 2"),
+        ({"crc32c": None, "header_sha256": None, "crc32c_chunk_bytes": None}, "is set but"),
+    ]:
         with pytest.raises(ManifestError, match=msg):
             tc.ShardRecord.from_dict(dict(ok, **change))
 
@@ -196,19 +243,28 @@ def test_v1_step_loads_fast_path_falls_back_and_reshards(tmp_path: Path) -> None
 def test_golden_v1_steps_load_verify_and_reshard(tmp_path: Path) -> None:
     from tiered_ckpt.local.scan import inspect_step
 
-    names = sorted(p.name for p in GOLDEN_V1.iterdir() if p.is_dir() and not p.name.startswith("corrupt"))
+    names = sorted(
+        p.name for p in GOLDEN_V1.iterdir() if p.is_dir() and not p.name.startswith("corrupt")
+    )
     assert names
     for name in names:
         root = GOLDEN_V1 / name
         m = tc.read_manifest(root)
-        assert json.loads((root / f"step_{m.step:010d}" / "manifest.json").read_text())["schema_version"] == 1
+        assert (
+            json.loads((root / f"step_{m.step:010d}" / "manifest.json").read_text())[
+                "schema_version"
+            ]
+            == 1
+        )
         for fast in (False, True):
             assert inspect_step(root, m.step, fast=fast).ok
         a = tc.load_sharded(root, m.world_size)
         b = tc.load_sharded(root, m.world_size, verify="crc32c")
         assert len(a) == len(b) == m.world_size
     zero2 = GOLDEN_V1 / "zero2"
-    if zero2.is_dir():  # the golden ZeRO checkpoint re-split for 3 ranks: partitions reassemble exactly
+    if (
+        zero2.is_dir()
+    ):  # the golden ZeRO checkpoint re-split for 3 ranks: partitions reassemble exactly
         m = tc.read_manifest(zero2)
         shutil.copytree(zero2, tmp_path / "z")
         try:
@@ -217,8 +273,14 @@ def test_golden_v1_steps_load_verify_and_reshard(tmp_path: Path) -> None:
             assert "without a rule" in str(e)
         else:
             assert len(out) == 3
-    assert inspect_step(GOLDEN_V1 / "corrupt_zero2", tc.read_manifest(GOLDEN_V1 / "corrupt_zero2").step,
-                        fast=True).state == "corrupt"
+    assert (
+        inspect_step(
+            GOLDEN_V1 / "corrupt_zero2",
+            tc.read_manifest(GOLDEN_V1 / "corrupt_zero2").step,
+            fast=True,
+        ).state
+        == "corrupt"
+    )
 
 
 def test_both_schemas_shipped() -> None:

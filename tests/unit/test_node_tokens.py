@@ -1,5 +1,5 @@
 """Node token files (tiered_ckpt.locks) and the grouping of ranks by the tokens they see
-(tiered_ckpt.training.dist.disk_groups): the pure parts of "nodes by shared disk" (issue 10, Build 3)."""
+(tiered_ckpt.training.dist.disk_groups): the pure parts of "nodes by shared disk"."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import pytest
 
 from tiered_ckpt.fs import hostname, owner_token
 from tiered_ckpt.layout import NODE_TOKEN_PREFIX
-from tiered_ckpt.locks import node_token_present, remove_node_token, sweep_stale_node_tokens, write_node_token
+from tiered_ckpt.locks import (
+    node_token_present,
+    remove_node_token,
+    sweep_stale_node_tokens,
+    write_node_token,
+)
 
 
 def _groups(seen):
@@ -40,9 +45,16 @@ def test_token_files(tmp_path: Path) -> None:
     assert a != b and a.startswith(f"{NODE_TOKEN_PREFIX}{owner_token()}.")
     assert node_token_present(root, a) and node_token_present(root, b)
     assert not node_token_present(tmp_path, a)
-    for bad in ("manifest.json", f"{NODE_TOKEN_PREFIX}x", f"{NODE_TOKEN_PREFIX}../../etc/passwd", "../" + a):
+    for bad in (
+        "manifest.json",
+        f"{NODE_TOKEN_PREFIX}x",
+        f"{NODE_TOKEN_PREFIX}../../etc/passwd",
+        "../" + a,
+    ):
         assert not node_token_present(root, bad)
-    dead = f"{NODE_TOKEN_PREFIX}{hostname()}.{2**22 + 3}.1.abcdefabcdef"  # old-format owner, dead pid
+    dead = (
+        f"{NODE_TOKEN_PREFIX}{hostname()}.{2**22 + 3}.1.abcdefabcdef"  # old-format owner, dead pid
+    )
     other = f"{NODE_TOKEN_PREFIX}elsewhere_{'0' * 16}_1.5.1.abcdefabcdef"
     (root / dead).write_bytes(b"")
     (root / other).write_bytes(b"")

@@ -1,4 +1,5 @@
-"""Pure unit tests of tiered_ckpt.retry: the retryable-error predicate, RetryPolicy, call_with_retries."""
+"""Pure unit tests of tiered_ckpt.retry: the retryable-error predicate, RetryPolicy,
+call_with_retries."""
 
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ FAST = RetryPolicy(max_attempts=4, initial_wait_s=0.001, max_wait_s=0.005)
 
 
 def client_error(code: str, status: int, op: str = "PutObject") -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        op,
+    )
 
 
 @pytest.mark.parametrize(
@@ -161,7 +165,9 @@ def test_retry_policy_defaults_and_wait_shape() -> None:
         p.max_attempts = 3  # type: ignore[misc]  # frozen
 
 
-def test_call_with_retries_succeeds_after_transient_failures(caplog: pytest.LogCaptureFixture) -> None:
+def test_call_with_retries_succeeds_after_transient_failures(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     calls = []
 
     def fn() -> str:
@@ -174,7 +180,9 @@ def test_call_with_retries_succeeds_after_transient_failures(caplog: pytest.LogC
         assert call_with_retries("put s3://b/k", fn, policy=FAST) == "ok"
     assert len(calls) == 3
     retry_logs = [r for r in caplog.records if r.name == "tiered_ckpt.retry"]
-    assert len(retry_logs) == 1 and "put s3://b/k" in retry_logs[0].getMessage()  # one WARNING per operation
+    assert (
+        len(retry_logs) == 1 and "put s3://b/k" in retry_logs[0].getMessage()
+    )  # one WARNING per operation
     assert "SlowDown" in retry_logs[0].getMessage()
 
 
@@ -204,7 +212,9 @@ def test_call_with_retries_does_not_retry_permanent_errors() -> None:
     with pytest.raises(UploadError) as info:
         call_with_retries("op", fn, policy=FAST)
     assert len(calls) == 1 and info.value.last_exception is err
-    assert str(info.value).startswith("access denied (AccessDenied, HTTP 403)")  # a RemoteAccessError
+    assert str(info.value).startswith(
+        "access denied (AccessDenied, HTTP 403)"
+    )  # a RemoteAccessError
 
 
 def test_typed_upload_errors_pass_through_unchanged() -> None:
@@ -296,15 +306,20 @@ def test_passthrough_types_are_not_wrapped() -> None:
 
 
 def test_client_timeouts_and_botocore_attempts_as_documented() -> None:
-    """The per-request timeouts and botocore's attempt count the retry module's docstring describes are
-    the ones the client is built with (there is no overall deadline to check: none exists)."""
+    """The per-request timeouts and botocore's attempt count the retry module's docstring describes
+    are the ones the client is built with (there is no overall deadline to check: none exists)."""
     from tiered_ckpt.store import make_s3_client
 
     client = make_s3_client(endpoint_url="http://127.0.0.1:9", region_name="us-east-1")
     config = client.meta.config
     assert (config.connect_timeout, config.read_timeout) == (10.0, 60.0)
     assert config.retries == {"mode": "standard", "total_max_attempts": 5}
-    custom = make_s3_client(endpoint_url="http://127.0.0.1:9", region_name="us-east-1", connect_timeout_s=1.5,
-                            read_timeout_s=2.5, botocore_max_attempts=1)
+    custom = make_s3_client(
+        endpoint_url="http://127.0.0.1:9",
+        region_name="us-east-1",
+        connect_timeout_s=1.5,
+        read_timeout_s=2.5,
+        botocore_max_attempts=1,
+    )
     assert (custom.meta.config.connect_timeout, custom.meta.config.read_timeout) == (1.5, 2.5)
     assert custom.meta.config.retries["total_max_attempts"] == 1

@@ -1,7 +1,8 @@
-"""The sidecar loop's timing (tiered_ckpt.remote.daemon.UploadLoop; SPEC §11 "Sidecar at scale") against a
-stand-in uploader: exponential backoff with jitter per waiting step, the stall deadline (one WARNING, the
-metrics, the ``stalled`` lock), newer steps never blocked, RunMismatchError stops the loop. The same loop
-against a real sidecar process and S3 server: tests/multiproc/test_sidecar_stall.py."""
+"""The sidecar loop's timing (tiered_ckpt.remote.daemon.UploadLoop; SPEC §11 "Sidecar at scale")
+against a stand-in uploader: exponential backoff with jitter per waiting step, the stall deadline
+(one WARNING, the metrics, the ``stalled`` lock), newer steps never blocked, RunMismatchError stops
+the loop. The same loop against a real sidecar process and S3 server:
+tests/multiproc/test_sidecar_stall.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from tiered_ckpt.remote.upload import UploadPolicy
 class FakeUploader:
     """Steps in ``incomplete`` wait for ranks 2-3; the others commit."""
 
-    def __init__(self, root: Path, pending: list[int], *, deadline_s: float | None = 1800.0) -> None:
+    def __init__(
+        self, root: Path, pending: list[int], *, deadline_s: float | None = 1800.0
+    ) -> None:
         self.local_root = root
         self.store = SimpleNamespace(url="s3://bucket/prefix")
         self.policy = UploadPolicy(stall_deadline_s=deadline_s)
@@ -71,8 +74,11 @@ def _loop(up: FakeUploader, poll: float = 0.1, cap: float = 0.8) -> UploadLoop:
 
 
 def _stall_locks(up: FakeUploader, step: int) -> list[str]:
-    return [p.name for p in (up.local_root / step_dir_name(step)).iterdir()
-            if p.name.startswith(f"{LOCK_PREFIX}stalled.")]
+    return [
+        p.name
+        for p in (up.local_root / step_dir_name(step)).iterdir()
+        if p.name.startswith(f"{LOCK_PREFIX}stalled.")
+    ]
 
 
 def test_polls_back_off_exponentially_to_the_cap_with_jitter(tmp_path: Path) -> None:
@@ -90,7 +96,9 @@ def test_polls_back_off_exponentially_to_the_cap_with_jitter(tmp_path: Path) -> 
     assert up.metrics.waiting_steps._value.get() == 1 and up.metrics.stalled_steps._value.get() == 0
 
 
-def test_a_waiting_step_is_not_polled_before_its_time_and_never_blocks_a_newer_one(tmp_path: Path) -> None:
+def test_a_waiting_step_is_not_polled_before_its_time_and_never_blocks_a_newer_one(
+    tmp_path: Path,
+) -> None:
     up = FakeUploader(tmp_path, [7], deadline_s=None)
     loop = _loop(up, poll=5.0, cap=5.0)
     stop = threading.Event()
@@ -103,7 +111,8 @@ def test_a_waiting_step_is_not_polled_before_its_time_and_never_blocks_a_newer_o
 
 
 def test_a_step_past_the_deadline_is_reported_once_kept_and_committed_later(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="tiered_ckpt.remote.daemon")
     up = FakeUploader(tmp_path, [7], deadline_s=0.05)
     loop = _loop(up, poll=0.01, cap=0.02)
@@ -114,7 +123,9 @@ def test_a_step_past_the_deadline_is_reported_once_kept_and_committed_later(
     for _ in range(3):
         loop.pass_once(stop, honour_backoff=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith("step 7: ranks 2-3 not confirmed by the other nodes within 0.05 s")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "step 7: ranks 2-3 not confirmed by the other nodes within 0.05 s"
+    )
     assert loop.waiting[7].stalled and len(_stall_locks(up, 7)) == 1
     assert up.metrics.stalls._value.get() == 1 and up.metrics.stalled_steps._value.get() == 1
     t0 = time.monotonic()
@@ -156,7 +167,9 @@ def test_run_mismatch_stops_the_loop(tmp_path: Path) -> None:
     assert up.calls == [7]
 
 
-def test_every_pass_sweeps_the_recorded_aborts_and_a_failing_sweep_blocks_nothing(tmp_path: Path) -> None:
+def test_every_pass_sweeps_the_recorded_aborts_and_a_failing_sweep_blocks_nothing(
+    tmp_path: Path,
+) -> None:
     up = FakeUploader(tmp_path, [7, 8])
     up.incomplete = set()
     loop = _loop(up)

@@ -1,4 +1,5 @@
-"""Shared pieces of the subcommands: exit codes, error lines, JSON output, table printing, and the checks of\na command's target (a checkpoint root, a step, a destination other than the source)."""
+"""Shared pieces of the subcommands: exit codes, error lines, JSON output, table printing, and the
+checks of\na command's target (a checkpoint root, a step, a destination other than the source)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 EXIT_OK, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
 
@@ -27,8 +29,9 @@ MAX_ERROR_CHARS = 400
 
 
 def one_line(text: str) -> str:
-    """``text`` on one line, secrets redacted (:func:`tiered_ckpt.redact.redact_text`: URL user info,
-    credentials, registered secret values), then cut to :data:`MAX_ERROR_CHARS` keeping start and end."""
+    """``text`` on one line, secrets redacted (:func:`tiered_ckpt.redact.redact_text`: URL user
+    info, credentials, registered secret values), then cut to :data:`MAX_ERROR_CHARS` keeping start
+    and end."""
     from tiered_ckpt.redact import redact_text
 
     text = redact_text(" ".join(str(text).split()))
@@ -39,10 +42,10 @@ def one_line(text: str) -> str:
 
 
 def error_text(e: BaseException) -> str:
-    """The words of a failure for its error line, without its Python class name (``--debug`` adds it): a
-    :class:`CheckpointError`'s message (each says what failed, on which object or path); an ``OSError``
-    as ``path: reason`` (``path -> path2: reason`` for a rename); any other error's message (its class name
-    only when it has none)."""
+    """The words of a failure for its error line, without its Python class name (``--debug`` adds
+    it): a :class:`CheckpointError`'s message (each says what failed, on which object or path); an
+    ``OSError`` as ``path: reason`` (``path -> path2: reason`` for a rename); any other error's
+    message (its class name only when it has none)."""
     from tiered_ckpt.errors import CheckpointError
 
     if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
@@ -80,11 +83,13 @@ def human_bytes(n: int) -> str:
 def parse_ranks(text: str) -> list[int]:
     """``"0-1,4"`` -> ``[0, 1, 4]``. Every rank and range end is checked against
     :data:`~tiered_ckpt.layout.MAX_WORLD_SIZE` *before* a range is expanded, so that a flag such as
-    ``--ranks 0-10000000000`` is a usage error, not a list of ten billion ints (issue 11 case 8).
+    ``--ranks 0-10000000000`` is a usage error, not a list of ten billion ints.
     Raises CliError (usage, exit 2) on malformed or out-of-range input."""
     from tiered_ckpt.layout import MAX_WORLD_SIZE
 
-    if len(text) > 1_000_000:  # every rank of the largest world size, written out one by one, is ~590 KB
+    if (
+        len(text) > 1_000_000
+    ):  # every rank of the largest world size, written out one by one, is ~590 KB
         raise CliError(f"bad rank list ({len(text)} characters; expected e.g. 0-1,4)", EXIT_USAGE)
     shown = text if len(text) <= 80 else f"{text[:40]}...{text[-20:]}"
     spans: list[tuple[int, int]] = []
@@ -102,36 +107,46 @@ def parse_ranks(text: str) -> list[int]:
         raise CliError(f"bad rank list {shown!r} (expected e.g. 0-1,4)", EXIT_USAGE) from None
     too_big = [hi for _, hi in spans if hi >= MAX_WORLD_SIZE]
     if too_big:
-        raise CliError(f"bad rank list {shown!r}: rank {max(too_big)} is out of range (ranks are 0 to "
-                       f"{MAX_WORLD_SIZE - 1})", EXIT_USAGE)
+        raise CliError(
+            f"bad rank list {shown!r}: rank {max(too_big)} is out of range (ranks are 0 to "
+            f"{MAX_WORLD_SIZE - 1})",
+            EXIT_USAGE,
+        )
     out: set[int] = set()
     for lo, hi in spans:
         out.update(range(lo, hi + 1))
     return sorted(out)
 
 
-# ------------------------------------------------------------------ targets: roots, steps, prefixes
-# A wrong path, URL or step must not pass as "nothing there yet" (issue 14): each command checks its
-# target with these and fails with one line (exit 1) naming it; ``--allow-empty`` accepts an existing
-# directory or prefix that holds no run. A root with its ``run.json`` and no step is a fresh run (normal).
+# --- targets: roots, steps, prefixes
+# A wrong path, URL or step must not pass as "nothing there yet": each command checks its
+# target with these and fails with one line (exit 1) naming it; ``--allow-empty`` accepts an
+# existing directory or prefix that holds no run. A root with its ``run.json`` and no step is a
+# fresh run (normal).
 
-ALLOW_EMPTY_HELP = ("accept a target that holds no run (no run.json, no step): print 'no steps' and exit 0, "
-                    "as for an empty run; without it such a directory or prefix is an error (a typo)")
+ALLOW_EMPTY_HELP = (
+    "accept a target that holds no run (no run.json, no step): print 'no steps' and exit 0, "
+    "as for an empty run; without it such a directory or prefix is an error (a typo)"
+)
 
 
 def steps_text(steps: Sequence[int]) -> str:
-    """``"steps: 5, 10, 15"`` (at most ten named: the first and last five, and the count), ``"no steps"``."""
+    """``"steps: 5, 10, 15"`` (at most ten named: the first and last five, and the count), ``"no
+    steps"``."""
     if not steps:
         return "no steps"
-    shown = [str(s) for s in steps] if len(steps) <= 10 else \
-        [str(s) for s in steps[:5]] + ["..."] + [str(s) for s in steps[-5:]]
+    shown = (
+        [str(s) for s in steps]
+        if len(steps) <= 10
+        else [str(s) for s in steps[:5]] + ["..."] + [str(s) for s in steps[-5:]]
+    )
     return f"steps: {', '.join(shown)}" + (f"; {len(steps)} in all" if len(steps) > 10 else "")
 
 
 def _holds_run(root: Path) -> bool:
-    """``root`` holds a ``run.json``, a step entry, or a leftover only this package makes (a trash directory,
-    an owner-named temp file: a killed restore's) (any kind of entry: a hostile one is the scan's to report).
-    Raises CliError when it cannot be listed."""
+    """``root`` holds a ``run.json``, a step entry, or a leftover only this package makes (a trash
+    directory, an owner-named temp file: a killed restore's) (any kind of entry: a hostile one is
+    the scan's to report). Raises CliError when it cannot be listed."""
     from tiered_ckpt.fs import temp_owner
     from tiered_ckpt.layout import RUN_RECORD_NAME, TRASH_PREFIX, parse_step_dir_name
 
@@ -139,20 +154,26 @@ def _holds_run(root: Path) -> bool:
         names = os.listdir(root)
     except OSError as e:
         raise CliError(f"{root}: cannot list the directory: {e.strerror or e}") from None
-    return any(n == RUN_RECORD_NAME or n.startswith(TRASH_PREFIX) or parse_step_dir_name(n) is not None
-               or temp_owner(n) is not None for n in names)
+    return any(
+        n == RUN_RECORD_NAME
+        or n.startswith(TRASH_PREFIX)
+        or parse_step_dir_name(n) is not None
+        or temp_owner(n) is not None
+        for n in names
+    )
 
 
 ALLOW_EMPTY_HINT = "; pass --allow-empty to accept an empty directory"
 
 
-def require_checkpoint_root(root: Path, allow_empty: bool = False, *, as_given: bool = False,
-                            hint: str = ALLOW_EMPTY_HINT) -> Path:
-    """``root`` when it is an existing directory that holds a run (``run.json`` or a step directory; a
-    step directory given as ``root`` counts as its run's, unless ``as_given``: the writers' and ``gc``'s
-    reading, the directory as named). ``allow_empty``: any existing directory. Raises :class:`CliError`
-    (exit 1): does not exist, not a directory, or (without ``allow_empty``) holds no run (the line ends
-    with ``hint``: ``""`` for a command without ``--allow-empty``)."""
+def require_checkpoint_root(
+    root: Path, allow_empty: bool = False, *, as_given: bool = False, hint: str = ALLOW_EMPTY_HINT
+) -> Path:
+    """``root`` when it is an existing directory that holds a run (``run.json`` or a step directory;
+    a step directory given as ``root`` counts as its run's, unless ``as_given``: the writers' and
+    ``gc``'s reading, the directory as named). ``allow_empty``: any existing directory. Raises
+    :class:`CliError` (exit 1): does not exist, not a directory, or (without ``allow_empty``) holds
+    no run (the line ends with ``hint``: ``""`` for a command without ``--allow-empty``)."""
     from tiered_ckpt.local.catalogue import resolve_root
 
     if not root.exists():
@@ -166,8 +187,8 @@ def require_checkpoint_root(root: Path, allow_empty: bool = False, *, as_given: 
 
 def require_step(root: Path, step: int) -> None:
     """Return when ``step`` exists under the run ``root`` (a step directory, committed or not, or a
-    superseded entry of it). Raises :class:`CliError`: exit 1 naming the steps there when it does not,
-    usage (exit 2) when ``root`` is the directory of another step."""
+    superseded entry of it). Raises :class:`CliError`: exit 1 naming the steps there when it does
+    not, usage (exit 2) when ``root`` is the directory of another step."""
     from tiered_ckpt.layout import SUPERSEDED_DIR, parse_remote_step_entry, step_dir_name
     from tiered_ckpt.local.catalogue import all_step_dirs, resolve_root
     from tiered_ckpt.safe_read import list_in_root
@@ -177,7 +198,8 @@ def require_step(root: Path, step: int) -> None:
     except ValueError as e:  # ROOT is step_X's directory and --step asks for another
         raise CliError(str(e), EXIT_USAGE) from None
     if os.path.lexists(r / step_dir_name(step)) or any(
-            (parse_remote_step_entry(n) or (None,))[0] == step for n in list_in_root(r, SUPERSEDED_DIR)):
+        (parse_remote_step_entry(n) or (None,))[0] == step for n in list_in_root(r, SUPERSEDED_DIR)
+    ):
         return
     raise CliError(f"step {step} does not exist under {root} ({steps_text(all_step_dirs(r))})")
 
@@ -190,17 +212,21 @@ def require_other_root(out: Path, root: Path, flag: str = "--out") -> None:
 
     src = os.path.realpath(resolve_root(root)[0])
     dst = Path(os.path.abspath(out))
-    if os.path.realpath(dst) == src or (parse_step_dir_name(dst.name) is not None
-                                        and os.path.realpath(dst.parent) == src):
-        raise CliError(f"{flag} {out} is the source run directory {root} or one of its step directories; pass "
-                       "another directory", EXIT_USAGE)
+    if os.path.realpath(dst) == src or (
+        parse_step_dir_name(dst.name) is not None and os.path.realpath(dst.parent) == src
+    ):
+        raise CliError(
+            f"{flag} {out} is the source run directory {root} or one of its step directories; pass "
+            "another directory",
+            EXIT_USAGE,
+        )
 
 
-# ------------------------------------------------------------------ argparse ``type=`` validators
+# --- argparse ``type=`` validators
 # Shared by every subcommand so that the same flag is validated the same way everywhere. They raise
-# ``argparse.ArgumentTypeError``, which argparse turns into one ``usage: ...`` / ``error: ...`` pair on
-# stderr and exit code 2. (argparse also applies them to string defaults, e.g. the ``TIERED_CKPT_*``
-# environment defaults of ``upload``.)
+# ``argparse.ArgumentTypeError``, which argparse turns into one ``usage: ...`` / ``error: ...`` pair
+# on stderr and exit code 2. (argparse also applies them to string defaults, e.g. the
+# ``TIERED_CKPT_*`` environment defaults of ``upload``.)
 
 
 def _int(text: str) -> int:
@@ -227,8 +253,9 @@ def positive_int(text: str) -> int:
 
 
 def bounded_int(hi: int) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer in [1, ``hi``] (else exit 2 with one line). For sizes and counts
-    that allocate (parts in flight, part sizes): bounded before anything is built from them."""
+    """An argparse ``type=``: an integer in [1, ``hi``] (else exit 2 with one line). For sizes and
+    counts that allocate (parts in flight, part sizes): bounded before anything is built from
+    them."""
 
     def parse(text: str) -> int:
         v = positive_int(text)
@@ -239,9 +266,9 @@ def bounded_int(hi: int) -> Callable[[str], int]:
     return parse
 
 
-#: Bounds of the transfer flags of ``upload`` and ``restore``, checked before anything is sized by them
-#: (issue 11 case 8: a bad flag must not allocate): S3's largest part is 5 GiB, and more threads than this
-#: only exhaust the machine.
+#: Bounds of the transfer flags of ``upload`` and ``restore``, checked before anything is sized by
+#: them (a bad flag must not allocate): S3's largest part is 5 GiB, and more
+#: threads than this only exhaust the machine.
 MAX_PART_SIZE_MIB = 5 * 1024
 MAX_CONCURRENCY = 1024
 
@@ -341,5 +368,7 @@ def log_level(text: str) -> str:
     if v == "WARN":
         v = "WARNING"
     if v not in LOG_LEVELS or not isinstance(getattr(logging, v, None), int):
-        raise argparse.ArgumentTypeError(f"invalid log level {text!r} (one of {', '.join(LOG_LEVELS)})")
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {text!r} (one of {', '.join(LOG_LEVELS)})"
+        )
     return v

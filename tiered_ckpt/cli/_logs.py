@@ -1,20 +1,20 @@
-"""The CLI's logging: the one place in the package that configures a handler (library code configures
-none and never touches the root logger).
+"""The CLI's logging: the one place in the package that configures a handler (library code
+configures none and never touches the root logger).
 
 * The ``tiered_ckpt`` logger gets its own stderr handler (``propagate`` off) at ``--log-level``
   (``--debug``: DEBUG; without either, :func:`resolve_log_level`'s per-command default: INFO for the
-  ``upload --watch`` sidecar, whose INFO lines say what it uploaded, WARNING for every other command).
-  The root logger is left alone.
-* botocore, boto3, urllib3 and s3transfer (the wire loggers) go to the same handler at WARNING, so that
-  their warnings pass the filter too instead of Python's unfiltered last-resort handler; their DEBUG
-  wire logging (request headers, canonical requests, signatures) only with ``--log-wire``.
-* Every record of that handler passes :class:`tiered_ckpt.redact.RedactingFilter`: credentials, session
-  tokens, signatures, presigned query strings and URL user info are masked, and so is every credential
-  value :func:`register_credentials` found at startup.
+  ``upload --watch`` sidecar, whose INFO lines say what it uploaded, WARNING for every other
+  command). The root logger is left alone.
+* botocore, boto3, urllib3 and s3transfer (the wire loggers) go to the same handler at WARNING, so
+  that their warnings pass the filter too instead of Python's unfiltered last-resort handler; their
+  DEBUG wire logging (request headers, canonical requests, signatures) only with ``--log-wire``.
+* Every record of that handler passes :class:`tiered_ckpt.redact.RedactingFilter`: credentials,
+  session tokens, signatures, presigned query strings and URL user info are masked, and so is every
+  credential value :func:`register_credentials` found at startup.
 
-:func:`cli_logging` restores the loggers when the command returns (``main()`` may run many times in one
-process, e.g. in tests). :func:`redacted_stdout` masks the user info (and presigned secrets) of every URL
-a subcommand prints on stdout (a step's fault note or a skip reason may quote botocore's
+:func:`cli_logging` restores the loggers when the command returns (``main()`` may run many times in
+one process, e.g. in tests). :func:`redacted_stdout` masks the user info (and presigned secrets) of
+every URL a subcommand prints on stdout (a step's fault note or a skip reason may quote botocore's
 ``Could not connect to the endpoint URL: "http://user:password@host/..."``).
 """
 
@@ -24,24 +24,34 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
-from tiered_ckpt.redact import RedactingFilter, redact_urls, register_secret, register_url_credentials
+from tiered_ckpt.redact import (
+    RedactingFilter,
+    redact_urls,
+    register_secret,
+    register_url_credentials,
+)
 
 #: The libraries whose DEBUG output is the HTTP wire (``--log-wire``).
 WIRE_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-#: Environment variables holding AWS credentials (boto3's environment provider; AWS_SECURITY_TOKEN is
-#: the legacy name of the session token).
-CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+#: Environment variables holding AWS credentials (boto3's environment provider; AWS_SECURITY_TOKEN
+#: is the legacy name of the session token).
+CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+)
 #: Environment variables that may hold an endpoint URL (with user info in it).
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever ``sys.stderr`` is when a record is emitted (as ``logging.lastResort`` does), so
-    that a replaced ``sys.stderr`` (pytest's capture, a redirect) is honoured."""
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (as ``logging.lastResort``
+    does), so that a replaced ``sys.stderr`` (pytest's capture, a redirect) is honoured."""
 
     def __init__(self) -> None:
         logging.Handler.__init__(self)
@@ -64,14 +74,15 @@ def register_credentials(args: argparse.Namespace | None = None) -> None:
 
 #: The default level of every command but the sidecar's (:func:`default_log_level`).
 DEFAULT_LOG_LEVEL = "WARNING"
-#: The sidecar's (``upload --watch``) default level: one INFO line per step uploaded, and its start/stop.
+#: The sidecar's (``upload --watch``) default level: one INFO line per step uploaded, and its
+#: start/stop.
 SIDECAR_LOG_LEVEL = "INFO"
 
 
 def default_log_level(args: argparse.Namespace) -> str:
     """The level name of a command run without ``--log-level``: :data:`SIDECAR_LOG_LEVEL` for
-    ``upload --watch`` (a long-running process whose log is its only output), :data:`DEFAULT_LOG_LEVEL`
-    otherwise."""
+    ``upload --watch`` (a long-running process whose log is its only output),
+    :data:`DEFAULT_LOG_LEVEL` otherwise."""
     if getattr(args, "command", None) == "upload" and getattr(args, "watch", False):
         return SIDECAR_LOG_LEVEL
     return DEFAULT_LOG_LEVEL
@@ -79,8 +90,8 @@ def default_log_level(args: argparse.Namespace) -> str:
 
 def resolve_log_level(args: argparse.Namespace) -> int:
     """The ``logging`` level of the ``tiered_ckpt`` logger for parsed CLI ``args``: DEBUG with
-    ``--debug``, else ``--log-level`` (a name checked by :func:`tiered_ckpt.cli._common.log_level`), else
-    :func:`default_log_level`."""
+    ``--debug``, else ``--log-level`` (a name checked by :func:`tiered_ckpt.cli._common.log_level`),
+    else :func:`default_log_level`."""
     if getattr(args, "debug", False):
         return logging.DEBUG
     name = getattr(args, "log_level", None) or default_log_level(args)
@@ -97,9 +108,9 @@ def make_handler() -> logging.Handler:
 
 @contextmanager
 def cli_logging(level: int, *, wire: bool = False) -> Iterator[logging.Handler]:
-    """Configure the ``tiered_ckpt`` logger at ``level`` and the :data:`WIRE_LOGGERS` at WARNING (or the
-    stricter ``level``; DEBUG with ``wire``) on one redacting stderr handler, for the duration of the
-    block; then put back each logger's level, handlers and ``propagate`` as they were."""
+    """Configure the ``tiered_ckpt`` logger at ``level`` and the :data:`WIRE_LOGGERS` at WARNING (or
+    the stricter ``level``; DEBUG with ``wire``) on one redacting stderr handler, for the duration
+    of the block; then put back each logger's level, handlers and ``propagate`` as they were."""
     handler = make_handler()
     wire_level = logging.DEBUG if wire else max(level, logging.WARNING)
     levels = {"tiered_ckpt": level, **{name: wire_level for name in WIRE_LOGGERS}}
@@ -120,9 +131,9 @@ def cli_logging(level: int, *, wire: bool = False) -> Iterator[logging.Handler]:
 
 
 class _UrlRedactingWriter:
-    """A text stream whose writes pass :func:`tiered_ckpt.redact.redact_urls` first (``print`` writes each
-    formatted line in one call, ``json.dump`` each string value in one chunk); everything else is the
-    wrapped stream's."""
+    """A text stream whose writes pass :func:`tiered_ckpt.redact.redact_urls` first (``print``
+    writes each formatted line in one call, ``json.dump`` each string value in one chunk);
+    everything else is the wrapped stream's."""
 
     def __init__(self, stream) -> None:  # type: ignore[no-untyped-def]
         self._stream = stream
@@ -147,6 +158,17 @@ def redacted_stdout() -> Iterator[None]:
             sys.stdout = original
 
 
-__all__ = ["CREDENTIAL_ENV", "DEFAULT_LOG_LEVEL", "ENDPOINT_ENV", "LOG_FORMAT", "SIDECAR_LOG_LEVEL", "WIRE_LOGGERS",
-           "cli_logging", "default_log_level", "make_handler", "redacted_stdout", "register_credentials",
-           "resolve_log_level"]
+__all__ = [
+    "CREDENTIAL_ENV",
+    "DEFAULT_LOG_LEVEL",
+    "ENDPOINT_ENV",
+    "LOG_FORMAT",
+    "SIDECAR_LOG_LEVEL",
+    "WIRE_LOGGERS",
+    "cli_logging",
+    "default_log_level",
+    "make_handler",
+    "redacted_stdout",
+    "register_credentials",
+    "resolve_log_level",
+]

@@ -1,7 +1,8 @@
-"""The demo's machinery: its S3 (embedded moto server, a SeaweedFS process or an external endpoint), the processes it starts
-(training jobs in a process group of their own, the upload sidecar) and the files it reads back from
-them (loss curves; the jobs' event logs, :mod:`tiered_ckpt.training.events`). Nothing here is part of
-the story itself (:mod:`tiered_ckpt.cli.demo`)."""
+"""The demo's machinery: its S3 (embedded moto server, a SeaweedFS process or an external endpoint),
+the processes it starts (training jobs in a process group of their own, the upload sidecar) and the
+files it reads back from them (loss curves; the jobs' event logs,
+:mod:`tiered_ckpt.training.events`). Nothing here is part of the story itself
+(:mod:`tiered_ckpt.cli.demo`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable
+from typing import IO, TYPE_CHECKING
 
 from tiered_ckpt.store import ObjectStore
 
@@ -25,19 +27,34 @@ if TYPE_CHECKING:
 
     from tiered_ckpt.cli.demo_seaweed import WeedMini
 
-__all__ = ["DEMO_SERVERS", "DemoError", "DemoS3", "S3Target", "Job", "free_port", "launcher_argv", "sidecar_argv",
-           "read_losses", "wait_for"]
+__all__ = [
+    "DEMO_SERVERS",
+    "DemoError",
+    "DemoS3",
+    "S3Target",
+    "Job",
+    "free_port",
+    "launcher_argv",
+    "sidecar_argv",
+    "read_losses",
+    "wait_for",
+]
 
 #: The local S3 servers the demo can start (``--server``).
 DEMO_SERVERS = ("moto", "seaweedfs")
-#: moto accepts any credentials; SeaweedFS is given this key pair as its one identity. Either way they keep
-#: the demo away from real AWS configuration.
-DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1",
-             "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+#: moto accepts any credentials; SeaweedFS is given this key pair as its one identity. Either way
+#: they keep the demo away from real AWS configuration.
+DUMMY_AWS = {
+    "AWS_ACCESS_KEY_ID": "demo",
+    "AWS_SECRET_ACCESS_KEY": "demo",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
-#: Starts ``n`` ranks of ``argv`` with torch.distributed's env:// variables and waits for them. Unlike
-#: torchrun (whose workers get sessions of their own), the ranks stay in the launcher's process group, so
-#: one ``killpg`` reaches the whole job, as a node failure would.
+#: Starts ``n`` ranks of ``argv`` with torch.distributed's env:// variables and waits for them.
+#: Unlike torchrun (whose workers get sessions of their own), the ranks stay in the launcher's
+#: process group, so one ``killpg`` reaches the whole job, as a node failure would.
 _LAUNCHER = (
     "import os, subprocess, sys\n"
     "n, port, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]\n"
@@ -45,7 +62,8 @@ _LAUNCHER = (
     " WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=port))"
     " for r in range(n)]\n"
     "rcs = [p.wait() for p in ps]\n"
-    "sys.exit(next((abs(c) for c in rcs if c), 0))\n")
+    "sys.exit(next((abs(c) for c in rcs if c), 0))\n"
+)
 
 
 class DemoError(Exception):
@@ -59,25 +77,41 @@ def free_port() -> int:
 
 
 def launcher_argv(n_ranks: int, module: str, args: list[str]) -> list[str]:
-    """The command that runs ``python -m module args`` as ``n_ranks`` ranks of one job (see ``_LAUNCHER``)."""
+    """The command that runs ``python -m module args`` as ``n_ranks`` ranks of one job (see
+    ``_LAUNCHER``)."""
     return [sys.executable, "-c", _LAUNCHER, str(n_ranks), str(free_port()), "-m", module, *args]
 
 
 def sidecar_argv(root: Path, remote_url: str, endpoint_url: str) -> list[str]:
     """``tiered-ckpt upload --watch`` of ``root`` to ``remote_url``, as its own process."""
-    return [sys.executable, "-c", "import sys; from tiered_ckpt.cli import main; sys.exit(main())",
-            "--log-level", "INFO", "upload", "--watch", "--local", str(root), "--remote", remote_url,
-            "--endpoint-url", endpoint_url, "--path-style", "--poll-interval-s", "0.2"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from tiered_ckpt.cli import main; sys.exit(main())",
+        "--log-level",
+        "INFO",
+        "upload",
+        "--watch",
+        "--local",
+        str(root),
+        "--remote",
+        remote_url,
+        "--endpoint-url",
+        endpoint_url,
+        "--path-style",
+        "--poll-interval-s",
+        "0.2",
+    ]
 
 
-# ------------------------------------------------------------------------------------------------ S3
+# --- S3
 
 
 @dataclass(frozen=True)
 class S3Target:
-    """Where the story uploads: ``remote_url`` (``s3://bucket/prefix``, a fresh prefix), ``endpoint``
-    (URL), ``where`` (one line for the report) and ``store`` (an open store of ``remote_url``, for the
-    listing and the restore; closed by :meth:`DemoS3.stop`)."""
+    """Where the story uploads: ``remote_url`` (``s3://bucket/prefix``, a fresh prefix),
+    ``endpoint`` (URL), ``where`` (one line for the report) and ``store`` (an open store of
+    ``remote_url``, for the listing and the restore; closed by :meth:`DemoS3.stop`)."""
 
     remote_url: str
     endpoint: str
@@ -86,21 +120,29 @@ class S3Target:
 
 
 class DemoS3:
-    """The demo's S3: an embedded moto ``ThreadedMotoServer`` on 127.0.0.1, or (``server="seaweedfs"``) a
-    SeaweedFS ``weed mini`` process bound to 127.0.0.1 only, their dummy credentials set in ``env`` and this
-    process's environment; or the external one ``endpoint_url`` names."""
+    """The demo's S3: an embedded moto ``ThreadedMotoServer`` on 127.0.0.1, or
+    (``server="seaweedfs"``) a SeaweedFS ``weed mini`` process bound to 127.0.0.1 only, their dummy
+    credentials set in ``env`` and this process's environment; or the external one ``endpoint_url``
+    names."""
 
     def __init__(self) -> None:
         self.server: ThreadedMotoServer | None = None
         self.weed: WeedMini | None = None
         self.store: ObjectStore | None = None
 
-    def start(self, endpoint_url: str | None, bucket: str, env: dict[str, str], *, server: str = "moto",
-              workdir: Path | None = None) -> S3Target:
-        """Start (or reach) the server, make sure ``bucket`` exists, set ``env["AWS_ENDPOINT_URL"]``.
-        ``server="seaweedfs"`` starts ``weed mini`` with its data in ``workdir`` (whatever
-        ``AWS_ENDPOINT_URL`` says). Raises :class:`DemoError` if the server does not start or the bucket
-        can be neither read nor created."""
+    def start(
+        self,
+        endpoint_url: str | None,
+        bucket: str,
+        env: dict[str, str],
+        *,
+        server: str = "moto",
+        workdir: Path | None = None,
+    ) -> S3Target:
+        """Start (or reach) the server, make sure ``bucket`` exists, set
+        ``env["AWS_ENDPOINT_URL"]``. ``server="seaweedfs"`` starts ``weed mini`` with its data in
+        ``workdir`` (whatever ``AWS_ENDPOINT_URL`` says). Raises :class:`DemoError` if the server
+        does not start or the bucket can be neither read nor created."""
         from tiered_ckpt.errors import UploadError
         from tiered_ckpt.store import S3Store, ensure_bucket, make_s3_client
 
@@ -118,7 +160,9 @@ class DemoS3:
         try:
             ensure_bucket(client, bucket)
         except UploadError as e:
-            raise DemoError(f"s3: cannot use bucket {bucket!r} at {endpoint}: {e.__cause__ or e}") from e
+            raise DemoError(
+                f"s3: cannot use bucket {bucket!r} at {endpoint}: {e.__cause__ or e}"
+            ) from e
         prefix = f"demo/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         url = f"s3://{bucket}/{prefix}"
         self.store = S3Store.from_url(url, client=client)
@@ -127,7 +171,9 @@ class DemoS3:
     def _start_embedded(self, env: dict[str, str]) -> str:
         from moto.server import ThreadedMotoServer
 
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log is not the story
+        logging.getLogger("werkzeug").setLevel(
+            logging.WARNING
+        )  # moto's request log is not the story
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
@@ -138,7 +184,9 @@ class DemoS3:
         from tiered_ckpt.cli.demo_seaweed import SeaweedFSError, WeedMini
 
         _use_dummy_credentials(env)
-        self.weed = WeedMini(workdir, DUMMY_AWS["AWS_ACCESS_KEY_ID"], DUMMY_AWS["AWS_SECRET_ACCESS_KEY"])
+        self.weed = WeedMini(
+            workdir, DUMMY_AWS["AWS_ACCESS_KEY_ID"], DUMMY_AWS["AWS_SECRET_ACCESS_KEY"]
+        )
         try:
             return self.weed.start()
         except SeaweedFSError as e:
@@ -158,8 +206,8 @@ class DemoS3:
 
 
 def _use_dummy_credentials(env: dict[str, str]) -> None:
-    """The demo's key pair in ``env`` and this process's environment; no session token (SeaweedFS would take
-    it for an STS token it does not know), no profile: never real AWS configuration."""
+    """The demo's key pair in ``env`` and this process's environment; no session token (SeaweedFS
+    would take it for an STS token it does not know), no profile: never real AWS configuration."""
     for k, v in DUMMY_AWS.items():
         env[k] = v
         os.environ[k] = v
@@ -168,7 +216,7 @@ def _use_dummy_credentials(env: dict[str, str]) -> None:
         os.environ.pop(k, None)
 
 
-# ------------------------------------------------------------------------------------------ processes
+# --- processes
 
 
 class Job:
@@ -177,8 +225,14 @@ class Job:
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.log_path = log_path
         self._out: IO[bytes] = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -215,7 +269,8 @@ class Job:
 
 
 def read_losses(path: Path) -> dict[int, float]:
-    """step -> loss from the example's ``--loss-log`` (JSON lines); a line cut by SIGKILL is skipped."""
+    """step -> loss from the example's ``--loss-log`` (JSON lines); a line cut by SIGKILL is
+    skipped."""
     out: dict[int, float] = {}
     if not path.exists():
         return out
@@ -228,9 +283,16 @@ def read_losses(path: Path) -> dict[int, float]:
     return out
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout_s: float, *, job: Job | None = None,
-             poll_s: float = 0.05) -> None:
-    """Poll ``cond`` until true. Raises :class:`DemoError` if ``job`` exits first or ``timeout_s`` passes."""
+def wait_for(
+    cond: Callable[[], bool],
+    what: str,
+    timeout_s: float,
+    *,
+    job: Job | None = None,
+    poll_s: float = 0.05,
+) -> None:
+    """Poll ``cond`` until true. Raises :class:`DemoError` if ``job`` exits first or ``timeout_s``
+    passes."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         if job is not None and job.poll() is not None and not cond():

@@ -1,21 +1,22 @@
-"""``tiered-ckpt status [ROOT] [--remote s3://bucket/prefix]``: where a run stands, one table per run.
+"""``tiered-ckpt status [ROOT] [--remote s3://bucket/prefix]``: where a run stands, one table per
+run.
 
-A row per step: its local state, its remote state, the bytes of its shards confirmed remotely of its total,
-the sidecar's mark (``uploaded.json``) and a note; under each table the newest local and remote steps and
-the time at risk (the seconds of training since the newest remote commit: the sidecar's gauge
-``tiered_ckpt_upload_seconds_since_newest_remote``). The words are those of
+A row per step: its local state, its remote state, the bytes of its shards confirmed remotely of its
+total, the sidecar's mark (``uploaded.json``) and a note; under each table the newest local and
+remote steps and the time at risk (the seconds of training since the newest remote commit: the
+sidecar's gauge ``tiered_ckpt_upload_seconds_since_newest_remote``). The words are those of
 :mod:`tiered_ckpt.remote.run_status`.
 
-``--json``: ``{"time": T, "remote_holds_run": B, "runs": [...]}`` (:meth:`RunState.to_dict`): ``T`` the
-time of the reading (seconds since the epoch) at which ``at_risk_s`` is taken, ``B`` whether the prefix
-holds a ``run.json`` or a step (``null`` without ``--remote``). ``--watch [SECONDS]``: refreshed every
-SECONDS (default 2), redrawn in place on a terminal, appended otherwise (``--json``: one JSON object per
-line); Ctrl-C or SIGTERM ends it, exit 0.
+``--json``: ``{"time": T, "remote_holds_run": B, "runs": [...]}`` (:meth:`RunState.to_dict`): ``T``
+the time of the reading (seconds since the epoch) at which ``at_risk_s`` is taken, ``B`` whether the
+prefix holds a ``run.json`` or a step (``null`` without ``--remote``). ``--watch [SECONDS]``:
+refreshed every SECONDS (default 2), redrawn in place on a terminal, appended otherwise (``--json``:
+one JSON object per line); Ctrl-C or SIGTERM ends it, exit 0.
 
-A wrong target fails as for ``ls``: exit 1, one line (a ROOT that is not a checkpoint root; a prefix that
-holds no run, given without ROOT; ``--allow-empty`` accepts both). Beside a ROOT, a prefix that holds no
-run yet is shown (every step remotely absent) with a line saying so: a run before its first upload. Exit 0
-otherwise, whatever the states shown.
+A wrong target fails as for ``ls``: exit 1, one line (a ROOT that is not a checkpoint root; a prefix
+that holds no run, given without ROOT; ``--allow-empty`` accepts both). Beside a ROOT, a prefix that
+holds no run yet is shown (every step remotely absent) with a line saying so: a run before its first
+upload. Exit 0 otherwise, whatever the states shown.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.cli._common import (ALLOW_EMPTY_HELP, EXIT_OK, EXIT_USAGE, CliError, human_bytes, positive_seconds,
-                                     print_table, require_checkpoint_root, s3_url)
+from tiered_ckpt.cli._common import (
+    ALLOW_EMPTY_HELP,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    human_bytes,
+    positive_seconds,
+    print_table,
+    require_checkpoint_root,
+    s3_url,
+)
 from tiered_ckpt.cli.restore_cmd import add_s3_args, make_client, remote_empty_line
 
 if TYPE_CHECKING:
@@ -44,26 +54,48 @@ CLEAR = "\x1b[H\x1b[2J"
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
-        "status", help="where a run stands: local and remote state of every step, upload progress, time at risk",
+        "status",
+        help="where a run stands: local and remote state of every step, upload progress, time at risk",
         description="One table per run (run id and attempt from run.json and the bucket's claim), a row per "
-                    "step: local state (committed / uncommitted / superseded / corrupt / incomplete / absent), "
-                    "remote state (committed / uploading / superseded / broken / absent), bytes of its shards "
-                    "confirmed remotely of its total, the sidecar's mark (uploaded.json); then the newest local "
-                    "and remote steps and the time at risk: seconds of training since the newest remote "
-                    "commit (the sidecar's tiered_ckpt_upload_seconds_since_newest_remote). Give ROOT, "
-                    "--remote, or both.")
-    p.add_argument("root", type=Path, nargs="?", default=None, help="local run directory (omit for --remote only)")
-    p.add_argument("--remote", metavar="S3_URL", default=None, type=s3_url,
-                   help="s3://bucket/prefix the sidecar uploads to (without it: the local marks alone)")
+        "step: local state (committed / uncommitted / superseded / corrupt / incomplete / absent), "
+        "remote state (committed / uploading / superseded / broken / absent), bytes of its shards "
+        "confirmed remotely of its total, the sidecar's mark (uploaded.json); then the newest local "
+        "and remote steps and the time at risk: seconds of training since the newest remote "
+        "commit (the sidecar's tiered_ckpt_upload_seconds_since_newest_remote). Give ROOT, "
+        "--remote, or both.",
+    )
+    p.add_argument(
+        "root",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="local run directory (omit for --remote only)",
+    )
+    p.add_argument(
+        "--remote",
+        metavar="S3_URL",
+        default=None,
+        type=s3_url,
+        help="s3://bucket/prefix the sidecar uploads to (without it: the local marks alone)",
+    )
     add_s3_args(p)
-    p.add_argument("--json", action="store_true",
-                   help='machine-readable output: {"time", "remote_holds_run", "runs": [{"run_id", "attempt", '
-                        '"steps": [{"step", "local", "remote", "uploaded_bytes", "total_bytes", "marker", '
-                        '"save_id", "note"}], "newest_local_step", "newest_remote_step", "at_risk_s"}]}')
-    p.add_argument("--watch", nargs="?", const=DEFAULT_WATCH_S, default=None, type=positive_seconds,
-                   metavar="SECONDS",
-                   help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C: redrawn on a terminal, "
-                        "appended otherwise (with --json: one object per line)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='machine-readable output: {"time", "remote_holds_run", "runs": [{"run_id", "attempt", '
+        '"steps": [{"step", "local", "remote", "uploaded_bytes", "total_bytes", "marker", '
+        '"save_id", "note"}], "newest_local_step", "newest_remote_step", "at_risk_s"}]}',
+    )
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        const=DEFAULT_WATCH_S,
+        default=None,
+        type=positive_seconds,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C: redrawn on a terminal, "
+        "appended otherwise (with --json: one object per line)",
+    )
     p.add_argument("--allow-empty", action="store_true", help=ALLOW_EMPTY_HELP)
     p.set_defaults(func=cmd_status)
 
@@ -82,16 +114,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         while True:
             _show(args, client, json_lines=True, clear=tty and not args.json)
             time.sleep(args.watch)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the CLI raises it for both): the way to stop watching
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C or SIGTERM (the CLI raises it for both): the way to stop watching
         sys.stdout.write("\n" if tty else "")
         return EXIT_OK
 
 
 def read_runs(args: argparse.Namespace, client: Any) -> tuple[list[RunState], bool | None]:
-    """:func:`~tiered_ckpt.remote.run_status.read_status` of ``args.root`` and ``args.remote``, and whether
-    the prefix holds a run (``None`` without ``--remote``). A prefix with no ``run.json`` and no step is
-    normal beside a ROOT (nothing uploaded yet: said under the tables) and an error without one. Raises
-    :class:`CliError` (exit 1) for that error (unless ``--allow-empty``)."""
+    """:func:`~tiered_ckpt.remote.run_status.read_status` of ``args.root`` and ``args.remote``, and
+    whether the prefix holds a run (``None`` without ``--remote``). A prefix with no ``run.json``
+    and no step is normal beside a ROOT (nothing uploaded yet: said under the tables) and an error
+    without one. Raises :class:`CliError` (exit 1) for that error (unless ``--allow-empty``)."""
     from tiered_ckpt.remote.catalogue import remote_target
     from tiered_ckpt.remote.handle import StoreHandle
     from tiered_ckpt.remote.run_status import ABSENT, read_status
@@ -113,14 +147,19 @@ def _show(args: argparse.Namespace, client: Any, *, json_lines: bool, clear: boo
     runs, holds_run = read_runs(args, client)
     if args.json:
         doc = {"time": now, "remote_holds_run": holds_run, "runs": [r.to_dict(now) for r in runs]}
-        text = json.dumps(doc, sort_keys=True, separators=(",", ":")) if json_lines else \
-            json.dumps(doc, indent=1, sort_keys=True)
+        text = (
+            json.dumps(doc, sort_keys=True, separators=(",", ":"))
+            if json_lines
+            else json.dumps(doc, indent=1, sort_keys=True)
+        )
         sys.stdout.write(text + "\n")
     else:
         frame = render(runs, now, root=args.root, remote=args.remote)
         if holds_run is False:
-            frame += (f"\n{args.remote} holds no run.json and no step: nothing uploaded yet, or not the "
-                      "sidecar's --remote\n")
+            frame += (
+                f"\n{args.remote} holds no run.json and no step: nothing uploaded yet, or not the "
+                "sidecar's --remote\n"
+            )
         if json_lines and not clear:  # an appended refresh: say when
             frame = f"--- {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}\n{frame}"
         sys.stdout.write((CLEAR if clear else "") + frame)
@@ -128,7 +167,8 @@ def _show(args: argparse.Namespace, client: Any, *, json_lines: bool, clear: boo
 
 
 def _progress(uploaded: int | None, total: int | None) -> str:
-    """``uploaded / total (pct)``; ``-`` when nothing is known of the upload (no remote, no mark)."""
+    """``uploaded / total (pct)``; ``-`` when nothing is known of the upload (no remote, no
+    mark)."""
     if uploaded is None:
         return "-"
     if total is None:
@@ -138,26 +178,42 @@ def _progress(uploaded: int | None, total: int | None) -> str:
 
 
 def render(runs: list[RunState], now: float, *, root: Path | None, remote: str | None) -> str:
-    """The tables of ``runs`` as text (what ``status`` prints), at time ``now`` (seconds since the epoch)."""
+    """The tables of ``runs`` as text (what ``status`` prints), at time ``now`` (seconds since the
+    epoch)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         where = ", ".join(x for x in (str(root) if root is not None else "", remote or "") if x)
         for i, r in enumerate(runs):
             if i:
                 print()
-            print(f"run {r.run_id or '- (no run.json)'}, attempt {r.attempt if r.attempt is not None else '-'}"
-                  f" ({where})")
+            print(
+                f"run {r.run_id or '- (no run.json)'}, attempt {r.attempt if r.attempt is not None else '-'}"
+                f" ({where})"
+            )
             if r.steps:
-                print_table(["step", "local", "remote", "uploaded", "marker", "note"],
-                            [[s.step, s.local or "-", s.remote or "-", _progress(s.uploaded_bytes, s.total_bytes),
-                              s.marker or "-", s.note] for s in r.steps])
+                print_table(
+                    ["step", "local", "remote", "uploaded", "marker", "note"],
+                    [
+                        [
+                            s.step,
+                            s.local or "-",
+                            s.remote or "-",
+                            _progress(s.uploaded_bytes, s.total_bytes),
+                            s.marker or "-",
+                            s.note,
+                        ]
+                        for s in r.steps
+                    ],
+                )
             else:
                 print("no steps yet")
             risk = r.at_risk_s(now)
-            print(f"newest local step: {_or_none(r.newest_local_step)}; newest remote step: "
-                  f"{_or_none(r.newest_remote_step)}; at risk: "
-                  f"{'-' if risk is None else f'{risk:.1f} s'}"
-                  + (" (from the local marks: no --remote)" if remote is None else ""))
+            print(
+                f"newest local step: {_or_none(r.newest_local_step)}; newest remote step: "
+                f"{_or_none(r.newest_remote_step)}; at risk: "
+                f"{'-' if risk is None else f'{risk:.1f} s'}"
+                + (" (from the local marks: no --remote)" if remote is None else "")
+            )
     return out.getvalue()
 
 

@@ -1,20 +1,22 @@
-"""One-call helpers: ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` with the tiered writer, reader and
-planners, and DCP's ``CheckpointException`` turned back into this package's typed errors.
+"""One-call helpers: ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` with the tiered writer, reader
+and planners, and DCP's ``CheckpointException`` turned back into this package's typed errors.
 
 DCP wraps every rank's failure into ``torch.distributed.checkpoint.api.CheckpointException`` (a
-``BaseException``) and replaces a failed ``read_metadata`` by an ``AssertionError``; these helpers raise
-the lowest failing rank's :class:`~tiered_ckpt.errors.CheckpointError` instead (the DCP exception is its
-``__context__``), or this rank's ``read_metadata`` error, or DCP's own reason (a state whose keys or
-shapes the checkpoint lacks: DCP's planner raises ``RuntimeError``/``ValueError``) as a plain
-``CheckpointError``; only a failure that is no ``Exception`` lets DCP's exception through.
+``BaseException``) and replaces a failed ``read_metadata`` by an ``AssertionError``; these helpers
+raise the lowest failing rank's :class:`~tiered_ckpt.errors.CheckpointError` instead (the DCP
+exception is its ``__context__``), or this rank's ``read_metadata`` error, or DCP's own reason (a
+state whose keys or shapes the checkpoint lacks: DCP's planner raises
+``RuntimeError``/``ValueError``) as a plain ``CheckpointError``; only a failure that is no
+``Exception`` lets DCP's exception through.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -30,11 +32,14 @@ from tiered_ckpt.errors import CheckpointError
 PathLike = str | os.PathLike[str]
 
 
-def typed_error(exc: CheckpointException, fallback: CheckpointError | None = None) -> CheckpointError | None:
-    """The lowest rank's :class:`CheckpointError` among ``exc.failures``, else ``fallback``, else DCP's
-    own reason (an ``Exception`` of the lowest failing rank: e.g. a key missing from the checkpoint, a
-    size mismatch) as a :class:`CheckpointError` naming the rank and the reason; ``None`` when no rank
-    failed with an ``Exception`` (a ``KeyboardInterrupt``: DCP's exception goes through)."""
+def typed_error(
+    exc: CheckpointException, fallback: CheckpointError | None = None
+) -> CheckpointError | None:
+    """The lowest rank's :class:`CheckpointError` among ``exc.failures``, else ``fallback``, else
+    DCP's own reason (an ``Exception`` of the lowest failing rank: e.g. a key missing from the
+    checkpoint, a size mismatch) as a :class:`CheckpointError` naming the rank and the reason;
+    ``None`` when no rank failed with an ``Exception`` (a ``KeyboardInterrupt``: DCP's exception
+    goes through)."""
     for rank in sorted(exc.failures):
         err = exc.failures[rank][0]
         if isinstance(err, CheckpointError):
@@ -44,14 +49,16 @@ def typed_error(exc: CheckpointException, fallback: CheckpointError | None = Non
     for rank in sorted(exc.failures):
         err = exc.failures[rank][0]
         if isinstance(err, Exception):
-            return CheckpointError(f"DCP failed on rank {rank}: {type(err).__name__}: {str(err)[:2000]}")
+            return CheckpointError(
+                f"DCP failed on rank {rank}: {type(err).__name__}: {str(err)[:2000]}"
+            )
     return None
 
 
 @contextlib.contextmanager
 def typed_errors(reader: TieredStorageReader | None = None) -> Iterator[None]:
-    """Re-raise DCP's ``CheckpointException`` as :func:`typed_error` finds it (``reader.metadata_error``
-    as the fallback)."""
+    """Re-raise DCP's ``CheckpointException`` as :func:`typed_error` finds it
+    (``reader.metadata_error`` as the fallback)."""
     try:
         yield
     except CheckpointException as e:
@@ -65,18 +72,30 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def save(state_dict: dict[str, Any], root: PathLike, step: int, *, process_group: Any = None,
-         **writer_kw: Any) -> Metadata:
-    """``dcp.save(state_dict)`` as step ``step`` of ``root`` (every rank of ``process_group`` calls it;
-    without an initialized process group, a single-process save). ``writer_kw``: ``replace``, ``extra``,
-    ``chunk_bytes`` of :class:`TieredStorageWriter`. Returns the stored ``Metadata``. Raises the
-    :class:`CheckpointError` of the lowest failing rank (e.g. ``UnsupportedStateError`` naming the key,
-    before anything is written; ``CheckpointExistsError``; ``CheckpointWriteError``)."""
+def save(
+    state_dict: dict[str, Any],
+    root: PathLike,
+    step: int,
+    *,
+    process_group: Any = None,
+    **writer_kw: Any,
+) -> Metadata:
+    """``dcp.save(state_dict)`` as step ``step`` of ``root`` (every rank of ``process_group`` calls
+    it; without an initialized process group, a single-process save). ``writer_kw``: ``replace``,
+    ``extra``, ``chunk_bytes`` of :class:`TieredStorageWriter`. Returns the stored ``Metadata``.
+    Raises the :class:`CheckpointError` of the lowest failing rank (e.g. ``UnsupportedStateError``
+    naming the key, before anything is written; ``CheckpointExistsError``;
+    ``CheckpointWriteError``)."""
     writer = TieredStorageWriter(root, step, **writer_kw)
     try:
         with typed_errors():
-            return dcp.save(state_dict, storage_writer=writer, planner=TieredSavePlanner(),
-                            process_group=process_group, no_dist=_no_dist())
+            return dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=TieredSavePlanner(),
+                process_group=process_group,
+                no_dist=_no_dist(),
+            )
     except BaseException:
         writer.abort()
         raise
@@ -84,8 +103,8 @@ def save(state_dict: dict[str, Any], root: PathLike, step: int, *, process_group
 
 def _typed_future(fut: Future[Any], writer: TieredStorageWriter) -> Future[Any]:
     """A future of ``fut`` 's result whose exception is typed (:func:`typed_error`); on failure the
-    writer is aborted first (in thread mode it is the writer that saved; in process mode a copy saved, and
-    this is a no-op)."""
+    writer is aborted first (in thread mode it is the writer that saved; in process mode a copy
+    saved, and this is a no-op)."""
     out: Future[Any] = Future()
 
     def done(f: Future[Any]) -> None:
@@ -99,42 +118,72 @@ def _typed_future(fut: Future[Any], writer: TieredStorageWriter) -> Future[Any]:
     return out
 
 
-def async_save(state_dict: dict[str, Any], root: PathLike, step: int, *, process_group: Any = None,
-               async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
-               async_stager: Any = None, **writer_kw: Any) -> Any:
-    """``dcp.async_save`` of ``state_dict`` as step ``step`` of ``root``: DCP stages the state into host
-    memory (pass one ``async_stager`` to every call to reuse its buffers), then saves in a thread
-    (``THREAD``: pass a dedicated gloo ``process_group`` to keep its collectives off the training group's)
-    or in DCP's checkpoint process (``PROCESS``: it builds its own gloo group and ignores
-    ``process_group``; the calling script needs a ``if __name__ == "__main__":`` guard). Returns DCP's
-    future (or the ``upload_completion`` of its ``AsyncSaveResponse``) whose exception is the typed error
-    :func:`save` would raise. The step is committed when it completes."""
+def async_save(
+    state_dict: dict[str, Any],
+    root: PathLike,
+    step: int,
+    *,
+    process_group: Any = None,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+    async_stager: Any = None,
+    **writer_kw: Any,
+) -> Any:
+    """``dcp.async_save`` of ``state_dict`` as step ``step`` of ``root``: DCP stages the state into
+    host memory (pass one ``async_stager`` to every call to reuse its buffers), then saves in a
+    thread (``THREAD``: pass a dedicated gloo ``process_group`` to keep its collectives off the
+    training group's) or in DCP's checkpoint process (``PROCESS``: it builds its own gloo group and
+    ignores ``process_group``; the calling script needs a ``if __name__ == "__main__":`` guard).
+    Returns DCP's future (or the ``upload_completion`` of its ``AsyncSaveResponse``) whose exception
+    is the typed error :func:`save` would raise. The step is committed when it completes."""
     writer = TieredStorageWriter(root, step, **writer_kw)
     with typed_errors():
-        res = dcp.async_save(state_dict, storage_writer=writer, planner=TieredSavePlanner(),
-                             process_group=process_group, async_checkpointer_type=async_checkpointer_type,
-                             async_stager=async_stager, no_dist=_no_dist())
+        res = dcp.async_save(
+            state_dict,
+            storage_writer=writer,
+            planner=TieredSavePlanner(),
+            process_group=process_group,
+            async_checkpointer_type=async_checkpointer_type,
+            async_stager=async_stager,
+            no_dist=_no_dist(),
+        )
     if isinstance(res, AsyncSaveResponse):
-        return AsyncSaveResponse(staging_completion=res.staging_completion,
-                                 upload_completion=_typed_future(res.upload_completion, writer))
+        return AsyncSaveResponse(
+            staging_completion=res.staging_completion,
+            upload_completion=_typed_future(res.upload_completion, writer),
+        )
     return _typed_future(res, writer)
 
 
-def load(state_dict: dict[str, Any], root: PathLike, step: int | None = None, *, process_group: Any = None,
-         remote_url: str | None = None, endpoint_url: str | None = None, s3_client: Any = None) -> int:
-    """``dcp.load`` into ``state_dict`` (in place, as DCP does; tensors are copied into, non-tensor values
-    replaced: tuples come back as lists) from step ``step`` of ``root`` (``None``: the newest committed
-    step), resharding through DCP's planner when the world size differs. ``remote_url``/``endpoint_url``/
-    ``s3_client``: where to read what the root lacks (see :class:`TieredStorageReader`). Returns the step
-    loaded. Raises the typed error of the lowest failing rank (``NoCheckpointError``, ``DcpMetadataError``,
-    ``ShardCorruptedError``, ...; a ``CheckpointError`` with DCP's reason for a state whose keys or shapes
-    the checkpoint lacks). Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16
-    tensor, cast."""
-    reader = TieredStorageReader(root, step, remote_url=remote_url, endpoint_url=endpoint_url, s3_client=s3_client)
+def load(
+    state_dict: dict[str, Any],
+    root: PathLike,
+    step: int | None = None,
+    *,
+    process_group: Any = None,
+    remote_url: str | None = None,
+    endpoint_url: str | None = None,
+    s3_client: Any = None,
+) -> int:
+    """``dcp.load`` into ``state_dict`` (in place, as DCP does; tensors are copied into, non-tensor
+    values replaced: tuples come back as lists) from step ``step`` of ``root`` (``None``: the newest
+    committed step), resharding through DCP's planner when the world size differs.
+    ``remote_url``/``endpoint_url``/ ``s3_client``: where to read what the root lacks (see
+    :class:`TieredStorageReader`). Returns the step loaded. Raises the typed error of the lowest
+    failing rank (``NoCheckpointError``, ``DcpMetadataError``, ``ShardCorruptedError``, ...; a
+    ``CheckpointError`` with DCP's reason for a state whose keys or shapes the checkpoint lacks).
+    Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16 tensor, cast."""
+    reader = TieredStorageReader(
+        root, step, remote_url=remote_url, endpoint_url=endpoint_url, s3_client=s3_client
+    )
     try:
         with typed_errors(reader):
-            dcp.load(state_dict, storage_reader=reader, planner=TieredLoadPlanner(), process_group=process_group,
-                     no_dist=_no_dist())
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=TieredLoadPlanner(),
+                process_group=process_group,
+                no_dist=_no_dist(),
+            )
     finally:
         reader.close()
     if reader.step is None:  # pragma: no cover - dcp.load returned without reading the metadata

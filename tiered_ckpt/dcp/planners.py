@@ -1,16 +1,18 @@
 """The DCP planners of the tiered backend: DCP's default planners with pickle taken out.
 
-DCP's ``DefaultSavePlanner.transform_object`` stores a non-tensor value with ``torch.save`` (pickle) and
-``DefaultLoadPlanner.load_bytes`` reads it back with ``torch.load(weights_only=False)``: unpickling bytes
-read from storage. :class:`TieredSavePlanner` stores such values as JSON or raw bytes
-(:func:`tiered_ckpt.dcp.items.encode_value`) and refuses anything else in ``create_local_plan``, before
-anything is written; :class:`TieredLoadPlanner` decodes ``b"J"``/``b"B"`` only. The storage writer and
-reader (:mod:`tiered_ckpt.dcp.storage_writer`, :mod:`tiered_ckpt.dcp.storage_reader`) accept no other
-planner (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`).
+DCP's ``DefaultSavePlanner.transform_object`` stores a non-tensor value with ``torch.save`` (pickle)
+and ``DefaultLoadPlanner.load_bytes`` reads it back with ``torch.load(weights_only=False)``:
+unpickling bytes read from storage. :class:`TieredSavePlanner` stores such values as JSON or raw
+bytes (:func:`tiered_ckpt.dcp.items.encode_value`) and refuses anything else in
+``create_local_plan``, before anything is written; :class:`TieredLoadPlanner` decodes
+``b"J"``/``b"B"`` only. The storage writer and reader (:mod:`tiered_ckpt.dcp.storage_writer`,
+:mod:`tiered_ckpt.dcp.storage_reader`) accept no other planner
+(:class:`~tiered_ckpt.errors.UnsupportedPlannerError`).
 
-Everything else is DCP's: flattening of nested dicts and lists (``flatten_state_dict``), deduplication of
-replicated items (a plain tensor, or a DTensor chunk, that several ranks hold is written by one of them
-only), resharding on load (read items computed from the saved chunks and the loading ranks' chunks).
+Everything else is DCP's: flattening of nested dicts and lists (``flatten_state_dict``),
+deduplication of replicated items (a plain tensor, or a DTensor chunk, that several ranks hold is
+written by one of them only), resharding on load (read items computed from the saved chunks and the
+loading ranks' chunks).
 """
 
 from __future__ import annotations
@@ -27,19 +29,24 @@ from tiered_ckpt.dcp.items import check_item, decode_value, encode_value
 
 
 class TieredSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` (flattening, deduplication of replicated items, no plan caching) whose byte
-    items are JSON or raw bytes, never pickles.
+    """``DefaultSavePlanner`` (flattening, deduplication of replicated items, no plan caching) whose
+    byte items are JSON or raw bytes, never pickles.
 
-    ``create_local_plan`` raises :class:`~tiered_ckpt.errors.UnsupportedStateError` naming the key for a
-    non-tensor value that is neither JSON-able nor ``bytes`` (tuples are stored as lists) and for a tensor
-    of a dtype a shard cannot hold. ``create_global_plan`` (coordinator) keeps the global metadata in
-    :attr:`global_metadata`, which the storage writer stores in the coordinator's shard. Picklable before
-    ``set_up_planner`` (process-mode ``async_save`` sends it to the checkpoint process).
+    ``create_local_plan`` raises :class:`~tiered_ckpt.errors.UnsupportedStateError` naming the key
+    for a non-tensor value that is neither JSON-able nor ``bytes`` (tuples are stored as lists) and
+    for a tensor of a dtype a shard cannot hold. ``create_global_plan`` (coordinator) keeps the
+    global metadata in :attr:`global_metadata`, which the storage writer stores in the coordinator's
+    shard. Picklable before ``set_up_planner`` (process-mode ``async_save`` sends it to the
+    checkpoint process).
     """
 
     def __init__(self, *, dedup_save_to_lowest_rank: bool = False) -> None:
-        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True,
-                         dedup_save_to_lowest_rank=dedup_save_to_lowest_rank, enable_plan_caching=False)
+        super().__init__(
+            flatten_state_dict=True,
+            flatten_sharded_tensors=True,
+            dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+            enable_plan_caching=False,
+        )
         self.global_metadata: Metadata | None = None
         self._encoded: dict[str, bytes] = {}
 
@@ -49,9 +56,13 @@ class TieredSavePlanner(DefaultSavePlanner):
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 check_item(item.index, None)
-                encoded[item.index.fqn] = encode_value(self.lookup_object(item.index), item.index.fqn)
+                encoded[item.index.fqn] = encode_value(
+                    self.lookup_object(item.index), item.index.fqn
+                )
             else:
-                check_item(item.index, item.tensor_data.properties.dtype if item.tensor_data else None)
+                check_item(
+                    item.index, item.tensor_data.properties.dtype if item.tensor_data else None
+                )
         self._encoded = encoded
         return plan
 
@@ -61,7 +72,8 @@ class TieredSavePlanner(DefaultSavePlanner):
         return plans, metadata
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's signature
-        """A byte item as ``io.BytesIO`` of its stored bytes (tag + JSON or raw); a tensor unchanged."""
+        """A byte item as ``io.BytesIO`` of its stored bytes (tag + JSON or raw); a tensor
+        unchanged."""
         if write_item.type == WriteItemType.BYTE_IO:
             fqn = write_item.index.fqn
             raw = self._encoded.get(fqn)
@@ -71,12 +83,16 @@ class TieredSavePlanner(DefaultSavePlanner):
 
 class TieredLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` (flattening, resharding; ``allow_partial_load`` as DCP's) whose
-    ``load_bytes`` decodes the stored bytes with :func:`tiered_ckpt.dcp.items.decode_value`: JSON values
-    (lists where tuples were saved) and ``bytes`` handed back as they were saved, never unpickled. Raises
-    :class:`~tiered_ckpt.errors.ShardCorruptedError` for bytes of another form."""
+    ``load_bytes`` decodes the stored bytes with :func:`tiered_ckpt.dcp.items.decode_value`: JSON
+    values (lists where tuples were saved) and ``bytes`` handed back as they were saved, never
+    unpickled. Raises :class:`~tiered_ckpt.errors.ShardCorruptedError` for bytes of another form."""
 
     def __init__(self, *, allow_partial_load: bool = False) -> None:
-        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        super().__init__(
+            flatten_state_dict=True,
+            flatten_sharded_tensors=True,
+            allow_partial_load=allow_partial_load,
+        )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

@@ -1,53 +1,57 @@
 """``TieredStorageReader``: a ``torch.distributed.checkpoint`` StorageReader for steps written by
-:class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter`, reading through the local tier's verified
-partial reads (:class:`tiered_ckpt.local.reader.ShardReader`) and, for a shard missing locally, ranged
-reads from the bucket (``tiered_ckpt.remote.ranged_read``).
+:class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter`, reading through the local tier's
+verified partial reads (:class:`tiered_ckpt.local.reader.ShardReader`) and, for a shard missing
+locally, ranged reads from the bucket (``tiered_ckpt.remote.ranged_read``).
 
 Who calls what, in DCP's numbered lifecycle (``dcp.load``):
 
 0. (all ranks) ``reset(checkpoint_id)`` when DCP is given a ``checkpoint_id`` (a step directory
    ``<root>/step_XXXXXXXXXX``): root and step are taken from it; cached metadata is dropped.
-1. (all ranks) ``read_metadata()``: finds the step (the given one, or the newest committed step of the
-   root's lineage), reads ``manifest.json``, its ``extra["dcp"]`` and the metadata tensor of the shard it
-   names (verified: header sha256, per-chunk CRC32Cs), decodes the JSON strictly
-   (:func:`tiered_ckpt.dcp.metadata_json.decode`). Never unpickles anything. A typed error is kept in
-   :attr:`TieredStorageReader.metadata_error` too (DCP replaces it by an ``AssertionError``).
+1. (all ranks) ``read_metadata()``: finds the step (the given one, or the newest committed step of
+   the root's lineage), reads ``manifest.json``, its ``extra["dcp"]`` and the metadata tensor of the
+   shard it names (verified: header sha256, per-chunk CRC32Cs), decodes the JSON strictly
+   (:func:`tiered_ckpt.dcp.metadata_json.decode`). Never unpickles anything. A typed error is kept
+   in :attr:`TieredStorageReader.metadata_error` too (DCP replaces it by an ``AssertionError``).
 2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator)``: the placement of every item.
 3. (all ranks) ``prepare_local_plan(plan)``: tags the plan with the step and save id this rank read.
 4. (coordinator) ``prepare_global_plan(plans)``: every rank must have read the same save
-   (:class:`~tiered_ckpt.errors.DcpMetadataError` otherwise: e.g. a step committed between two ranks'
-   ``read_metadata`` with ``step=None``).
+   (:class:`~tiered_ckpt.errors.DcpMetadataError` otherwise: e.g. a step committed between two
+   ranks' ``read_metadata`` with ``step=None``).
 5. (all ranks) ``read_data(plan, planner)``: refuses a planner that is not
-   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner` (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`)
-   before reading anything; then, per ``ReadItem``, reads only the bytes it needs
-   (:func:`~tiered_ckpt.dcp.items.byte_range`: whole rows along dim 0 exactly, any other box through the
-   smallest contiguous range that covers it), verified chunk by chunk, through one shard reader per rank,
-   opened once per call and closed after; copies into ``planner.resolve_tensor`` and calls
-   ``commit_tensor``; byte items go to ``planner.load_bytes`` as they were stored.
+   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner`
+   (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`) before reading anything; then, per
+   ``ReadItem``, reads only the bytes it needs (:func:`~tiered_ckpt.dcp.items.byte_range`: whole
+   rows along dim 0 exactly, any other box through the smallest contiguous range that covers it),
+   verified chunk by chunk, through one shard reader per rank, opened once per call and closed
+   after; copies into ``planner.resolve_tensor`` and calls ``commit_tensor``; byte items go to
+   ``planner.load_bytes`` as they were stored.
 
-Where the bytes come from (``remote_url`` given; ``tiered_ckpt.remote.ranged_read``, imported only then):
+Where the bytes come from (``remote_url`` given; ``tiered_ckpt.remote.ranged_read``, imported only
+then):
 
-- the root holds the step (its ``manifest.json``): every rank's shard from disk; a rank whose shard file is
-  missing (another node's, a partial restore, deleted) is read from the bucket's copy of the same save
-  (the bucket's current save of the step must carry the local manifest's save id and the same record of
-  that shard, :class:`~tiered_ckpt.errors.DcpMetadataError` otherwise). Without ``remote_url``:
-  :class:`~tiered_ckpt.errors.MissingShardError` naming the shard.
-- the root lacks the step (or, ``step=None``, holds no committed step at all): the manifest, the metadata
-  and every rank's ranges from the bucket: the given step's current save, or for ``step=None`` the prefix's
-  newest current step, as ``tiered-ckpt restore`` picks them (the root's ``run.json`` merged in, when it
-  names the bucket's run). Nothing is written locally.
+- the root holds the step (its ``manifest.json``): every rank's shard from disk; a rank whose shard
+  file is missing (another node's, a partial restore, deleted) is read from the bucket's copy of the
+  same save (the bucket's current save of the step must carry the local manifest's save id and the
+  same record of that shard, :class:`~tiered_ckpt.errors.DcpMetadataError` otherwise). Without
+  ``remote_url``: :class:`~tiered_ckpt.errors.MissingShardError` naming the shard.
+- the root lacks the step (or, ``step=None``, holds no committed step at all): the manifest, the
+  metadata and every rank's ranges from the bucket: the given step's current save, or for
+  ``step=None`` the prefix's newest current step, as ``tiered-ckpt restore`` picks them (the root's
+  ``run.json`` merged in, when it names the bucket's run). Nothing is written locally.
 
-Bucket reads are ranged GETs of the chunk-aligned spans the ranges need, every chunk checked against the
-CRC32C in the shard's verified header (a shard without chunk checksums is fetched whole and checked
-against its sha256). The bucket's copy is opened once per load (catalogue LIST, upload manifest and
-manifest GETs) and closed at the end of ``read_data``, by :meth:`~TieredStorageReader.close` or ``reset``.
+Bucket reads are ranged GETs of the chunk-aligned spans the ranges need, every chunk checked against
+the CRC32C in the shard's verified header (a shard without chunk checksums is fetched whole and
+checked against its sha256). The bucket's copy is opened once per load (catalogue LIST, upload
+manifest and manifest GETs) and closed at the end of ``read_data``, by
+:meth:`~TieredStorageReader.close` or ``reset``.
 
-A load that fails (a chunk failing its CRC32C, a missing shard) raises before ``commit_tensor`` of the
-failed items, but destination tensors may already hold part of the new bytes, as with DCP's own reader:
-load again or start fresh, never train on after the error.
+A load that fails (a chunk failing its CRC32C, a missing shard) raises before ``commit_tensor`` of
+the failed items, but destination tensors may already hold part of the new bytes, as with DCP's own
+reader: load again or start fresh, never train on after the error.
 
-Bytes read are counted in :attr:`TieredStorageReader.stats` (a :class:`~tiered_ckpt.local.reader.ReadStats`:
-disk and bucket), those fetched from the bucket also in :attr:`TieredStorageReader.remote_stats`.
+Bytes read are counted in :attr:`TieredStorageReader.stats` (a
+:class:`~tiered_ckpt.local.reader.ReadStats`: disk and bucket), those fetched from the bucket also
+in :attr:`TieredStorageReader.remote_stats`.
 """
 
 from __future__ import annotations
@@ -56,12 +60,18 @@ import dataclasses
 import functools
 import io
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -70,20 +80,38 @@ from tiered_ckpt.dcp import metadata_json
 from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
 from tiered_ckpt.dcp.placement import Placement
 from tiered_ckpt.dcp.planners import TieredLoadPlanner
-from tiered_ckpt.dcp.storage_writer import EXTRA_FORMAT, EXTRA_KEY, is_step_checkpoint_id, step_of_checkpoint_id
-from tiered_ckpt.errors import (CheckpointError, DcpMetadataError, MissingShardError, NoCheckpointError,
-                                ShardCorruptedError, UnsupportedPlannerError)
+from tiered_ckpt.dcp.storage_writer import (
+    EXTRA_FORMAT,
+    EXTRA_KEY,
+    is_step_checkpoint_id,
+    step_of_checkpoint_id,
+)
+from tiered_ckpt.errors import (
+    CheckpointError,
+    DcpMetadataError,
+    MissingShardError,
+    NoCheckpointError,
+    ShardCorruptedError,
+    UnsupportedPlannerError,
+)
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
-from tiered_ckpt.local import new_save_id, pick_step, read_manifest, read_run_record, resolve_root, step_path
+from tiered_ckpt.local import (
+    new_save_id,
+    pick_step,
+    read_manifest,
+    read_run_record,
+    resolve_root,
+    step_path,
+)
 from tiered_ckpt.local.reader import ReadStats, ShardReader
 from tiered_ckpt.local.shard_io import READ_BYTES, READERS
 
 
 @dataclass(frozen=True)
 class DcpStepInfo:
-    """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its name and
-    its size (bytes)."""
+    """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its
+    name and its size (bytes)."""
 
     metadata_rank: int
     metadata_tensor: str
@@ -91,19 +119,32 @@ class DcpStepInfo:
 
 
 def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
-    """``m.extra["dcp"]``, validated against ``m``. Raises :class:`DcpMetadataError` (also for a step not
-    written through the DCP backend)."""
+    """``m.extra["dcp"]``, validated against ``m``. Raises :class:`DcpMetadataError` (also for a
+    step not written through the DCP backend)."""
     where = f"step {m.step}"
     info = (m.extra or {}).get(EXTRA_KEY)
     if not isinstance(info, dict):
-        raise DcpMetadataError(f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)")
-    if set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"} or info["format"] != EXTRA_FORMAT:
+        raise DcpMetadataError(
+            f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)"
+        )
+    if (
+        set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
+        or info["format"] != EXTRA_FORMAT
+    ):
         raise DcpMetadataError(f"{where}: extra.dcp is malformed or of an unknown format")
     rank, name, n = info["metadata_rank"], info["metadata_tensor"], info["metadata_bytes"]
-    if (type(rank) is not int or not 0 <= rank < m.world_size or type(name) is not str or not 0 < len(name) <= MAX_NAME_LEN
-            or type(n) is not int or not 0 < n <= metadata_json.MAX_METADATA_BYTES):
-        raise DcpMetadataError(f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
-                               "out of range")
+    if (
+        type(rank) is not int
+        or not 0 <= rank < m.world_size
+        or type(name) is not str
+        or not 0 < len(name) <= MAX_NAME_LEN
+        or type(n) is not int
+        or not 0 < n <= metadata_json.MAX_METADATA_BYTES
+    ):
+        raise DcpMetadataError(
+            f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
+            "out of range"
+        )
     return DcpStepInfo(rank, name, n)
 
 
@@ -120,16 +161,23 @@ class TeeStats(ReadStats):
 
 
 class TieredStorageReader(StorageReader):
-    """Reads a DCP checkpoint from step ``step`` of the local root ``root`` (``None``: the newest committed
-    step of the root's lineage; ``root`` may be a step directory). ``remote_url`` (``s3://bucket/prefix``,
-    where the sidecar uploads), ``endpoint_url`` and ``s3_client`` (an injected botocore client; default
-    boto3's chain): where to read what the root lacks, a rank's shard or the whole step (ranged, verified
-    reads; see the module docstring). :attr:`stats`: bytes read from disk and bucket; :attr:`remote_stats`:
-    from the bucket. Call :meth:`close` after a load that stopped before ``read_data`` finished (DCP's
-    lifecycle has no call for that)."""
+    """Reads a DCP checkpoint from step ``step`` of the local root ``root`` (``None``: the newest
+    committed step of the root's lineage; ``root`` may be a step directory). ``remote_url``
+    (``s3://bucket/prefix``, where the sidecar uploads), ``endpoint_url`` and ``s3_client`` (an
+    injected botocore client; default boto3's chain): where to read what the root lacks, a rank's
+    shard or the whole step (ranged, verified reads; see the module docstring). :attr:`stats`: bytes
+    read from disk and bucket; :attr:`remote_stats`: from the bucket. Call :meth:`close` after a
+    load that stopped before ``read_data`` finished (DCP's lifecycle has no call for that)."""
 
-    def __init__(self, root: str | os.PathLike[str], step: int | None = None, *, remote_url: str | None = None,
-                 endpoint_url: str | None = None, s3_client: Any = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        remote_url: str | None = None,
+        endpoint_url: str | None = None,
+        s3_client: Any = None,
+    ) -> None:
         super().__init__()
         self.root, self._asked = resolve_root(root, step)
         self.remote_url = remote_url
@@ -172,7 +220,7 @@ class TieredStorageReader(StorageReader):
             self.root = root.absolute()
         self._forget()
 
-    # ------------------------------------------------------------------------------ 1. metadata
+    # --- 1. metadata
 
     def read_metadata(self) -> Metadata:
         """The step's DCP metadata (read once per load; see the module docstring, step 1). Raises
@@ -187,8 +235,10 @@ class TieredStorageReader(StorageReader):
             try:
                 rec = rd.tensor_record(info.metadata_tensor)
                 if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
-                    raise DcpMetadataError(f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the manifest "
-                                           f"says U8 ({info.metadata_bytes},)")
+                    raise DcpMetadataError(
+                        f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the manifest "
+                        f"says U8 ({info.metadata_bytes},)"
+                    )
                 raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
             finally:
                 rd.close()
@@ -204,8 +254,8 @@ class TieredStorageReader(StorageReader):
         return md
 
     def _find_manifest(self) -> tuple[ShardManifest, bool]:
-        """The step's manifest and whether it came from the bucket (the root lacks the step, or holds no
-        committed step when ``step=None``, and a ``remote_url`` is given)."""
+        """The step's manifest and whether it came from the bucket (the root lacks the step, or
+        holds no committed step when ``step=None``, and a ``remote_url`` is given)."""
         try:
             root, step = pick_step(self.root, self._asked)
             return read_manifest(root, step), False
@@ -216,23 +266,33 @@ class TieredStorageReader(StorageReader):
 
     def _remote_step(self, step: int | None, save_id: str | None) -> Any:
         """The bucket's copy of ``step`` (``None``: the newest current step), opened once per load
-        (:func:`tiered_ckpt.remote.ranged_read.open_remote_step`, imported only here); its manifest must
-        name ``save_id`` (the local manifest's) when one is given."""
+        (:func:`tiered_ckpt.remote.ranged_read.open_remote_step`, imported only here); its manifest
+        must name ``save_id`` (the local manifest's) when one is given."""
         if self._remote is None:
             from tiered_ckpt.remote.ranged_read import open_remote_step
 
-            self._remote = open_remote_step(self.remote_url, step, endpoint_url=self.endpoint_url,
-                                            s3_client=self.s3_client, local_lineage=read_run_record(self.root))
+            self._remote = open_remote_step(
+                self.remote_url,
+                step,
+                endpoint_url=self.endpoint_url,
+                s3_client=self.s3_client,
+                local_lineage=read_run_record(self.root),
+            )
         rs = self._remote
-        if (step is not None and rs.step != step) or (save_id is not None and rs.manifest.save_id != save_id):
-            raise DcpMetadataError(f"step {step}: the bucket's current save is step {rs.step} save "
-                                   f"{rs.manifest.save_id}, the local manifest names save {save_id}")
+        if (step is not None and rs.step != step) or (
+            save_id is not None and rs.manifest.save_id != save_id
+        ):
+            raise DcpMetadataError(
+                f"step {step}: the bucket's current save is step {rs.step} save "
+                f"{rs.manifest.save_id}, the local manifest names save {save_id}"
+            )
         return rs
 
     def _open_rank(self, m: ShardManifest, rank: int) -> Any:
         """A verified reader of rank ``rank`` 's shard: the local file, or (missing locally, with a
-        ``remote_url``; every rank when the manifest came from the bucket) ranged reads of the bucket's
-        copy of the same save. Raises :class:`MissingShardError` naming the shard without ``remote_url``."""
+        ``remote_url``; every rank when the manifest came from the bucket) ranged reads of the
+        bucket's copy of the same save. Raises :class:`MissingShardError` naming the shard without
+        ``remote_url``."""
         if self._from_bucket:
             rs = self._remote_step(m.step, m.save_id)
         else:
@@ -240,54 +300,73 @@ class TieredStorageReader(StorageReader):
                 return ShardReader(step_path(self.root, m.step), m, rank, self.stats)
             except MissingShardError as e:
                 if self.remote_url is None:
-                    raise MissingShardError(f"{e} (no remote_url given to read it from the bucket)") from None
+                    raise MissingShardError(
+                        f"{e} (no remote_url given to read it from the bucket)"
+                    ) from None
                 missing = e
             try:
                 rs = self._remote_step(m.step, m.save_id)
             except NoCheckpointError as e:
-                raise MissingShardError(f"{missing}, and the bucket cannot supply it: {e}") from None
+                raise MissingShardError(
+                    f"{missing}, and the bucket cannot supply it: {e}"
+                ) from None
         if rs.manifest.shards[rank] != m.shards[rank]:
-            raise DcpMetadataError(f"step {m.step} rank {rank}: the bucket's manifest records the shard unlike "
-                                   "the local manifest")
+            raise DcpMetadataError(
+                f"step {m.step} rank {rank}: the bucket's manifest records the shard unlike "
+                "the local manifest"
+            )
         return rs.shard_reader(rank, stats=self.remote_stats)
 
-    # ------------------------------------------------------------------------------ 2-4. planning
+    # --- 2-4. planning
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if self._manifest is None or not isinstance(metadata.storage_data, Placement):
-            raise DcpMetadataError("set_up_storage_reader needs the metadata of this reader's read_metadata")
+            raise DcpMetadataError(
+                "set_up_storage_reader needs the metadata of this reader's read_metadata"
+            )
         self._placement = metadata.storage_data
         self.rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         m = self._manifest
-        return dataclasses.replace(plan, storage_data=(m.step, m.save_id) if m is not None else None)
+        return dataclasses.replace(
+            plan, storage_data=(m.step, m.save_id) if m is not None else None
+        )
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         seen = {p.storage_data for p in plans}
         if len(seen) != 1:
-            raise DcpMetadataError(f"the ranks of one load read different saves (step, save id): {sorted(map(str, seen))[:4]}")
+            raise DcpMetadataError(
+                f"the ranks of one load read different saves (step, save id): {sorted(map(str, seen))[:4]}"
+            )
         return plans
 
-    # ------------------------------------------------------------------------------ 5. data
+    # --- 5. data
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` (see the module docstring, step 5). Raises
-        :class:`UnsupportedPlannerError` (before reading anything), :class:`DcpMetadataError` (an item the
-        metadata does not place, or stored unlike the metadata says), and the shard readers' errors."""
+        :class:`UnsupportedPlannerError` (before reading anything), :class:`DcpMetadataError` (an
+        item the metadata does not place, or stored unlike the metadata says), and the shard
+        readers' errors."""
         if not isinstance(planner, TieredLoadPlanner):
             raise UnsupportedPlannerError(
                 f"TieredStorageReader loads only with tiered_ckpt.dcp.TieredLoadPlanner, not "
                 f"{type(planner).__module__}.{type(planner).__qualname__} (DCP's default load planner "
-                "unpickles byte items read from storage)")
+                "unpickles byte items read from storage)"
+            )
         m, md = self._manifest, self._metadata
         if m is None or md is None:
             raise DcpMetadataError("read_data before read_metadata")
         readers: dict[int, Any] = {}
         try:
             reads: list[tuple[Callable[[], None], ReadItem, torch.Tensor, bool]] = []
-            # by rank, then name: within one element size, the shard's file order (format.shard_file.layout)
-            for item in sorted(plan.items, key=lambda it: (self._locate(it).rank, self._locate(it).name)):
+            # by rank, then name: within one element size, the shard's file order
+            # (format.shard_file.layout)
+            for item in sorted(
+                plan.items, key=lambda it: (self._locate(it).rank, self._locate(it).name)
+            ):
                 loc = self._locate(item)
                 rd = readers.get(loc.rank)
                 if rd is None:
@@ -309,68 +388,104 @@ class TieredStorageReader(StorageReader):
     def _locate(self, item: ReadItem) -> ItemLocation:
         loc = self._placement.get(item.storage_index)
         if loc is None:
-            raise DcpMetadataError(f"step {self.step}: the metadata does not place {item.storage_index.fqn[:80]!r} "
-                                   f"at {list(item.storage_index.offset or [])[:8]}")
+            raise DcpMetadataError(
+                f"step {self.step}: the metadata does not place {item.storage_index.fqn[:80]!r} "
+                f"at {list(item.storage_index.offset or [])[:8]}"
+            )
         return loc
 
     @staticmethod
     def _read_bytes(rd: Any, loc: ItemLocation, item: ReadItem, planner: LoadPlanner) -> None:
         rec = rd.tensor_record(loc.name)
         if rec.dtype != "U8" or len(rec.shape) != 1:
-            raise DcpMetadataError(f"byte item {loc.name[:80]!r} is stored as {rec.dtype} {rec.shape}, not U8 1-D")
+            raise DcpMetadataError(
+                f"byte item {loc.name[:80]!r} is stored as {rec.dtype} {rec.shape}, not U8 1-D"
+            )
         planner.load_bytes(item, io.BytesIO(bytes(rd.read_range(loc.name, 0, rec.nbytes))))
 
     @staticmethod
-    def _tensor_reads(rd: Any, loc: ItemLocation, item: ReadItem, planner: LoadPlanner,
-                      md: Metadata) -> tuple[torch.Tensor, list[Callable[[], Any]]]:
-        """Check one tensor item against the metadata and the shard, resolve its destination, and return
-        it with the reads that fill it (none for an empty box)."""
+    def _tensor_reads(
+        rd: Any, loc: ItemLocation, item: ReadItem, planner: LoadPlanner, md: Metadata
+    ) -> tuple[torch.Tensor, list[Callable[[], Any]]]:
+        """Check one tensor item against the metadata and the shard, resolve its destination, and
+        return it with the reads that fill it (none for an empty box)."""
         rec = rd.tensor_record(loc.name)
         tmd = md.state_dict_metadata.get(item.storage_index.fqn)
         dtype = TORCH_DTYPE_OF_CODE.get(rec.dtype)
-        if not isinstance(tmd, TensorStorageMetadata) or dtype is None or STORABLE_DTYPES[tmd.properties.dtype] != rec.dtype:
-            raise DcpMetadataError(f"tensor {loc.name[:80]!r} is stored as {rec.dtype}, the metadata says "
-                                   f"{getattr(getattr(tmd, 'properties', None), 'dtype', 'no tensor')}")
-        want = next((tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(item.storage_index.offset or ())),
-                    None)
+        if (
+            not isinstance(tmd, TensorStorageMetadata)
+            or dtype is None
+            or STORABLE_DTYPES[tmd.properties.dtype] != rec.dtype
+        ):
+            raise DcpMetadataError(
+                f"tensor {loc.name[:80]!r} is stored as {rec.dtype}, the metadata says "
+                f"{getattr(getattr(tmd, 'properties', None), 'dtype', 'no tensor')}"
+            )
+        want = next(
+            (
+                tuple(c.sizes)
+                for c in tmd.chunks
+                if tuple(c.offsets) == tuple(item.storage_index.offset or ())
+            ),
+            None,
+        )
         if want != rec.shape:
-            raise DcpMetadataError(f"tensor {loc.name[:80]!r} has shape {rec.shape}, its chunk in the metadata {want}")
+            raise DcpMetadataError(
+                f"tensor {loc.name[:80]!r} has shape {rec.shape}, its chunk in the metadata {want}"
+            )
         try:
-            start, end, strides = byte_range(rec.shape, tuple(item.storage_offsets), tuple(item.lengths),
-                                             dtype.itemsize)
+            start, end, strides = byte_range(
+                rec.shape, tuple(item.storage_offsets), tuple(item.lengths), dtype.itemsize
+            )
         except ValueError as e:
             raise DcpMetadataError(f"read of {loc.name[:80]!r}: {e}") from None
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != tuple(item.lengths):
-            raise ShardCorruptedError(f"read of {loc.name[:80]!r}: destination of shape {tuple(target.shape)}, "
-                                      f"the read item is {tuple(item.lengths)}")
+            raise ShardCorruptedError(
+                f"read of {loc.name[:80]!r}: destination of shape {tuple(target.shape)}, "
+                f"the read item is {tuple(item.lengths)}"
+            )
         if end <= start:
             return target, []
-        if (target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
-                and end - start == target.nbytes):
-            # whole rows into a contiguous host destination: read straight into its memory, no copy, in blocks
-            # of READ_BYTES (multiples of every chunk size: each block verifies on its own); a destination
-            # off the host (CUDA) has no numpy view: read to host memory and copied
+        if (
+            target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.dtype == dtype
+            and end - start == target.nbytes
+        ):
+            # whole rows into a contiguous host destination: read straight into its memory, no copy,
+            # in blocks of READ_BYTES (multiples of every chunk size: each block verifies on its
+            # own); a destination off the host (CUDA) has no numpy view: read to host memory and
+            # copied
             out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             cuts = [start, *range((start // READ_BYTES + 1) * READ_BYTES, end, READ_BYTES), end]
-            return target, [functools.partial(rd.read_range, loc.name, a, b, out=out[a - start:b - start])
-                            for a, b in zip(cuts, cuts[1:])]
+            return target, [
+                functools.partial(rd.read_range, loc.name, a, b, out=out[a - start : b - start])
+                for a, b in zip(cuts, cuts[1:])
+            ]
 
         def read_and_copy() -> None:
             mv = rd.read_range(loc.name, start, end)
             if mv.readonly:
                 mv = memoryview(bytearray(mv))
-            target.copy_(torch.frombuffer(mv, dtype=dtype).as_strided(tuple(item.lengths), strides, 0))
+            target.copy_(
+                torch.frombuffer(mv, dtype=dtype).as_strided(tuple(item.lengths), strides, 0)
+            )
 
         return target, [read_and_copy]
 
     @staticmethod
-    def _run_reads(reads: list[tuple[Callable[[], None], ReadItem, torch.Tensor, bool]], planner: LoadPlanner) -> None:
-        """Run the reads, those of local shards on :data:`READERS` threads (``pread`` of one file from
-        several threads: the disk sees several requests at once; the CRC32C checks run outside the GIL),
-        those of the bucket's copy in order here; then ``commit_tensor`` each item once, in plan order."""
+    def _run_reads(
+        reads: list[tuple[Callable[[], None], ReadItem, torch.Tensor, bool]], planner: LoadPlanner
+    ) -> None:
+        """Run the reads, those of local shards on :data:`READERS` threads (``pread`` of one file
+        from several threads: the disk sees several requests at once; the CRC32C checks run outside
+        the GIL), those of the bucket's copy in order here; then ``commit_tensor`` each item once,
+        in plan order."""
         parallel = [job for job, _, _, local in reads if local]
-        with ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tiered-ckpt-dcp-read") as pool:
+        with ThreadPoolExecutor(
+            max_workers=READERS, thread_name_prefix="tiered-ckpt-dcp-read"
+        ) as pool:
             futures = [pool.submit(job) for job in parallel] if len(parallel) > 1 else []
             try:
                 for job, _, _, local in reads:

@@ -1,43 +1,44 @@
-"""``TieredStorageWriter``: a ``torch.distributed.checkpoint`` StorageWriter whose save of step ``S`` is an
-ordinary step of the local tier (``<root>/step_XXXXXXXXXX/``: one safetensors shard per rank, written by
-:func:`tiered_ckpt.local.writer.write_shard`, then ``manifest.json`` last, by
+"""``TieredStorageWriter``: a ``torch.distributed.checkpoint`` StorageWriter whose save of step
+``S`` is an ordinary step of the local tier (``<root>/step_XXXXXXXXXX/``: one safetensors shard per
+rank, written by :func:`tiered_ckpt.local.writer.write_shard`, then ``manifest.json`` last, by
 :func:`tiered_ckpt.local.save.commit_step`).
 
 Who calls what, in DCP's numbered lifecycle (``dcp.save`` / ``dcp.async_save``; with
-``AsyncCheckpointerType.PROCESS`` all of it runs in DCP's checkpoint process, to which this writer and the
-planner are pickled, in its own gloo process group):
+``AsyncCheckpointerType.PROCESS`` all of it runs in DCP's checkpoint process, to which this writer
+and the planner are pickled, in its own gloo process group):
 
 0. (all ranks) ``reset(checkpoint_id)`` when DCP is given a ``checkpoint_id`` (a step directory
    ``<root>/step_XXXXXXXXXX``, see :meth:`validate_checkpoint_id`): root and step are taken from it.
    ``storage_meta()`` (all ranks): the step directory and, once chosen, the save id.
-1. (all ranks) ``set_up_storage_writer(is_coordinator, rank=...)``: the rank's role; DCP's experimental
-   ``use_collectives=False`` is refused (every rank would commit a world of one).
+1. (all ranks) ``set_up_storage_writer(is_coordinator, rank=...)``: the rank's role; DCP's
+   experimental ``use_collectives=False`` is refused (every rank would commit a world of one).
 2. (all ranks) ``prepare_local_plan(plan)``: tags the plan with this rank's step (checked by 3).
-3. (coordinator) ``prepare_global_plan(plans)``: checks every rank saves the same step and that the step
-   is not committed (unless ``replace``), chooses the save id (one for all ranks), places every item
-   (``MetadataIndex`` -> :class:`~tiered_ckpt.dcp.items.ItemLocation`: rank, tensor name) and sends each
-   rank a :class:`ShardPlan` in its ``SavePlan.storage_data``. Nothing is written before this.
+3. (coordinator) ``prepare_global_plan(plans)``: checks every rank saves the same step and that the
+   step is not committed (unless ``replace``), chooses the save id (one for all ranks), places every
+   item (``MetadataIndex`` -> :class:`~tiered_ckpt.dcp.items.ItemLocation`: rank, tensor name) and
+   sends each rank a :class:`ShardPlan` in its ``SavePlan.storage_data``. Nothing is written before
+   this.
 4. (all ranks) ``write_data(plan, planner)``: refuses a planner that is not
-   :class:`~tiered_ckpt.dcp.planners.TieredSavePlanner` before writing anything; every item becomes one
-   tensor of the rank's shard (:mod:`tiered_ckpt.dcp.items`); the coordinator adds the DCP metadata as a
-   JSON uint8 tensor (:mod:`tiered_ckpt.dcp.metadata_json`: the planner's global metadata, the placement
-   of 3, the storage meta). ``write_shard`` makes the shard durable (temp name, fsync, rename, directory
-   fsync). Returns one ``WriteResult`` per item plus one (fqn :data:`~tiered_ckpt.dcp.items.SHARD_RESULT_FQN`)
-   carrying the rank's ``ShardRecord`` as JSON.
-5. (coordinator) ``finish(metadata, results)``: fills ``metadata`` as stored, checks it is what 4 wrote,
-   then commits the step: ``commit_step`` checks every shard and links ``manifest.json`` with the save id
-   and ``extra["dcp"] = {"format": 1, "metadata_rank", "metadata_tensor", "metadata_bytes"}``. The step is
-   committed from then on, and ``tiered-ckpt ls/verify/gc``, rotation, upload and restore treat it as any
-   other.
+   :class:`~tiered_ckpt.dcp.planners.TieredSavePlanner` before writing anything; every item becomes
+   one tensor of the rank's shard (:mod:`tiered_ckpt.dcp.items`); the coordinator adds the DCP
+   metadata as a JSON uint8 tensor (:mod:`tiered_ckpt.dcp.metadata_json`: the planner's global
+   metadata, the placement of 3, the storage meta). ``write_shard`` makes the shard durable (temp
+   name, fsync, rename, directory fsync). Returns one ``WriteResult`` per item plus one (fqn
+   :data:`~tiered_ckpt.dcp.items.SHARD_RESULT_FQN`) carrying the rank's ``ShardRecord`` as JSON.
+5. (coordinator) ``finish(metadata, results)``: fills ``metadata`` as stored, checks it is what 4
+   wrote, then commits the step: ``commit_step`` checks every shard and links ``manifest.json`` with
+   the save id and ``extra["dcp"] = {"format": 1, "metadata_rank", "metadata_tensor",
+   "metadata_bytes"}``. The step is committed from then on, and ``tiered-ckpt ls/verify/gc``,
+   rotation, upload and restore treat it as any other.
 
-A save killed before 5 leaves an uncommitted step directory (its shards and writer lock): readers never see
-it and ``tiered-ckpt gc`` sweeps it, as for any other save. DCP's lifecycle has no call for a save that
-failed on some rank; :func:`tiered_ckpt.dcp.save` (and a thread-mode ``async_save``) call :meth:`abort` on
-every rank then, which removes the rank's shard of that save and lets go of the writer lock, so that the
-step can be saved again at once.
+A save killed before 5 leaves an uncommitted step directory (its shards and writer lock): readers
+never see it and ``tiered-ckpt gc`` sweeps it, as for any other save. DCP's lifecycle has no call
+for a save that failed on some rank; :func:`tiered_ckpt.dcp.save` (and a thread-mode ``async_save``)
+call :meth:`abort` on every rank then, which removes the rank's shard of that save and lets go of
+the writer lock, so that the step can be saved again at once.
 
-Assumes every rank writes into the same ``root`` (one shared file system, or one node): the coordinator
-commits every rank's shard.
+Assumes every rank writes into the same ``root`` (one shared file system, or one node): the
+coordinator commits every rank's shard.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from torch.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,20 +56,32 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from tiered_ckpt.dcp import metadata_json
-from tiered_ckpt.dcp.items import (METADATA_TENSOR, SHARD_RESULT_FQN, ItemLocation, item_name, stored_name,
-                                   tensor_array)
+from tiered_ckpt.dcp.items import (
+    METADATA_TENSOR,
+    SHARD_RESULT_FQN,
+    ItemLocation,
+    item_name,
+    stored_name,
+    tensor_array,
+)
 from tiered_ckpt.dcp.planners import TieredSavePlanner
-from tiered_ckpt.errors import (CheckpointError, CheckpointExistsError, ConcurrentSaveError, UnsupportedPlannerError,
-                                UnsupportedStateError)
+from tiered_ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    ConcurrentSaveError,
+    UnsupportedPlannerError,
+    UnsupportedStateError,
+)
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import unlink_quietly
 from tiered_ckpt.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.local import commit_step, is_committed, new_save_id, step_path, write_shard
 from tiered_ckpt.local.commit import release_save_lock
-from tiered_ckpt.local.save import check_written_shard
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
+from tiered_ckpt.local.save import check_written_shard
 from tiered_ckpt.local.writer import check_chunk_bytes
 
 log = logging.getLogger(__name__)
@@ -93,17 +105,20 @@ class ShardPlan:
 
 
 def step_of_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int]:
-    """``(root, step)`` of a step directory path ``<root>/step_XXXXXXXXXX``; ``ValueError`` otherwise."""
+    """``(root, step)`` of a step directory path ``<root>/step_XXXXXXXXXX``; ``ValueError``
+    otherwise."""
     p = Path(checkpoint_id)
     step = parse_step_dir_name(p.name)
     if step is None:
-        raise ValueError(f"checkpoint_id {str(checkpoint_id)[:200]!r} is not a step directory <root>/step_XXXXXXXXXX")
+        raise ValueError(
+            f"checkpoint_id {str(checkpoint_id)[:200]!r} is not a step directory <root>/step_XXXXXXXXXX"
+        )
     return p.parent, step
 
 
 def is_step_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
-    """Whether ``checkpoint_id`` names a step directory ``<root>/step_XXXXXXXXXX`` (no I/O): the writer's and
-    the reader's ``validate_checkpoint_id``."""
+    """Whether ``checkpoint_id`` names a step directory ``<root>/step_XXXXXXXXXX`` (no I/O): the
+    writer's and the reader's ``validate_checkpoint_id``."""
     try:
         step_of_checkpoint_id(checkpoint_id)
     except (ValueError, TypeError):
@@ -112,26 +127,38 @@ def is_step_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
 
 
 class TieredStorageWriter(StorageWriter):
-    """Writes a DCP save as step ``step`` of the local root ``root`` (see the module docstring for the
-    lifecycle). ``replace``: re-save a committed step (it is un-committed first); otherwise a committed
-    step raises :class:`~tiered_ckpt.errors.CheckpointExistsError` in planning, before anything is
-    written. ``extra``: JSON step metadata for the manifest (the key ``"dcp"`` is the backend's).
-    ``chunk_bytes``: the shards' CRC32C chunk size (power of two, 4 KiB .. 1 GiB). ``rotation``: applied
-    right after the commit, in ``finish`` (:func:`tiered_ckpt.local.rotation.rotate`; a failure is logged,
-    the save stays committed). ``run_id``/``attempt``: the lineage the manifest records (default: the
-    root's ``run.json``; see :func:`~tiered_ckpt.local.save.commit_step`).
+    """Writes a DCP save as step ``step`` of the local root ``root`` (see the module docstring for
+    the lifecycle). ``replace``: re-save a committed step (it is un-committed first); otherwise a
+    committed step raises :class:`~tiered_ckpt.errors.CheckpointExistsError` in planning, before
+    anything is written. ``extra``: JSON step metadata for the manifest (the key ``"dcp"`` is the
+    backend's). ``chunk_bytes``: the shards' CRC32C chunk size (power of two, 4 KiB .. 1 GiB).
+    ``rotation``: applied right after the commit, in ``finish``
+    (:func:`tiered_ckpt.local.rotation.rotate`; a failure is logged, the save stays committed).
+    ``run_id``/``attempt``: the lineage the manifest records (default: the root's ``run.json``; see
+    :func:`~tiered_ckpt.local.save.commit_step`).
 
-    Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or ``chunk_bytes``.
+    Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or
+    ``chunk_bytes``.
     """
 
-    def __init__(self, root: str | os.PathLike[str], step: int, *, replace: bool = False,
-                 extra: dict[str, Any] | None = None, chunk_bytes: int = DCP_CHUNK_BYTES,
-                 rotation: RotationPolicy | None = None, run_id: str | None = None,
-                 attempt: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        step: int,
+        *,
+        replace: bool = False,
+        extra: dict[str, Any] | None = None,
+        chunk_bytes: int = DCP_CHUNK_BYTES,
+        rotation: RotationPolicy | None = None,
+        run_id: str | None = None,
+        attempt: int | None = None,
+    ) -> None:
         super().__init__()
         step_dir_name(step)  # validates step
         if extra is not None and (not isinstance(extra, dict) or EXTRA_KEY in extra):
-            raise ValueError(f"extra must be a dict without the key {EXTRA_KEY!r} (the DCP backend's)")
+            raise ValueError(
+                f"extra must be a dict without the key {EXTRA_KEY!r} (the DCP backend's)"
+            )
         self.root = Path(root).absolute()
         self.step = step
         self.replace = replace
@@ -148,7 +175,7 @@ class TieredStorageWriter(StorageWriter):
         self._metadata_bytes: bytes | None = None
         self._written: ShardRecord | None = None
 
-    # ------------------------------------------------------------------------------ 0. identity
+    # --- 0. identity
 
     @property
     def checkpoint_id(self) -> str:
@@ -161,7 +188,8 @@ class TieredStorageWriter(StorageWriter):
         return is_step_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """A new save begins; with ``checkpoint_id`` (a step directory) it goes to that root and step."""
+        """A new save begins; with ``checkpoint_id`` (a step directory) it goes to that root and
+        step."""
         if checkpoint_id is not None:
             self.root, self.step = step_of_checkpoint_id(checkpoint_id)
             self.root = self.root.absolute()
@@ -170,11 +198,13 @@ class TieredStorageWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
-    # ------------------------------------------------------------------------------ 1-3. planning
+    # --- 1-3. planning
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
-            raise CheckpointError("the tiered DCP backend needs use_collectives=True (one commit for all ranks)")
+            raise CheckpointError(
+                "the tiered DCP backend needs use_collectives=True (one commit for all ranks)"
+            )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
 
@@ -182,35 +212,47 @@ class TieredStorageWriter(StorageWriter):
         return dataclasses.replace(plan, storage_data={"step": self.step})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        steps = {(p.storage_data or {}).get("step") if isinstance(p.storage_data, dict) else None for p in plans}
+        steps = {
+            (p.storage_data or {}).get("step") if isinstance(p.storage_data, dict) else None
+            for p in plans
+        }
         if steps != {self.step}:
-            raise ConcurrentSaveError(f"the ranks of one DCP save write different steps: {sorted(map(str, steps))[:8]}")
+            raise ConcurrentSaveError(
+                f"the ranks of one DCP save write different steps: {sorted(map(str, steps))[:8]}"
+            )
         if not self.replace and is_committed(step_path(self.root, self.step)):
-            raise CheckpointExistsError(f"step {self.step} is already committed under {self.root}; "
-                                        "pass replace=True to overwrite it")
+            raise CheckpointExistsError(
+                f"step {self.step} is already committed under {self.root}; "
+                "pass replace=True to overwrite it"
+            )
         save_id = new_save_id()
         placement: dict[MetadataIndex, ItemLocation] = {}
         for rank, plan in enumerate(plans):
             for item in plan.items:
                 placement[item.index] = ItemLocation(rank, stored_name(item_name(item.index)))
         self.save_id, self._placement = save_id, placement
-        return [dataclasses.replace(p, storage_data=ShardPlan(save_id, rank, len(plans), self.rank))
-                for rank, p in enumerate(plans)]
+        return [
+            dataclasses.replace(p, storage_data=ShardPlan(save_id, rank, len(plans), self.rank))
+            for rank, p in enumerate(plans)
+        ]
 
-    # ------------------------------------------------------------------------------ 4. write
+    # --- 4. write
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's shard (see the module docstring, step 4). Raises
-        :class:`UnsupportedPlannerError` (before anything is written) for another planner, and the errors
-        of :func:`~tiered_ckpt.local.writer.write_shard`."""
+        :class:`UnsupportedPlannerError` (before anything is written) for another planner, and the
+        errors of :func:`~tiered_ckpt.local.writer.write_shard`."""
         if not isinstance(planner, TieredSavePlanner):
             raise UnsupportedPlannerError(
                 f"TieredStorageWriter writes only with tiered_ckpt.dcp.TieredSavePlanner, not "
                 f"{type(planner).__module__}.{type(planner).__qualname__} (DCP's default planners pickle "
-                "non-tensor values)")
+                "non-tensor values)"
+            )
         sp = plan.storage_data
         if not isinstance(sp, ShardPlan):
-            raise CheckpointError(f"the save plan carries no ShardPlan from prepare_global_plan ({type(sp).__name__})")
+            raise CheckpointError(
+                f"the save plan carries no ShardPlan from prepare_global_plan ({type(sp).__name__})"
+            )
         self.save_id = sp.save_id
         arrays: dict[str, np.ndarray] = {}
         results: list[WriteResult] = []
@@ -225,13 +267,30 @@ class TieredStorageWriter(StorageWriter):
             else:
                 arr = self._tensor_array(data, item)
             arrays[key] = arr
-            results.append(WriteResult(index=item.index, size_in_bytes=arr.nbytes,
-                                       storage_data=ItemLocation(sp.rank, stored_name(key))))
-        rec = write_shard(self.root, self.step, sp.rank, arrays, save_id=sp.save_id, replace=self.replace,
-                          chunk_bytes=self.chunk_bytes)
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=arr.nbytes,
+                    storage_data=ItemLocation(sp.rank, stored_name(key)),
+                )
+            )
+        rec = write_shard(
+            self.root,
+            self.step,
+            sp.rank,
+            arrays,
+            save_id=sp.save_id,
+            replace=self.replace,
+            chunk_bytes=self.chunk_bytes,
+        )
         self._written = rec
-        results.append(WriteResult(index=MetadataIndex(SHARD_RESULT_FQN), size_in_bytes=rec.size_bytes,
-                                   storage_data=rec.to_json()))
+        results.append(
+            WriteResult(
+                index=MetadataIndex(SHARD_RESULT_FQN),
+                size_in_bytes=rec.size_bytes,
+                storage_data=rec.to_json(),
+            )
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -239,13 +298,19 @@ class TieredStorageWriter(StorageWriter):
     @staticmethod
     def _tensor_array(t: Any, item: Any) -> np.ndarray:
         if not isinstance(t, torch.Tensor):
-            raise UnsupportedStateError(f"state key {item.index.fqn[:200]!r}: the planner resolved a "
-                                        f"{type(t).__name__}, not a tensor")
-        want = tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else tuple(t.shape)
+            raise UnsupportedStateError(
+                f"state key {item.index.fqn[:200]!r}: the planner resolved a "
+                f"{type(t).__name__}, not a tensor"
+            )
+        want = (
+            tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else tuple(t.shape)
+        )
         want_dtype = item.tensor_data.properties.dtype if item.tensor_data is not None else t.dtype
         if tuple(t.shape) != want or t.dtype != want_dtype:  # the state changed after planning
-            raise UnsupportedStateError(f"state key {item.index.fqn[:200]!r}: tensor of shape {tuple(t.shape)} "
-                                        f"and dtype {t.dtype}, the plan says {want} and {want_dtype}")
+            raise UnsupportedStateError(
+                f"state key {item.index.fqn[:200]!r}: tensor of shape {tuple(t.shape)} "
+                f"and dtype {t.dtype}, the plan says {want} and {want_dtype}"
+            )
         return tensor_array(t, item.index.fqn)
 
     def _stored_metadata(self, planner: TieredSavePlanner) -> Metadata:
@@ -253,44 +318,73 @@ class TieredStorageWriter(StorageWriter):
         storage meta and DCP's version."""
         md = planner.global_metadata
         if md is None:
-            raise CheckpointError("the planner has no global metadata on the coordinator (create_global_plan "
-                                  "did not run)")
-        return dataclasses.replace(md, storage_data=dict(self._placement), storage_meta=self.storage_meta(),
-                                   version=CURRENT_DCP_VERSION)
+            raise CheckpointError(
+                "the planner has no global metadata on the coordinator (create_global_plan "
+                "did not run)"
+            )
+        return dataclasses.replace(
+            md,
+            storage_data=dict(self._placement),
+            storage_meta=self.storage_meta(),
+            version=CURRENT_DCP_VERSION,
+        )
 
-    # ------------------------------------------------------------------------------ 5. commit
+    # --- 5. commit
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit the step (coordinator; see the module docstring, step 5). Fills ``metadata`` in place as
-        stored. Raises :class:`CheckpointError` when the results or the metadata disagree with what was
-        written, and the errors of :func:`~tiered_ckpt.local.save.commit_step`."""
-        records = [ShardRecord.from_json(wr.storage_data) for rank_results in results for wr in rank_results
-                   if wr.index.fqn == SHARD_RESULT_FQN]
+        """Commit the step (coordinator; see the module docstring, step 5). Fills ``metadata`` in
+        place as stored. Raises :class:`CheckpointError` when the results or the metadata disagree
+        with what was written, and the errors of :func:`~tiered_ckpt.local.save.commit_step`."""
+        records = [
+            ShardRecord.from_json(wr.storage_data)
+            for rank_results in results
+            for wr in rank_results
+            if wr.index.fqn == SHARD_RESULT_FQN
+        ]
         if sorted(r.rank for r in records) != list(range(len(results))):
-            raise CheckpointError(f"step {self.step}: write results hold shard records of ranks "
-                                  f"{sorted(r.rank for r in records)[:8]} for {len(results)} ranks")
+            raise CheckpointError(
+                f"step {self.step}: write results hold shard records of ranks "
+                f"{sorted(r.rank for r in records)[:8]} for {len(results)} ranks"
+            )
         metadata.storage_data = dict(self._placement)
         metadata.storage_meta = self.storage_meta()
         metadata.version = CURRENT_DCP_VERSION
         if self._metadata_bytes is None or metadata_json.encode(metadata) != self._metadata_bytes:
-            raise CheckpointError(f"step {self.step}: the metadata given to finish differs from the one written "
-                                  "in the coordinator's shard (did a planner change it after create_global_plan?)")
-        info = {"format": EXTRA_FORMAT, "metadata_rank": self.rank, "metadata_tensor": METADATA_TENSOR,
-                "metadata_bytes": len(self._metadata_bytes)}
-        commit_step(self.root, self.step, len(results), records, {**(self.extra or {}), EXTRA_KEY: info},
-                    save_id=self.save_id, replace=self.replace, run_id=self.run_id, attempt=self.attempt)
+            raise CheckpointError(
+                f"step {self.step}: the metadata given to finish differs from the one written "
+                "in the coordinator's shard (did a planner change it after create_global_plan?)"
+            )
+        info = {
+            "format": EXTRA_FORMAT,
+            "metadata_rank": self.rank,
+            "metadata_tensor": METADATA_TENSOR,
+            "metadata_bytes": len(self._metadata_bytes),
+        }
+        commit_step(
+            self.root,
+            self.step,
+            len(results),
+            records,
+            {**(self.extra or {}), EXTRA_KEY: info},
+            save_id=self.save_id,
+            replace=self.replace,
+            run_id=self.run_id,
+            attempt=self.attempt,
+        )
         if self.rotation is not None:
             try:
                 rotate(self.root, self.rotation, rank=self.rank, just_committed=self.step)
-            except OSError as exc:  # the save itself succeeded; retention retries after the next one
+            except (
+                OSError
+            ) as exc:  # the save itself succeeded; retention retries after the next one
                 log.error("step %d: rotation after the commit failed: %s", self.step, exc)
 
     def abort(self) -> None:
-        """After a save that failed on some rank (call on every rank, after DCP returned): unless the step
-        got committed, this rank's shard of this save is removed if the file is still this save's (not
-        when another save of the step has replaced it since) and the writer lock released if it is still
-        this save's. Nothing happens for a save that wrote nothing here. Never raises for a missing
-        file."""
+        """After a save that failed on some rank (call on every rank, after DCP returned): unless
+        the step got committed, this rank's shard of this save is removed if the file is still this
+        save's (not when another save of the step has replaced it since) and the writer lock
+        released if it is still this save's. Nothing happens for a save that wrote nothing here.
+        Never raises for a missing file."""
         sdir = step_path(self.root, self.step)
         if self.save_id is None or is_committed(sdir):
             return
@@ -305,4 +399,12 @@ class TieredStorageWriter(StorageWriter):
         release_save_lock(sdir, self.save_id)
 
 
-__all__ = ["DCP_CHUNK_BYTES", "EXTRA_FORMAT", "EXTRA_KEY", "ShardPlan", "TieredStorageWriter", "is_step_checkpoint_id", "step_of_checkpoint_id"]
+__all__ = [
+    "DCP_CHUNK_BYTES",
+    "EXTRA_FORMAT",
+    "EXTRA_KEY",
+    "ShardPlan",
+    "TieredStorageWriter",
+    "is_step_checkpoint_id",
+    "step_of_checkpoint_id",
+]

@@ -8,24 +8,26 @@ Run (4 ranks, gloo on CPU)::
 Run it again with the same arguments after a crash and it resumes from the newest step committed in
 every rank's root; the loss curve continues exactly as if it had never stopped.
 
-Data: the Python standard library's own ``.py`` sources (sorted file list, the first ``--data-bytes``
-bytes), cut into windows of ``seq_len + 1`` bytes; the order of windows is
-:class:`tiered_ckpt.data.ShuffledBatchSampler` (seeded per epoch), so the data position is two integers.
+Data: the Python standard library's own ``.py`` sources (sorted file list, the first
+``--data-bytes`` bytes), cut into windows of ``seq_len + 1`` bytes; the order of windows is
+:class:`tiered_ckpt.data.ShuffledBatchSampler` (seeded per epoch), so the data position is two
+integers.
 
-ZeRO-1: all parameters live as views in one flat fp32 buffer of ``N`` elements (padded to a multiple of
-the world size). Rank ``r`` owns ``[r*c, min((r+1)*c, N))`` with ``c = ceil(N / world)``: it keeps the
-fp32 master copy and the AdamW moments of that slice only. Per step: backward, flat gradient,
-a reduce-scatter (gloo supports it in torch 2.13: no all-reduce fallback needed) divided by the world size, global-norm
-clipping (one all-reduce), AdamW on the local slice, an all-gather of the parameters. The
-checkpoint stores master and moments as :class:`tiered_ckpt.GlobalSlice` of the global ``(N,)`` vectors,
-so ``param_shard_offset/numel`` in the manifest are the real partition. What every rank holds alike (the
-Adam step, the step counter, the data position, the loss history) is claimed :class:`tiered_ckpt.Replicated`
-for the data-parallel group (here the whole job; the save checks the claim), and the RNG streams stay per
-rank: ``tiered-ckpt reshard --preset training`` rewrites a checkpoint for another world size.
+ZeRO-1: all parameters live as views in one flat fp32 buffer of ``N`` elements (padded to a multiple
+of the world size). Rank ``r`` owns ``[r*c, min((r+1)*c, N))`` with ``c = ceil(N / world)``: it
+keeps the fp32 master copy and the AdamW moments of that slice only. Per step: backward, flat
+gradient, a reduce-scatter (gloo supports it in torch 2.13: no all-reduce fallback needed) divided
+by the world size, global-norm clipping (one all-reduce), AdamW on the local slice, an all-gather of
+the parameters. The checkpoint stores master and moments as :class:`tiered_ckpt.GlobalSlice` of the
+global ``(N,)`` vectors, so ``param_shard_offset/numel`` in the manifest are the real partition.
+What every rank holds alike (the Adam step, the step counter, the data position, the loss history)
+is claimed :class:`tiered_ckpt.Replicated` for the data-parallel group (here the whole job; the save
+checks the claim), and the RNG streams stay per rank: ``tiered-ckpt reshard --preset training``
+rewrites a checkpoint for another world size.
 
-Determinism: one intra-op thread per rank, fixed collective algorithms, dropout from the per-rank torch
-CPU RNG (checkpointed), data order a function of ``(seed, epoch)``; a resumed run takes exactly the same
-floating-point path as an uninterrupted one.
+Determinism: one intra-op thread per rank, fixed collective algorithms, dropout from the per-rank
+torch CPU RNG (checkpointed), data order a function of ``(seed, epoch)``; a resumed run takes
+exactly the same floating-point path as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -50,17 +52,23 @@ import torch.nn.functional as F
 
 from tiered_ckpt import GlobalSlice, NoCheckpointError, Replicated
 from tiered_ckpt.data import DataPosition, ShuffledBatchSampler
-from tiered_ckpt.torch import capture_training_state, numpy_to_tensor, restore_rng_state, tensor_to_numpy
+from tiered_ckpt.torch import (
+    capture_training_state,
+    numpy_to_tensor,
+    restore_rng_state,
+    tensor_to_numpy,
+)
 from tiered_ckpt.training import CheckpointManager, JobEventLog
 
 log = logging.getLogger("train_zero")
 
-# torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old names.
+# torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old
+# names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# ------------------------------------------------------------------------------------------- model
+# --- model
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-# -------------------------------------------------------------------------------------------- data
+# --- data
 
 
 def load_corpus(n_bytes: int) -> np.ndarray:
@@ -128,7 +136,7 @@ def load_corpus(n_bytes: int) -> np.ndarray:
     return np.frombuffer(bytes(out[:n_bytes]), dtype=np.uint8)
 
 
-# -------------------------------------------------------------------------------------------- ZeRO
+# --- ZeRO
 
 
 class FlatZero1:
@@ -138,8 +146,18 @@ class FlatZero1:
     ``master``, ``exp_avg``, ``exp_avg_sq``, ``decay`` float32 ``(chunk,)`` for this rank's slice.
     """
 
-    def __init__(self, model: nn.Module, rank: int, world: int, *, lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.1, clip=1.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        rank: int,
+        world: int,
+        *,
+        lr: float,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        clip=1.0,
+    ) -> None:
         self.rank, self.world = rank, world
         self.params = [p for p in model.parameters()]
         self.numel = sum(p.numel() for p in self.params)
@@ -149,15 +167,17 @@ class FlatZero1:
         off = 0
         for p in self.params:
             n = p.numel()
-            self.flat[off:off + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat[off:off + n].view_as(p)
+            self.flat[off : off + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off : off + n].view_as(p)
             if p.dim() >= 2:
-                decay_full[off:off + n] = 1.0
+                decay_full[off : off + n] = 1.0
             off += n
         self.lo = rank * self.chunk
-        self.valid = max(0, min(self.numel, self.lo + self.chunk) - self.lo)  # unpadded part of the slice
-        self.master = self.flat[self.lo:self.lo + self.chunk].clone()
-        self.decay = decay_full[self.lo:self.lo + self.chunk].clone()
+        self.valid = max(
+            0, min(self.numel, self.lo + self.chunk) - self.lo
+        )  # unpadded part of the slice
+        self.master = self.flat[self.lo : self.lo + self.chunk].clone()
+        self.decay = decay_full[self.lo : self.lo + self.chunk].clone()
         self.exp_avg = torch.zeros(self.chunk)
         self.exp_avg_sq = torch.zeros(self.chunk)
         self.t = 0
@@ -166,11 +186,12 @@ class FlatZero1:
         self._gslice = torch.zeros(self.chunk)
 
     def step(self, lr: float) -> float:
-        """Reduce-scatter gradients, clip, AdamW on the local slice, all-gather. Returns the grad norm."""
+        """Reduce-scatter gradients, clip, AdamW on the local slice, all-gather. Returns the grad
+        norm."""
         off = 0
         for p in self.params:
             n = p.numel()
-            self._gflat[off:off + n].copy_(p.grad.reshape(-1))
+            self._gflat[off : off + n].copy_(p.grad.reshape(-1))
             p.grad = None
             off += n
         _reduce_scatter(self._gslice, self._gflat, op=dist.ReduceOp.SUM)
@@ -185,30 +206,41 @@ class FlatZero1:
         self.master.mul_(1.0 - lr * self.wd * self.decay)
         self.exp_avg.mul_(b1).add_(g, alpha=1.0 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - b2 ** self.t)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / (1.0 - b1 ** self.t))
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - b2**self.t)).add_(self.eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / (1.0 - b1**self.t))
         _all_gather(self.flat, self.master)
         return norm
 
     def state(self) -> dict:
-        """This rank's optimizer state as GlobalSlices of the global ``(numel,)`` vectors (aliasing); the
-        Adam step, the same on every rank, Replicated."""
+        """This rank's optimizer state as GlobalSlices of the global ``(numel,)`` vectors
+        (aliasing); the Adam step, the same on every rank, Replicated."""
+
         def gs(t: torch.Tensor) -> GlobalSlice:
-            return GlobalSlice(tensor_to_numpy(t[:self.valid]), (self.numel,), (self.lo if self.valid else 0,))
-        return {"master": gs(self.master), "exp_avg": gs(self.exp_avg), "exp_avg_sq": gs(self.exp_avg_sq),
-                "adam_step": Replicated(self.t)}
+            return GlobalSlice(
+                tensor_to_numpy(t[: self.valid]), (self.numel,), (self.lo if self.valid else 0,)
+            )
+
+        return {
+            "master": gs(self.master),
+            "exp_avg": gs(self.exp_avg),
+            "exp_avg_sq": gs(self.exp_avg_sq),
+            "adam_step": Replicated(self.t),
+        }
 
     def params_sha256(self) -> str:
-        """sha256 (hex) of the model's parameters: the flat float32 vector's first ``numel`` elements."""
-        return hashlib.sha256(tensor_to_numpy(self.flat[:self.numel]).tobytes()).hexdigest()
+        """sha256 (hex) of the model's parameters: the flat float32 vector's first ``numel``
+        elements."""
+        return hashlib.sha256(tensor_to_numpy(self.flat[: self.numel]).tobytes()).hexdigest()
 
     def load(self, st: dict) -> None:
         """Inverse of :meth:`state`, then all-gather so every rank's parameters are rebuilt."""
         for name in ("master", "exp_avg", "exp_avg_sq"):
             a = numpy_to_tensor(np.asarray(st[name]))
             if a.numel() != self.valid:
-                raise ValueError(f"{name}: checkpoint slice has {a.numel()} elements, expected {self.valid}")
-            getattr(self, name)[:self.valid].copy_(a)
+                raise ValueError(
+                    f"{name}: checkpoint slice has {a.numel()} elements, expected {self.valid}"
+                )
+            getattr(self, name)[: self.valid].copy_(a)
         self.t = int(st["adam_step"])
         _all_gather(self.flat, self.master)
 
@@ -221,35 +253,54 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
-# -------------------------------------------------------------------------------------------- main
+# --- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="total training steps (the LR schedule's length)")
-    p.add_argument("--stop-at", type=int, default=None, help="stop cleanly after this step (final save)")
+    p.add_argument(
+        "--steps", type=int, default=60, help="total training steps (the LR schedule's length)"
+    )
+    p.add_argument(
+        "--stop-at", type=int, default=None, help="stop cleanly after this step (final save)"
+    )
     p.add_argument("--ckpt-every", type=int, default=10, help="save every N steps")
     p.add_argument("--root", default="ckpt_train_zero", help="checkpoint directory (this node's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, lr} JSON lines here")
-    p.add_argument("--events-log", default=None,
-                   help="rank 0 appends JSON-line events here: each save's outcome (step, seconds, error) and "
-                        "the step it resumed from (tiered_ckpt.training.events)")
+    p.add_argument(
+        "--loss-log", default=None, help="rank 0 appends {step, loss, lr} JSON lines here"
+    )
+    p.add_argument(
+        "--events-log",
+        default=None,
+        help="rank 0 appends JSON-line events here: each save's outcome (step, seconds, error) and "
+        "the step it resumed from (tiered_ckpt.training.events)",
+    )
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: async)")
-    p.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds to sleep per step (tests)")
+    p.add_argument(
+        "--sleep-per-step", type=float, default=0.0, help="seconds to sleep per step (tests)"
+    )
     p.add_argument("--data-bytes", type=int, default=65536)
     p.add_argument("--batch-per-rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--handle-sigterm", action="store_true", help="final save on SIGTERM, then exit")
-    p.add_argument("--no-resume", action="store_true", help="start fresh even if a checkpoint exists")
-    p.add_argument("--remote-url", default=None,
-                   help="s3://bucket/prefix the upload sidecar writes to: a resume restores from it what this "
-                        "node's root lacks (a replaced node, a lost cluster); S3 settings from boto3's chain "
-                        "(AWS_ENDPOINT_URL, ...)")
-    p.add_argument("--upload-gated", action="store_true",
-                   help="rotation deletes a local step only once the sidecar has uploaded it")
+    p.add_argument(
+        "--no-resume", action="store_true", help="start fresh even if a checkpoint exists"
+    )
+    p.add_argument(
+        "--remote-url",
+        default=None,
+        help="s3://bucket/prefix the upload sidecar writes to: a resume restores from it what this "
+        "node's root lacks (a replaced node, a lost cluster); S3 settings from boto3's chain "
+        "(AWS_ENDPOINT_URL, ...)",
+    )
+    p.add_argument(
+        "--upload-gated",
+        action="store_true",
+        help="rotation deletes a local step only once the sidecar has uploaded it",
+    )
     return p.parse_args(argv)
 
 
@@ -264,9 +315,11 @@ def _init_dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _resume(mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSampler) -> tuple[int, list[float]]:
-    """Load the newest step committed in every rank's root into ``opt``, ``sampler`` and the RNGs (a rank
-    that a reshard to more ranks added has none: its streams stay seeded as at a fresh start).
+def _resume(
+    mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSampler
+) -> tuple[int, list[float]]:
+    """Load the newest step committed in every rank's root into ``opt``, ``sampler`` and the RNGs (a
+    rank that a reshard to more ranks added has none: its streams stay seeded as at a fresh start).
     Returns ``(step, loss_history)``; ``(0, [])`` when nothing is committed (a fresh start)."""
     try:
         st = mgr.load()
@@ -281,7 +334,8 @@ def _resume(mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSample
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train (resuming from the newest checkpoint under ``--root`` unless ``--no-resume``). Returns 0."""
+    """Train (resuming from the newest checkpoint under ``--root`` unless ``--no-resume``). Returns
+    0."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     rank, world = _init_dist()
@@ -296,15 +350,25 @@ def main(argv: list[str] | None = None) -> int:
 
     data = load_corpus(args.data_bytes)
     window = cfg.seq_len + 1
-    windows = torch.from_numpy(data[: len(data) // window * window].astype(np.int64).reshape(-1, window))
+    windows = torch.from_numpy(
+        data[: len(data) // window * window].astype(np.int64).reshape(-1, window)
+    )
     sampler = ShuffledBatchSampler(len(windows), args.batch_per_rank * world, seed=args.seed)
 
     events = JobEventLog(args.events_log) if (args.events_log and rank == 0) else None
-    mgr = CheckpointManager(args.root, rank=rank, world_size=world, save_every_steps=args.ckpt_every,
-                            keep_last=args.keep_last, async_save=not args.sync_save,
-                            remote_url=args.remote_url, upload_gated=args.upload_gated,
-                            collective_timeout_s=120.0, handle_sigterm=args.handle_sigterm,
-                            on_save_outcome=events.save if events is not None else None)
+    mgr = CheckpointManager(
+        args.root,
+        rank=rank,
+        world_size=world,
+        save_every_steps=args.ckpt_every,
+        keep_last=args.keep_last,
+        async_save=not args.sync_save,
+        remote_url=args.remote_url,
+        upload_gated=args.upload_gated,
+        collective_timeout_s=120.0,
+        handle_sigterm=args.handle_sigterm,
+        on_save_outcome=events.save if events is not None else None,
+    )
     step, history = (0, []) if args.no_resume else _resume(mgr, opt, sampler)
     if step and rank == 0:
         print(f"resumed from step {step} (parameters sha256 {opt.params_sha256()})", flush=True)
@@ -332,9 +396,17 @@ def main(argv: list[str] | None = None) -> int:
                 log_f.flush()
             due = mgr.should_save(step) or step == stop_at
             if due:  # the whole job is the data-parallel group: what every rank holds alike is Replicated
-                state = {"zero": opt.state(), **capture_training_state(
-                    progress={"step": step, "data": sampler.position.to_json(), "loss_history": history},
-                    replicated_group=dist.group.WORLD)}
+                state = {
+                    "zero": opt.state(),
+                    **capture_training_state(
+                        progress={
+                            "step": step,
+                            "data": sampler.position.to_json(),
+                            "loss_history": history,
+                        },
+                        replicated_group=dist.group.WORLD,
+                    ),
+                }
                 mgr.save(step, state, extra={"loss": value, "lr": lr})
             if mgr.preempted:
                 break
@@ -351,7 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # a script configures logging; main() may be called from a program that does
-    logging.basicConfig(level=os.environ.get("TRAIN_ZERO_LOG", "WARNING"),
-                        format=f"%(asctime)s r{os.environ.get('RANK', '0')} %(name)s %(levelname)s %(message)s")
+if (
+    __name__ == "__main__"
+):  # a script configures logging; main() may be called from a program that does
+    logging.basicConfig(
+        level=os.environ.get("TRAIN_ZERO_LOG", "WARNING"),
+        format=f"%(asctime)s r{os.environ.get('RANK', '0')} %(name)s %(levelname)s %(message)s",
+    )
     sys.exit(main())

@@ -1,17 +1,19 @@
-"""CRC32C (Castagnoli) checksums over any buffer, without copies, and the per-tensor chunk checksums of
-manifest schema v2.
+"""CRC32C (Castagnoli) checksums over any buffer, without copies, and the per-tensor chunk checksums
+of manifest schema v2.
 
-The CRC comes from ``google_crc32c`` (Google's hardware-accelerated C library). Its Python entry points
-accept only ``bytes`` (``PyArg_ParseTuple("y#")``), so feeding them views of numpy arrays or of a read
-buffer would copy every chunk; we call the same library's ``crc32c_extend(crc, ptr, len)`` through ctypes
-instead (zero-copy, and ctypes releases the GIL so that hashing overlaps I/O on another core). If the
-library cannot be reached that way, the pure ``google_crc32c.extend`` path with a ``bytes`` copy is used.
+The CRC comes from ``google_crc32c`` (Google's hardware-accelerated C library). Its Python entry
+points accept only ``bytes`` (``PyArg_ParseTuple("y#")``), so feeding them views of numpy arrays or
+of a read buffer would copy every chunk; we call the same library's ``crc32c_extend(crc, ptr, len)``
+through ctypes instead (zero-copy, and ctypes releases the GIL so that hashing overlaps I/O on
+another core). If the library cannot be reached that way, the pure ``google_crc32c.extend`` path
+with a ``bytes`` copy is used.
 
-Per-tensor chunk checksums (schema v2, :class:`TensorChunkCrcs`): the bytes of every tensor are cut into
-chunks of ``chunk_bytes`` (the last one shorter; none for a zero-size tensor), chunk ``k`` covering tensor
-bytes ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, and the CRC32C of each is recorded as 8
-lower-case hex digits. A partial read of ``[a, b)`` of a tensor then reads the chunk-aligned range around
-it and verifies exactly those chunks (resharding; see :mod:`tiered_ckpt._shard_reader`).
+Per-tensor chunk checksums (schema v2, :class:`TensorChunkCrcs`): the bytes of every tensor are cut
+into chunks of ``chunk_bytes`` (the last one shorter; none for a zero-size tensor), chunk ``k``
+covering tensor bytes ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, and the CRC32C of
+each is recorded as 8 lower-case hex digits. A partial read of ``[a, b)`` of a tensor then reads the
+chunk-aligned range around it and verifies exactly those chunks (resharding; see
+the local tier's verified reads).
 
 Pure apart from loading the shared library; no file I/O.
 """
@@ -21,7 +23,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -30,8 +33,9 @@ from tiered_ckpt.format.manifest import TensorRecord
 
 log = logging.getLogger(__name__)
 
-#: Default chunk size of per-tensor checksums (bytes). A partial read reads at most two extra chunks per
-#: contiguous range; 1 MiB keeps that small and the manifest at ~11 bytes per MiB of tensor data.
+#: Default chunk size of per-tensor checksums (bytes). A partial read reads at most two extra chunks
+#: per contiguous range; 1 MiB keeps that small and the manifest at ~11 bytes per MiB of tensor
+#: data.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -55,8 +59,8 @@ _EXTEND = _load_extend()
 
 
 def crc32c_extend(crc: int, data: Any) -> int:
-    """CRC32C of ``data`` (any C-contiguous buffer: bytes, bytearray, memoryview, numpy array) continuing
-    from ``crc`` (0 to start). Returns an int in ``[0, 2**32)``."""
+    """CRC32C of ``data`` (any C-contiguous buffer: bytes, bytearray, memoryview, numpy array)
+    continuing from ``crc`` (0 to start). Returns an int in ``[0, 2**32)``."""
     mv = memoryview(data)
     if mv.nbytes == 0:
         return crc
@@ -96,11 +100,11 @@ def chunk_count(nbytes: int, chunk_bytes: int) -> int:
 
 
 class TensorChunkCrcs:
-    """A hasher fed the whole shard file in order (``update`` with consecutive pieces of any size) that
-    computes, for every tensor, the CRC32C of each ``chunk_bytes`` chunk of its bytes.
+    """A hasher fed the whole shard file in order (``update`` with consecutive pieces of any size)
+    that computes, for every tensor, the CRC32C of each ``chunk_bytes`` chunk of its bytes.
 
-    ``data_start``: file offset of the data section (8 + header length). ``records``: the tensors of the
-    file (their ``data_offsets`` are relative to ``data_start`` and tile the data section).
+    ``data_start``: file offset of the data section (8 + header length). ``records``: the tensors of
+    the file (their ``data_offsets`` are relative to ``data_start`` and tile the data section).
     :meth:`result` -> ``{name: ("1a2b3c4d", ...)}``.
     """
 
@@ -109,7 +113,9 @@ class TensorChunkCrcs:
     def __init__(self, data_start: int, records: Iterable[TensorRecord], chunk_bytes: int) -> None:
         self._data_start = data_start
         self._chunk = chunk_bytes
-        self._tensors = sorted((t for t in records if t.nbytes > 0), key=lambda t: t.data_offsets[0])
+        self._tensors = sorted(
+            (t for t in records if t.nbytes > 0), key=lambda t: t.data_offsets[0]
+        )
         self._out: dict[str, list[str]] = {t.name: [] for t in records}
         self._pos = 0  # file offset of the next byte fed
         self._ti = 0  # index of the current tensor
@@ -186,20 +192,22 @@ def _x8n(n: int) -> int:
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len2`` = len(B) in bytes,
-    without reading either (zlib's ``crc32_combine``, for the standard pre- and post-inverted CRC)."""
+    """CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len2`` = len(B) in
+    bytes, without reading either (zlib's ``crc32_combine``, for the standard pre- and post-inverted
+    CRC)."""
     return _multmodp(_x8n(len2), crc1) ^ crc2 if len2 else crc1
 
 
 #: Below this many bytes an array's bytes are CRC'd a second time for the running CRC of the whole
-#: sequence (cheap: they are small and in cache); above it its chunk CRCs are combined (no second pass).
+#: sequence (cheap: they are small and in cache); above it its chunk CRCs are combined (no second
+#: pass).
 COMBINE_MIN_BYTES = 256 * 1024
 
 
 def array_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> tuple[str, int, int]:
-    """``(chunk CRCs, crc, nbytes)``: :func:`array_chunk_crcs` of ``arrays``, plus the CRC32C and byte
-    count of all their bytes concatenated in that order (the data section of a shard), in one pass over
-    large arrays (their chunk CRCs are combined with :func:`crc32c_combine`)."""
+    """``(chunk CRCs, crc, nbytes)``: :func:`array_chunk_crcs` of ``arrays``, plus the CRC32C and
+    byte count of all their bytes concatenated in that order (the data section of a shard), in one
+    pass over large arrays (their chunk CRCs are combined with :func:`crc32c_combine`)."""
     out, crc, total = [], 0, 0
     for a in arrays:
         n = a.nbytes
@@ -211,17 +219,20 @@ def array_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> tuple[str, int
             crc = crc32c_extend(crc, a.reshape(-1).view(np.uint8))
         else:
             for i in range(0, len(hexes), 8):
-                crc = crc32c_combine(crc, int(hexes[i:i + 8], 16), min(chunk_bytes, n - (i // 8) * chunk_bytes))
+                crc = crc32c_combine(
+                    crc, int(hexes[i : i + 8], 16), min(chunk_bytes, n - (i // 8) * chunk_bytes)
+                )
         total += n
     return "".join(out), crc, total
 
 
 def array_chunk_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> str:
-    """The per-chunk CRC32Cs of each C-contiguous array's bytes (chunk ``k`` of an array covering bytes
-    ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, none for an empty array), as 8 lower-case
-    hex digits each, concatenated in the order given: the ``crc32c`` string of a format-2 shard header
-    (:func:`tiered_ckpt.format.tensor_index.encode_index`). Zero-copy (the arrays' memory is read in
-    place); ctypes releases the GIL, so callers may split the arrays over threads."""
+    """The per-chunk CRC32Cs of each C-contiguous array's bytes (chunk ``k`` of an array covering
+    bytes ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, none for an empty array), as 8
+    lower-case hex digits each, concatenated in the order given: the ``crc32c`` string of a format-2
+    shard header (:func:`tiered_ckpt.format.tensor_index.encode_index`). Zero-copy (the arrays'
+    memory is read in place); ctypes releases the GIL, so callers may split the arrays over
+    threads."""
     out = []
     fn = _EXTEND
     for a in arrays:
@@ -230,27 +241,48 @@ def array_chunk_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> str:
             continue
         if fn is None:  # pragma: no cover
             flat = memoryview(a.reshape(-1).view(np.uint8))
-            out += [crc_hex(crc32c_extend(0, flat[i : i + chunk_bytes])) for i in range(0, n, chunk_bytes)]
+            out += [
+                crc_hex(crc32c_extend(0, flat[i : i + chunk_bytes]))
+                for i in range(0, n, chunk_bytes)
+            ]
             continue
         ptr = a.__array_interface__["data"][0]
         if n <= chunk_bytes:
             out.append(f"{fn(0, ptr, n):08x}")
         else:
-            out += [f"{fn(0, ptr + i, min(chunk_bytes, n - i)):08x}" for i in range(0, n, chunk_bytes)]
+            out += [
+                f"{fn(0, ptr + i, min(chunk_bytes, n - i)):08x}" for i in range(0, n, chunk_bytes)
+            ]
     return "".join(out)
 
 
 def first_bad_chunk(data: Any, chunk_bytes: int, expected: Iterable[str]) -> int | None:
     """Index (from 0) of the first chunk of ``data`` (a buffer of bytes; chunk ``k`` covers bytes
     ``[k * chunk_bytes, (k + 1) * chunk_bytes)``, the last one shorter) whose CRC32C differs from
-    ``expected[k]`` (8 hex digits each), or ``None`` when every chunk matches: one pass over the buffer in
-    C (:func:`array_chunk_crcs`), one string comparison."""
+    ``expected[k]`` (8 hex digits each), or ``None`` when every chunk matches: one pass over the
+    buffer in C (:func:`array_chunk_crcs`), one string comparison."""
     want = "".join(expected)
     got = array_chunk_crcs([np.frombuffer(data, dtype=np.uint8)], chunk_bytes)
     if got == want:
         return None
-    return next((k for k in range(0, max(len(got), len(want)), 8) if got[k:k + 8] != want[k:k + 8]), 0) // 8
+    return (
+        next(
+            (k for k in range(0, max(len(got), len(want)), 8) if got[k : k + 8] != want[k : k + 8]),
+            0,
+        )
+        // 8
+    )
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "first_bad_chunk", "Crc32c", "TensorChunkCrcs", "array_chunk_crcs", "array_crcs", "crc32c_combine", "crc32c_extend", "crc_hex",
-           "chunk_count"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "first_bad_chunk",
+    "Crc32c",
+    "TensorChunkCrcs",
+    "array_chunk_crcs",
+    "array_crcs",
+    "crc32c_combine",
+    "crc32c_extend",
+    "crc_hex",
+    "chunk_count",
+]

@@ -1,18 +1,21 @@
-"""Run identity and step lineage (SPEC §11): ``run.json`` in a root and in a bucket prefix. Pure: no I/O.
+"""Run identity and step lineage (SPEC §11): ``run.json`` in a root and in a bucket prefix. Pure: no
+I/O.
 
-A **run** is one training job's history, named by a ``run_id`` chosen when the job first starts in an empty
-root. An **attempt** is one unbroken stretch of that history: attempt 1 starts the run; every later attempt
-starts when a :class:`~tiered_ckpt.training.manager.CheckpointManager` (or ``restore``) resumes from a step
-older than the newest committed one (a rollback, a node replacement that lost the newest step), or saves
-into a root holding newer steps without loading. Each attempt records the first step number it
-*supersedes*: every step of an earlier attempt with a number at or above it is abandoned history.
+A **run** is one training job's history, named by a ``run_id`` chosen when the job first starts in
+an empty root. An **attempt** is one unbroken stretch of that history: attempt 1 starts the run;
+every later attempt starts when a :class:`~tiered_ckpt.training.manager.CheckpointManager` (or
+``restore``) resumes from a step older than the newest committed one (a rollback, a node replacement
+that lost the newest step), or saves into a root holding newer steps without loading. Each attempt
+records the first step number it *supersedes*: every step of an earlier attempt with a number at or
+above it is abandoned history.
 
-A step saved in attempt ``a`` with number ``s`` is **current** iff no later attempt ``k > a`` supersedes it
-(``s < supersedes_from`` of every such ``k``). Superseded steps are never loaded, restored or uploaded as
-the newest; they are set aside, not deleted (SPEC §11).
+A step saved in attempt ``a`` with number ``s`` is **current** iff no later attempt ``k > a``
+supersedes it (``s < supersedes_from`` of every such ``k``). Superseded steps are never loaded,
+restored or uploaded as the newest; they are set aside, not deleted (SPEC §11).
 
 The same record is the run's claim on a bucket prefix (``<prefix>/run.json``, first written with
-``If-None-Match: *``, later moved with ``If-Match``): a sidecar whose root names another run is refused.
+``If-None-Match: *``, later moved with ``If-Match``): a sidecar whose root names another run is
+refused.
 
 JSON (sorted keys)::
 
@@ -21,8 +24,9 @@ JSON (sorted keys)::
         {"attempt": 2, "supersedes_from": 31, "resumed_from": 30, "started_at": "2026-...Z"}]}
 
 ``resumed_from``: the step the attempt loaded (``null``: it started without loading). Attempts are
-numbered 1, 2, 3... without gaps. Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`;
-two records of one run that disagree about an attempt raise :class:`~tiered_ckpt.errors.LineageError`.
+numbered 1, 2, 3... without gaps. Validation failures raise
+:class:`~tiered_ckpt.errors.ManifestError`; two records of one run that disagree about an attempt
+raise :class:`~tiered_ckpt.errors.LineageError`.
 """
 
 from __future__ import annotations
@@ -44,9 +48,9 @@ MAX_ATTEMPTS = 100_000
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt of a run. ``supersedes_from``: steps ``>=`` this of earlier attempts are superseded
-    (``None`` for attempt 1). ``resumed_from``: the step loaded to start it (``None``: none).
-    ``started_at``: UTC ISO-8601."""
+    """One attempt of a run. ``supersedes_from``: steps ``>=`` this of earlier attempts are
+    superseded (``None`` for attempt 1). ``resumed_from``: the step loaded to start it (``None``:
+    none). ``started_at``: UTC ISO-8601."""
 
     attempt: int
     supersedes_from: int | None
@@ -54,11 +58,15 @@ class Attempt:
     started_at: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "supersedes_from": self.supersedes_from,
-                "resumed_from": self.resumed_from, "started_at": self.started_at}
+        return {
+            "attempt": self.attempt,
+            "supersedes_from": self.supersedes_from,
+            "resumed_from": self.resumed_from,
+            "started_at": self.started_at,
+        }
 
     @classmethod
-    def from_dict(cls, obj: Any, what: str) -> "Attempt":
+    def from_dict(cls, obj: Any, what: str) -> Attempt:
         check_keys(obj, what, {"attempt", "supersedes_from", "resumed_from", "started_at"})
         n = int_field(obj["attempt"], f"{what}.attempt", 1, MAX_ATTEMPTS)
         sf = obj["supersedes_from"]
@@ -93,7 +101,7 @@ class RunLineage:
         RunLineage.from_dict(self.to_dict())
 
     @classmethod
-    def first(cls, run_id: str, started_at: str) -> "RunLineage":
+    def first(cls, run_id: str, started_at: str) -> RunLineage:
         """A new run's lineage: attempt 1 only."""
         return cls(run_id, (Attempt(1, None, None, started_at),))
 
@@ -103,8 +111,9 @@ class RunLineage:
         return self.attempts[-1].attempt
 
     def superseded_by(self, attempt: int, step: int) -> Superseded | None:
-        """Which later attempt supersedes step ``step`` saved in ``attempt`` (the earliest such attempt),
-        or ``None`` when the step is current. An attempt newer than this record knows is current."""
+        """Which later attempt supersedes step ``step`` saved in ``attempt`` (the earliest such
+        attempt), or ``None`` when the step is current. An attempt newer than this record knows is
+        current."""
         for a in self.attempts:
             if a.attempt > attempt and a.supersedes_from is not None and step >= a.supersedes_from:
                 return Superseded(a.attempt, a.supersedes_from)
@@ -113,17 +122,21 @@ class RunLineage:
     def is_current(self, attempt: int, step: int) -> bool:
         return self.superseded_by(attempt, step) is None
 
-    def new_attempt(self, *, supersedes_from: int, resumed_from: int | None, started_at: str) -> "RunLineage":
+    def new_attempt(
+        self, *, supersedes_from: int, resumed_from: int | None, started_at: str
+    ) -> RunLineage:
         """This lineage plus one attempt (number one greater than the current)."""
         a = Attempt(self.attempt + 1, supersedes_from, resumed_from, started_at)
         return RunLineage(self.run_id, self.attempts + (a,))
 
-    def extends(self, other: "RunLineage") -> bool:
-        """Whether ``other``'s attempts are a prefix of this record's (same run): this record is at least
-        as new. Raises nothing; a different run id is never an extension."""
-        return self.run_id == other.run_id and self.attempts[:len(other.attempts)] == other.attempts
+    def extends(self, other: RunLineage) -> bool:
+        """Whether ``other``'s attempts are a prefix of this record's (same run): this record is at
+        least as new. Raises nothing; a different run id is never an extension."""
+        return (
+            self.run_id == other.run_id and self.attempts[: len(other.attempts)] == other.attempts
+        )
 
-    def merge(self, other: "RunLineage") -> "RunLineage":
+    def merge(self, other: RunLineage) -> RunLineage:
         """The newer of two records of one run (the one that extends the other). Raises
         :class:`LineageError` for different runs or records that disagree about an attempt."""
         if self.extends(other):
@@ -132,29 +145,37 @@ class RunLineage:
             return other
         if self.run_id != other.run_id:
             raise LineageError(f"run {self.run_id!r} and run {other.run_id!r} are different runs")
-        raise LineageError(f"two records of run {self.run_id!r} disagree about its attempts "
-                           f"({len(self.attempts)} vs {len(other.attempts)}): diverged lineage")
+        raise LineageError(
+            f"two records of run {self.run_id!r} disagree about its attempts "
+            f"({len(self.attempts)} vs {len(other.attempts)}): diverged lineage"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "run_id": self.run_id,
-                "attempts": [a.to_dict() for a in self.attempts]}
+        return {
+            "schema_version": self.schema_version,
+            "run_id": self.run_id,
+            "attempts": [a.to_dict() for a in self.attempts],
+        }
 
     def to_json(self) -> str:
-        """Canonical bytes (sorted keys, indented, trailing newline): equal records are equal bytes."""
+        """Canonical bytes (sorted keys, indented, trailing newline): equal records are equal
+        bytes."""
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "RunLineage":
+    def from_json(cls, text: str | bytes) -> RunLineage:
         return cls.from_dict(loads_json(text, "run record"))
 
     @classmethod
-    def from_dict(cls, obj: Any) -> "RunLineage":
+    def from_dict(cls, obj: Any) -> RunLineage:
         what = "run record"
         check_keys(obj, what, {"schema_version", "run_id", "attempts"})
         version = int_field(obj["schema_version"], f"{what}.schema_version", 0, 2**31)
         if version != LINEAGE_SCHEMA_VERSION:
-            raise ManifestError(f"{what} schema_version {version} is not supported "
-                                f"(this tiered_ckpt reads {LINEAGE_SCHEMA_VERSION}); upgrade tiered_ckpt")
+            raise ManifestError(
+                f"{what} schema_version {version} is not supported "
+                f"(this tiered_ckpt reads {LINEAGE_SCHEMA_VERSION}); upgrade tiered_ckpt"
+            )
         run_id = str_field(obj["run_id"], f"{what}.run_id", RUN_ID_RE)
         raw = obj["attempts"]
         if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_ATTEMPTS:
@@ -162,7 +183,9 @@ class RunLineage:
         attempts = tuple(Attempt.from_dict(a, f"{what}.attempts[{i}]") for i, a in enumerate(raw))
         for i, a in enumerate(attempts):
             if a.attempt != i + 1:
-                raise ManifestError(f"{what}.attempts[{i}] is attempt {a.attempt}, expected {i + 1}")
+                raise ManifestError(
+                    f"{what}.attempts[{i}] is attempt {a.attempt}, expected {i + 1}"
+                )
         rec = object.__new__(cls)
         object.__setattr__(rec, "run_id", run_id)
         object.__setattr__(rec, "attempts", attempts)

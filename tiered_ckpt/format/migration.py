@@ -1,10 +1,11 @@
-"""Manifest schema migrations (pure): ``MIGRATIONS[v]`` upgrades a manifest dict of schema version ``v``
-to ``v + 1``; :func:`migrate` chains them up to the current :data:`SCHEMA_VERSION`. A loader reads any
-older version through this registry and never writes the old version back."""
+"""Manifest schema migrations (pure): ``MIGRATIONS[v]`` upgrades a manifest dict of schema version
+``v`` to ``v + 1``; :func:`migrate` chains them up to the current :data:`SCHEMA_VERSION`. A loader
+reads any older version through this registry and never writes the old version back."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from tiered_ckpt.format.validate import fail
 
@@ -16,10 +17,10 @@ def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
     """Upgrade a version-1 manifest dict to version 2 (pure; the input is not modified).
 
     Version 1 has no checksums beyond the whole-file sha256: every shard gets ``crc32c``,
-    ``header_sha256`` and ``crc32c_chunk_bytes`` set to ``null`` (unknown; tensors have no ``crc32c``),
-    so that fast and partial verification of such a step fall back to sha256 of whole files.
-    A version-1 dict that already carries one of these keys is refused (they were unknown keys in v1).
-    Malformed parts are left for validation to report.
+    ``header_sha256`` and ``crc32c_chunk_bytes`` set to ``null`` (unknown; tensors have no
+    ``crc32c``), so that fast and partial verification of such a step fall back to sha256 of whole
+    files. A version-1 dict that already carries one of these keys is refused (they were unknown
+    keys in v1). Malformed parts are left for validation to report.
     """
     out = dict(obj)
     out["schema_version"] = 2
@@ -40,7 +41,9 @@ def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(tensors, list):
             for j, t in enumerate(tensors):
                 if isinstance(t, dict) and "crc32c" in t:
-                    raise fail(f"shards[{i}].tensors[{j}] has unknown keys ['crc32c'] (schema_version 1)")
+                    raise fail(
+                        f"shards[{i}].tensors[{j}] has unknown keys ['crc32c'] (schema_version 1)"
+                    )
         new_shards.append(s)
     out["shards"] = new_shards
     return out
@@ -49,9 +52,9 @@ def migrate_v1_to_v2(obj: Mapping[str, Any]) -> dict[str, Any]:
 def migrate_v2_to_v3(obj: Mapping[str, Any]) -> dict[str, Any]:
     """Upgrade a version-2 manifest dict to version 3 (pure; the input is not modified).
 
-    Version 2 has no lineage: the step gets ``run_id: null`` (no known run) and ``attempt: 1`` (the first
-    attempt, which no rollback has happened before). A version-2 dict that already carries ``run_id`` or
-    ``attempt`` is refused (they were unknown keys in v2).
+    Version 2 has no lineage: the step gets ``run_id: null`` (no known run) and ``attempt: 1`` (the
+    first attempt, which no rollback has happened before). A version-2 dict that already carries
+    ``run_id`` or ``attempt`` is refused (they were unknown keys in v2).
     """
     clash = sorted({"run_id", "attempt"} & obj.keys())
     if clash:
@@ -62,11 +65,15 @@ def migrate_v2_to_v3(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: Named migrations: ``MIGRATIONS[v]`` upgrades a manifest dict of version ``v`` to ``v + 1``.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: migrate_v1_to_v2,
+    2: migrate_v2_to_v3,
+}
 
 
 def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
-    """Upgrade a manifest dict of ``version`` to :data:`SCHEMA_VERSION` with the named migrations."""
+    """Upgrade a manifest dict of ``version`` to :data:`SCHEMA_VERSION` with the named
+    migrations."""
     if version < 1:
         raise fail(f"manifest schema_version {version} is not a known version")
     out = dict(obj)
@@ -77,7 +84,6 @@ def migrate(obj: Mapping[str, Any], version: int) -> dict[str, Any]:
         out = fn(out)
         version += 1
     return out
-
 
 
 __all__ = ["SCHEMA_VERSION", "MIGRATIONS", "migrate", "migrate_v1_to_v2", "migrate_v2_to_v3"]

@@ -1,17 +1,19 @@
 """The two small JSON records of the upload tier (SPEC §4). Pure: no I/O.
 
-- :class:`ConfirmationRecord`: ``<prefix>/step_XXXXXXXXXX.<save_id>/.confirm/rank_XXXXX.json``, PUT by the sidecar
-  that sent and confirmed one shard, read (GET, never LIST) by whoever gathers the step's confirmations
-  before writing the upload manifest. Written and read only by :mod:`tiered_ckpt.remote.commit`.
-- :class:`UploadedMarker`: ``<step_dir>/uploaded.json`` on local disk: the step is in the bucket named by
-  ``remote`` (uploaded, restored from it, or released unsent by ``skip_intermediate``). Written and read
-  only by :mod:`tiered_ckpt.local.markers`.
+- :class:`ConfirmationRecord`: ``<prefix>/step_XXXXXXXXXX.<save_id>/.confirm/rank_XXXXX.json``, PUT
+  by the sidecar that sent and confirmed one shard, read (GET, never LIST) by whoever gathers the
+  step's confirmations before writing the upload manifest. Written and read only by
+  :mod:`tiered_ckpt.remote.commit`.
+- :class:`UploadedMarker`: ``<step_dir>/uploaded.json`` on local disk: the step is in the bucket
+  named by ``remote`` (uploaded, restored from it, or released unsent by ``skip_intermediate``).
+  Written and read only by :mod:`tiered_ckpt.local.markers`.
 
-Both serialise to exactly the bytes earlier releases wrote (existing buckets and run directories stay
-readable), and both readers ignore keys they do not know (a newer sidecar's, on a node not yet upgraded),
-as the readers before these dataclasses did: the confirmation record as ``json.dumps(sort_keys=True)`` plus a newline, the marker as
-``json.dumps(indent=1, sort_keys=True)`` plus a newline, optional marker fields omitted when unset.
-Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`.
+Both serialise to exactly the bytes earlier releases wrote (existing buckets and run directories
+stay readable), and both readers ignore keys they do not know (a newer sidecar's, on a node not yet
+upgraded), as the readers before these dataclasses did: the confirmation record as
+``json.dumps(sort_keys=True)`` plus a newline, the marker as ``json.dumps(indent=1,
+sort_keys=True)`` plus a newline, optional marker fields omitted when unset. Validation failures
+raise :class:`~tiered_ckpt.errors.ManifestError`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from tiered_ckpt.layout import MAX_STEP, MAX_WORLD_SIZE
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _CONFIRM_KEYS = {"rank", "key", "size_bytes", "sha256", "confirmed_by", "save_id"}
-#: Absent from records written before per-part checksums (and, before schema 3, ETags) were recorded;
-#: read as ``None``.
+#: Absent from records written before per-part checksums (and, before schema 3, ETags) were
+#: recorded; read as ``None``.
 _CONFIRM_OPTIONAL = {"checksum_algorithm", "checksum", "etag"}
 
 
@@ -43,12 +45,13 @@ def _opt_str(v: Any, what: str) -> str | None:
 class ConfirmationRecord:
     """One shard confirmed remotely by the sidecar that sent it.
 
-    ``key``: the full object key (prefix included). ``size_bytes`` and ``sha256`` (hex): of the bytes
-    read for sending, equal to the local manifest's record. ``confirmed_by``: one of
-    :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`. ``checksum_algorithm`` / ``checksum``: the
-    S3 additional checksum sent (``"SHA256"`` for a single PUT, ``"CRC32C"`` composite ``...-N`` for a
-    multipart upload; see :mod:`tiered_ckpt.remote.transfer`). ``save_id``: the save the shard belongs to.
-    ``etag``: the object's ETag when it was confirmed (the commit re-checks it; ``None`` in older records).
+    ``key``: the full object key (prefix included). ``size_bytes`` and ``sha256`` (hex): of the
+    bytes read for sending, equal to the local manifest's record. ``confirmed_by``: one of
+    :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`. ``checksum_algorithm`` /
+    ``checksum``: the S3 additional checksum sent (``"SHA256"`` for a single PUT, ``"CRC32C"``
+    composite ``...-N`` for a multipart upload; see :mod:`tiered_ckpt.remote.transfer`).
+    ``save_id``: the save the shard belongs to. ``etag``: the object's ETag when it was confirmed
+    (the commit re-checks it; ``None`` in older records).
     """
 
     rank: int
@@ -65,10 +68,16 @@ class ConfirmationRecord:
         ConfirmationRecord.from_dict(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "key": self.key, "size_bytes": self.size_bytes, "sha256": self.sha256,
-                "confirmed_by": self.confirmed_by, "checksum_algorithm": self.checksum_algorithm,
-                "checksum": self.checksum, "save_id": self.save_id} | (
-                    {"etag": self.etag} if self.etag is not None else {})
+        return {
+            "rank": self.rank,
+            "key": self.key,
+            "size_bytes": self.size_bytes,
+            "sha256": self.sha256,
+            "confirmed_by": self.confirmed_by,
+            "checksum_algorithm": self.checksum_algorithm,
+            "checksum": self.checksum,
+            "save_id": self.save_id,
+        } | ({"etag": self.etag} if self.etag is not None else {})
 
     def to_json(self) -> str:
         """The record's bytes as PUT (sorted keys, one line, trailing newline)."""
@@ -86,15 +95,19 @@ class ConfirmationRecord:
         if how not in CONFIRM_METHODS:
             raise ManifestError(f"{what}.confirmed_by {how[:30]!r} is not one of {CONFIRM_METHODS}")
         rec = object.__new__(cls)
-        for k, v in dict(rank=int_field(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
-                         key=str_field(obj["key"], f"{what}.key"),
-                         size_bytes=int_field(obj["size_bytes"], f"{what}.size_bytes", 0, MAX_SHARD_BYTES),
-                         sha256=str_field(obj["sha256"], f"{what}.sha256", _HEX64),
-                         confirmed_by=how,
-                         checksum_algorithm=_opt_str(obj.get("checksum_algorithm"), f"{what}.checksum_algorithm"),
-                         checksum=_opt_str(obj.get("checksum"), f"{what}.checksum"),
-                         save_id=str_field(obj["save_id"], f"{what}.save_id", _SAVE_ID),
-                         etag=_opt_str(obj.get("etag"), f"{what}.etag")).items():
+        for k, v in dict(
+            rank=int_field(obj["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
+            key=str_field(obj["key"], f"{what}.key"),
+            size_bytes=int_field(obj["size_bytes"], f"{what}.size_bytes", 0, MAX_SHARD_BYTES),
+            sha256=str_field(obj["sha256"], f"{what}.sha256", _HEX64),
+            confirmed_by=how,
+            checksum_algorithm=_opt_str(
+                obj.get("checksum_algorithm"), f"{what}.checksum_algorithm"
+            ),
+            checksum=_opt_str(obj.get("checksum"), f"{what}.checksum"),
+            save_id=str_field(obj["save_id"], f"{what}.save_id", _SAVE_ID),
+            etag=_opt_str(obj.get("etag"), f"{what}.etag"),
+        ).items():
             object.__setattr__(rec, k, v)
         return rec
 
@@ -107,11 +120,12 @@ class ConfirmationRecord:
 class UploadedMarker:
     """``uploaded.json``: the step is in the bucket ``remote`` (``s3://bucket/prefix``).
 
-    ``upload_manifest_sha256``: sha256 (hex) of the step's upload manifest (absent on a skip marker).
-    ``skipped``: released unsent (``UploadPolicy.skip_intermediate``). ``restored``: written by restore.
-    ``manifest_sha256`` (SPEC §11): sha256 (hex) of the local ``manifest.json`` the marker was written for;
-    the marker counts only while it matches (a step re-saved with ``replace=True`` is uploaded again).
-    ``None`` in markers of earlier releases (then it counts as before).
+    ``upload_manifest_sha256``: sha256 (hex) of the step's upload manifest (absent on a skip
+    marker). ``skipped``: released unsent (``UploadPolicy.skip_intermediate``). ``restored``:
+    written by restore. ``manifest_sha256`` (SPEC §11): sha256 (hex) of the local ``manifest.json``
+    the marker was written for; the marker counts only while it matches (a step re-saved with
+    ``replace=True`` is uploaded again). ``None`` in markers of earlier releases (then it counts as
+    before).
     """
 
     step: int
@@ -137,7 +151,8 @@ class UploadedMarker:
         return d
 
     def to_json(self) -> str:
-        """The marker's bytes (indented, sorted keys, trailing newline), as earlier releases wrote them."""
+        """The marker's bytes (indented, sorted keys, trailing newline), as earlier releases wrote
+        them."""
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     @classmethod
@@ -147,8 +162,13 @@ class UploadedMarker:
     @classmethod
     def from_dict(cls, obj: Any) -> UploadedMarker:
         what = "uploaded marker"
-        check_keys(obj, what, {"step", "remote"}, {"upload_manifest_sha256", "skipped", "restored",
-                                                 "manifest_sha256"}, ignore_unknown=True)
+        check_keys(
+            obj,
+            what,
+            {"step", "remote"},
+            {"upload_manifest_sha256", "skipped", "restored", "manifest_sha256"},
+            ignore_unknown=True,
+        )
         sha = obj.get("upload_manifest_sha256")
         msha = obj.get("manifest_sha256")
         flags = {}
@@ -158,12 +178,17 @@ class UploadedMarker:
                 raise ManifestError(f"{what}.{name} must be true or false, got {type(v).__name__}")
             flags[name] = v
         m = object.__new__(cls)
-        for k, v in dict(step=int_field(obj["step"], f"{what}.step", 0, MAX_STEP),
-                         remote=str_field(obj["remote"], f"{what}.remote"),
-                         upload_manifest_sha256=None if sha is None else str_field(
-                             sha, f"{what}.upload_manifest_sha256", _HEX64),
-                         manifest_sha256=None if msha is None else str_field(msha, f"{what}.manifest_sha256", _HEX64),
-                         **flags).items():
+        for k, v in dict(
+            step=int_field(obj["step"], f"{what}.step", 0, MAX_STEP),
+            remote=str_field(obj["remote"], f"{what}.remote"),
+            upload_manifest_sha256=None
+            if sha is None
+            else str_field(sha, f"{what}.upload_manifest_sha256", _HEX64),
+            manifest_sha256=None
+            if msha is None
+            else str_field(msha, f"{what}.manifest_sha256", _HEX64),
+            **flags,
+        ).items():
             object.__setattr__(m, k, v)
         return m
 

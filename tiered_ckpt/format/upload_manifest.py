@@ -1,23 +1,24 @@
 """The upload manifest: the remote commit point of a step (SPEC §4). Pure: no I/O, no S3.
 
-``<prefix>/step_XXXXXXXXXX.<save_id>/upload_manifest.json`` (schema 2; round 1's schema 1 lives at
-``<prefix>/step_XXXXXXXXXX/upload_manifest.json``, one save per step) is written only after every shard
-of the save is confirmed remotely and re-checked (ETag and size of every object, sha256 of
-``manifest.json``). It lists, per rank, the remote key, size, sha256 and how the shard was confirmed,
-plus the sha256 of the local ``manifest.json`` it mirrors (uploaded next to it). Its content is
-deterministic (no per-writer timestamps or host names), so two sidecars that race to write it produce
-identical bytes. A step without it does not exist for restore.
+``<prefix>/step_XXXXXXXXXX.<save_id>/upload_manifest.json`` (schema 2; schema 1, one save per step, lives at
+``<prefix>/step_XXXXXXXXXX/upload_manifest.json``, one save per step) is written only after every
+shard of the save is confirmed remotely and re-checked (ETag and size of every object, sha256 of
+``manifest.json``). It lists, per rank, the remote key, size, sha256 and how the shard was
+confirmed, plus the sha256 of the local ``manifest.json`` it mirrors (uploaded next to it). Its
+content is deterministic (no per-writer timestamps or host names), so two sidecars that race to
+write it produce identical bytes. A step without it does not exist for restore.
 
-Schema 2 adds the lineage (``run_id``, ``attempt``: SPEC §11), the local manifest's ``created_at`` and, per
-shard, the ``etag`` the commit re-checked. Schema 1 is still read (``run_id`` ``None``, ``attempt`` 1,
-``etag`` ``None``).
+Schema 2 adds the lineage (``run_id``, ``attempt``: SPEC §11), the local manifest's ``created_at``
+and, per shard, the ``etag`` the commit re-checked. Schema 1 is still read (``run_id`` ``None``,
+``attempt`` 1, ``etag`` ``None``).
 
-``key_layout`` (optional in schema 2, no bump: absent means ``flat``, the only layout before it; written
-only when not ``flat``, so a flat save's bytes are what they always were) names the key scheme of the
-shard objects (:data:`~tiered_ckpt.layout.KEY_LAYOUTS`, :func:`~tiered_ckpt.layout.remote_shard_key`).
-Every shard key must be exactly the key that layout gives its rank: never a key outside the save's
-(flat) or the run's spread (``hashed``) prefix. A reader older than ``key_layout`` refuses a hashed
-manifest (an unknown key is a ``ManifestError``) rather than look for its shards in the wrong place.
+``key_layout`` (optional in schema 2, no bump: absent means ``flat``, the only layout before it;
+written only when not ``flat``, so a flat save's bytes are what they always were) names the key
+scheme of the shard objects (:data:`~tiered_ckpt.layout.KEY_LAYOUTS`,
+:func:`~tiered_ckpt.layout.remote_shard_key`). Every shard key must be exactly the key that layout
+gives its rank: never a key outside the save's (flat) or the run's spread (``hashed``) prefix. A
+reader older than ``key_layout`` refuses a hashed manifest (an unknown key is a ``ManifestError``)
+rather than look for its shards in the wrong place.
 
 ``<prefix>/latest`` (see :class:`LatestPointer`) names the newest current remotely committed save,
 ordered by ``(attempt, step)``.
@@ -33,19 +34,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError
-from tiered_ckpt.layout import KEY_LAYOUTS, MANIFEST_NAME, MAX_STEP, MAX_WORLD_SIZE, remote_save_key, remote_shard_key
 from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE
 from tiered_ckpt.format.manifest import MAX_SHARD_BYTES
 from tiered_ckpt.format.validate import check_keys, int_field, loads_json, str_field
+from tiered_ckpt.layout import (
+    KEY_LAYOUTS,
+    MANIFEST_NAME,
+    MAX_STEP,
+    MAX_WORLD_SIZE,
+    remote_save_key,
+    remote_shard_key,
+)
 
-#: The upload manifest schema this code writes; 1 (round 1) is still read.
+#: The upload manifest schema this code writes; 1 (keys without a save id) is still read.
 UPLOAD_SCHEMA_VERSION = 2
 _SAVE_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _ETAG_MAX = 256
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 #: How a shard was confirmed remotely:
-#: ``server-checksum`` - the server validated the SHA256 checksum we sent and reported the same value
+#: ``server-checksum`` - the server validated the SHA256 checksum we sent and reported the same
+#: value
 #:   back (S3, MinIO; a probe showed it rejects wrong checksums);
 #: ``read-back`` - we downloaded the object and hashed it (servers that do not validate, e.g. moto).
 CONFIRM_METHODS = ("server-checksum", "read-back")
@@ -53,9 +62,9 @@ CONFIRM_METHODS = ("server-checksum", "read-back")
 
 @dataclass(frozen=True)
 class RemoteShard:
-    """One confirmed remote shard: ``key`` (full object key), ``size_bytes``, ``sha256`` (hex, equal to
-    the local manifest's), ``confirmed_by`` (one of :data:`CONFIRM_METHODS`), ``etag`` (schema 2: the
-    object's ETag as the commit re-checked it; ``None`` in schema 1)."""
+    """One confirmed remote shard: ``key`` (full object key), ``size_bytes``, ``sha256`` (hex, equal
+    to the local manifest's), ``confirmed_by`` (one of :data:`CONFIRM_METHODS`), ``etag`` (schema 2:
+    the object's ETag as the commit re-checked it; ``None`` in schema 1)."""
 
     rank: int
     key: str
@@ -65,8 +74,13 @@ class RemoteShard:
     etag: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"rank": self.rank, "key": self.key, "size_bytes": self.size_bytes, "sha256": self.sha256,
-             "confirmed_by": self.confirmed_by}
+        d = {
+            "rank": self.rank,
+            "key": self.key,
+            "size_bytes": self.size_bytes,
+            "sha256": self.sha256,
+            "confirmed_by": self.confirmed_by,
+        }
         if self.etag is not None:
             d["etag"] = self.etag
         return d
@@ -93,12 +107,13 @@ class RemoteShard:
 class UploadManifest:
     """Remote commit point of ``step``: every shard confirmed, and the local manifest mirrored.
 
-    ``prefix``: the key prefix of the run in the bucket (no bucket name, so a bucket copied elsewhere
-    still restores). ``manifest_sha256``: sha256 (hex) of the exact ``manifest.json`` bytes uploaded.
-    ``run_id``/``attempt``/``created_at`` (schema 2): copied from the local manifest (``None``/``1``/``""``
-    in schema 1). Object keys: :func:`~tiered_ckpt.layout.remote_save_key` of ``(step, save_id)`` in
-    schema 2, of ``(step, None)`` in schema 1 (:attr:`key_save_id`); shard keys as ``key_layout`` gives
-    them (:func:`~tiered_ckpt.layout.remote_shard_key`; ``hashed`` only in schema 2).
+    ``prefix``: the key prefix of the run in the bucket (no bucket name, so a bucket copied
+    elsewhere still restores). ``manifest_sha256``: sha256 (hex) of the exact ``manifest.json``
+    bytes uploaded. ``run_id``/``attempt``/``created_at`` (schema 2): copied from the local manifest
+    (``None``/``1``/``""`` in schema 1). Object keys: :func:`~tiered_ckpt.layout.remote_save_key` of
+    ``(step, save_id)`` in schema 2, of ``(step, None)`` in schema 1 (:attr:`key_save_id`); shard
+    keys as ``key_layout`` gives them (:func:`~tiered_ckpt.layout.remote_shard_key`; ``hashed`` only
+    in schema 2).
     """
 
     step: int
@@ -127,18 +142,24 @@ class UploadManifest:
         return sum(s.size_bytes for s in self.shards)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "step": self.step,
-            "world_size": self.world_size,
-            "save_id": self.save_id,
-            "prefix": self.prefix,
-            "manifest_key": self.manifest_key,
-            "manifest_sha256": self.manifest_sha256,
-            "shards": [s.to_dict() for s in sorted(self.shards, key=lambda s: s.rank)],
-        } | ({"run_id": self.run_id, "attempt": self.attempt, "created_at": self.created_at}
-             if self.schema_version >= 2 else {}) | ({"key_layout": self.key_layout}
-                                                      if self.key_layout != "flat" else {})
+        return (
+            {
+                "schema_version": self.schema_version,
+                "step": self.step,
+                "world_size": self.world_size,
+                "save_id": self.save_id,
+                "prefix": self.prefix,
+                "manifest_key": self.manifest_key,
+                "manifest_sha256": self.manifest_sha256,
+                "shards": [s.to_dict() for s in sorted(self.shards, key=lambda s: s.rank)],
+            }
+            | (
+                {"run_id": self.run_id, "attempt": self.attempt, "created_at": self.created_at}
+                if self.schema_version >= 2
+                else {}
+            )
+            | ({"key_layout": self.key_layout} if self.key_layout != "flat" else {})
+        )
 
     def to_json(self) -> str:
         """Deterministic bytes: sorted keys, shards in rank order, no timestamps."""
@@ -154,18 +175,37 @@ class UploadManifest:
             raise ManifestError(f"upload manifest must be a JSON object, got {type(obj).__name__}")
         version = int_field(obj.get("schema_version"), "schema_version", 0, 2**31)
         if version not in (1, UPLOAD_SCHEMA_VERSION):
-            raise ManifestError(f"upload manifest schema_version {version} is not supported "
-                                f"(this tiered_ckpt reads 1 and {UPLOAD_SCHEMA_VERSION}); upgrade tiered_ckpt")
+            raise ManifestError(
+                f"upload manifest schema_version {version} is not supported "
+                f"(this tiered_ckpt reads 1 and {UPLOAD_SCHEMA_VERSION}); upgrade tiered_ckpt"
+            )
         lineage_keys = {"run_id", "attempt", "created_at"} if version >= 2 else set()
-        check_keys(obj, "upload manifest", {"schema_version", "step", "world_size", "save_id", "prefix",
-                                            "manifest_key", "manifest_sha256", "shards"} | lineage_keys,
-                   {"key_layout"} if version >= 2 else set())
+        check_keys(
+            obj,
+            "upload manifest",
+            {
+                "schema_version",
+                "step",
+                "world_size",
+                "save_id",
+                "prefix",
+                "manifest_key",
+                "manifest_sha256",
+                "shards",
+            }
+            | lineage_keys,
+            {"key_layout"} if version >= 2 else set(),
+        )
         layout = str_field(obj.get("key_layout", "flat"), "key_layout")
         if layout not in KEY_LAYOUTS:
-            raise ManifestError(f"key_layout {layout[:30]!r} is not one of {KEY_LAYOUTS}; upgrade tiered_ckpt")
+            raise ManifestError(
+                f"key_layout {layout[:30]!r} is not one of {KEY_LAYOUTS}; upgrade tiered_ckpt"
+            )
         run_id, attempt, created = None, 1, ""
         if version >= 2:
-            run_id = None if obj["run_id"] is None else str_field(obj["run_id"], "run_id", RUN_ID_RE)
+            run_id = (
+                None if obj["run_id"] is None else str_field(obj["run_id"], "run_id", RUN_ID_RE)
+            )
             attempt = int_field(obj["attempt"], "attempt", 1, MAX_ATTEMPTS)
             created = str_field(obj["created_at"], "created_at")
             if len(created) > 64:
@@ -177,37 +217,54 @@ class UploadManifest:
         key_sid = save_id if version >= 2 else None
         mkey = str_field(obj["manifest_key"], "manifest_key")
         if mkey != remote_save_key(prefix, step, key_sid, MANIFEST_NAME):
-            raise ManifestError(f"manifest_key {mkey[:100]!r} is not the manifest of step {step} under "
-                                f"{prefix!r}")
+            raise ManifestError(
+                f"manifest_key {mkey[:100]!r} is not the manifest of step {step} under {prefix!r}"
+            )
         msha = str_field(obj["manifest_sha256"], "manifest_sha256", _HEX64)
         raw = obj["shards"]
         if not isinstance(raw, list) or len(raw) != ws:
             raise ManifestError(f"upload manifest must list exactly {ws} shards")
         shards = tuple(RemoteShard.from_dict(s, f"shards[{i}]") for i, s in enumerate(raw))
         if sorted(s.rank for s in shards) != list(range(ws)):
-            raise ManifestError(f"upload manifest shards do not cover ranks 0..{ws - 1} exactly once")
+            raise ManifestError(
+                f"upload manifest shards do not cover ranks 0..{ws - 1} exactly once"
+            )
         for s in shards:
             if s.key != remote_shard_key(prefix, step, key_sid, s.rank, layout):
-                raise ManifestError(f"shard key {s.key[:100]!r} of rank {s.rank} is outside step {step} (not "
-                                    f"the key its {layout} key layout gives)")
+                raise ManifestError(
+                    f"shard key {s.key[:100]!r} of rank {s.rank} is outside step {step} (not "
+                    f"the key its {layout} key layout gives)"
+                )
             if (s.etag is not None) != (version >= 2):
-                raise ManifestError(f"shard of rank {s.rank}: etag is required in schema 2 and unknown in 1")
+                raise ManifestError(
+                    f"shard of rank {s.rank}: etag is required in schema 2 and unknown in 1"
+                )
         m = object.__new__(cls)
-        for k, v in dict(step=step, world_size=ws, save_id=save_id, prefix=prefix, manifest_key=mkey,
-                         manifest_sha256=msha, shards=tuple(sorted(shards, key=lambda s: s.rank)),
-                         run_id=run_id, attempt=attempt, created_at=created, schema_version=version,
-                         key_layout=layout).items():
+        for k, v in dict(
+            step=step,
+            world_size=ws,
+            save_id=save_id,
+            prefix=prefix,
+            manifest_key=mkey,
+            manifest_sha256=msha,
+            shards=tuple(sorted(shards, key=lambda s: s.rank)),
+            run_id=run_id,
+            attempt=attempt,
+            created_at=created,
+            schema_version=version,
+            key_layout=layout,
+        ).items():
             object.__setattr__(m, k, v)
         return m
 
 
 @dataclass(frozen=True)
 class LatestPointer:
-    """Content of ``<prefix>/latest``: the newest current remotely committed save (``step``, ``attempt``,
-    ``save_id``; ``save_id`` ``None`` for a round-1 step) and the sha256 of its upload manifest. Moved with
-    conditional writes (``If-Match`` / ``If-None-Match``) and only to a greater :attr:`order` (SPEC §11):
-    a live sidecar of an older attempt can no longer move it. A round-1 pointer (``step`` and sha256
-    only) reads as attempt 1."""
+    """Content of ``<prefix>/latest``: the newest current remotely committed save (``step``,
+    ``attempt``, ``save_id``; ``save_id`` ``None`` for a round-1 step) and the sha256 of its upload
+    manifest. Moved with conditional writes (``If-Match`` / ``If-None-Match``) and only to a greater
+    :attr:`order` (SPEC §11): a live sidecar of an older attempt can no longer move it. A round-1
+    pointer (``step`` and sha256 only) reads as attempt 1."""
 
     step: int
     upload_manifest_sha256: str
@@ -220,21 +277,36 @@ class LatestPointer:
         return (self.attempt, self.step)
 
     def to_json(self) -> str:
-        d: dict[str, Any] = {"step": self.step, "upload_manifest_sha256": self.upload_manifest_sha256}
+        d: dict[str, Any] = {
+            "step": self.step,
+            "upload_manifest_sha256": self.upload_manifest_sha256,
+        }
         if self.save_id is not None:
             d.update(attempt=self.attempt, save_id=self.save_id)
         return json.dumps(d, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LatestPointer:
-        obj = check_keys(loads_json(text, "latest pointer"), "latest pointer", {"step", "upload_manifest_sha256"},
-                         {"attempt", "save_id"})
+        obj = check_keys(
+            loads_json(text, "latest pointer"),
+            "latest pointer",
+            {"step", "upload_manifest_sha256"},
+            {"attempt", "save_id"},
+        )
         if ("attempt" in obj) != ("save_id" in obj):
             raise ManifestError("latest pointer: attempt and save_id go together")
-        return cls(int_field(obj["step"], "step", 0, MAX_STEP),
-                   str_field(obj["upload_manifest_sha256"], "upload_manifest_sha256", _HEX64),
-                   int_field(obj.get("attempt", 1), "attempt", 1, MAX_ATTEMPTS),
-                   None if obj.get("save_id") is None else str_field(obj["save_id"], "save_id", _SAVE_ID))
+        return cls(
+            int_field(obj["step"], "step", 0, MAX_STEP),
+            str_field(obj["upload_manifest_sha256"], "upload_manifest_sha256", _HEX64),
+            int_field(obj.get("attempt", 1), "attempt", 1, MAX_ATTEMPTS),
+            None if obj.get("save_id") is None else str_field(obj["save_id"], "save_id", _SAVE_ID),
+        )
 
 
-__all__ = ["UPLOAD_SCHEMA_VERSION", "CONFIRM_METHODS", "RemoteShard", "UploadManifest", "LatestPointer"]
+__all__ = [
+    "UPLOAD_SCHEMA_VERSION",
+    "CONFIRM_METHODS",
+    "RemoteShard",
+    "UploadManifest",
+    "LatestPointer",
+]

@@ -1,6 +1,6 @@
 """Shared validators of the pure format layer: typed checks of JSON values that raise
-:class:`~tiered_ckpt.errors.ManifestError` (never ``KeyError``/``TypeError``) with the field's path in the
-message, and a JSON reader that refuses duplicate keys. Pure: no I/O."""
+:class:`~tiered_ckpt.errors.ManifestError` (never ``KeyError``/``TypeError``) with the field's path
+in the message, and a JSON reader that refuses duplicate keys. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -46,10 +46,16 @@ def int_list(v: Any, what: str, hi: int = MAX_NUMEL) -> tuple[int, ...]:
     return tuple(int_field(x, f"{what}[{i}]", 0, hi) for i, x in enumerate(v))
 
 
-def check_keys(obj: Any, what: str, required: set[str], optional: set[str] = frozenset(), *,
-               ignore_unknown: bool = False) -> dict[str, Any]:
-    """``obj`` is a JSON object holding every ``required`` key and (unless ``ignore_unknown``: for records
-    other versions may extend) no key outside ``required | optional``."""
+def check_keys(
+    obj: Any,
+    what: str,
+    required: set[str],
+    optional: set[str] = frozenset(),
+    *,
+    ignore_unknown: bool = False,
+) -> dict[str, Any]:
+    """``obj`` is a JSON object holding every ``required`` key and (unless ``ignore_unknown``: for
+    records other versions may extend) no key outside ``required | optional``."""
     if not isinstance(obj, dict):
         raise fail(f"{what} must be a JSON object, got {type(obj).__name__}")
     missing = required - obj.keys()
@@ -77,15 +83,14 @@ def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
-
-
 def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, int] | None:
     """Indices of two overlapping boxes ``(offset, shape)`` (all non-empty, same rank), or ``None``.
 
     A sweep along one dimension: boxes sorted by their start there, each compared only with those
     still open at its start. The dimension is the one whose sweep keeps the fewest boxes open, so a
-    split along any one dimension (ZeRO, tensor parallel) and 2-D block grids stay near-linear; a hostile
-    manifest cannot make validation quadratic in its size without also overlapping (found at once).
+    split along any one dimension (ZeRO, tensor parallel) and 2-D block grids stay near-linear; a
+    hostile manifest cannot make validation quadratic in its size without also overlapping (found at
+    once).
     """
     if len(boxes) < 2:
         return None
@@ -116,5 +121,15 @@ def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple
     return None
 
 
-__all__ = ["MAX_NDIM", "MAX_NUMEL", "check_keys", "fail", "first_overlap", "int_field", "int_list", "loads_json",
-           "no_duplicate_keys", "str_field"]
+__all__ = [
+    "MAX_NDIM",
+    "MAX_NUMEL",
+    "check_keys",
+    "fail",
+    "first_overlap",
+    "int_field",
+    "int_list",
+    "loads_json",
+    "no_duplicate_keys",
+    "str_field",
+]

@@ -1,26 +1,28 @@
-"""The local commit protocol (SPEC §2, invariants I1-I5): the one place that makes local files durable.
+"""The local commit protocol (SPEC §2, invariants I1-I5): the one place that makes local files
+durable.
 
 Every durable local write goes through here (shards, manifests, downloads, ``uploaded.json``, writer
 locks, ``run.json``; the set-aside of superseded steps, SPEC §11). The recipe (POSIX): a unique temp
-name in the *same directory*, ``fsync``, ``rename(2)`` over the final name (atomic on one filesystem),
-then ``fsync`` of the directory so that the rename itself survives a power loss (torch DCP and orbax skip
-the directory fsync; we don't).
+name in the *same directory*, ``fsync``, ``rename(2)`` over the final name (atomic on one
+filesystem), then ``fsync`` of the directory so that the rename itself survives a power loss (torch
+DCP and orbax skip the directory fsync; we don't).
 
 Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; who calls each):
 
 1. every writer (each rank's ``write_shard``, the coordinator's ``commit_step``, a restore):
    :meth:`LocalStepCommit.open` makes the step directory durably, registers the call in this process
-   (threads of one save share a ``save_id``) and, with ``claim=True``, claims or joins the on-disk writer
-   lock ``.save.lock`` (a live writer of another save -> :class:`ConcurrentSaveError`, I4).
+   (threads of one save share a ``save_id``) and, with ``claim=True``, claims or joins the on-disk
+   writer lock ``.save.lock`` (a live writer of another save -> :class:`ConcurrentSaveError`, I4).
 2. the writer: ``is_committed`` / ``uncommit`` (with ``replace``: ``manifest.json`` removed and the
    directory fsynced *before* any file of the step changes, I2).
 3. the writer: ``write_file`` (a shard: temp, write, fsync, rename, directory fsync) or ``stage`` +
    ``publish`` (downloads: fetched into temp names, then fsynced and renamed together).
-4. the coordinator (or the restoring process): ``commit_manifest``, ``manifest.json`` linked exclusively
-   (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the step is committed
-   from that link on (I1). Then ``release_lock``.
-5. everyone: leave the ``with`` block (``close``): the registration ends, unpublished temps are removed.
-   A failed writer calls ``abandon`` first (lock released if this open made it, an empty directory too).
+4. the coordinator (or the restoring process): ``commit_manifest``, ``manifest.json`` linked
+   exclusively (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the
+   step is committed from that link on (I1). Then ``release_lock``.
+5. everyone: leave the ``with`` block (``close``): the registration ends, unpublished temps are
+   removed. A failed writer calls ``abandon`` first (lock released if this open made it, an empty
+   directory too).
 """
 
 from __future__ import annotations
@@ -30,21 +32,37 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
-from tiered_ckpt.fs import (is_real_dir, new_save_id, owner_alive, owner_token, temp_name_for, unlink_quietly, utc_now,
-                            write_all)
-from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME, SUPERSEDED_DIR, UPLOADED_MARKER_NAME as UPLOADED
-from tiered_ckpt.layout import save_entry_name, step_dir_name
-from tiered_ckpt.safe_read import read_existing, read_json_record
+from tiered_ckpt.fs import (
+    is_real_dir,
+    new_save_id,
+    owner_alive,
+    owner_token,
+    temp_name_for,
+    unlink_quietly,
+    utc_now,
+    write_all,
+)
+from tiered_ckpt.layout import (
+    MANIFEST_NAME,
+    SAVE_LOCK_NAME,
+    SUPERSEDED_DIR,
+    save_entry_name,
+    step_dir_name,
+)
+from tiered_ckpt.layout import (
+    UPLOADED_MARKER_NAME as UPLOADED,
+)
 from tiered_ckpt.local.catalogue import is_committed
+from tiered_ckpt.safe_read import read_existing, read_json_record
 
 log = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------ durable files
+# --- durable files
 
 
 def _fsync(path: str | os.PathLike[str], flags: int) -> None:
@@ -61,17 +79,24 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
-    """fsync a file that was written without (a download; not through a symlink); raises ``OSError``."""
+    """fsync a file that was written without (a download; not through a symlink); raises
+    ``OSError``."""
     _fsync(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def durable_write(path: str | os.PathLike[str], writer: Callable[[int], None], *, exclusive: bool = False,
-                  dir_fsync: bool = True) -> None:
-    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes: a temp file in the same
-    directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, ``rename`` over ``path`` (or,
-    with ``exclusive=True``, ``link`` + ``unlink``: an existing ``path`` fails with ``FileExistsError``),
-    then fsync the directory. On any error the temp file is removed and the ``OSError`` propagates; with
-    ``exclusive=True`` an error of the directory fsync removes ``path`` again: an error means "not created"."""
+def durable_write(
+    path: str | os.PathLike[str],
+    writer: Callable[[int], None],
+    *,
+    exclusive: bool = False,
+    dir_fsync: bool = True,
+) -> None:
+    """Durably create or replace ``path`` with whatever ``writer(fd)`` writes: a temp file in the
+    same directory (``O_CREAT|O_EXCL``, mode 0o644), ``writer(fd)``, ``fsync``, ``rename`` over
+    ``path`` (or, with ``exclusive=True``, ``link`` + ``unlink``: an existing ``path`` fails with
+    ``FileExistsError``), then fsync the directory. On any error the temp file is removed and the
+    ``OSError`` propagates; with ``exclusive=True`` an error of the directory fsync removes ``path``
+    again: an error means "not created"."""
     path = Path(path)
     tmp = path.with_name(temp_name_for(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -96,13 +121,15 @@ def durable_write(path: str | os.PathLike[str], writer: Callable[[int], None], *
         except BaseException:
             if exclusive:
                 # The new entry may not be durable: take it away again so that the caller's error is
-                # the whole truth (for a manifest: the step is not committed, the previous stays newest).
+                # the whole truth (for a manifest: the step is not committed, the previous stays
+                # newest).
                 unlink_quietly(path)
             raise
 
 
-def durable_write_bytes(path: str | os.PathLike[str], data: bytes, *, exclusive: bool = False,
-                        dir_fsync: bool = True) -> None:
+def durable_write_bytes(
+    path: str | os.PathLike[str], data: bytes, *, exclusive: bool = False, dir_fsync: bool = True
+) -> None:
     """:func:`durable_write` of a bytes object."""
     durable_write(path, lambda fd: write_all(fd, data), exclusive=exclusive, dir_fsync=dir_fsync)
 
@@ -117,12 +144,13 @@ def unlink_durable(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------------ step directory
+# --- step directory
 
 
 def ensure_step_dir(root: Path, step: int) -> Path:
     """Make ``<root>/step_XXXXXXXXXX`` (and ``root``) if missing, durably; returns it. Raises
-    :class:`CheckpointWriteError` if the entry exists and is not a real directory, ``OSError`` otherwise."""
+    :class:`CheckpointWriteError` if the entry exists and is not a real directory, ``OSError``
+    otherwise."""
     sdir = root / step_dir_name(step)
     if not is_real_dir(root):
         os.makedirs(root, exist_ok=True)
@@ -131,16 +159,19 @@ def ensure_step_dir(root: Path, step: int) -> Path:
         fsync_dir(root)
     except FileExistsError:
         if not is_real_dir(sdir):
-            raise CheckpointWriteError(f"step {step}: {sdir} exists and is not a directory") from None
+            raise CheckpointWriteError(
+                f"step {step}: {sdir} exists and is not a directory"
+            ) from None
     return sdir
 
 
 def set_aside_step(root: Path, step: int, save_id: str | None) -> Path | None:
     """Move the committed ``<root>/step_XXXXXXXXXX`` to ``<root>/superseded/<save_entry_name(step,
-    save_id)>`` (SPEC §11), durably: ``superseded/`` made and the root fsynced, ``rename(2)``, then both
-    parents fsynced. Returns the new path, or ``None`` if the step directory is already gone (another
-    rank sharing the root moved it). Raises ``FileExistsError`` if the target exists (the step stays),
-    :class:`CheckpointWriteError` if ``superseded`` is not a real directory, ``OSError`` otherwise."""
+    save_id)>`` (SPEC §11), durably: ``superseded/`` made and the root fsynced, ``rename(2)``, then
+    both parents fsynced. Returns the new path, or ``None`` if the step directory is already gone
+    (another rank sharing the root moved it). Raises ``FileExistsError`` if the target exists (the
+    step stays), :class:`CheckpointWriteError` if ``superseded`` is not a real directory,
+    ``OSError`` otherwise."""
     into = root / SUPERSEDED_DIR
     dst = into / save_entry_name(step, save_id)
     try:
@@ -162,17 +193,19 @@ def set_aside_step(root: Path, step: int, save_id: str | None) -> Path | None:
 
 def lock_holder(step_dir: Path) -> str | None:
     """The ``save_id`` named by the step's writer lock, or ``None`` (no lock, or unreadable)."""
-    sid = (read_json_record(step_dir / SAVE_LOCK_NAME) or {}).get("save_id")  # never follows or blocks
+    sid = (read_json_record(step_dir / SAVE_LOCK_NAME) or {}).get(
+        "save_id"
+    )  # never follows or blocks
     return sid if isinstance(sid, str) else None
 
 
 def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> tuple[str, bool]:
-    """Claim (or join) the writer lock of ``step_dir`` for ``save_id``; returns the save id in force and
-    whether this call created the lock file (``False``: it joined or adopted a lock already there).
-    No lock, or a dead writer's: ours (``O_EXCL``: of two racing writers one loses and looks again). The
-    same ``save_id``: joined (the other ranks of the save). This very process's (a sequential retry, or
-    ``save_id=None`` after an earlier write of the save): taken over / adopted. Else
-    :class:`ConcurrentSaveError` (I4)."""
+    """Claim (or join) the writer lock of ``step_dir`` for ``save_id``; returns the save id in force
+    and whether this call created the lock file (``False``: it joined or adopted a lock already
+    there). No lock, or a dead writer's: ours (``O_EXCL``: of two racing writers one loses and looks
+    again). The same ``save_id``: joined (the other ranks of the save). This very process's (a
+    sequential retry, or ``save_id=None`` after an earlier write of the save): taken over / adopted.
+    Else :class:`ConcurrentSaveError` (I4)."""
     path = step_dir / SAVE_LOCK_NAME
     me = owner_token()
     for _ in range(8):
@@ -191,7 +224,8 @@ def claim_save_lock(step_dir: Path, step: int, save_id: str | None) -> tuple[str
             if cur_owner and cur_owner != me and owner_alive(cur_owner):
                 raise ConcurrentSaveError(
                     f"step {step}: another writer (save_id {cur_id}, process {cur_owner}) is saving this "
-                    f"step; refusing to mix shards of two saves (I4)")
+                    f"step; refusing to mix shards of two saves (I4)"
+                )
             unlink_quietly(path)  # stale, or our own earlier attempt
         sid = save_id or new_save_id()
         body = json.dumps({"save_id": sid, "owner": me, "created_at": utc_now()}).encode()
@@ -215,25 +249,28 @@ def _rmdir_if_empty(path: Path) -> None:
 
 
 class _Registry:
-    """Calls writing or committing a step directory within this process. The on-disk save lock names its
-    owner process, so it cannot tell two threads of one process apart: this registry does. A second thread
-    on the same step for another save (or with ``save_id=None``, which would adopt the first thread's
-    save) gets :class:`ConcurrentSaveError` (I4); threads of one save (``save_sharded`` 's rank threads)
-    share it. The on-disk lock is claimed under the registry's lock, so the two checks are one."""
+    """Calls writing or committing a step directory within this process. The on-disk save lock names
+    its owner process, so it cannot tell two threads of one process apart: this registry does. A
+    second thread on the same step for another save (or with ``save_id=None``, which would adopt the
+    first thread's save) gets :class:`ConcurrentSaveError` (I4); threads of one save
+    (``save_sharded`` 's rank threads) share it. The on-disk lock is claimed under the registry's
+    lock, so the two checks are one."""
 
     guard = threading.Lock()
     active: dict[str, tuple[str, int]] = {}  # str(step dir) -> (save_id, calls in flight)
 
     @classmethod
     def enter(cls, sdir: Path, step: int, save_id: str | None, claim: bool) -> tuple[str, bool]:
-        """Register; with ``claim``, claim or join the on-disk lock. Returns ``(save id, lock created)``."""
+        """Register; with ``claim``, claim or join the on-disk lock. Returns ``(save id, lock
+        created)``."""
         key = str(sdir)
         with cls.guard:
             cur = cls.active.get(key)
             if cur is not None and (save_id is None or cur[0] != save_id):
                 raise ConcurrentSaveError(
                     f"step {step}: another thread of this process is saving this step (save {cur[0]}); "
-                    "threads writing the ranks of one save must pass the same save_id")
+                    "threads writing the ranks of one save must pass the same save_id"
+                )
             sid, created = claim_save_lock(sdir, step, save_id) if claim else (save_id, False)
             assert sid is not None
             cls.active[key] = (sid, 1 if cur is None else cur[1] + 1)
@@ -247,20 +284,29 @@ class _Registry:
                 cls.active[str(sdir)] = (sid, calls - 1)
 
 
-# ------------------------------------------------------------------------------------------ the protocol
+# --- the protocol
 
 
 class LocalStepCommit:
     """One writer's hold on one step directory: the local commit protocol object (see the module
     docstring for the numbered lifecycle). Use as a context manager, from :meth:`open`.
 
-    Attributes: ``root`` (the run directory), ``step``, ``step_dir``, ``save_id`` (the save in force),
-    ``created_dir`` (whether this open made the step directory), ``claimed`` (whether this open created
-    the writer lock, rather than joining one), ``committed`` (set by :meth:`commit_manifest`).
+    Attributes: ``root`` (the run directory), ``step``, ``step_dir``, ``save_id`` (the save in
+    force), ``created_dir`` (whether this open made the step directory), ``claimed`` (whether this
+    open created the writer lock, rather than joining one), ``committed`` (set by
+    :meth:`commit_manifest`).
     """
 
-    def __init__(self, root: Path, step: int, step_dir: Path, save_id: str, *, created_dir: bool,
-                 claimed: bool) -> None:
+    def __init__(
+        self,
+        root: Path,
+        step: int,
+        step_dir: Path,
+        save_id: str,
+        *,
+        created_dir: bool,
+        claimed: bool,
+    ) -> None:
         self.root, self.step, self.step_dir, self.save_id = root, step, step_dir, save_id
         self.created_dir, self.claimed = created_dir, claimed
         self.committed = False
@@ -269,14 +315,15 @@ class LocalStepCommit:
         self._open = True
 
     @classmethod
-    def open(cls, root: Path, step: int, save_id: str | None, *, claim: bool = True,
-             create: bool = True) -> LocalStepCommit:
-        """Step 1. ``claim``: claim or join the on-disk writer lock for ``save_id`` (``None``: adopt this
-        process's save of the step, or start a new one); without it only the in-process registration is
-        made (the coordinator's commit, whose ranks hold the lock). ``create``: make the step directory
-        (else it must exist: :class:`~tiered_ckpt.errors.MissingShardError` is the caller's to raise).
-        Raises :class:`ConcurrentSaveError` (I4), :class:`CheckpointWriteError` (the step entry is not a
-        directory), ``OSError`` (disk)."""
+    def open(
+        cls, root: Path, step: int, save_id: str | None, *, claim: bool = True, create: bool = True
+    ) -> LocalStepCommit:
+        """Step 1. ``claim``: claim or join the on-disk writer lock for ``save_id`` (``None``: adopt
+        this process's save of the step, or start a new one); without it only the in-process
+        registration is made (the coordinator's commit, whose ranks hold the lock). ``create``: make
+        the step directory (else it must exist: :class:`~tiered_ckpt.errors.MissingShardError` is
+        the caller's to raise). Raises :class:`ConcurrentSaveError` (I4),
+        :class:`CheckpointWriteError` (the step entry is not a directory), ``OSError`` (disk)."""
         if not claim and save_id is None:
             raise ValueError("a registration without a claim needs the save_id")
         sdir = root / step_dir_name(step)
@@ -302,47 +349,58 @@ class LocalStepCommit:
         Returns whether there was a manifest."""
         unlink_durable(self.step_dir / UPLOADED)
         if unlink_durable(self.step_dir / MANIFEST_NAME):
-            log.warning("step %d: un-committed the existing step in %s to replace it", self.step, self.step_dir)
+            log.warning(
+                "step %d: un-committed the existing step in %s to replace it",
+                self.step,
+                self.step_dir,
+            )
             return True
         return False
 
     def check_lock(self) -> None:
-        """Raise :class:`ConcurrentSaveError` if another save has taken the writer lock over (I4)."""
+        """Raise :class:`ConcurrentSaveError` if another save has taken the writer lock over
+        (I4)."""
         cur = lock_holder(self.step_dir)
         if cur is not None and cur != self.save_id:
-            raise ConcurrentSaveError(f"step {self.step}: save {cur} has taken over this step; not committing "
-                                      f"save {self.save_id}")
+            raise ConcurrentSaveError(
+                f"step {self.step}: save {cur} has taken over this step; not committing "
+                f"save {self.save_id}"
+            )
 
     # step 3
     def write_file(self, name: str, writer: Callable[[int], None]) -> None:
-        """Durably create or replace ``<step dir>/<name>`` with what ``writer(fd)`` writes (temp name,
-        fsync, rename, directory fsync). The ``OSError`` propagates; the temp file is removed."""
+        """Durably create or replace ``<step dir>/<name>`` with what ``writer(fd)`` writes (temp
+        name, fsync, rename, directory fsync). The ``OSError`` propagates; the temp file is
+        removed."""
         durable_write(self.step_dir / name, writer)
 
     def stage(self, name: str) -> Path:
-        """A unique temp path in the step directory for the future ``name`` (e.g. a download target);
-        removed again by :meth:`close` unless :meth:`publish` renamed it."""
+        """A unique temp path in the step directory for the future ``name`` (e.g. a download
+        target); removed again by :meth:`close` unless :meth:`publish` renamed it."""
         tmp = self.step_dir / temp_name_for(name)
         self._staged[name] = tmp
         return tmp
 
     def sync_staged(self, name: str) -> None:
         """fsync the staged file of ``name`` now (e.g. on the thread that downloaded it, so that the
-        flushes of several files overlap); :meth:`publish` then does not fsync it again. Raises ``OSError``."""
+        flushes of several files overlap); :meth:`publish` then does not fsync it again. Raises
+        ``OSError``."""
         fsync_file(self._staged[name])
         self._synced.add(name)
 
     def publish(self, names: list[str] | None = None) -> None:
-        """fsync each staged file not yet synced (``names``: default all staged), rename it onto its name,
-        then fsync the directory once. Raises ``OSError``; what was renamed stays renamed (the step is not
-        committed)."""
+        """fsync each staged file not yet synced (``names``: default all staged), rename it onto its
+        name, then fsync the directory once. Raises ``OSError``; what was renamed stays renamed (the
+        step is not committed)."""
         todo = sorted(self._staged) if names is None else names
         for name in todo:
             if name not in self._synced:
                 fsync_file(self._staged[name])
         for name in todo:
             os.rename(self._staged[name], self.step_dir / name)
-            del self._staged[name]  # only once renamed: a failed rename leaves it for discard_staged
+            del self._staged[
+                name
+            ]  # only once renamed: a failed rename leaves it for discard_staged
         fsync_dir(self.step_dir)
 
     def discard_staged(self) -> None:
@@ -354,14 +412,18 @@ class LocalStepCommit:
     # step 4
     def commit_manifest(self, data: bytes) -> None:
         """Link ``manifest.json`` exclusively and fsync the directory: the commit point (I1). Raises
-        :class:`CheckpointExistsError` if a manifest is present (another writer committed meanwhile),
-        :class:`CheckpointWriteError` on I/O (then nothing is committed)."""
+        :class:`CheckpointExistsError` if a manifest is present (another writer committed
+        meanwhile), :class:`CheckpointWriteError` on I/O (then nothing is committed)."""
         try:
             durable_write_bytes(self.step_dir / MANIFEST_NAME, data, exclusive=True)
         except FileExistsError:
-            raise CheckpointExistsError(f"step {self.step} was committed by another writer meanwhile") from None
+            raise CheckpointExistsError(
+                f"step {self.step} was committed by another writer meanwhile"
+            ) from None
         except OSError as e:
-            raise CheckpointWriteError.from_os_error(e, f"step {self.step}: writing {MANIFEST_NAME} failed") from e
+            raise CheckpointWriteError.from_os_error(
+                e, f"step {self.step}: writing {MANIFEST_NAME} failed"
+            ) from e
         self.committed = True
 
     def release_lock(self) -> None:
@@ -370,8 +432,9 @@ class LocalStepCommit:
 
     # step 5
     def abandon(self) -> None:
-        """A failed writer lets go: staged temps removed, the lock released if this open claimed it, and a
-        step directory this open created removed again when empty (another rank may be writing into it)."""
+        """A failed writer lets go: staged temps removed, the lock released if this open claimed it,
+        and a step directory this open created removed again when empty (another rank may be writing
+        into it)."""
         self.discard_staged()
         if self.committed:
             return
@@ -394,5 +457,16 @@ class LocalStepCommit:
         self.close()
 
 
-__all__ = ["LocalStepCommit", "claim_save_lock", "durable_write", "durable_write_bytes", "ensure_step_dir",
-           "fsync_dir", "fsync_file", "lock_holder", "release_save_lock", "set_aside_step", "unlink_durable"]
+__all__ = [
+    "LocalStepCommit",
+    "claim_save_lock",
+    "durable_write",
+    "durable_write_bytes",
+    "ensure_step_dir",
+    "fsync_dir",
+    "fsync_file",
+    "lock_holder",
+    "release_save_lock",
+    "set_aside_step",
+    "unlink_durable",
+]

@@ -1,18 +1,24 @@
-"""Which ranks a node-local root holds (issue 10, Build 5; used by ``ls``/``verify``,
-:mod:`tiered_ckpt.local.scan`): a step's ``node_ranks.json`` when it has one, every rank for a schema-3 step,
-and for steps of earlier releases the ranks present in any committed step of the same world size. Read-only.
+"""Which ranks a node-local root holds ( used by ``ls``/``verify``,
+:mod:`tiered_ckpt.local.scan`): a step's ``node_ranks.json`` when it has one, every rank for a
+schema-3 step, and for steps of earlier releases the ranks present in any committed step of the same
+world size. Read-only.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Collection, Iterable, Iterator, Mapping
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local.catalogue import all_step_dirs, read_manifest, resolve_root, stored_schema_version
+from tiered_ckpt.local.catalogue import (
+    all_step_dirs,
+    read_manifest,
+    resolve_root,
+    stored_schema_version,
+)
 from tiered_ckpt.local.node_ranks import read_node_ranks
 
 
@@ -28,17 +34,19 @@ def format_ranks(ranks: Iterable[int]) -> str:
 
 
 def present_ranks(sdir: Path, m: ShardManifest, names: Collection[str] | None = None) -> set[int]:
-    """Ranks of ``m`` whose shard file is an entry of ``sdir`` (not followed, not checked); ``names``: the
-    entries of ``sdir`` when already listed (one listing for a step of many ranks, not a stat per rank)."""
+    """Ranks of ``m`` whose shard file is an entry of ``sdir`` (not followed, not checked);
+    ``names``: the entries of ``sdir`` when already listed (one listing for a step of many ranks,
+    not a stat per rank)."""
     if names is not None:
         return {rec.rank for rec in m.shards if rec.path in names}
     return {rec.rank for rec in m.shards if os.path.lexists(sdir / rec.path)}
 
 
 def held_ranks(root: str | os.PathLike[str]) -> dict[int, frozenset[int]]:
-    """World size -> ranks whose shard is present in at least one committed step of that world size under
-    ``root``: the ranks this root holds (all of them on a shared root, one node's on a node-local root).
-    Steps whose manifest does not read are skipped. Never raises for a bad checkpoint."""
+    """World size -> ranks whose shard is present in at least one committed step of that world size
+    under ``root``: the ranks this root holds (all of them on a shared root, one node's on a
+    node-local root). Steps whose manifest does not read are skipped. Never raises for a bad
+    checkpoint."""
     r, _ = resolve_root(root)
     out: dict[int, set[int]] = {}
     for s in all_step_dirs(r):
@@ -51,7 +59,8 @@ def held_ranks(root: str | os.PathLike[str]) -> dict[int, frozenset[int]]:
 
 
 class LazyHeld(Mapping[int, frozenset[int]]):
-    """:func:`held_ranks` of a root, computed on first use (a scan of a shared root never needs it)."""
+    """:func:`held_ranks` of a root, computed on first use (a scan of a shared root never needs
+    it)."""
 
     def __init__(self, root: Path) -> None:
         self._root = root
@@ -72,10 +81,13 @@ class LazyHeld(Mapping[int, frozenset[int]]):
         return len(self._get())
 
 
-def ranks_held(r: Path, sdir: Path, m: ShardManifest, held: Mapping[int, frozenset[int]] | None) -> frozenset[int]:
-    """The ranks ``sdir`` should hold: its ``node_ranks.json`` (written by a node-local commit or a partial
-    restore); without one, every rank for a step of schema 3 or later (so a lost shard is reported), and
-    for older steps the guess from the root's other steps (:func:`held_ranks`). Raises ManifestError."""
+def ranks_held(
+    r: Path, sdir: Path, m: ShardManifest, held: Mapping[int, frozenset[int]] | None
+) -> frozenset[int]:
+    """The ranks ``sdir`` should hold: its ``node_ranks.json`` (written by a node-local commit or a
+    partial restore); without one, every rank for a step of schema 3 or later (so a lost shard is
+    reported), and for older steps the guess from the root's other steps (:func:`held_ranks`).
+    Raises ManifestError."""
     declared = read_node_ranks(sdir, m.world_size)
     if declared is not None:
         return declared

@@ -1,25 +1,26 @@
-"""Inspect a local run directory: the state of every step (``ls``/``verify``) and cleanup of leftovers
-of dead writers (``gc``). Builds on the local tier's own readers, so a step that scans as committed is
-exactly one that loads.
+"""Inspect a local run directory: the state of every step (``ls``/``verify``) and cleanup of
+leftovers of dead writers (``gc``). Builds on the local tier's own readers, so a step that scans as
+committed is exactly one that loads.
 
-Node-local roots (issue 10, Build 5): with node-local disks a root holds the global manifest of each step
-and only its node's shards. With ``require_all=False`` a step is checked for *the ranks this root holds*:
-those its ``node_ranks.json`` names (:mod:`tiered_ckpt.local.node_ranks`: written by a node-local commit
-and by a partial restore), so that a lost shard is still found; a schema-3 step without that file holds
-every rank; only for steps of earlier releases is the set guessed from the root's other steps (a shard
-present in any committed step of that world size). A step of a root that holds no shard of it at all
-is ``incomplete``. With ``require_all=True`` (the
+Node-local roots: with node-local disks a root holds the global manifest of each
+step and only its node's shards. With ``require_all=False`` a step is checked for *the ranks this
+root holds*: those its ``node_ranks.json`` names (:mod:`tiered_ckpt.local.node_ranks`: written by a
+node-local commit and by a partial restore), so that a lost shard is still found; a schema-3 step
+without that file holds every rank; only for steps of earlier releases is the set guessed from the
+root's other steps (a shard present in any committed step of that world size). A step of a root that
+holds no shard of it at all is ``incomplete``. With ``require_all=True`` (the
 API default, ``verify --require-all``) every rank's shard must be here.
 
-Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside under
-``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and step that
-superseded them; they are not verified and are never a fault. ``gc(superseded=True)`` removes them.
+Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside
+under ``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and
+step that superseded them; they are not verified and are never a fault. ``gc(superseded=True)``
+removes them.
 
-Leftovers (issue 11): every row counts the bytes of temp files of dead writers in its step directory
+Leftovers: every row counts the bytes of temp files of dead writers in its step directory
 (``leftover_bytes``: a killed save's temps, a killed restore's downloads), and ``gc``
-(:mod:`tiered_ckpt.local.sweep`, re-exported here) removes those files by the owner token in their names
-(:mod:`tiered_ckpt.local.leftovers`), also in the root itself, and reports what it left alone. The
-ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held`.
+(:mod:`tiered_ckpt.local.sweep`, re-exported here) removes those files by the owner token in their
+names (:mod:`tiered_ckpt.local.leftovers`), also in the root itself, and reports what it left alone.
+The ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held`.
 """
 
 from __future__ import annotations
@@ -27,21 +28,26 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping
 
-from tiered_ckpt.fs import is_real_dir
 from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
 from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices
+from tiered_ckpt.fs import is_real_dir
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local.reader import stream_verified_header
-from tiered_ckpt.local.catalogue import (all_step_dirs, read_manifest, read_manifest_bytes, resolve_root,
-                                         symlinked_step_entries)
+from tiered_ckpt.local.catalogue import (
+    all_step_dirs,
+    read_manifest,
+    read_manifest_bytes,
+    resolve_root,
+    symlinked_step_entries,
+)
 from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
 from tiered_ckpt.local.leftovers import leftover_bytes
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
+from tiered_ckpt.local.reader import stream_verified_header
 from tiered_ckpt.local.rotation import superseded_entries
 from tiered_ckpt.local.sweep import GcReport, gc, gc_report, gc_superseded
 from tiered_ckpt.safe_read import kind_of, list_dir, regular_files
@@ -55,13 +61,14 @@ SUPERSEDED = "superseded"
 @dataclass(frozen=True)
 class StepStatus:
     """What :func:`inspect_step` found. ``state``: committed / uncommitted / corrupt / incomplete /
-    superseded; ``reason``: one line for anything but a good committed step; ``size_bytes``: bytes of
-    shard files present on disk; ``leftover_bytes``: bytes of temp files of dead writers in the step
-    directory (a killed save or restore: what ``gc`` removes there, :mod:`tiered_ckpt.local.leftovers`;
-    counted for current steps, 0 for superseded ones). ``node_ranks``: the ranks checked when the root
-    holds fewer than the step's world size (a node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there.
-    ``superseded_by`` / ``superseded_from``: the attempt that superseded the step and the step number it
-    supersedes from (state ``superseded`` only); ``attempt``: the step's own attempt (any step whose manifest
+    superseded; ``reason``: one line for anything but a good committed step; ``size_bytes``: bytes
+    of shard files present on disk; ``leftover_bytes``: bytes of temp files of dead writers in the
+    step directory (a killed save or restore: what ``gc`` removes there,
+    :mod:`tiered_ckpt.local.leftovers`; counted for current steps, 0 for superseded ones).
+    ``node_ranks``: the ranks checked when the root holds fewer than the step's world size (a
+    node-local root), else ``None``. ``pinned``: a ``pinned.json`` is there. ``superseded_by`` /
+    ``superseded_from``: the attempt that superseded the step and the step number it supersedes from
+    (state ``superseded`` only); ``attempt``: the step's own attempt (any step whose manifest
     reads); ``path``: its directory (set for superseded steps)."""
 
     step: int
@@ -84,10 +91,13 @@ class StepStatus:
 
     @property
     def details(self) -> list[str]:
-        """What is worth saying besides the reason: superseded by whom, the node-local ranks, pinned."""
+        """What is worth saying besides the reason: superseded by whom, the node-local ranks,
+        pinned."""
         out = []
         if self.state == SUPERSEDED and self.superseded_by is not None:
-            out.append(f"superseded by attempt {self.superseded_by} (from step {self.superseded_from})")
+            out.append(
+                f"superseded by attempt {self.superseded_by} (from step {self.superseded_from})"
+            )
         elif self.state == SUPERSEDED:
             out.append("set aside as superseded (run.json no longer says by which attempt)")
         if self.node_ranks is not None and self.world_size is not None:
@@ -98,8 +108,8 @@ class StepStatus:
 
     @property
     def note(self) -> str:
-        """One line for people: the reason (whitespace folded) and the :attr:`details`, comma-separated;
-        ``""`` for a plain good step."""
+        """One line for people: the reason (whitespace folded) and the :attr:`details`,
+        comma-separated; ``""`` for a plain good step."""
         return ", ".join(([" ".join(self.reason.split())] if self.reason else []) + self.details)
 
     def to_dict(self) -> dict[str, object]:
@@ -109,8 +119,8 @@ class StepStatus:
 
 
 def _dir_bytes(sdir: Path, sizes: Mapping[str, int] | None = None) -> int:
-    """Bytes of the shard files in ``sdir`` (``sizes``: its :func:`regular_files`, when already listed); 0
-    for a symlinked step directory (never followed)."""
+    """Bytes of the shard files in ``sdir`` (``sizes``: its :func:`regular_files`, when already
+    listed); 0 for a symlinked step directory (never followed)."""
     if sizes is None:
         sizes = regular_files(sdir, ".safetensors")  # the step directory opened O_NOFOLLOW
     return sum(n for name, n in sizes.items() if name.endswith(".safetensors"))
@@ -129,41 +139,69 @@ class _Listing:
         return cls(frozenset(list_dir(sdir)), regular_files(sdir))
 
 
-def inspect_step(root: str | os.PathLike[str], step: int, *, verify: bool = True, fast: bool = False,
-                 ranks: Iterable[int] | None = None, require_all: bool = True,
-                 held: Mapping[int, frozenset[int]] | None = None) -> StepStatus:
+def inspect_step(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    verify: bool = True,
+    fast: bool = False,
+    ranks: Iterable[int] | None = None,
+    require_all: bool = True,
+    held: Mapping[int, frozenset[int]] | None = None,
+) -> StepStatus:
     """State of one step. With ``verify`` every shard is read and hashed (as a load would, streaming
-    through a small buffer) and its header and state tree checked, so that a step verifies iff it loads:
-    sha256, or CRC32C with ``fast`` (sha256 for shards whose manifest has no CRC32C, i.e. schema v1);
-    without it only presence and sizes are checked. Never raises for a bad checkpoint: the fault is the
-    reason.
+    through a small buffer) and its header and state tree checked, so that a step verifies iff it
+    loads: sha256, or CRC32C with ``fast`` (sha256 for shards whose manifest has no CRC32C, i.e.
+    schema v1); without it only presence and sizes are checked. Never raises for a bad checkpoint:
+    the fault is the reason.
 
-    ``ranks`` (default: all) checks only those ranks' shards, for a node-local root that holds some ranks
-    of a step (e.g. after ``restore(ranks=...)``): the global manifest is still read and validated, the
-    other ranks' shards are expected elsewhere. A rank outside the step's world size makes the step
-    ``incomplete`` (its shard cannot be here). Without ``ranks`` and with ``require_all=False``, the
-    ranks this root holds (:func:`held_ranks`, module docstring; read only when some shard of this step
-    is not here) are checked; the result then names them
-    in ``node_ranks`` when they are fewer than the world size; ``held``: :func:`held_ranks` of the root
-    when already known (a scan of many steps computes it once). ``leftover_bytes`` is counted whatever
-    the state."""
+    ``ranks`` (default: all) checks only those ranks' shards, for a node-local root that holds some
+    ranks of a step (e.g. after ``restore(ranks=...)``): the global manifest is still read and
+    validated, the other ranks' shards are expected elsewhere. A rank outside the step's world size
+    makes the step ``incomplete`` (its shard cannot be here). Without ``ranks`` and with
+    ``require_all=False``, the ranks this root holds (:func:`held_ranks`, module docstring; read
+    only when some shard of this step is not here) are checked; the result then names them
+    in ``node_ranks`` when they are fewer than the world size; ``held``: :func:`held_ranks` of the
+    root when already known (a scan of many steps computes it once). ``leftover_bytes`` is counted
+    whatever the state."""
     r, _ = resolve_root(root)
     sdir = r / step_dir_name(step)
     listing = _Listing.of(sdir)
-    st = _inspect_step(r, step, verify=verify, fast=fast, ranks=ranks, require_all=require_all, held=held,
-                       listing=listing)
+    st = _inspect_step(
+        r,
+        step,
+        verify=verify,
+        fast=fast,
+        ranks=ranks,
+        require_all=require_all,
+        held=held,
+        listing=listing,
+    )
     return replace(st, leftover_bytes=leftover_bytes(sdir, listing.sizes))
 
 
-def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterable[int] | None,
-                  require_all: bool, held: Mapping[int, frozenset[int]] | None, listing: _Listing) -> StepStatus:
+def _inspect_step(
+    r: Path,
+    step: int,
+    *,
+    verify: bool,
+    fast: bool,
+    ranks: Iterable[int] | None,
+    require_all: bool,
+    held: Mapping[int, frozenset[int]] | None,
+    listing: _Listing,
+) -> StepStatus:
     sdir = r / step_dir_name(step)
     size = _dir_bytes(sdir, listing.sizes)
     try:
         m = read_manifest(r, step)
     except NoCheckpointError:
-        return StepStatus(step, UNCOMMITTED, "no manifest.json (an interrupted or in-progress save)",
-                          size_bytes=size)
+        return StepStatus(
+            step,
+            UNCOMMITTED,
+            "no manifest.json (an interrupted or in-progress save)",
+            size_bytes=size,
+        )
     except MissingShardError as e:
         return StepStatus(step, INCOMPLETE, str(e), size_bytes=size)
     except ManifestError as e:
@@ -174,8 +212,15 @@ def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterab
         wanted: frozenset[int] | None = frozenset(int(x) for x in ranks)
         outside = sorted(x for x in wanted if not 0 <= x < m.world_size)
         if outside:
-            return StepStatus(step, INCOMPLETE, f"step {step} has world size {m.world_size}; no rank(s) "
-                              f"{format_ranks(outside)}", m.world_size, size, m.save_id, pinned=pinned)
+            return StepStatus(
+                step,
+                INCOMPLETE,
+                f"step {step} has world size {m.world_size}; no rank(s) {format_ranks(outside)}",
+                m.world_size,
+                size,
+                m.save_id,
+                pinned=pinned,
+            )
     elif require_all:
         wanted = None
     elif present_ranks(sdir, m, listing.names) == set(range(m.world_size)):
@@ -186,18 +231,33 @@ def _inspect_step(r: Path, step: int, *, verify: bool, fast: bool, ranks: Iterab
         except ManifestError as e:
             return StepStatus(step, CORRUPT, str(e), m.world_size, size, m.save_id, pinned=pinned)
         if not mine:
-            return StepStatus(step, INCOMPLETE, f"no shard of step {step} (world size {m.world_size}) is in "
-                              "this root", m.world_size, size, m.save_id, pinned=pinned)
+            return StepStatus(
+                step,
+                INCOMPLETE,
+                f"no shard of step {step} (world size {m.world_size}) is in this root",
+                m.world_size,
+                size,
+                m.save_id,
+                pinned=pinned,
+            )
         wanted = None if len(mine) == m.world_size else mine
         node = None if wanted is None else tuple(sorted(mine))
     state, reason = _check_shards(sdir, m, wanted, verify, fast, listing.sizes)
-    return StepStatus(step, state, reason, m.world_size, size, m.save_id, node, pinned, attempt=m.attempt)
+    return StepStatus(
+        step, state, reason, m.world_size, size, m.save_id, node, pinned, attempt=m.attempt
+    )
 
 
-def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, verify: bool,
-                  fast: bool, sizes: Mapping[str, int]) -> tuple[str, str]:
-    """``(state, reason)`` of the shards of ``m`` in ``wanted`` (``None``: all); ``sizes``: the regular
-    files of ``sdir`` (a shard not among them is looked at again, to say what it is)."""
+def _check_shards(
+    sdir: Path,
+    m: ShardManifest,
+    wanted: frozenset[int] | None,
+    verify: bool,
+    fast: bool,
+    sizes: Mapping[str, int],
+) -> tuple[str, str]:
+    """``(state, reason)`` of the shards of ``m`` in ``wanted`` (``None``: all); ``sizes``: the
+    regular files of ``sdir`` (a shard not among them is looked at again, to say what it is)."""
     step = m.step
     indexes: list[tuple[int, tuple[TensorRecord, ...]]] = []
     try:
@@ -213,13 +273,21 @@ def _check_shards(sdir: Path, m: ShardManifest, wanted: frozenset[int] | None, v
             try:
                 st = os.lstat(sdir / rec.path)
             except FileNotFoundError:
-                raise MissingShardError(f"step {step} rank {rec.rank} ({rec.path}): shard file is missing")
-            if not stat.S_ISREG(st.st_mode):  # a symlink of the right length is no shard (loads refuse it)
-                raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {sdir / rec.path} is "
-                                      f"{kind_of(st.st_mode)}, not a regular file")
+                raise MissingShardError(
+                    f"step {step} rank {rec.rank} ({rec.path}): shard file is missing"
+                ) from None
+            if not stat.S_ISREG(
+                st.st_mode
+            ):  # a symlink of the right length is no shard (loads refuse it)
+                raise CheckpointError(
+                    f"step {step} rank {rec.rank} ({rec.path}): {sdir / rec.path} is "
+                    f"{kind_of(st.st_mode)}, not a regular file"
+                )
             if st.st_size != rec.size_bytes:
-                raise CheckpointError(f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
-                                      f"disk, manifest says {rec.size_bytes}")
+                raise CheckpointError(
+                    f"step {step} rank {rec.rank} ({rec.path}): {st.st_size} bytes on "
+                    f"disk, manifest says {rec.size_bytes}"
+                )
         check_global_slices(step, indexes)  # across the ranks checked: slices of one tensor agree
     except MissingShardError as e:
         return INCOMPLETE, str(e)
@@ -238,16 +306,32 @@ def _superseded_status(entry: SupersededStep) -> StepStatus:
     except CheckpointError:
         pass
     sup = entry.superseded
-    return StepStatus(entry.step, SUPERSEDED, "", ws, _dir_bytes(path), entry.save_id, pinned=has_pin(path),
-                      superseded_by=None if sup is None else sup.attempt,
-                      superseded_from=None if sup is None else sup.from_step, attempt=entry.attempt,
-                      path=str(path))
+    return StepStatus(
+        entry.step,
+        SUPERSEDED,
+        "",
+        ws,
+        _dir_bytes(path),
+        entry.save_id,
+        pinned=has_pin(path),
+        superseded_by=None if sup is None else sup.attempt,
+        superseded_from=None if sup is None else sup.from_step,
+        attempt=entry.attempt,
+        path=str(path),
+    )
 
 
-def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None = None,
-         fast: bool = False, ranks: Iterable[int] | None = None, require_all: bool = True) -> list[StepStatus]:
-    """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending), plus a
-    ``superseded`` row for each superseded step (of ``step`` only, when given); ``ranks`` and
+def scan(
+    root: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    step: int | None = None,
+    fast: bool = False,
+    ranks: Iterable[int] | None = None,
+    require_all: bool = True,
+) -> list[StepStatus]:
+    """:func:`inspect_step` for ``step``, or for every step directory under ``root`` (ascending),
+    plus a ``superseded`` row for each superseded step (of ``step`` only, when given); ``ranks`` and
     ``require_all`` as for :func:`inspect_step`. Raises :class:`ManifestError` for an unreadable
     ``run.json`` (what is current cannot be told)."""
     r, step = resolve_root(root, step)
@@ -256,17 +340,43 @@ def scan(root: str | os.PathLike[str], *, verify: bool = True, step: int | None 
     in_place = {Path(e.path) for e in sup}
     held = LazyHeld(r) if wanted is None and not require_all else None
     steps = [step] if step is not None else all_step_dirs(r)
-    out = [inspect_step(r, s, verify=verify, fast=fast, ranks=wanted, require_all=require_all, held=held)
-           for s in steps if r / step_dir_name(s) not in in_place]
+    out = [
+        inspect_step(
+            r, s, verify=verify, fast=fast, ranks=wanted, require_all=require_all, held=held
+        )
+        for s in steps
+        if r / step_dir_name(s) not in in_place
+    ]
     out += [_superseded_status(e) for e in sup]
     if step is None:
-        # Symlinked step directories are not part of the run (loads ignore them, nothing is read through
-        # them); report them so that an operator who moved a step elsewhere does not silently lose it.
-        out += [StepStatus(s, CORRUPT, f"{step_dir_name(s)} is a symlink; step directories must be real "
-                                       "directories of the run (it is ignored by loads)")
-                for s in symlinked_step_entries(r)]
+        # Symlinked step directories are not part of the run (loads ignore them, nothing is read
+        # through them); report them so that an operator who moved a step elsewhere does not
+        # silently lose it.
+        out += [
+            StepStatus(
+                s,
+                CORRUPT,
+                f"{step_dir_name(s)} is a symlink; step directories must be real "
+                "directories of the run (it is ignored by loads)",
+            )
+            for s in symlinked_step_entries(r)
+        ]
     return sorted(out, key=lambda st: (st.step, st.state == SUPERSEDED, st.path or ""))
 
 
-__all__ = ["COMMITTED", "CORRUPT", "INCOMPLETE", "SUPERSEDED", "UNCOMMITTED", "GcReport", "StepStatus", "format_ranks",
-           "gc", "gc_report", "gc_superseded", "held_ranks", "inspect_step", "scan"]
+__all__ = [
+    "COMMITTED",
+    "CORRUPT",
+    "INCOMPLETE",
+    "SUPERSEDED",
+    "UNCOMMITTED",
+    "GcReport",
+    "StepStatus",
+    "format_ranks",
+    "gc",
+    "gc_report",
+    "gc_superseded",
+    "held_ranks",
+    "inspect_step",
+    "scan",
+]

@@ -1,18 +1,20 @@
-"""Streaming shard I/O (local tier): write a shard's bytes while a second thread hashes them, and read a
-whole shard into one buffer while a second thread verifies it. The bytes' layout is
-:mod:`tiered_ckpt.format.shard_file`'s; durability (fsync, rename) is :mod:`tiered_ckpt.local.commit`'s.
+"""Streaming shard I/O (local tier): write a shard's bytes while a second thread hashes them, and
+read a whole shard into one buffer while a second thread verifies it. The bytes' layout is
+:mod:`tiered_ckpt.format.shard_file`'s; durability (fsync, rename) is
+:mod:`tiered_ckpt.local.commit`'s.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from tiered_ckpt.fs import advise_sequential, start_writeback, write_all
 from tiered_ckpt.format.shard_file import corrupt
+from tiered_ckpt.fs import advise_sequential, start_writeback, write_all
 
 
 class Hasher(Protocol):
@@ -30,8 +32,9 @@ class Digest(Hasher, Protocol):
 class OverlappedHasher:
     """Feeds chunks to ``hashers`` on a second thread, in order, at most ``depth`` feeds behind.
 
-    hashlib and google_crc32c release the GIL on large buffers, so hashing overlaps the caller's I/O on
-    a second core. Chunks must stay unmodified until :meth:`drain` returns (they are views, not copies).
+    hashlib and google_crc32c release the GIL on large buffers, so hashing overlaps the caller's I/O
+    on a second core. Chunks must stay unmodified until :meth:`drain` returns (they are views, not
+    copies).
     """
 
     def __init__(self, hashers: list[Hasher], depth: int = 4) -> None:
@@ -65,31 +68,38 @@ class OverlappedHasher:
         self.drain()
 
 
-#: Bytes gathered into one ``write(2)`` by :func:`write_stream` (and one hashing task): small tensors go
-#: out in few large writes; a 1 MiB chunk of a large tensor is written alone (measured with 4 ranks of
-#: 512 MiB in parallel: 8 MiB batches made the save slower, median 6.0 s against 3.7 s and 4 x dd 1.7 s,
-#: on a loaded machine).
+#: Bytes gathered into one ``write(2)`` by :func:`write_stream` (and one hashing task): small
+#: tensors go out in few large writes; a 1 MiB chunk of a large tensor is written alone (measured
+#: with 4 ranks of 512 MiB in parallel: 8 MiB batches made the save slower, median 6.0 s against 3.7
+#: s and 4 x dd 1.7 s, on a loaded machine).
 WRITE_BYTES = 1024 * 1024
-#: How many batches the hashing thread may lag behind the writes (the chunks are views of the caller's
-#: arrays: a deeper queue costs no memory).
+#: How many batches the hashing thread may lag behind the writes (the chunks are views of the
+#: caller's arrays: a deeper queue costs no memory).
 HASH_DEPTH = 16
-#: Granularity of the writeback hints (bytes): 1 MiB pieces keep 4 ranks' writeback interleaved on one
-#: disk better than one 8 MiB hint per batch (measured: 4 x 512 MiB, median 1.3-1.5 s against 2.7 s).
+#: Granularity of the writeback hints (bytes): 1 MiB pieces keep 4 ranks' writeback interleaved on
+#: one disk better than one 8 MiB hint per batch (measured: 4 x 512 MiB, median 1.3-1.5 s against
+#: 2.7 s).
 WRITEBACK_BYTES = 1024 * 1024
 #: At most this many chunks in one batch.
 _MAX_IOV = 512
 
 
-def write_stream(fd: int, chunks: Iterable[memoryview], hashers: list[Hasher],
-                 inline_hashers: Iterable[Hasher] = (), *, write_bytes: int = WRITE_BYTES,
-                 writeback_bytes: int = WRITEBACK_BYTES) -> int:
-    """Write every chunk to ``fd`` (from its current offset, which must be 0) while a second thread feeds
-    the same chunks to ``hashers`` (the expensive ones: sha256); ``inline_hashers`` (cheap ones: CRC32C,
-    several GB/s) are fed on the writing thread itself. Consecutive chunks are gathered into batches of
-    about ``write_bytes`` (at most 512 chunks), each written with one ``write(2)`` and then handed to the
-    kernel's writeback (:func:`~tiered_ckpt.fs.start_writeback`) so that the final ``fsync`` has little
-    left to flush. Returns bytes written. An ``OSError`` from ``write(2)`` propagates after the hashing
-    thread is drained."""
+def write_stream(
+    fd: int,
+    chunks: Iterable[memoryview],
+    hashers: list[Hasher],
+    inline_hashers: Iterable[Hasher] = (),
+    *,
+    write_bytes: int = WRITE_BYTES,
+    writeback_bytes: int = WRITEBACK_BYTES,
+) -> int:
+    """Write every chunk to ``fd`` (from its current offset, which must be 0) while a second thread
+    feeds the same chunks to ``hashers`` (the expensive ones: sha256); ``inline_hashers`` (cheap
+    ones: CRC32C, several GB/s) are fed on the writing thread itself. Consecutive chunks are
+    gathered into batches of about ``write_bytes`` (at most 512 chunks), each written with one
+    ``write(2)`` and then handed to the kernel's writeback (:func:`~tiered_ckpt.fs.start_writeback`)
+    so that the final ``fsync`` has little left to flush. Returns bytes written. An ``OSError`` from
+    ``write(2)`` propagates after the hashing thread is drained."""
     total = 0
     inline = list(inline_hashers)
     with OverlappedHasher(hashers, depth=HASH_DEPTH) as hasher:
@@ -99,8 +109,8 @@ def write_stream(fd: int, chunks: Iterable[memoryview], hashers: list[Hasher],
                 for c in batch:
                     h.update(c)
             # one write(2) per batch: small chunks are joined into one buffer (a copy of at most
-            # write_bytes of small tensors; writev would do without it, but one syscall name keeps the
-            # crash matrix's strace counters meaningful); a large chunk is written from its view
+            # write_bytes of small tensors; writev would do without it, but one syscall name keeps
+            # the crash matrix's strace counters meaningful); a large chunk is written from its view
             data = batch[0] if len(batch) == 1 else b"".join(batch)
             write_all(fd, data)
             n = data.nbytes if isinstance(data, memoryview) else len(data)
@@ -111,7 +121,8 @@ def write_stream(fd: int, chunks: Iterable[memoryview], hashers: list[Hasher],
 
 
 def _batches(chunks: Iterable[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
-    """Consecutive non-empty chunks, grouped into lists of about ``nbytes`` (a chunk is never split)."""
+    """Consecutive non-empty chunks, grouped into lists of about ``nbytes`` (a chunk is never
+    split)."""
     batch: list[memoryview] = []
     size = 0
     for c in chunks:
@@ -132,27 +143,36 @@ def _update_all(hashers: list[Hasher], chunks: Sequence[memoryview]) -> None:
             h.update(c)
 
 
-#: Bytes of one ``preadv`` of :func:`read_verified` (large reads: fewer syscalls, larger block requests).
-#: Cold 2 GiB shard here: 1 MiB reads one at a time 4.3-11 s; 16-32 MiB blocks on 3-4 readers 1.6-1.9 s
-#: (dcp.load 3.0 s); 64 MiB blocks 3.6 s (the hashing waits longer for the first block). On a quiet
-#: machine, 2 reps each: 16 MiB x 4 readers 1.55-1.74 s, 32 MiB x 3 1.57-2.18 s, 8 MiB x 6 1.90-2.08 s,
-#: one reader 5.8-6.1 s; a plain read without hashing 1.1-1.4 s.
+#: Bytes of one ``preadv`` of :func:`read_verified` (large reads: fewer syscalls, larger block
+#: requests). Cold 2 GiB shard here: 1 MiB reads one at a time 4.3-11 s; 16-32 MiB blocks on 3-4
+#: readers 1.6-1.9 s (dcp.load 3.0 s); 64 MiB blocks 3.6 s (the hashing waits longer for the first
+#: block). On a quiet machine, 2 reps each: 16 MiB x 4 readers 1.55-1.74 s, 32 MiB x 3 1.57-2.18 s,
+#: 8 MiB x 6 1.90-2.08 s, one reader 5.8-6.1 s; a plain read without hashing 1.1-1.4 s.
 READ_BYTES = 16 * 1024 * 1024
-#: Reads of :func:`read_verified` in flight at once (threads, each on its own block, ahead of the hashing).
+#: Reads of :func:`read_verified` in flight at once (threads, each on its own block, ahead of the
+#: hashing).
 READERS = 4
 
 
-def read_verified(fd: int, size: int, hashers: list[Hasher], where: str, *, read_bytes: int = READ_BYTES,
-                  readers: int = READERS) -> np.ndarray:
-    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer (a writable uint8 array of
-    shape ``(size,)``, not zero-filled first), feeding ``hashers`` with the bytes in file order.
+def read_verified(
+    fd: int,
+    size: int,
+    hashers: list[Hasher],
+    where: str,
+    *,
+    read_bytes: int = READ_BYTES,
+    readers: int = READERS,
+) -> np.ndarray:
+    """Read exactly ``size`` bytes of ``fd`` (from offset 0) into one buffer (a writable uint8 array
+    of shape ``(size,)``, not zero-filled first), feeding ``hashers`` with the bytes in file order.
 
-    The file is cut into blocks of ``read_bytes``; ``readers`` threads ``preadv(2)`` consecutive blocks
-    straight into the buffer (no intermediate copies; several reads in flight keep the disk queue full),
-    while the calling thread hashes each block as soon as it and all blocks before it are in (hashlib and
-    the zero-copy CRC32C release the GIL, so hashing overlaps reading on another core). The kernel is told
-    the file is read sequentially (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``: a larger readahead window).
-    No thread outlives the call, and no read writes into the buffer after it returns or raises.
+    The file is cut into blocks of ``read_bytes``; ``readers`` threads ``preadv(2)`` consecutive
+    blocks straight into the buffer (no intermediate copies; several reads in flight keep the disk
+    queue full), while the calling thread hashes each block as soon as it and all blocks before it
+    are in (hashlib and the zero-copy CRC32C release the GIL, so hashing overlaps reading on another
+    core). The kernel is told the file is read sequentially
+    (``posix_fadvise(POSIX_FADV_SEQUENTIAL)``: a larger readahead window). No thread outlives the
+    call, and no read writes into the buffer after it returns or raises.
 
     Raises ShardCorruptedError if the file is shorter than ``size``; ``OSError`` from ``read(2)``
     propagates (the first one in file order).
@@ -166,9 +186,13 @@ def read_verified(fd: int, size: int, hashers: list[Hasher], where: str, *, read
             _read_block(fd, view, start, end, size, where)
             _update_all(hashers, [view[start:end]])
         return buf
-    pool = ThreadPoolExecutor(max_workers=min(readers, len(blocks)), thread_name_prefix="tiered-ckpt-read")
+    pool = ThreadPoolExecutor(
+        max_workers=min(readers, len(blocks)), thread_name_prefix="tiered-ckpt-read"
+    )
     try:
-        pending = [pool.submit(_read_block, fd, view, start, end, size, where) for start, end in blocks]
+        pending = [
+            pool.submit(_read_block, fd, view, start, end, size, where) for start, end in blocks
+        ]
         for (start, end), fut in zip(blocks, pending):
             fut.result()
             _update_all(hashers, [view[start:end]])
@@ -178,7 +202,8 @@ def read_verified(fd: int, size: int, hashers: list[Hasher], where: str, *, read
 
 
 def _read_block(fd: int, view: memoryview, start: int, end: int, size: int, where: str) -> None:
-    """``preadv(2)`` bytes ``[start, end)`` of ``fd`` into ``view[start:end]``, retrying short reads."""
+    """``preadv(2)`` bytes ``[start, end)`` of ``fd`` into ``view[start:end]``, retrying short
+    reads."""
     pos = start
     while pos < end:
         n = os.preadv(fd, [view[pos:end]], pos)
@@ -187,5 +212,13 @@ def _read_block(fd: int, view: memoryview, start: int, end: int, size: int, wher
         pos += n
 
 
-__all__ = ["Digest", "Hasher", "OverlappedHasher", "READERS", "READ_BYTES", "WRITE_BYTES", "read_verified",
-           "write_stream"]
+__all__ = [
+    "Digest",
+    "Hasher",
+    "OverlappedHasher",
+    "READERS",
+    "READ_BYTES",
+    "WRITE_BYTES",
+    "read_verified",
+    "write_stream",
+]

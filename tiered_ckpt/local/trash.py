@@ -1,9 +1,11 @@
-"""Removing a step directory safely (SPEC §2 I3, rotation and gc): rename it to a trash name first (atomic,
-POSIX ``rename(2)``), so that no reader or lock holder ever sees a half-deleted step under its own name,
-then remove the trash. The one place besides :mod:`tiered_ckpt.local.commit` that renames or fsyncs.
+"""Removing a step directory safely (SPEC §2 I3, rotation and gc): rename it to a trash name first
+(atomic, POSIX ``rename(2)``), so that no reader or lock holder ever sees a half-deleted step under
+its own name, then remove the trash. The one place besides :mod:`tiered_ckpt.local.commit` that
+renames or fsyncs.
 
-Trash names: ``.trash.<step dir>.<owner token>.<rand>`` (:func:`move_to_trash`, rotation: a dead owner's
-trash is swept by :func:`sweep_trash`) and ``.trash.<step dir>.<rand>`` (gc's: always removable by gc).
+Trash names: ``.trash.<step dir>.<owner token>.<rand>`` (:func:`move_to_trash`, rotation: a dead
+owner's trash is swept by :func:`sweep_trash`) and ``.trash.<step dir>.<rand>`` (gc's: always
+removable by gc).
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ from tiered_ckpt.layout import TRASH_PREFIX
 from tiered_ckpt.local.commit import fsync_dir
 
 
-
 def move_to_trash(step_dir: Path, *, owned: bool = True) -> Path:
     """Rename ``step_dir`` to a unique trash name beside it and return that path (no fsync yet: the
-    caller either puts it back with :func:`put_back` or calls :func:`remove_trash`). ``owned`` names the
-    calling process in the trash name, so that :func:`sweep_trash` can tell a dead deleter's leftovers.
+    caller either puts it back with :func:`put_back` or calls :func:`remove_trash`). ``owned`` names
+    the calling process in the trash name, so that :func:`sweep_trash` can tell a dead deleter's
+    leftovers.
 
     Raises ``FileNotFoundError`` if ``step_dir`` is gone, ``OSError`` if the rename fails.
     """
     rand = uuid.uuid4().hex[:8]
-    name = f"{TRASH_PREFIX}{step_dir.name}.{owner_token()}.{rand}" if owned else f"{TRASH_PREFIX}{step_dir.name}.{rand}"
+    name = (
+        f"{TRASH_PREFIX}{step_dir.name}.{owner_token()}.{rand}"
+        if owned
+        else f"{TRASH_PREFIX}{step_dir.name}.{rand}"
+    )
     trash = step_dir.parent / name
     os.rename(step_dir, trash)
     return trash
@@ -55,18 +61,19 @@ def is_trash_name(name: str) -> bool:
 
 
 def trash_owner(name: str) -> str | None:
-    """The owner token in a trash name of :func:`move_to_trash` with ``owned`` (rotation's: of a step
-    directory, or of a ``superseded/`` entry with its save id), or ``None`` (gc's naming, or no trash name)."""
+    """The owner token in a trash name of :func:`move_to_trash` with ``owned`` (rotation's: of a
+    step directory, or of a ``superseded/`` entry with its save id), or ``None`` (gc's naming, or no
+    trash name)."""
     if not name.startswith(TRASH_PREFIX):
         return None
-    parts = name[len(TRASH_PREFIX):].split(".")
+    parts = name[len(TRASH_PREFIX) :].split(".")
     # step_XXXXXXXXXX[, save id], host, pid, start, rand
     return ".".join(parts[-4:-1]) if len(parts) in (5, 6) else None
 
 
 def sweep_trash(root: str | os.PathLike[str]) -> int:
-    """Remove trash directories left by dead deleters on this host (rotation's naming). Returns how many
-    were removed."""
+    """Remove trash directories left by dead deleters on this host (rotation's naming). Returns how
+    many were removed."""
     r = Path(root)
     try:
         names = os.listdir(r)
@@ -86,5 +93,12 @@ def sweep_trash(root: str | os.PathLike[str]) -> int:
     return n
 
 
-__all__ = ["TRASH_PREFIX", "is_trash_name", "move_to_trash", "put_back", "remove_trash", "sweep_trash",
-           "trash_owner"]
+__all__ = [
+    "TRASH_PREFIX",
+    "is_trash_name",
+    "move_to_trash",
+    "put_back",
+    "remove_trash",
+    "sweep_trash",
+    "trash_owner",
+]

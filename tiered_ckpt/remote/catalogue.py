@@ -1,23 +1,26 @@
 """The remote catalogue: which saves a bucket prefix holds, and which are current (SPEC §4-5, §11).
 
-**A save is remotely committed iff GET finds its valid ``upload_manifest.json``** (the remote commit point,
-written last by :mod:`tiered_ckpt.remote.commit`). Nothing else makes it committed: not the ``latest``
-pointer, not LIST. Keys: one prefix per save, ``<prefix>/step_XXXXXXXXXX.<save_id>/`` (schema 2; its
-shards in ``<prefix>/shards/<hh>/`` under the ``hashed`` key layout); round-1 saves (schema 1) at
-``<prefix>/step_XXXXXXXXXX/``, read as they are (:func:`~tiered_ckpt.layout.parse_remote_step_entry`).
+**A save is remotely committed iff GET finds its valid ``upload_manifest.json``** (the remote commit
+point, written last by :mod:`tiered_ckpt.remote.commit`). Nothing else makes it committed: not the
+``latest`` pointer, not LIST. Keys: one prefix per save, ``<prefix>/step_XXXXXXXXXX.<save_id>/``
+(schema 2; its shards in ``<prefix>/shards/<hh>/`` under the ``hashed`` key layout); round-1 saves
+(schema 1) at ``<prefix>/step_XXXXXXXXXX/``, read as they are
+(:func:`~tiered_ckpt.layout.parse_remote_step_entry`).
 
-**A committed save is current** iff the prefix's ``run.json`` (:mod:`tiered_ckpt.remote.lineage`; none:
-every save is current) does not supersede its ``(attempt, step)`` and it is not a save of another run
-(a prefix adopted by a new run: the old run's saves are listed, never chosen). Among the current saves
-of one step the newest attempt wins (then the newest ``created_at``, then the save id); the others are
-*replaced*. Restore, ``verify --remote``, retention and the manager's resume hook choose only the winners.
+**A committed save is current** iff the prefix's ``run.json`` (:mod:`tiered_ckpt.remote.lineage`;
+none: every save is current) does not supersede its ``(attempt, step)`` and it is not a save of
+another run (a prefix adopted by a new run: the old run's saves are listed, never chosen). Among the
+current saves of one step the newest attempt wins (then the newest ``created_at``, then the save
+id); the others are *replaced*. Restore, ``verify --remote``, retention and the manager's resume
+hook choose only the winners.
 
-:func:`read_catalogue` builds one :class:`RemoteCatalogue`: one GET of ``latest``, one of ``run.json``,
-one paginated LIST of the prefix (:func:`list_save_entries`; the ``ObjectStore`` interface has no
-delimiter LIST, so it walks every key: shards and confirmation records too), and one GET per save whose
-upload manifest LIST shows (or the pointer names). LIST may lag (the pointer's save is read even when
-LIST does not show it) or lie (a save LIST shows whose upload manifest GET does not find is *vanished*).
-Reads only: ``get_bytes``, ``head``, ``list_keys`` of an :class:`~tiered_ckpt.store.base.ObjectStore`.
+:func:`read_catalogue` builds one :class:`RemoteCatalogue`: one GET of ``latest``, one of
+``run.json``, one paginated LIST of the prefix (:func:`list_save_entries`; the ``ObjectStore``
+interface has no delimiter LIST, so it walks every key: shards and confirmation records too), and
+one GET per save whose upload manifest LIST shows (or the pointer names). LIST may lag (the
+pointer's save is read even when LIST does not show it) or lie (a save LIST shows whose upload
+manifest GET does not find is *vanished*). Reads only: ``get_bytes``, ``head``, ``list_keys`` of an
+:class:`~tiered_ckpt.store.base.ObjectStore`.
 """
 
 from __future__ import annotations
@@ -31,8 +34,15 @@ from typing import Any
 from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
-from tiered_ckpt.layout import (PINNED_MARKER_NAME, RUN_RECORD_NAME, UPLOAD_MANIFEST_NAME, parse_remote_step_entry,
-                                parse_spread_shard_key, save_entry_name, save_shard_key)
+from tiered_ckpt.layout import (
+    PINNED_MARKER_NAME,
+    RUN_RECORD_NAME,
+    UPLOAD_MANIFEST_NAME,
+    parse_remote_step_entry,
+    parse_spread_shard_key,
+    save_entry_name,
+    save_shard_key,
+)
 from tiered_ckpt.remote.handle import StoreHandle, get_or_none, object_url
 from tiered_ckpt.remote.limits import MAX_UPLOAD_MANIFEST_BYTES
 from tiered_ckpt.remote.lineage import read_remote_record
@@ -53,17 +63,18 @@ SaveKey = tuple[int, "str | None"]
 
 
 def save_key(step: int, save_id: str | None, name: str) -> str:
-    """Key of ``name`` in one save of ``step`` (``save_id=None``: a round-1 step), relative to the store
-    prefix. Raises ``ValueError`` for a bad step or save id."""
+    """Key of ``name`` in one save of ``step`` (``save_id=None``: a round-1 step), relative to the
+    store prefix. Raises ``ValueError`` for a bad step or save id."""
     return f"{save_entry_name(step, save_id)}/{name}"
 
 
 @dataclass(frozen=True)
 class RemoteSave:
     """One remotely committed save: its upload manifest (``um``, exact bytes ``raw``) read by GET.
-    ``key_save_id``: the save id in its keys (``None``: round 1). ``names``: objects LIST showed directly
-    under its prefix (``pinned.json`` among them when pinned), plus its ``hashed``-layout shard objects
-    LIST showed, as keys relative to the run prefix (``shards/<hh>/...``, the only names with a ``/``)."""
+    ``key_save_id``: the save id in its keys (``None``: upload schema 1). ``names``: objects LIST showed
+    directly under its prefix (``pinned.json`` among them when pinned), plus its ``hashed``-layout
+    shard objects LIST showed, as keys relative to the run prefix (``shards/<hh>/...``, the only
+    names with a ``/``)."""
 
     step: int
     key_save_id: str | None
@@ -101,8 +112,9 @@ class RemoteSave:
         return save_key(self.step, self.key_save_id, name)
 
     def shard_key(self, rank: int) -> str:
-        """Key of ``rank``'s shard object, relative to the store prefix, in the layout the upload manifest
-        records (:func:`~tiered_ckpt.layout.save_shard_key`; a copied bucket's other prefix is fine)."""
+        """Key of ``rank``'s shard object, relative to the store prefix, in the layout the upload
+        manifest records (:func:`~tiered_ckpt.layout.save_shard_key`; a copied bucket's other prefix
+        is fine)."""
         return save_shard_key(self.step, self.key_save_id, rank, self.um.key_layout)
 
 
@@ -120,8 +132,9 @@ class SaveFault:
 
 @dataclass(frozen=True)
 class RemoteCatalogue:
-    """What one :func:`read_catalogue` saw: the prefix's ``lineage`` (``None``: no claim), the ``latest``
-    ``pointer``, every committed save (``saves``, ascending by step, attempt) and the ``faults``."""
+    """What one :func:`read_catalogue` saw: the prefix's ``lineage`` (``None``: no claim), the
+    ``latest`` ``pointer``, every committed save (``saves``, ascending by step, attempt) and the
+    ``faults``."""
 
     lineage: RunLineage | None
     pointer: LatestPointer | None
@@ -136,7 +149,11 @@ class RemoteCatalogue:
         if save.run_id is not None and save.run_id != lin.run_id:
             return f"run {save.run_id}, not the prefix's run {lin.run_id}"
         sup = lin.superseded_by(save.attempt, save.step)
-        return CURRENT if sup is None else f"superseded by attempt {sup.attempt} from step {sup.from_step}"
+        return (
+            CURRENT
+            if sup is None
+            else f"superseded by attempt {sup.attempt} from step {sup.from_step}"
+        )
 
     @cached_property
     def _winners(self) -> dict[int, RemoteSave]:
@@ -158,8 +175,8 @@ class RemoteCatalogue:
         return self._winners.get(step)
 
     def status(self, save: RemoteSave) -> str:
-        """``current``, ``superseded by attempt K from step S``, ``replaced by save X (attempt K)`` (a
-        current step's losing save), or ``run X, not the prefix's run Y``."""
+        """``current``, ``superseded by attempt K from step S``, ``replaced by save X (attempt K)``
+        (a current step's losing save), or ``run X, not the prefix's run Y``."""
         why = self._eligible(save)
         if why != CURRENT:
             return why
@@ -179,15 +196,17 @@ def _rank(s: RemoteSave) -> tuple[int, str, str]:
 
 def list_save_entries(store: ObjectStore) -> dict[SaveKey, frozenset[str]]:
     """``(step, key save id) -> names of the objects LIST shows directly under that save``, and its
-    ``hashed``-layout shards (``shards/<hh>/...`` keys: :attr:`RemoteSave.names`) (one paginated LIST of the
-    prefix; may lag or lie, never trusted alone). Raises ``UploadError``."""
+    ``hashed``-layout shards (``shards/<hh>/...`` keys: :attr:`RemoteSave.names`) (one paginated
+    LIST of the prefix; may lag or lie, never trusted alone). Raises ``UploadError``."""
     return scan_save_entries(store)[0]
 
 
-def scan_save_entries(store: ObjectStore) -> tuple[dict[SaveKey, frozenset[str]], dict[SaveKey, int]]:
-    """:func:`list_save_entries` and, from the same LIST, the number of objects of each save: every key
-    under its prefix at any depth (``.confirm/`` records too) and its ``hashed``-layout shards, the same
-    count in either key layout. Raises ``UploadError``."""
+def scan_save_entries(
+    store: ObjectStore,
+) -> tuple[dict[SaveKey, frozenset[str]], dict[SaveKey, int]]:
+    """:func:`list_save_entries` and, from the same LIST, the number of objects of each save: every
+    key under its prefix at any depth (``.confirm/`` records too) and its ``hashed``-layout shards,
+    the same count in either key layout. Raises ``UploadError``."""
     out: dict[SaveKey, set[str]] = {}
     counts: dict[SaveKey, int] = {}
     for key in store.list_keys(""):
@@ -204,12 +223,13 @@ def scan_save_entries(store: ObjectStore) -> tuple[dict[SaveKey, frozenset[str]]
     return {k: frozenset(v) for k, v in out.items()}, counts
 
 
-def read_upload_manifest(store: ObjectStore, step: int,
-                         save_id: str | None = None) -> tuple[UploadManifest, bytes] | None:
-    """GET and validate the upload manifest of one save of ``step`` (``save_id=None``: the round-1 one):
-    ``(manifest, exact bytes)``, or ``None`` when it does not exist (not committed). Raises
-    ``ManifestError`` (invalid, another step's or another save's) and ``UploadError`` (the bucket cannot
-    be read)."""
+def read_upload_manifest(
+    store: ObjectStore, step: int, save_id: str | None = None
+) -> tuple[UploadManifest, bytes] | None:
+    """GET and validate the upload manifest of one save of ``step`` (``save_id=None``: the round-1
+    one): ``(manifest, exact bytes)``, or ``None`` when it does not exist (not committed). Raises
+    ``ManifestError`` (invalid, another step's or another save's) and ``UploadError`` (the bucket
+    cannot be read)."""
     key = save_key(step, save_id, UPLOAD_MANIFEST_NAME)
     raw = get_or_none(store, key, max_bytes=MAX_UPLOAD_MANIFEST_BYTES)
     if raw is None:
@@ -221,23 +241,31 @@ def read_upload_manifest(store: ObjectStore, step: int,
     if um.step != step:
         raise ManifestError(f"step {step}: {object_url(store, key)} describes step {um.step}")
     if um.key_save_id != save_id:
-        raise ManifestError(f"step {step}: {object_url(store, key)} describes save {um.key_save_id} (schema "
-                            f"{um.schema_version}), not the save its key names")
+        raise ManifestError(
+            f"step {step}: {object_url(store, key)} describes save {um.key_save_id} (schema "
+            f"{um.schema_version}), not the save its key names"
+        )
     return um, raw
 
 
-def read_catalogue(store: ObjectStore, *, lineage: RunLineage | None = None,
-                   merge_lineage: bool = True) -> RemoteCatalogue:
+def read_catalogue(
+    store: ObjectStore, *, lineage: RunLineage | None = None, merge_lineage: bool = True
+) -> RemoteCatalogue:
     """One look at the prefix (see the module docstring). ``lineage``: a record to merge with the
-    bucket's when both name the same run (a root's newer ``run.json``, so that a restore into it never
-    picks what it supersedes); ``merge_lineage=False`` uses ``lineage`` alone (the caller read the
-    bucket's). When LIST fails but the pointer was read, the pointer's save alone is used (a warning).
-    Raises ``ManifestError`` (an unreadable ``run.json``) and ``UploadError`` (the bucket cannot be read)."""
+    bucket's when both name the same run (a root's newer ``run.json``, so that a restore into it
+    never picks what it supersedes); ``merge_lineage=False`` uses ``lineage`` alone (the caller read
+    the bucket's). When LIST fails but the pointer was read, the pointer's save alone is used (a
+    warning). Raises ``ManifestError`` (an unreadable ``run.json``) and ``UploadError`` (the bucket
+    cannot be read)."""
     pointer = read_latest_pointer(store)
     if merge_lineage:
         remote = read_remote_record(store)
         if lineage is not None and remote is not None and lineage.run_id == remote.run_id:
-            lineage = lineage.merge(remote) if (lineage.extends(remote) or remote.extends(lineage)) else remote
+            lineage = (
+                lineage.merge(remote)
+                if (lineage.extends(remote) or remote.extends(lineage))
+                else remote
+            )
         else:
             lineage = remote
     try:
@@ -253,38 +281,57 @@ def read_catalogue(store: ObjectStore, *, lineage: RunLineage | None = None,
     for (step, sid), names in sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         is_ptr = pointer is not None and (pointer.step, pointer.save_id) == (step, sid)
         if UPLOAD_MANIFEST_NAME not in names and not is_ptr:
-            faults.append(SaveFault(step, sid, REMOTE_NO_UPLOAD_MANIFEST, "objects without an upload manifest "
-                                    "(upload in progress or abandoned)", counts.get((step, sid), 0)))
+            faults.append(
+                SaveFault(
+                    step,
+                    sid,
+                    REMOTE_NO_UPLOAD_MANIFEST,
+                    "objects without an upload manifest (upload in progress or abandoned)",
+                    counts.get((step, sid), 0),
+                )
+            )
             continue
         try:
             got = read_upload_manifest(store, step, sid)
         except ManifestError as exc:
-            faults.append(SaveFault(step, sid, REMOTE_BAD_UPLOAD_MANIFEST, str(exc), counts.get((step, sid), 0)))
+            faults.append(
+                SaveFault(
+                    step, sid, REMOTE_BAD_UPLOAD_MANIFEST, str(exc), counts.get((step, sid), 0)
+                )
+            )
             continue
         if got is None:
             what = "the latest pointer names it" if is_ptr else "LIST showed its upload manifest"
-            faults.append(SaveFault(step, sid, REMOTE_VANISHED, f"{what}, but GET finds none",
-                                    counts.get((step, sid), 0)))
+            faults.append(
+                SaveFault(
+                    step,
+                    sid,
+                    REMOTE_VANISHED,
+                    f"{what}, but GET finds none",
+                    counts.get((step, sid), 0),
+                )
+            )
             continue
         saves.append(RemoteSave(step, sid, got[0], got[1], names))
     saves.sort(key=lambda s: (s.step,) + _rank(s))
-    return RemoteCatalogue(lineage, pointer, tuple(saves), tuple(faults),
-                           {k: counts.get(k, 0) for k in entries})
+    return RemoteCatalogue(
+        lineage, pointer, tuple(saves), tuple(faults), {k: counts.get(k, 0) for k in entries}
+    )
 
 
 @dataclass(frozen=True)
 class RemoteStep:
-    """One save seen in the bucket (:func:`list_remote_steps`). ``state``: ``committed`` (upload manifest
-    present and valid), ``no upload manifest`` (objects listed but no commit point: an upload in progress
-    or abandoned; never restored), ``bad upload manifest`` (present but unreadable), ``vanished`` (LIST
-    showed the upload manifest but GET did not find it: a save being deleted by retention). ``objects``:
-    every key LIST showed under the save's prefix (confirmation records included) plus its
-    ``hashed``-layout shards: the same count in either layout. ``latest``: the ``latest`` pointer names this save and it
-    is the current save of its step (a pointer left on a superseded or broken save marks nothing).
-    ``save_id``: of the save (``None`` when unknown); ``attempt``/``run_id``: its lineage (committed
-    saves). ``status`` (committed saves): ``current`` (what a restore of the step chooses),
-    ``superseded by attempt K from step S``, ``replaced by save X (attempt K)``, or
-    ``run X, not the prefix's run Y``."""
+    """One save seen in the bucket (:func:`list_remote_steps`). ``state``: ``committed`` (upload
+    manifest present and valid), ``no upload manifest`` (objects listed but no commit point: an
+    upload in progress or abandoned; never restored), ``bad upload manifest`` (present but
+    unreadable), ``vanished`` (LIST showed the upload manifest but GET did not find it: a save being
+    deleted by retention). ``objects``: every key LIST showed under the save's prefix (confirmation
+    records included) plus its ``hashed``-layout shards: the same count in either layout.
+    ``latest``: the ``latest`` pointer names this save and it is the current save of its step (a
+    pointer left on a superseded or broken save marks nothing). ``save_id``: of the save (``None``
+    when unknown); ``attempt``/``run_id``: its lineage (committed saves). ``status`` (committed
+    saves): ``current`` (what a restore of the step chooses), ``superseded by attempt K from step
+    S``, ``replaced by save X (attempt K)``, or ``run X, not the prefix's run Y``."""
 
     step: int
     state: str
@@ -312,30 +359,59 @@ class RemoteStep:
         (``superseded``, ``replaced``, ``other run``), as the local ``ls`` does."""
         if not self.ok or self.status in ("", CURRENT):
             return self.state
-        for head, word in (("superseded", "superseded"), ("replaced", "replaced"), ("run ", "other run")):
+        for head, word in (
+            ("superseded", "superseded"),
+            ("replaced", "replaced"),
+            ("run ", "other run"),
+        ):
             if self.status.startswith(head):
                 return word
         return self.state
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "state": self.state, "reason": self.reason, "world_size": self.world_size,
-                "size_bytes": self.size_bytes, "save_id": self.save_id, "objects": self.objects,
-                "latest": self.latest, "attempt": self.attempt, "run_id": self.run_id, "status": self.status,
-                "shown_state": self.shown_state}
+        return {
+            "step": self.step,
+            "state": self.state,
+            "reason": self.reason,
+            "world_size": self.world_size,
+            "size_bytes": self.size_bytes,
+            "save_id": self.save_id,
+            "objects": self.objects,
+            "latest": self.latest,
+            "attempt": self.attempt,
+            "run_id": self.run_id,
+            "status": self.status,
+            "shown_state": self.shown_state,
+        }
 
 
 def remote_steps_of(cat: RemoteCatalogue) -> list[RemoteStep]:
-    """:class:`RemoteStep` rows of a catalogue: every save and fault, by step; within a step the current
-    save first. Only a current save is marked ``latest``."""
+    """:class:`RemoteStep` rows of a catalogue: every save and fault, by step; within a step the
+    current save first. Only a current save is marked ``latest``."""
     rows = []
     for s in cat.saves:
         status = cat.status(s)
         latest = status == CURRENT and cat.is_latest(s.step, s.key_save_id)
-        rows.append(RemoteStep(s.step, REMOTE_COMMITTED, "", s.um.world_size, s.um.total_bytes, s.save_id,
-                               cat.objects.get((s.step, s.key_save_id), 0), latest, s.attempt, s.run_id, status))
+        rows.append(
+            RemoteStep(
+                s.step,
+                REMOTE_COMMITTED,
+                "",
+                s.um.world_size,
+                s.um.total_bytes,
+                s.save_id,
+                cat.objects.get((s.step, s.key_save_id), 0),
+                latest,
+                s.attempt,
+                s.run_id,
+                status,
+            )
+        )
     for f in cat.faults:  # never marked latest: not a usable commit, whatever the pointer names
         rows.append(RemoteStep(f.step, f.state, f.reason, save_id=f.key_save_id, objects=f.objects))
-    return sorted(rows, key=lambda r: (r.step, not r.current, r.state != REMOTE_COMMITTED, r.save_id or ""))
+    return sorted(
+        rows, key=lambda r: (r.step, not r.current, r.state != REMOTE_COMMITTED, r.save_id or "")
+    )
 
 
 def list_remote_steps_in(store: ObjectStore) -> list[RemoteStep]:
@@ -343,21 +419,28 @@ def list_remote_steps_in(store: ObjectStore) -> list[RemoteStep]:
     return remote_steps_of(read_catalogue(store))
 
 
-def list_remote_steps(remote_url: str, *, s3_client: Any = None, store: ObjectStore | None = None,
-                      endpoint_url: str | None = None) -> list[RemoteStep]:
-    """Every save seen under ``remote_url`` and its state and lineage status (see :class:`RemoteStep`),
-    ascending by step. Upload manifests are read with GET (small objects); shards are not HEADed
-    (restore does that). The save named by the ``latest`` pointer is listed even when LIST does not show
-    it yet. Raises :class:`~tiered_ckpt.errors.UploadError` when the bucket cannot be read,
-    ``ManifestError`` when its ``run.json`` is unreadable.
+def list_remote_steps(
+    remote_url: str,
+    *,
+    s3_client: Any = None,
+    store: ObjectStore | None = None,
+    endpoint_url: str | None = None,
+) -> list[RemoteStep]:
+    """Every save seen under ``remote_url`` and its state and lineage status (see
+    :class:`RemoteStep`), ascending by step. Upload manifests are read with GET (small objects);
+    shards are not HEADed (restore does that). The save named by the ``latest`` pointer is listed
+    even when LIST does not show it yet. Raises :class:`~tiered_ckpt.errors.UploadError` when the
+    bucket cannot be read, ``ManifestError`` when its ``run.json`` is unreadable.
     """
     with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:
         return list_remote_steps_in(st)
 
 
-def remote_target(remote_url: str, *, s3_client: Any = None, store: ObjectStore | None = None) -> tuple[bool, list[int]]:
-    """``(claimed, steps)`` of ``remote_url``: whether its ``run.json`` claim exists (HEAD), and every step
-    any object of which LIST shows (committed or not), ascending. A prefix with neither holds no run: a
+def remote_target(
+    remote_url: str, *, s3_client: Any = None, store: ObjectStore | None = None
+) -> tuple[bool, list[int]]:
+    """``(claimed, steps)`` of ``remote_url``: whether its ``run.json`` claim exists (HEAD), and
+    every step any object of which LIST shows (committed or not), ascending. A prefix with neither holds no run: a
     wrong URL, not a run before its first upload. Raises ``UploadError`` (``RemoteAccessError``: e.g. no
     such bucket)."""
     with StoreHandle(remote_url, store=store, s3_client=s3_client) as st:
@@ -373,8 +456,13 @@ def committed_step_candidates(store: ObjectStore) -> tuple[list[int], LatestPoin
     return [s.step for s in cat.current()], cat.pointer
 
 
-def remote_committed_steps(remote_url: str, *, s3_client: Any = None, store: ObjectStore | None = None,
-                           endpoint_url: str | None = None) -> list[int]:
+def remote_committed_steps(
+    remote_url: str,
+    *,
+    s3_client: Any = None,
+    store: ObjectStore | None = None,
+    endpoint_url: str | None = None,
+) -> list[int]:
     """Steps of ``remote_url`` with a current committed save (ascending): the steps that may be restored
     (SPEC §11: superseded saves and saves of another run are not offered). Raises as
     :func:`read_catalogue`."""
@@ -383,9 +471,27 @@ def remote_committed_steps(remote_url: str, *, s3_client: Any = None, store: Obj
 
 
 __all__ = [
-    "CURRENT", "REMOTE_COMMITTED", "REMOTE_NO_UPLOAD_MANIFEST", "REMOTE_BAD_UPLOAD_MANIFEST", "REMOTE_VANISHED",
-    "RemoteCatalogue", "RemoteSave", "RemoteStep", "SaveFault", "committed_step_candidates", "get_or_none",
-    "list_remote_steps", "list_remote_steps_in", "list_save_entries", "read_catalogue", "read_latest_pointer",
-    "read_latest_pointer_versioned", "read_upload_manifest", "remote_committed_steps", "remote_steps_of",
-    "remote_target", "save_key", "scan_save_entries",
+    "CURRENT",
+    "REMOTE_COMMITTED",
+    "REMOTE_NO_UPLOAD_MANIFEST",
+    "REMOTE_BAD_UPLOAD_MANIFEST",
+    "REMOTE_VANISHED",
+    "RemoteCatalogue",
+    "RemoteSave",
+    "RemoteStep",
+    "SaveFault",
+    "committed_step_candidates",
+    "get_or_none",
+    "list_remote_steps",
+    "list_remote_steps_in",
+    "list_save_entries",
+    "read_catalogue",
+    "read_latest_pointer",
+    "read_latest_pointer_versioned",
+    "read_upload_manifest",
+    "remote_committed_steps",
+    "remote_steps_of",
+    "remote_target",
+    "save_key",
+    "scan_save_entries",
 ]

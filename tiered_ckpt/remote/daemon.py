@@ -1,32 +1,36 @@
-"""The sidecar process: signals, metrics endpoint and the upload loop (``tiered-ckpt upload --watch``).
+"""The sidecar process: signals, metrics endpoint and the upload loop (``tiered-ckpt upload
+--watch``).
 
 Lifecycle (one process per training node):
 
 1. The CLI builds ONE S3 client and ONE :class:`~tiered_ckpt.remote.upload.Uploader` and calls
    :func:`run_sidecar`.
-2. :func:`run_sidecar` installs SIGTERM/SIGINT handlers that only set the stop event, optionally serves
-   Prometheus metrics, and runs ``Uploader.run`` (:class:`UploadLoop`) in a worker thread (the main
-   thread waits on signals).
-3. On a signal: the stop event is set; retries stop, backoffs are cut short, and an in-flight multipart
-   upload stops reading, lets its in-flight parts finish and is aborted (no object is committed, no
-   multipart upload left behind). The loop returns; the process exits 0. If the worker has not returned
-   within ``shutdown_timeout_s`` the sidecar logs it and exits 0 anyway (the next start sweeps leftovers).
-4. A prefix claimed by another run (``RunMismatchError``, SPEC §11 fencing) stops the loop at once: the
-   sidecar must not keep uploading there. :func:`run_sidecar` raises it (the CLI prints one line, exit 1).
+2. :func:`run_sidecar` installs SIGTERM/SIGINT handlers that only set the stop event, optionally
+   serves Prometheus metrics, and runs ``Uploader.run`` (:class:`UploadLoop`) in a worker thread
+   (the main thread waits on signals).
+3. On a signal: the stop event is set; retries stop, backoffs are cut short, and an in-flight
+   multipart upload stops reading, lets its in-flight parts finish and is aborted (no object is
+   committed, no multipart upload left behind). The loop returns; the process exits 0. If the worker
+   has not returned within ``shutdown_timeout_s`` the sidecar logs it and exits 0 anyway (the next
+   start sweeps leftovers).
+4. A prefix claimed by another run (``RunMismatchError``, SPEC §11 fencing) stops the loop at once:
+   the sidecar must not keep uploading there. :func:`run_sidecar` raises it (the CLI prints one
+   line, exit 1).
 
-The loop (:class:`UploadLoop`, SPEC §11 "Sidecar at scale"): each pass lists the backlog (local disk only)
-every ``poll_interval_s``, mirrors pins made after their step's upload, and uploads the pending steps
-newest first. A step waiting for other nodes'
-confirmations (``StepIncompleteError``) is polled with its own exponential backoff: its ``n``-th poll
-comes ``U(d/2, d)`` seconds after the previous one, ``d = min(max_poll_interval_s, poll_interval_s *
-2**(n-1))`` (jittered so that the nodes of a job do not poll in step), and each poll costs one LIST
-(the commit object of the previous poll is passed back: see :mod:`tiered_ckpt.remote.step_upload`).
-A step still waiting ``UploadPolicy.stall_deadline_s`` after its first wait is **stalled**: reported
-once (one WARNING naming the missing ranks; ``tiered_ckpt_upload_stalled_steps``,
-``tiered_ckpt_upload_stalls_total``), kept locally under a ``stalled`` step lock (upload-gated rotation
-keeps locked steps and does not count them against ``max_pending_uploads``, see
-:mod:`tiered_ckpt.local.rotation`), polled every ``max_poll_interval_s`` and committed if its
-confirmations appear later. A waiting or stalled step never blocks newer steps: the pass goes on to them.
+The loop (:class:`UploadLoop`, SPEC §11 "Sidecar at scale"): each pass lists the backlog (local disk
+only) every ``poll_interval_s``, mirrors pins made after their step's upload, and uploads the
+pending steps newest first. A step waiting for other nodes'
+confirmations (``StepIncompleteError``) is polled with its own exponential backoff: its ``n``-th
+poll comes ``U(d/2, d)`` seconds after the previous one, ``d = min(max_poll_interval_s,
+poll_interval_s * 2**(n-1))`` (jittered so that the nodes of a job do not poll in step), and each
+poll costs one LIST (the commit object of the previous poll is passed back: see
+:mod:`tiered_ckpt.remote.step_upload`). A step still waiting ``UploadPolicy.stall_deadline_s`` after
+its first wait is **stalled**: reported once (one WARNING naming the missing ranks;
+``tiered_ckpt_upload_stalled_steps``, ``tiered_ckpt_upload_stalls_total``), kept locally under a
+``stalled`` step lock (upload-gated rotation keeps locked steps and does not count them against
+``max_pending_uploads``, see :mod:`tiered_ckpt.local.rotation`), polled every
+``max_poll_interval_s`` and committed if its confirmations appear later. A waiting or stalled step
+never blocks newer steps: the pass goes on to them.
 
 Logs: ``logging`` with step and shard in every record of the upload path; the remote is logged as
 ``s3://bucket/prefix`` and the endpoint URL only, never credentials.
@@ -39,10 +43,11 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiered_ckpt.errors import CheckpointError, NoCheckpointError, RunMismatchError, UploadError
 from tiered_ckpt.local.catalogue import step_path
@@ -61,7 +66,8 @@ STALLED_LOCK_KIND = "stalled"
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
-    """``[2, 3, 5, 6, 7]`` -> ``"2-3,5-7"`` (the rank list of a log line, short at any world size)."""
+    """``[2, 3, 5, 6, 7]`` -> ``"2-3,5-7"`` (the rank list of a log line, short at any world
+    size)."""
     out: list[str] = []
     rs = sorted(set(ranks))
     i = 0
@@ -75,8 +81,8 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 
 class Uploader(Protocol):
-    """What the loop and :func:`run_sidecar` use of :class:`tiered_ckpt.remote.upload.Uploader` (which
-    imports this module, so it is named here by its shape)."""
+    """What the loop and :func:`run_sidecar` use of :class:`tiered_ckpt.remote.upload.Uploader`
+    (which imports this module, so it is named here by its shape)."""
 
     local_root: Path
     store: ObjectStore
@@ -94,17 +100,25 @@ class Uploader(Protocol):
 
     def sweep_pending_aborts(self) -> int: ...
 
-    def run(self, stop_event: threading.Event | None = None, *, poll_interval_s: float = 2.0, once: bool = False,
-            failure_backoff_s: float = 10.0, max_poll_interval_s: float = 60.0) -> list[int]: ...
+    def run(
+        self,
+        stop_event: threading.Event | None = None,
+        *,
+        poll_interval_s: float = 2.0,
+        once: bool = False,
+        failure_backoff_s: float = 10.0,
+        max_poll_interval_s: float = 60.0,
+    ) -> list[int]: ...
 
     def close(self) -> None: ...
 
 
 @dataclass
 class WaitingStep:
-    """A step whose local shards are confirmed while other nodes' are not: ``since`` (monotonic seconds
-    of the first wait), ``polls`` so far, ``next_poll`` (monotonic), the ``missing`` ranks of the last
-    poll, and once past the deadline ``stalled`` with the ``lock`` file that keeps it locally."""
+    """A step whose local shards are confirmed while other nodes' are not: ``since`` (monotonic
+    seconds of the first wait), ``polls`` so far, ``next_poll`` (monotonic), the ``missing`` ranks
+    of the last poll, and once past the deadline ``stalled`` with the ``lock`` file that keeps it
+    locally."""
 
     since: float
     polls: int = 0
@@ -115,18 +129,29 @@ class WaitingStep:
 
 
 def _log_committed(step: int, um: Any, timing: Any) -> None:
-    """The sidecar's one INFO line per step committed remotely (its default level shows it): shards and
-    MiB of the upload manifest ``um``, how they were confirmed (``confirmed_by``, see
-    :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`), and this node's seconds and MiB sent
-    (``timing``: the uploader's ``last_timing``; either may be ``None``, then its part is left out)."""
+    """The sidecar's one INFO line per step committed remotely (its default level shows it): shards
+    and MiB of the upload manifest ``um``, how they were confirmed (``confirmed_by``, see
+    :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`), and this node's seconds and MiB
+    sent (``timing``: the uploader's ``last_timing``; either may be ``None``, then its part is left
+    out)."""
     shards = tuple(getattr(um, "shards", ()))
     hows: dict[str, int] = {}
     for sh in shards:
         hows[sh.confirmed_by] = hows.get(sh.confirmed_by, 0) + 1
-    how = ", ".join(_CONFIRMED_BY.get(k, k) + (f" ({n})" if len(hows) > 1 else "") for k, n in sorted(hows.items()))
-    what = (f": {len(shards)} shard(s), {sum(sh.size_bytes for sh in shards) / 2**20:.1f} MiB, confirmed by {how}"
-            if shards else "")
-    mine = "" if timing is None else f" in {timing.total_s:.2f} s ({timing.bytes_sent / 2**20:.1f} MiB sent by this node)"
+    how = ", ".join(
+        _CONFIRMED_BY.get(k, k) + (f" ({n})" if len(hows) > 1 else "")
+        for k, n in sorted(hows.items())
+    )
+    what = (
+        f": {len(shards)} shard(s), {sum(sh.size_bytes for sh in shards) / 2**20:.1f} MiB, confirmed by {how}"
+        if shards
+        else ""
+    )
+    mine = (
+        ""
+        if timing is None
+        else f" in {timing.total_s:.2f} s ({timing.bytes_sent / 2**20:.1f} MiB sent by this node)"
+    )
     log.info("step %d: committed remotely%s%s", step, what, mine)
 
 
@@ -135,8 +160,9 @@ _CONFIRMED_BY = {"server-checksum": "server checksum", "read-back": "read-back"}
 
 
 class UploadLoop:
-    """The sidecar loop of one :class:`~tiered_ckpt.remote.upload.Uploader` (module docstring). State
-    (waiting steps, failure backoffs) lives here across :meth:`run` calls; one thread at a time."""
+    """The sidecar loop of one :class:`~tiered_ckpt.remote.upload.Uploader` (module docstring).
+    State (waiting steps, failure backoffs) lives here across :meth:`run` calls; one thread at a
+    time."""
 
     def __init__(self, uploader: Uploader, *, rng: random.Random | None = None) -> None:
         self.up = uploader
@@ -147,18 +173,22 @@ class UploadLoop:
         self._failed_at: dict[int, float] = {}
         self._rng = rng if rng is not None else random.Random()
 
-    def configure(self, *, poll_interval_s: float, max_poll_interval_s: float, failure_backoff_s: float) -> None:
-        """Set the timings (seconds; ``max_poll_interval_s`` below ``poll_interval_s`` is raised to it).
-        Raises ``ValueError`` for a poll interval that is not positive."""
+    def configure(
+        self, *, poll_interval_s: float, max_poll_interval_s: float, failure_backoff_s: float
+    ) -> None:
+        """Set the timings (seconds; ``max_poll_interval_s`` below ``poll_interval_s`` is raised to
+        it). Raises ``ValueError`` for a poll interval that is not positive."""
         if not poll_interval_s > 0 or not max_poll_interval_s > 0:
-            raise ValueError(f"poll intervals must be > 0, got {poll_interval_s} and {max_poll_interval_s}")
+            raise ValueError(
+                f"poll intervals must be > 0, got {poll_interval_s} and {max_poll_interval_s}"
+            )
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(max_poll_interval_s, poll_interval_s)
         self.failure_backoff_s = failure_backoff_s
 
     def run(self, stop: threading.Event, *, once: bool = False) -> list[int]:
-        """Passes until ``stop`` is set (``once``: until a pass commits nothing; backoffs are then not
-        waited for: each pass polls every waiting step). Returns the steps committed. Raises
+        """Passes until ``stop`` is set (``once``: until a pass commits nothing; backoffs are then
+        not waited for: each pass polls every waiting step). Returns the steps committed. Raises
         ``RunMismatchError`` (the prefix belongs to another run)."""
         done: list[int] = []
         while not stop.is_set():
@@ -172,15 +202,16 @@ class UploadLoop:
         return done
 
     def _idle_s(self) -> float:
-        """Seconds until the next pass: the poll interval (new local steps), or sooner when a waiting
-        step is due."""
+        """Seconds until the next pass: the poll interval (new local steps), or sooner when a
+        waiting step is due."""
         now = time.monotonic()
         due = min((w.next_poll for w in self.waiting.values()), default=now + self.poll_interval_s)
         return max(0.01, min(self.poll_interval_s, due - now))
 
     def pass_once(self, stop: threading.Event, *, honour_backoff: bool = True) -> int | None:
-        """One pass over the backlog: commit the first pending step that can be, then apply retention.
-        Returns it, or ``None`` when no step was committed in this pass. Raises ``RunMismatchError``."""
+        """One pass over the backlog: commit the first pending step that can be, then apply
+        retention. Returns it, or ``None`` when no step was committed in this pass. Raises
+        ``RunMismatchError``."""
         up = self.up
         try:
             pending = up.select_pending()
@@ -196,7 +227,12 @@ class UploadLoop:
         try:
             up.sweep_pending_aborts()  # uploads recorded as not abortable (no request without a record)
         except (CheckpointError, OSError) as e:
-            log.error("sweeping recorded multipart uploads of %s failed: %s: %s", up.store.url, type(e).__name__, e)
+            log.error(
+                "sweeping recorded multipart uploads of %s failed: %s: %s",
+                up.store.url,
+                type(e).__name__,
+                e,
+            )
         for step in pending:
             if stop.is_set():
                 return None
@@ -226,8 +262,11 @@ class UploadLoop:
             log.info("step %d: upload interrupted by stop", step)
             return False
         except RunMismatchError:
-            # raised to run_sidecar's caller, whose one line says it (the CLI's: exit 1); not logged twice
-            log.debug("step %d: %s is claimed by another run; the sidecar stops", step, self.up.store.url)
+            # raised to run_sidecar's caller, whose one line says it (the CLI's: exit 1); not logged
+            # twice
+            log.debug(
+                "step %d: %s is claimed by another run; the sidecar stops", step, self.up.store.url
+            )
             raise
         except StepSupersededError as e:
             log.warning("step %d: %s", step, e)
@@ -243,8 +282,11 @@ class UploadLoop:
         self._failed_at.pop(step, None)
         _log_committed(step, um, getattr(self.up, "last_timing", None))
         if w is not None and w.stalled:
-            log.info("step %d: committed remotely after %.0f s stalled; released", step,
-                     time.monotonic() - w.since)
+            log.info(
+                "step %d: committed remotely after %.0f s stalled; released",
+                step,
+                time.monotonic() - w.since,
+            )
         self._forget(step)
         return True
 
@@ -253,12 +295,20 @@ class UploadLoop:
         w = self.waiting.get(step)
         if w is None:
             w = self.waiting[step] = WaitingStep(since=now)
-            log.info("step %d: this node's shards confirmed; waiting for ranks %s", step,
-                     ranks_text(e.missing_ranks))
+            log.info(
+                "step %d: this node's shards confirmed; waiting for ranks %s",
+                step,
+                ranks_text(e.missing_ranks),
+            )
         elif e.missing_ranks != w.missing:
             log.info("step %d: still waiting for ranks %s", step, ranks_text(e.missing_ranks))
         else:
-            log.debug("step %d: poll %d, still waiting for ranks %s", step, w.polls, ranks_text(e.missing_ranks))
+            log.debug(
+                "step %d: poll %d, still waiting for ranks %s",
+                step,
+                w.polls,
+                ranks_text(e.missing_ranks),
+            )
         w.polls += 1
         w.missing = e.missing_ranks
         metrics = self.up.metrics
@@ -277,10 +327,15 @@ class UploadLoop:
             w.lock = acquire_step_lock(step_path(self.up.local_root, step), STALLED_LOCK_KIND)
         except OSError as exc:  # the step vanished meanwhile: nothing to keep
             log.debug("step %d: no stalled lock (%s)", step, exc)
-        log.warning("step %d: ranks %s not confirmed by the other nodes within %g s (stall deadline); "
-                    "stalled: kept locally, not counted against max_pending_uploads, newer steps go on; "
-                    "polled every ~%g s and committed if they confirm", step, ranks_text(w.missing),
-                    deadline, self.max_poll_interval_s)
+        log.warning(
+            "step %d: ranks %s not confirmed by the other nodes within %g s (stall deadline); "
+            "stalled: kept locally, not counted against max_pending_uploads, newer steps go on; "
+            "polled every ~%g s and committed if they confirm",
+            step,
+            ranks_text(w.missing),
+            deadline,
+            self.max_poll_interval_s,
+        )
         if self.up.metrics is not None:
             self.up.metrics.stalls.inc()
 
@@ -303,13 +358,21 @@ class UploadLoop:
         self._update_gauges()
 
 
-def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_port: int | None = None,
-                shutdown_timeout_s: float = 30.0, stop_event: threading.Event | None = None,
-                once: bool = False, max_poll_interval_s: float = 60.0, metrics_host: str = "127.0.0.1") -> int:
+def run_sidecar(
+    uploader: Uploader,
+    *,
+    poll_interval_s: float = 2.0,
+    metrics_port: int | None = None,
+    shutdown_timeout_s: float = 30.0,
+    stop_event: threading.Event | None = None,
+    once: bool = False,
+    max_poll_interval_s: float = 60.0,
+    metrics_host: str = "127.0.0.1",
+) -> int:
     """Run the upload loop until SIGTERM/SIGINT (or ``stop_event``). ``metrics_port``: serve
-    ``/metrics`` there, bound to ``metrics_host`` (default loopback only). Returns the exit code (0).
-    Raises what stopped the loop (``RunMismatchError``: the prefix belongs to another run), ``OSError``
-    when the metrics address cannot be bound."""
+    ``/metrics`` there, bound to ``metrics_host`` (default loopback only). Returns the exit code
+    (0). Raises what stopped the loop (``RunMismatchError``: the prefix belongs to another run),
+    ``OSError`` when the metrics address cannot be bound."""
     stop = stop_event if stop_event is not None else uploader.stop_event
     previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
@@ -329,13 +392,23 @@ def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_por
                 signal.signal(sig, handler)
             raise
         log.info("metrics on %s", uploader.metrics.url)
-    log.info("sidecar: %s -> %s (poll every %.1f s, waiting steps back off to %.1f s)", uploader.local_root,
-             uploader.store.url, poll_interval_s, max_poll_interval_s)
+    log.info(
+        "sidecar: %s -> %s (poll every %.1f s, waiting steps back off to %.1f s)",
+        uploader.local_root,
+        uploader.store.url,
+        poll_interval_s,
+        max_poll_interval_s,
+    )
     error: list[BaseException] = []
 
     def work() -> None:
         try:
-            uploader.run(stop, poll_interval_s=poll_interval_s, once=once, max_poll_interval_s=max_poll_interval_s)
+            uploader.run(
+                stop,
+                poll_interval_s=poll_interval_s,
+                once=once,
+                max_poll_interval_s=max_poll_interval_s,
+            )
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             error.append(e)
 
@@ -348,7 +421,10 @@ def run_sidecar(uploader: Uploader, *, poll_interval_s: float = 2.0, metrics_por
         while worker.is_alive() and time.monotonic() < deadline:
             worker.join(0.2)
         if worker.is_alive():
-            log.error("sidecar: upload loop did not stop within %.0f s; exiting anyway", shutdown_timeout_s)
+            log.error(
+                "sidecar: upload loop did not stop within %.0f s; exiting anyway",
+                shutdown_timeout_s,
+            )
             return 0
     finally:
         for sig, handler in previous.items():

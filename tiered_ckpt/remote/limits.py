@@ -1,10 +1,11 @@
 """The size cap of every kind of small object the remote tier reads into memory, in one place.
 
-Each ``get_bytes`` / :func:`~tiered_ckpt.remote.handle.get_or_none` of the remote tier passes the cap of
-the object's kind; the store refuses a body that passes it as it arrives (a
-:class:`~tiered_ckpt.errors.ManifestError` naming the object and the cap), so a hostile or broken server
-cannot grow memory without bound (issue 11). The manifests share the local tier's cap, so that every
-manifest that restores from disk also restores from the bucket; the run record shares its local cap.
+Each ``get_bytes`` / :func:`~tiered_ckpt.remote.handle.get_or_none` of the remote tier passes the
+cap of the object's kind; the store refuses a body that passes it as it arrives (a
+:class:`~tiered_ckpt.errors.ManifestError` naming the object and the cap), so a hostile or broken
+server cannot grow memory without bound. The manifests share the local tier's cap, so
+that every manifest that restores from disk also restores from the bucket; the run record shares its
+local cap.
 """
 
 from __future__ import annotations
@@ -27,5 +28,11 @@ MAX_UPLOAD_MANIFEST_BYTES = MAX_MANIFEST_BYTES
 #: ``<prefix>/run.json``: the bucket's run record (claim), the local tier's cap.
 MAX_REMOTE_RUN_RECORD_BYTES = MAX_RUN_RECORD_BYTES
 
-__all__ = ["MAX_CONFIRMATION_BYTES", "MAX_PIN_BYTES", "MAX_POINTER_BYTES", "MAX_REMOTE_MANIFEST_BYTES",
-           "MAX_REMOTE_RUN_RECORD_BYTES", "MAX_UPLOAD_MANIFEST_BYTES"]
+__all__ = [
+    "MAX_CONFIRMATION_BYTES",
+    "MAX_PIN_BYTES",
+    "MAX_POINTER_BYTES",
+    "MAX_REMOTE_MANIFEST_BYTES",
+    "MAX_REMOTE_RUN_RECORD_BYTES",
+    "MAX_UPLOAD_MANIFEST_BYTES",
+]

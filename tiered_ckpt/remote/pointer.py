@@ -1,6 +1,7 @@
-"""The ``latest`` pointer of a bucket prefix (``<prefix>/latest``, SPEC §4): read it, and read it with its
-ETag for a conditional move (:mod:`tiered_ckpt.remote.commit`). A hint only: a save is committed iff its
-upload manifest is found (:mod:`tiered_ckpt.remote.catalogue`, which re-exports these readers)."""
+"""The ``latest`` pointer of a bucket prefix (``<prefix>/latest``, SPEC §4): read it, and read it
+with its ETag for a conditional move (:mod:`tiered_ckpt.remote.commit`). A hint only: a save is
+committed iff its upload manifest is found (:mod:`tiered_ckpt.remote.catalogue`, which re-exports
+these readers)."""
 
 from __future__ import annotations
 
@@ -17,26 +18,33 @@ log = logging.getLogger(__name__)
 
 
 def read_latest_pointer(store: ObjectStore) -> LatestPointer | None:
-    """GET ``<prefix>/latest``; ``None`` when absent or unreadable (a warning: LIST is used then)."""
+    """GET ``<prefix>/latest``; ``None`` when absent or unreadable (a warning: LIST is used
+    then)."""
     raw = get_or_none(store, LATEST_POINTER_NAME, max_bytes=MAX_POINTER_BYTES)
     if raw is None:
         return None
     try:
         return LatestPointer.from_json(raw)
     except ManifestError as exc:
-        log.warning("%s: ignoring a malformed latest pointer: %s", object_url(store, LATEST_POINTER_NAME), exc)
+        log.warning(
+            "%s: ignoring a malformed latest pointer: %s",
+            object_url(store, LATEST_POINTER_NAME),
+            exc,
+        )
         return None
 
 
 def read_latest_pointer_versioned(store: ObjectStore) -> tuple[LatestPointer | None, str | None]:
     """``(pointer, etag)`` for a conditional move of ``latest``: HEAD for the ETag, then GET.
 
-    ``etag`` is ``None`` when no object exists (write with ``If-None-Match: *``); a malformed pointer
-    gives ``(None, etag)`` with a warning (it is replaced with ``If-Match``)."""
+    ``etag`` is ``None`` when no object exists (write with ``If-None-Match: *``); a malformed
+    pointer gives ``(None, etag)`` with a warning (it is replaced with ``If-Match``)."""
     info = store.head(LATEST_POINTER_NAME)
     if info is None:
         return None, None
-    if info.size_bytes > MAX_POINTER_BYTES:  # over its cap: replaced with If-Match, like a malformed one
+    if (
+        info.size_bytes > MAX_POINTER_BYTES
+    ):  # over its cap: replaced with If-Match, like a malformed one
         return None, info.etag
     raw = get_or_none(store, LATEST_POINTER_NAME, max_bytes=MAX_POINTER_BYTES)
     if raw is None:

@@ -1,31 +1,33 @@
-"""Where a run stands (``tiered-ckpt status``): per step its local state, its remote state, the upload's
-progress and the sidecar's local mark; per run the newest local and remote steps and the training time
-at risk. Reads only: the local scan (:func:`tiered_ckpt.local.scan.scan`, sizes only), the markers
-(:mod:`tiered_ckpt.local.markers`), the remote catalogue (:func:`tiered_ckpt.remote.catalogue.read_catalogue`),
-one ListMultipartUploads and, per save being uploaded, one LIST of its ``.confirm/`` records.
+"""Where a run stands (``tiered-ckpt status``): per step its local state, its remote state, the
+upload's progress and the sidecar's local mark; per run the newest local and remote steps and the
+training time at risk. Reads only: the local scan (:func:`tiered_ckpt.local.scan.scan`, sizes only),
+the markers (:mod:`tiered_ckpt.local.markers`), the remote catalogue
+(:func:`tiered_ckpt.remote.catalogue.read_catalogue`), one ListMultipartUploads and, per save being
+uploaded, one LIST of its ``.confirm/`` records.
 
-**Runs.** A local step belongs to the root's run (``run.json``; none: run ``None``); a remote save to the
-run its upload manifest names, else to the prefix's claim (``<prefix>/run.json``). A save being uploaded
-(no upload manifest yet) belongs to the local run when the root holds a step of that save id, else to the
-claim. One :class:`RunState` per run: the local run first, then the claim's, then any other.
+**Runs.** A local step belongs to the root's run (``run.json``; none: run ``None``); a remote save
+to the run its upload manifest names, else to the prefix's claim (``<prefix>/run.json``). A save
+being uploaded (no upload manifest yet) belongs to the local run when the root holds a step of that
+save id, else to the claim. One :class:`RunState` per run: the local run first, then the claim's,
+then any other.
 
 **States of a step.** ``local``: ``committed``, ``uncommitted`` (a save in progress or interrupted),
-``superseded`` (a later attempt abandoned it), ``corrupt`` / ``incomplete`` (as ``ls`` says), ``absent``;
-``None`` without a root. ``remote``: ``committed`` (its current save's upload manifest is there: the
-remote commit point), ``uploading`` (objects or multipart uploads of a save, no upload manifest yet; an
-abandoned upload looks the same), ``superseded`` (committed saves, none current: a later attempt, or
-another run, supersedes them), ``broken`` (an unreadable or vanished upload manifest), ``absent``;
-``None`` without a remote. When several saves of a step exist, the local step's own save decides.
-``uploaded_bytes``: bytes of the step's shards confirmed remotely (every shard of a committed save; the
-ranks whose confirmation record exists while uploading; sizes from the local manifest or the save's
-mirrored one). ``marker``: the step's ``uploaded.json``: ``uploaded``, ``restored``, ``skipped``
-(released unsent), ``stale`` (written for another save of the step), ``other remote`` (names another
-bucket than the one looked at), ``None`` (no marker).
+``superseded`` (a later attempt abandoned it), ``corrupt`` / ``incomplete`` (as ``ls`` says),
+``absent``; ``None`` without a root. ``remote``: ``committed`` (its current save's upload manifest
+is there: the remote commit point), ``uploading`` (objects or multipart uploads of a save, no upload
+manifest yet; an abandoned upload looks the same), ``superseded`` (committed saves, none current: a
+later attempt, or another run, supersedes them), ``broken`` (an unreadable or vanished upload
+manifest), ``absent``; ``None`` without a remote. When several saves of a step exist, the local
+step's own save decides. ``uploaded_bytes``: bytes of the step's shards confirmed remotely (every
+shard of a committed save; the ranks whose confirmation record exists while uploading; sizes from
+the local manifest or the save's mirrored one). ``marker``: the step's ``uploaded.json``:
+``uploaded``, ``restored``, ``skipped`` (released unsent), ``stale`` (written for another save of
+the step), ``other remote`` (names another bucket than the one looked at), ``None`` (no marker).
 
-**Time at risk** (:mod:`tiered_ckpt.remote.at_risk`, the sidecar's gauge): now minus the local commit time
-(``created_at``) of the newest remotely committed step: the newest current committed save with a remote;
-without one, the newest committed local step whose marker says ``uploaded`` or ``restored`` (what a
-sidecar starting on this root learns first).
+**Time at risk** (:mod:`tiered_ckpt.remote.at_risk`, the sidecar's gauge): now minus the local
+commit time (``created_at``) of the newest remotely committed step: the newest current committed
+save with a remote; without one, the newest committed local step whose marker says ``uploaded`` or
+``restored`` (what a sidecar starting on this root learns first).
 """
 
 from __future__ import annotations
@@ -38,14 +40,26 @@ from typing import Any
 from tiered_ckpt.errors import CheckpointError, ManifestError, UploadError
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.layout import (CONFIRM_DIR, MANIFEST_NAME, parse_remote_step_entry, parse_spread_shard_key,
-                                step_dir_name)
+from tiered_ckpt.layout import (
+    CONFIRM_DIR,
+    MANIFEST_NAME,
+    parse_remote_step_entry,
+    parse_spread_shard_key,
+    step_dir_name,
+)
 from tiered_ckpt.local.catalogue import read_manifest, read_run_record, resolve_root
 from tiered_ckpt.local.markers import marker_state
 from tiered_ckpt.local.scan import COMMITTED, SUPERSEDED, StepStatus, scan
 from tiered_ckpt.remote.at_risk import commit_time, seconds_at_risk
-from tiered_ckpt.remote.catalogue import (CURRENT, REMOTE_NO_UPLOAD_MANIFEST, RemoteCatalogue, RemoteSave, SaveFault,
-                                          read_catalogue, save_key)
+from tiered_ckpt.remote.catalogue import (
+    CURRENT,
+    REMOTE_NO_UPLOAD_MANIFEST,
+    RemoteCatalogue,
+    RemoteSave,
+    SaveFault,
+    read_catalogue,
+    save_key,
+)
 from tiered_ckpt.remote.commit import confirmed_ranks
 from tiered_ckpt.remote.handle import get_or_none
 from tiered_ckpt.remote.limits import MAX_REMOTE_MANIFEST_BYTES
@@ -55,7 +69,8 @@ log = logging.getLogger(__name__)
 
 ABSENT = "absent"
 R_COMMITTED, R_UPLOADING, R_SUPERSEDED, R_BROKEN = "committed", "uploading", "superseded", "broken"
-#: Markers that say the step is in the bucket (the newest such step feeds the time at risk without a remote).
+#: Markers that say the step is in the bucket (the newest such step feeds the time at risk without a
+#: remote).
 IN_BUCKET_MARKERS = ("uploaded", "restored")
 
 
@@ -74,15 +89,23 @@ class StepState:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "local": self.local, "remote": self.remote, "uploaded_bytes": self.uploaded_bytes,
-                "total_bytes": self.total_bytes, "marker": self.marker, "save_id": self.save_id, "note": self.note}
+        return {
+            "step": self.step,
+            "local": self.local,
+            "remote": self.remote,
+            "uploaded_bytes": self.uploaded_bytes,
+            "total_bytes": self.total_bytes,
+            "marker": self.marker,
+            "save_id": self.save_id,
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True)
 class RunState:
-    """One run: its id and newest attempt (``None`` when unknown), its steps ascending, the newest current
-    committed local step, the newest remotely committed step and its local commit time (seconds since the
-    epoch; ``None``: none yet)."""
+    """One run: its id and newest attempt (``None`` when unknown), its steps ascending, the newest
+    current committed local step, the newest remotely committed step and its local commit time
+    (seconds since the epoch; ``None``: none yet)."""
 
     run_id: str | None
     attempt: int | None
@@ -92,18 +115,25 @@ class RunState:
     newest_remote_commit_s: float | None
 
     def at_risk_s(self, now: float | None = None) -> float | None:
-        """Seconds of training since the newest remote commit (:func:`~tiered_ckpt.remote.at_risk.seconds_at_risk`)."""
+        """Seconds of training since the newest remote commit
+        (:func:`~tiered_ckpt.remote.at_risk.seconds_at_risk`)."""
         return seconds_at_risk(self.newest_remote_commit_s, now)
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
-        """The stable JSON form: ``run_id``, ``attempt``, ``steps`` (each :meth:`StepState.to_dict`),
-        ``newest_local_step``, ``newest_remote_step``, ``at_risk_s`` (at ``now``)."""
-        return {"run_id": self.run_id, "attempt": self.attempt, "steps": [s.to_dict() for s in self.steps],
-                "newest_local_step": self.newest_local_step, "newest_remote_step": self.newest_remote_step,
-                "at_risk_s": self.at_risk_s(now)}
+        """The stable JSON form: ``run_id``, ``attempt``, ``steps`` (each
+        :meth:`StepState.to_dict`), ``newest_local_step``, ``newest_remote_step``, ``at_risk_s`` (at
+        ``now``)."""
+        return {
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "steps": [s.to_dict() for s in self.steps],
+            "newest_local_step": self.newest_local_step,
+            "newest_remote_step": self.newest_remote_step,
+            "at_risk_s": self.at_risk_s(now),
+        }
 
 
-# ------------------------------------------------------------------------------------------ local side
+# --- local side
 
 
 @dataclass
@@ -115,8 +145,9 @@ class _Local:
 
 
 def _read_local(root: Path, remote_url: str | None) -> _Local:
-    """The root's record and one row per step (a current step before a superseded one of its number),
-    the manifests of its current steps, and their markers. Raises ``ManifestError`` (unreadable run.json)."""
+    """The root's record and one row per step (a current step before a superseded one of its
+    number), the manifests of its current steps, and their markers. Raises ``ManifestError``
+    (unreadable run.json)."""
     loc = _Local(read_run_record(root))
     for st in scan(root, verify=False, require_all=False):
         if st.step not in loc.rows or loc.rows[st.step].state == SUPERSEDED:
@@ -134,7 +165,7 @@ def _read_local(root: Path, remote_url: str | None) -> _Local:
     return loc
 
 
-# ----------------------------------------------------------------------------------------- remote side
+# --- remote side
 
 
 @dataclass
@@ -145,7 +176,8 @@ class _Remote:
 
 
 def _multipart_saves(store: ObjectStore) -> set[tuple[int, str | None]]:
-    """Saves with a multipart upload in progress (one ListMultipartUploads; a server without it: none)."""
+    """Saves with a multipart upload in progress (one ListMultipartUploads; a server without it:
+    none)."""
     out: set[tuple[int, str | None]] = set()
     try:
         for u in store.list_multipart_uploads(""):
@@ -173,8 +205,11 @@ def _read_remote(store: ObjectStore, lineage: RunLineage | None) -> _Remote:
     return rem
 
 
-def _confirmed_bytes(store: ObjectStore, step: int, sid: str | None, m: ShardManifest | None) -> int | None:
-    """Bytes of the shards of save ``(step, sid)`` whose confirmation record LIST shows (sizes from ``m``)."""
+def _confirmed_bytes(
+    store: ObjectStore, step: int, sid: str | None, m: ShardManifest | None
+) -> int | None:
+    """Bytes of the shards of save ``(step, sid)`` whose confirmation record LIST shows (sizes from
+    ``m``)."""
     if m is None:
         return None
     ranks = confirmed_ranks(store.list_keys(save_key(step, sid, CONFIRM_DIR) + "/"))
@@ -184,13 +219,15 @@ def _confirmed_bytes(store: ObjectStore, step: int, sid: str | None, m: ShardMan
 def _mirrored_manifest(store: ObjectStore, step: int, sid: str | None) -> ShardManifest | None:
     """The local manifest the sidecar mirrored into the save (sizes of its shards), or ``None``."""
     try:
-        raw = get_or_none(store, save_key(step, sid, MANIFEST_NAME), max_bytes=MAX_REMOTE_MANIFEST_BYTES)
+        raw = get_or_none(
+            store, save_key(step, sid, MANIFEST_NAME), max_bytes=MAX_REMOTE_MANIFEST_BYTES
+        )
         return None if raw is None else ShardManifest.from_json(raw)
     except ManifestError:
         return None
 
 
-# ------------------------------------------------------------------------------------------- one view
+# --- one view
 
 
 @dataclass
@@ -215,7 +252,11 @@ def _runs(loc: _Local | None, rem: _Remote | None) -> list[_Run]:
         r.local, r.attempt = True, loc.lineage.attempt if loc.lineage else None
     if rem is not None:
         claim = rem.cat.lineage
-        claim_id = claim.run_id if claim is not None else (loc.lineage.run_id if loc and loc.lineage else None)
+        claim_id = (
+            claim.run_id
+            if claim is not None
+            else (loc.lineage.run_id if loc and loc.lineage else None)
+        )
         if claim is not None:
             r = run(claim.run_id)
             r.attempt = max(r.attempt or 0, claim.attempt)
@@ -224,7 +265,9 @@ def _runs(loc: _Local | None, rem: _Remote | None) -> list[_Run]:
         local_sids = {(k, st.save_id) for k, st in (loc.rows.items() if loc else ())}
         local_id = loc.lineage.run_id if loc and loc.lineage else None
         for key in rem.uploading:
-            run(local_id if loc is not None and key in local_sids else claim_id).uploading.append(key)
+            run(local_id if loc is not None and key in local_sids else claim_id).uploading.append(
+                key
+            )
         for f in rem.cat.faults:
             if f.state != REMOTE_NO_UPLOAD_MANIFEST:
                 run(claim_id).broken.append(f)
@@ -234,8 +277,9 @@ def _runs(loc: _Local | None, rem: _Remote | None) -> list[_Run]:
     return list(runs.values())
 
 
-def _remote_of(r: _Run, rem: _Remote, step: int, local_sid: str | None) -> tuple[str, RemoteSave | None,
-                                                                                   str | None, str]:
+def _remote_of(
+    r: _Run, rem: _Remote, step: int, local_sid: str | None
+) -> tuple[str, RemoteSave | None, str | None, str]:
     """``(state, committed save, uploading save id, note)`` of ``step`` in run ``r``."""
     saves = [s for s in r.saves if s.step == step]
     current = [s for s in saves if rem.cat.status(s) == CURRENT]
@@ -246,7 +290,11 @@ def _remote_of(r: _Run, rem: _Remote, step: int, local_sid: str | None) -> tuple
     if local_sid is not None and local_sid in ups:
         return R_UPLOADING, None, local_sid, ""
     if current:
-        other = "" if local_sid is None else f"remote save {current[0].save_id} is another save than the local one"
+        other = (
+            ""
+            if local_sid is None
+            else f"remote save {current[0].save_id} is another save than the local one"
+        )
         return R_COMMITTED, current[0], None, other
     if ups:
         return R_UPLOADING, None, ups[0], ""
@@ -258,10 +306,17 @@ def _remote_of(r: _Run, rem: _Remote, step: int, local_sid: str | None) -> tuple
     return ABSENT, None, None, ""
 
 
-def _run_state(r: _Run, loc: _Local | None, rem: _Remote | None, store: ObjectStore | None) -> RunState:
+def _run_state(
+    r: _Run, loc: _Local | None, rem: _Remote | None, store: ObjectStore | None
+) -> RunState:
     """The rows of run ``r`` and its newest local and remote steps."""
     local_rows = loc.rows if loc is not None and r.local else {}
-    steps = set(local_rows) | {s.step for s in r.saves} | {k for k, _ in r.uploading} | {f.step for f in r.broken}
+    steps = (
+        set(local_rows)
+        | {s.step for s in r.saves}
+        | {k for k, _ in r.uploading}
+        | {f.step for f in r.broken}
+    )
     rows: list[StepState] = []
     newest_remote: tuple[int, float | None] | None = None
     for step in sorted(steps):
@@ -271,19 +326,32 @@ def _run_state(r: _Run, loc: _Local | None, rem: _Remote | None, store: ObjectSt
         marker = loc.markers.get(step) if loc is not None and r.local else None
         total = m.total_bytes if m is not None else None
         uploaded: int | None = None
-        remote, note, sid = None, st.note if st is not None else "", st.save_id if st is not None else None
+        remote, note, sid = (
+            None,
+            st.note if st is not None else "",
+            st.save_id if st is not None else None,
+        )
         if rem is not None and store is not None:
             remote, save, up_sid, rnote = _remote_of(r, rem, step, sid)
-            if not (local == SUPERSEDED and remote == R_SUPERSEDED):  # the local note says it already
+            if not (
+                local == SUPERSEDED and remote == R_SUPERSEDED
+            ):  # the local note says it already
                 note = "; ".join(x for x in (note, rnote) if x)
             if save is not None:
                 total = total if total is not None and save.save_id == sid else save.um.total_bytes
                 uploaded, sid = save.um.total_bytes, sid or save.save_id
                 if remote == R_COMMITTED and (newest_remote is None or step > newest_remote[0]):
                     t = commit_time(save.um.created_at)
-                    newest_remote = (step, t if t is not None or m is None else commit_time(m.created_at))
+                    newest_remote = (
+                        step,
+                        t if t is not None or m is None else commit_time(m.created_at),
+                    )
             elif remote == R_UPLOADING:
-                mm = m if m is not None and up_sid == sid else _mirrored_manifest(store, step, up_sid)
+                mm = (
+                    m
+                    if m is not None and up_sid == sid
+                    else _mirrored_manifest(store, step, up_sid)
+                )
                 total = mm.total_bytes if mm is not None else total
                 uploaded, sid = _confirmed_bytes(store, step, up_sid, mm), sid or up_sid
             elif remote == ABSENT:
@@ -294,16 +362,23 @@ def _run_state(r: _Run, loc: _Local | None, rem: _Remote | None, store: ObjectSt
                 newest_remote = (step, commit_time(m.created_at))
         rows.append(StepState(step, local, remote, uploaded, total, marker, sid, note))
     newest_local = max((s for s, st in local_rows.items() if st.state == COMMITTED), default=None)
-    return RunState(r.run_id, r.attempt, tuple(rows), newest_local,
-                    newest_remote[0] if newest_remote else None, newest_remote[1] if newest_remote else None)
+    return RunState(
+        r.run_id,
+        r.attempt,
+        tuple(rows),
+        newest_local,
+        newest_remote[0] if newest_remote else None,
+        newest_remote[1] if newest_remote else None,
+    )
 
 
-def read_status(root: Path | None = None, store: ObjectStore | None = None, *,
-                remote_url: str | None = None) -> list[RunState]:
-    """One look at a run root and/or a bucket prefix (at least one): a :class:`RunState` per run (module
-    docstring). ``remote_url``: the URL markers are compared with (default: ``store.url``). Raises
-    ``ValueError`` when neither is given, ``ManifestError`` (an unreadable ``run.json``, local or remote)
-    and ``UploadError`` (the bucket cannot be read)."""
+def read_status(
+    root: Path | None = None, store: ObjectStore | None = None, *, remote_url: str | None = None
+) -> list[RunState]:
+    """One look at a run root and/or a bucket prefix (at least one): a :class:`RunState` per run
+    (module docstring). ``remote_url``: the URL markers are compared with (default: ``store.url``).
+    Raises ``ValueError`` when neither is given, ``ManifestError`` (an unreadable ``run.json``,
+    local or remote) and ``UploadError`` (the bucket cannot be read)."""
     if root is None and store is None:
         raise ValueError("read_status needs a root or a store")
     url = remote_url if remote_url is not None else (store.url if store is not None else None)
@@ -312,5 +387,14 @@ def read_status(root: Path | None = None, store: ObjectStore | None = None, *,
     return [_run_state(r, loc, rem, store) for r in _runs(loc, rem)]
 
 
-__all__ = ["ABSENT", "IN_BUCKET_MARKERS", "R_BROKEN", "R_COMMITTED", "R_SUPERSEDED", "R_UPLOADING", "RunState",
-           "StepState", "read_status"]
+__all__ = [
+    "ABSENT",
+    "IN_BUCKET_MARKERS",
+    "R_BROKEN",
+    "R_COMMITTED",
+    "R_SUPERSEDED",
+    "R_UPLOADING",
+    "RunState",
+    "StepState",
+    "read_status",
+]

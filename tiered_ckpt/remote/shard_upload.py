@@ -1,21 +1,23 @@
-"""Uploading one shard of a step: step 3 of the remote commit protocol (:mod:`tiered_ckpt.remote.commit`).
+"""Uploading one shard of a step: step 3 of the remote commit protocol
+(:mod:`tiered_ckpt.remote.commit`).
 
 Called by :mod:`tiered_ckpt.remote.step_upload` on the shard executor, one call per local shard:
 
-1. Skip the shard if :meth:`RemoteStepCommit.confirmed` finds its record for this save and the object
-   with the recorded ETag and size (a restart never re-sends a confirmed shard).
-2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed). A server
-   without ListMultipartUploads or AbortMultipartUpload (501, warned once per store:
-   :mod:`tiered_ckpt.store.optional_apis`) skips this step; a leftover that cannot be aborted (403) is
-   recorded for a later sweep (:mod:`tiered_ckpt.remote.pending_aborts`); the upload proceeds either way.
-   While another live uploader holds an ``upload`` lock on the step (a second sidecar or ``upload --once``
-   on the same root), its open uploads are not leftovers: none is aborted (the abandoned-upload sweep
-   finds real leftovers later, by age).
-3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates, else
-   read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
-   (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local rot
-   (:class:`~tiered_ckpt.remote.transfer.LocalShardError`) is not, and keeps its own type.
-4. PUT its confirmation record with the confirmed object's ETag (:meth:`RemoteStepCommit.record_confirmation`).
+1. Skip the shard if :meth:`RemoteStepCommit.confirmed` finds its record for this save and the
+   object with the recorded ETag and size (a restart never re-sends a confirmed shard).
+2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed). A
+   server without ListMultipartUploads or AbortMultipartUpload (501, warned once per store:
+   :mod:`tiered_ckpt.store.optional_apis`) skips this step; a leftover that cannot be aborted (403)
+   is recorded for a later sweep (:mod:`tiered_ckpt.remote.pending_aborts`); the upload proceeds
+   either way. While another live uploader holds an ``upload`` lock on the step (a second sidecar or
+   ``upload --once`` on the same root), its open uploads are not leftovers: none is aborted (the
+   abandoned-upload sweep finds real leftovers later, by age).
+3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates,
+   else read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
+   (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local
+   rot (:class:`~tiered_ckpt.remote.transfer.LocalShardError`) is not, and keeps its own type.
+4. PUT its confirmation record with the confirmed object's ETag
+   (:meth:`RemoteStepCommit.record_confirmation`).
 """
 
 from __future__ import annotations
@@ -23,20 +25,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.locks import live_locks
 from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError
-from tiered_ckpt.remote.transfer import (LocalShardError, SentShard, ShardConfirmation, TransitCorruptionError,
-                                         confirm_shard, send_shard)
-from tiered_ckpt.retry import (OperationInterruptedError, RetryPolicy, call_with_retries, is_retryable_s3_error,
-                               s3_error_code_and_status)
+from tiered_ckpt.remote.transfer import (
+    LocalShardError,
+    SentShard,
+    ShardConfirmation,
+    TransitCorruptionError,
+    confirm_shard,
+    send_shard,
+)
+from tiered_ckpt.retry import (
+    OperationInterruptedError,
+    RetryPolicy,
+    call_with_retries,
+    is_retryable_s3_error,
+    s3_error_code_and_status,
+)
 from tiered_ckpt.store.base import ObjectStore
 from tiered_ckpt.store.optional_apis import OperationNotSupportedError
 
@@ -45,8 +58,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
-    """Figures of one step's upload on this node, summed over its shards (thread-safe through ``lock``):
-    ``read_back_s`` (seconds of read-back confirmation), ``bytes_sent``."""
+    """Figures of one step's upload on this node, summed over its shards (thread-safe through
+    ``lock``): ``read_back_s`` (seconds of read-back confirmation), ``bytes_sent``."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     read_back_s: float = 0.0
@@ -55,13 +68,14 @@ class StepStats:
 
 @dataclass(frozen=True)
 class ShardSender:
-    """What every shard upload of one uploader shares: the store, the part executor and the semaphore
-    bounding the parts in memory (all shards together), the retry policy, ``server_validates`` (a cached
-    probe), ``force_read_back`` (``UploadPolicy.verify``), the stop event, ``on_progress(delta_bytes)``
-    the ``on_sent(bytes)`` metrics hook, ``on_abort_failed(key, upload_id, exc)`` for a multipart upload
-    that could not be aborted (the uploader records it: :mod:`tiered_ckpt.remote.pending_aborts`),
-    ``key_layout`` (``flat``, ``hashed``: where new saves' shard objects go; :mod:`tiered_ckpt.layout`), and
-    ``cancel()`` (sets the stop event and cuts the requests in flight: Ctrl-C of a one-shot upload)."""
+    """What every shard upload of one uploader shares: the store, the part executor and the
+    semaphore bounding the parts in memory (all shards together), the retry policy,
+    ``server_validates`` (a cached probe), ``force_read_back`` (``UploadPolicy.verify``), the stop
+    event, ``on_progress(delta_bytes)`` the ``on_sent(bytes)`` metrics hook, ``on_abort_failed(key,
+    upload_id, exc)`` for a multipart upload that could not be aborted (the uploader records it:
+    :mod:`tiered_ckpt.remote.pending_aborts`), ``key_layout`` (``flat``, ``hashed``: where new
+    saves' shard objects go; :mod:`tiered_ckpt.layout`), and ``cancel()`` (sets the stop event and
+    cuts the requests in flight: Ctrl-C of a one-shot upload)."""
 
     store: ObjectStore
     part_executor: ThreadPoolExecutor
@@ -86,8 +100,8 @@ def _retryable(e: BaseException) -> bool:
 
 
 def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
-    """Step 2 of the module docstring. Raises ``OperationInterruptedError`` (stop); other remote failures
-    are logged (and a leftover that cannot be aborted is recorded), never raised."""
+    """Step 2 of the module docstring. Raises ``OperationInterruptedError`` (stop); other remote
+    failures are logged (and a leftover that cannot be aborted is recorded), never raised."""
     store = sender.store
     try:
         leftovers = [mpu for mpu in store.list_multipart_uploads(key) if mpu.key == key]
@@ -95,7 +109,9 @@ def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
         return  # warned once per store by the store
     except OperationInterruptedError:
         raise
-    except UploadError as e:  # e.g. 403: a policy without s3:ListBucketMultipartUploads; a cleanup only
+    except (
+        UploadError
+    ) as e:  # e.g. 403: a policy without s3:ListBucketMultipartUploads; a cleanup only
         log.warning("%s: could not list leftover multipart uploads, uploading anyway: %s", what, e)
         return
     for mpu in leftovers:
@@ -108,15 +124,18 @@ def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
         except OperationInterruptedError:
             raise
         except UploadError as e:
-            log.warning("%s: could not abort leftover multipart upload %s: %s", what, mpu.upload_id, e)
+            log.warning(
+                "%s: could not abort leftover multipart upload %s: %s", what, mpu.upload_id, e
+            )
             if sender.on_abort_failed is not None:
                 sender.on_abort_failed(mpu.key, mpu.upload_id, e)
             continue
         log.info("%s: aborted leftover multipart upload %s", what, mpu.upload_id)
 
 
-def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec: ShardRecord,
-                 stats: StepStats) -> None:
+def upload_shard(
+    sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec: ShardRecord, stats: StepStats
+) -> None:
     """Steps 1-4 of the module docstring for ``rec``'s shard in ``sdir``. Raises
     :class:`LocalStepGoneError` (file gone), ``LocalShardError`` (local rot), ``UploadError`` (after
     retries; ``OperationInterruptedError`` on stop)."""
@@ -126,48 +145,95 @@ def upload_shard(sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec:
     key = commit.shard_key(rec.rank)  # in the commit's key layout (flat or hashed)
     done = commit.confirmed(rec)
     if done is not None:
-        log.info("step %d rank %d: already confirmed (%s), not re-sent", step, rec.rank, done.confirmed_by)
+        log.info(
+            "step %d rank %d: already confirmed (%s), not re-sent",
+            step,
+            rec.rank,
+            done.confirmed_by,
+        )
         return
-    if sum(kind == "upload" for kind, _ in live_locks(sdir)) > 1:  # ours and another live uploader's
-        log.info("step %d rank %d: another live uploader holds this step; its multipart uploads are not "
-                 "leftovers, none aborted", step, rec.rank)
+    if (
+        sum(kind == "upload" for kind, _ in live_locks(sdir)) > 1
+    ):  # ours and another live uploader's
+        log.info(
+            "step %d rank %d: another live uploader holds this step; its multipart uploads are not "
+            "leftovers, none aborted",
+            step,
+            rec.rank,
+        )
     else:
         _abort_leftovers(sender, key, f"step {step} rank {rec.rank}")
     validates = sender.server_validates()
 
     def attempt() -> tuple[SentShard, ShardConfirmation]:
         try:
-            sent = send_shard(store, key, sdir / rec.path, expected_size=rec.size_bytes,
-                              expected_sha256=rec.sha256, part_executor=sender.part_executor,
-                              part_slots=sender.part_slots, stop_event=sender.stop_event,
-                              on_progress=sender.on_progress, on_abort_failed=sender.on_abort_failed)
+            sent = send_shard(
+                store,
+                key,
+                sdir / rec.path,
+                expected_size=rec.size_bytes,
+                expected_sha256=rec.sha256,
+                part_executor=sender.part_executor,
+                part_slots=sender.part_slots,
+                stop_event=sender.stop_event,
+                on_progress=sender.on_progress,
+                on_abort_failed=sender.on_abort_failed,
+            )
         except FileNotFoundError as e:
-            raise LocalStepGoneError(f"step {step} rank {rec.rank}: {sdir / rec.path} disappeared",
-                                     last_exception=e) from e
+            raise LocalStepGoneError(
+                f"step {step} rank {rec.rank}: {sdir / rec.path} disappeared", last_exception=e
+            ) from e
         t = time.monotonic()
-        how = confirm_shard(store, key, sent, server_validates=validates, expected_sha256=rec.sha256,
-                            force_read_back=sender.force_read_back, stop_event=sender.stop_event)
+        how = confirm_shard(
+            store,
+            key,
+            sent,
+            server_validates=validates,
+            expected_sha256=rec.sha256,
+            force_read_back=sender.force_read_back,
+            stop_event=sender.stop_event,
+        )
         if how.confirmed_by == "read-back":
             with stats.lock:
                 stats.read_back_s += time.monotonic() - t
         return sent, how
 
-    log.debug("step %d rank %d: uploading %d bytes to %s/%s", step, rec.rank, rec.size_bytes, store.url, key)
+    log.debug(
+        "step %d rank %d: uploading %d bytes to %s/%s",
+        step,
+        rec.rank,
+        rec.size_bytes,
+        store.url,
+        key,
+    )
     try:
-        sent, how = call_with_retries(f"step {step} rank {rec.rank}: upload {store.url}/{key}", attempt,
-                                      policy=sender.retry, stop_event=sender.stop_event, is_retryable=_retryable)
+        sent, how = call_with_retries(
+            f"step {step} rank {rec.rank}: upload {store.url}/{key}",
+            attempt,
+            policy=sender.retry,
+            stop_event=sender.stop_event,
+            is_retryable=_retryable,
+        )
     except UploadError as e:
         if isinstance(e.last_exception, LocalShardError):  # local rot: keep its own type
             raise e.last_exception from None
         raise
-    commit.record_confirmation(rec, size_bytes=sent.size_bytes, sha256=sent.sha256_hex, confirmed_by=how.confirmed_by,
-                               checksum_algorithm=sent.checksum_algorithm, checksum=sent.checksum_b64,
-                               etag=how.etag)
+    commit.record_confirmation(
+        rec,
+        size_bytes=sent.size_bytes,
+        sha256=sent.sha256_hex,
+        confirmed_by=how.confirmed_by,
+        checksum_algorithm=sent.checksum_algorithm,
+        checksum=sent.checksum_b64,
+        etag=how.etag,
+    )
     with stats.lock:
         stats.bytes_sent += sent.size_bytes
     if sender.on_sent is not None:
         sender.on_sent(sent.size_bytes)
-    log.debug("step %d rank %d: confirmed (%s, ETag %s)", step, rec.rank, how.confirmed_by, how.etag)
+    log.debug(
+        "step %d rank %d: confirmed (%s, ETag %s)", step, rec.rank, how.confirmed_by, how.etag
+    )
 
 
 __all__ = ["ShardSender", "StepStats", "upload_shard"]

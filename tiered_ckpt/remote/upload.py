@@ -1,8 +1,9 @@
-"""The upload tier's driver: push committed local steps to an S3-compatible bucket (SPEC §4, issue 4).
+"""The upload tier's driver: push committed local steps to an S3-compatible bucket (SPEC §4, issue
+4).
 
-:class:`Uploader` is the sidecar's one object: the backlog (which local steps still need this remote),
-the daemon loop (:meth:`Uploader.run`) and the public methods the CLI, the tests and the benches call.
-The work is done by one module per job:
+:class:`Uploader` is the sidecar's one object: the backlog (which local steps still need this
+remote), the daemon loop (:meth:`Uploader.run`) and the public methods the CLI, the tests and the
+benches call. The work is done by one module per job:
 
 - :mod:`tiered_ckpt.remote.step_upload` - one step from this node (local lock, manifest, marker);
 - :mod:`tiered_ckpt.remote.commit` - THE remote commit protocol of one step (confirmations, upload
@@ -10,11 +11,13 @@ The work is done by one module per job:
 - :mod:`tiered_ckpt.remote.shard_upload` - one shard (skip if confirmed, send, confirm, retries);
 - :mod:`tiered_ckpt.remote.retention` - remote rotation and the abandoned-multipart sweep;
 - :mod:`tiered_ckpt.remote.catalogue` - what the bucket holds (one meaning of "committed");
-- :mod:`tiered_ckpt.remote.daemon` - the loop's timing: backoff of waiting steps, the stall deadline.
+- :mod:`tiered_ckpt.remote.daemon` - the loop's timing: backoff of waiting steps, the stall
+  deadline.
 
-Memory stays bounded: no file is buffered whole (single PUTs are below the multipart threshold), at most
-``max_concurrency + max_concurrent_shards`` parts are in memory, and the backlog is a sorted list of step
-numbers. Logs carry step and shard; credentials are never logged (only ``s3://bucket/prefix``).
+Memory stays bounded: no file is buffered whole (single PUTs are below the multipart threshold), at
+most ``max_concurrency + max_concurrent_shards`` parts are in memory, and the backlog is a sorted
+list of step numbers. Logs carry step and shard; credentials are never logged (only
+``s3://bucket/prefix``).
 """
 
 from __future__ import annotations
@@ -23,15 +26,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import KEY_LAYOUTS
-from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
 from tiered_ckpt.local.catalogue import committed_steps, step_path, write_root
+from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
 from tiered_ckpt.remote import pending_aborts, retention
 from tiered_ckpt.remote.catalogue import committed_step_candidates
 from tiered_ckpt.remote.daemon import UploadLoop
@@ -56,24 +60,25 @@ MiB = 1024 * 1024
 class Uploader:
     """Uploads committed steps of ``local_root`` to ``remote_url`` (``s3://bucket/prefix``).
 
-    ``s3_client``: an injected botocore S3 client (shared; see ``tiered_ckpt.store.make_s3_client``);
-    ``None`` builds one from boto3's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), for
-    ``endpoint_url`` when given (as :func:`~tiered_ckpt.remote.restore.restore` does; both at once raise
-    ``ValueError``). Transfer:
-    ``multipart_threshold_bytes``, ``part_size_bytes``, ``max_concurrency`` (parts in flight, all shards
-    together), ``max_concurrent_shards`` (shards read at once). Defaults (16 MiB parts, 10 in flight) come
-    from ``bench/upload.py``: parts of 32 MiB and more cost moto (and the client) measurably more CPU per
-    byte than 8-16 MiB ones (allocations at or above glibc's 32 MiB mmap threshold are fresh, page-faulted
-    memory every time), and 10 in flight matches ``aws s3 cp``. ``retry``: whole-operation retries on top
-    of botocore's (see ``tiered_ckpt.retry``). ``write``: SSE / storage class
-    (``tiered_ckpt.store.WriteSettings``). ``metrics``: a :class:`tiered_ckpt.remote.metrics.UploadMetrics`.
-    ``stop_event``: cuts retries short and aborts in-flight multipart uploads (their parts in flight finish;
-    :meth:`cancel` cuts those too). ``adopt_prefix``: take over
-    a prefix whose ``run.json`` names another run (``--adopt-prefix``; otherwise ``RunMismatchError``,
-    SPEC §11 fencing). ``key_layout``: ``"flat"`` (default) or ``"hashed"``: shard objects spread over 256
-    hashed prefixes for jobs whose request rate one S3 prefix cannot take (``docs/sidecar.md``, "Key
-    layout"; every sidecar of a job the same). Restore and retention read the layout from each save's upload
-    manifest. Raises ``ValueError`` for an unknown layout, or for both ``s3_client`` and ``endpoint_url``.
+    ``s3_client``: an injected botocore S3 client (shared; see
+    ``tiered_ckpt.store.make_s3_client``); ``None`` builds one from boto3's chain
+    (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), for ``endpoint_url`` when given (as
+    :func:`~tiered_ckpt.remote.restore.restore` does; both at once raise ``ValueError``). Transfer:
+    ``multipart_threshold_bytes``, ``part_size_bytes``, ``max_concurrency`` (parts in flight, all
+    shards together), ``max_concurrent_shards`` (shards read at once). Defaults (16 MiB parts, 10 in
+    flight) come from ``bench/upload.py``: parts of 32 MiB and more cost moto (and the client)
+    measurably more CPU per byte than 8-16 MiB ones (allocations at or above glibc's 32 MiB mmap
+    threshold are fresh, page-faulted memory every time), and 10 in flight matches ``aws s3 cp``.
+    ``retry``: whole-operation retries on top of botocore's (see ``tiered_ckpt.retry``). ``write``:
+    SSE / storage class (``tiered_ckpt.store.WriteSettings``). ``metrics``: a
+    :class:`tiered_ckpt.remote.metrics.UploadMetrics`. ``stop_event``: cuts retries short and aborts
+    in-flight multipart uploads (their parts in flight finish; :meth:`cancel` cuts those too).
+    ``adopt_prefix``: take over a prefix whose ``run.json`` names another run (``--adopt-prefix``;
+    otherwise ``RunMismatchError``, SPEC §11 fencing). ``key_layout``: ``"flat"`` (default) or
+    ``"hashed"``: shard objects spread over 256 hashed prefixes for jobs whose request rate one S3
+    prefix cannot take (``docs/sidecar.md``, "Key layout"; every sidecar of a job the same). Restore
+    and retention read the layout from each save's upload manifest. Raises ``ValueError`` for an
+    unknown layout, or for both ``s3_client`` and ``endpoint_url``.
 
     Thread-safety: one :meth:`upload_step` at a time per instance (``run`` does that).
     """
@@ -120,21 +125,49 @@ class Uploader:
         self.on_progress = on_progress
         self.adopt_prefix = adopt_prefix
         self.key_layout = key_layout
-        transfer = TransferSettings(multipart_threshold_bytes=multipart_threshold_bytes,
-                                    part_size_bytes=part_size_bytes, max_concurrency=max_concurrency)
-        client = s3_client if s3_client is not None else make_s3_client(
-            endpoint_url=endpoint_url, max_pool_connections=max(32, max_concurrency + 2 * max_concurrent_shards + 4))
-        self.store: ObjectStore = S3Store(client, self.bucket, self.prefix, transfer=transfer, retry=self.retry,
-                                          write=self.write, stop_event=self.stop_event, cancel_event=self.cancel_event)
-        self._part_executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tc-upload-part")
-        self._shard_executor = ThreadPoolExecutor(max_concurrent_shards, thread_name_prefix="tc-upload-shard")
+        transfer = TransferSettings(
+            multipart_threshold_bytes=multipart_threshold_bytes,
+            part_size_bytes=part_size_bytes,
+            max_concurrency=max_concurrency,
+        )
+        client = (
+            s3_client
+            if s3_client is not None
+            else make_s3_client(
+                endpoint_url=endpoint_url,
+                max_pool_connections=max(32, max_concurrency + 2 * max_concurrent_shards + 4),
+            )
+        )
+        self.store: ObjectStore = S3Store(
+            client,
+            self.bucket,
+            self.prefix,
+            transfer=transfer,
+            retry=self.retry,
+            write=self.write,
+            stop_event=self.stop_event,
+            cancel_event=self.cancel_event,
+        )
+        self._part_executor = ThreadPoolExecutor(
+            max_concurrency, thread_name_prefix="tc-upload-part"
+        )
+        self._shard_executor = ThreadPoolExecutor(
+            max_concurrent_shards, thread_name_prefix="tc-upload-shard"
+        )
         self._sender = ShardSender(
-            store=self.store, part_executor=self._part_executor,
+            store=self.store,
+            part_executor=self._part_executor,
             part_slots=threading.BoundedSemaphore(max_concurrency),
-            retry=self.retry, server_validates=self.server_validates_checksums,
-            force_read_back=self.policy.verify == "read-back", stop_event=self.stop_event,
-            on_progress=on_progress, on_sent=self._count_sent, on_abort_failed=self._record_failed_abort,
-            key_layout=key_layout, cancel=self.cancel)
+            retry=self.retry,
+            server_validates=self.server_validates_checksums,
+            force_read_back=self.policy.verify == "read-back",
+            stop_event=self.stop_event,
+            on_progress=on_progress,
+            on_sent=self._count_sent,
+            on_abort_failed=self._record_failed_abort,
+            key_layout=key_layout,
+            cancel=self.cancel,
+        )
         #: The probe's cached answer; tests and benches set it to act as a validating server would.
         self._server_validates: bool | None = None
         self._probe_lock = threading.Lock()
@@ -143,29 +176,36 @@ class Uploader:
         self._loop: UploadLoop | None = None
         self._pins_mirrored: set[tuple[int, str]] = set()  # (step, save_id) pinned remotely already
         self.last_timing: StepTiming | None = None
-        self.newest_remote_commit: tuple[int, float] | None = None  # (step, local commit epoch seconds)
+        self.newest_remote_commit: tuple[int, float] | None = (
+            None  # (step, local commit epoch seconds)
+        )
 
     def _count_sent(self, nbytes: int) -> None:
         if self.metrics is not None:
             self.metrics.bytes.inc(nbytes)
 
-    # ------------------------------------------------------------------------------------ backlog
+    # --- backlog
 
     def pending_steps(self) -> list[int]:
-        """Committed local steps not yet uploaded to *this* remote, newest first: no ``uploaded.json``
-        marker, or one naming another bucket/prefix (a sidecar re-pointed elsewhere, or a step restored
-        from another bucket, must still upload it here)."""
-        return [s for s in reversed(committed_steps(self.local_root)) if not self._marked_for_this_remote(s)]
+        """Committed local steps not yet uploaded to *this* remote, newest first: no
+        ``uploaded.json`` marker, or one naming another bucket/prefix (a sidecar re-pointed
+        elsewhere, or a step restored from another bucket, must still upload it here)."""
+        return [
+            s
+            for s in reversed(committed_steps(self.local_root))
+            if not self._marked_for_this_remote(s)
+        ]
 
     def _marked_for_this_remote(self, step: int) -> bool:
-        """The step carries a readable ``uploaded.json`` marker written for this uploader's remote (an
-        unreadable one counts as absent: the step is uploaded again, a committed remote step only re-checked)."""
+        """The step carries a readable ``uploaded.json`` marker written for this uploader's remote
+        (an unreadable one counts as absent: the step is uploaded again, a committed remote step
+        only re-checked)."""
         marker = read_uploaded_marker(step_path(self.local_root, step))
         return marker is not None and marker.names_remote(self.store.url)
 
     def select_pending(self) -> list[int]:
-        """:meth:`pending_steps`, after releasing all but the newest under ``skip_intermediate`` (their
-        marker says ``"skipped": true``); updates the queue-depth gauge."""
+        """:meth:`pending_steps`, after releasing all but the newest under ``skip_intermediate``
+        (their marker says ``"skipped": true``); updates the queue-depth gauge."""
         pending = self.pending_steps()
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(pending))
@@ -179,13 +219,15 @@ class Uploader:
 
     def _release_skipped(self, step: int) -> None:
         try:
-            write_uploaded_marker(step_path(self.local_root, step),
-                                  UploadedMarker(step=step, remote=self.store.url, skipped=True))
+            write_uploaded_marker(
+                step_path(self.local_root, step),
+                UploadedMarker(step=step, remote=self.store.url, skipped=True),
+            )
             log.info("step %d: skipped (skip_intermediate); released for rotation", step)
         except OSError as e:
             log.warning("step %d: could not write the skip marker: %s", step, e)
 
-    # ------------------------------------------------------------------------------------ one step
+    # --- one step
 
     def server_validates_checksums(self) -> bool:
         """Whether the bucket's server validates SHA-256 checksums (probed once, cached)."""
@@ -195,44 +237,60 @@ class Uploader:
             return self._server_validates
 
     def upload_step(self, step: int) -> UploadManifest:
-        """Upload this node's shards of ``step`` and commit it remotely when every shard is confirmed.
+        """Upload this node's shards of ``step`` and commit it remotely when every shard is
+        confirmed.
 
-        Returns the step's :class:`UploadManifest` once it is remotely committed (by this node or, for a
-        step already committed, by anyone). Raises :class:`StepIncompleteError` (other nodes' ranks not
-        confirmed yet; the next call for the step costs one LIST), ``RunMismatchError`` (the prefix
-        belongs to another run and ``adopt_prefix`` is off), ``StepSupersededError``, :class:`LocalStepGoneError`, :class:`~tiered_ckpt.errors.NoCheckpointError`
-        (not committed locally), ``ShardCorruptedError`` (local shard differs from its manifest),
-        ``UploadError`` (remote failures after retries; ``OperationInterruptedError`` on stop).
+        Returns the step's :class:`UploadManifest` once it is remotely committed (by this node or,
+        for a step already committed, by anyone). Raises :class:`StepIncompleteError` (other nodes'
+        ranks not confirmed yet; the next call for the step costs one LIST), ``RunMismatchError``
+        (the prefix belongs to another run and ``adopt_prefix`` is off), ``StepSupersededError``,
+        :class:`LocalStepGoneError`, :class:`~tiered_ckpt.errors.NoCheckpointError` (not committed
+        locally), ``ShardCorruptedError`` (local shard differs from its manifest), ``UploadError``
+        (remote failures after retries; ``OperationInterruptedError`` on stop).
         """
         t0 = time.monotonic()
         stats = StepStats()
         try:
-            um, m = upload_step(self._sender, self._shard_executor, self.prefix, self.local_root, step,
-                                step_path(self.local_root, step), stats, adopt_prefix=self.adopt_prefix,
-                                resume=self._resume.pop(step, None))
+            um, m = upload_step(
+                self._sender,
+                self._shard_executor,
+                self.prefix,
+                self.local_root,
+                step,
+                step_path(self.local_root, step),
+                stats,
+                adopt_prefix=self.adopt_prefix,
+                resume=self._resume.pop(step, None),
+            )
         except StepIncompleteError as e:
             if e.commit is not None:
                 self._resume[step] = e.commit
             raise
         except BaseException as e:
-            if self.metrics is not None and not isinstance(e, (OperationInterruptedError, StepSupersededError)):
+            if self.metrics is not None and not isinstance(
+                e, (OperationInterruptedError, StepSupersededError)
+            ):
                 self.metrics.failures.inc()
             raise
         if self.metrics is not None:
             self.metrics.steps.inc()
         self._note_remote_commit(step, m.created_at)
         total = time.monotonic() - t0
-        self.last_timing = StepTiming(step, stats.bytes_sent, total - stats.read_back_s, stats.read_back_s, total)
+        self.last_timing = StepTiming(
+            step, stats.bytes_sent, total - stats.read_back_s, stats.read_back_s, total
+        )
         return um
 
     def mirror_pins(self) -> list[int]:
-        """Mirror the pins of local steps uploaded earlier to this remote (``mgr.pin`` after the upload;
-        :func:`tiered_ckpt.remote.step_upload.mirror_pins`): local reads, plus one HEAD per pinned step
-        not mirrored yet by this uploader. Returns the steps pinned remotely now. Raises ``UploadError``."""
+        """Mirror the pins of local steps uploaded earlier to this remote (``mgr.pin`` after the
+        upload; :func:`tiered_ckpt.remote.step_upload.mirror_pins`): local reads, plus one HEAD per
+        pinned step not mirrored yet by this uploader. Returns the steps pinned remotely now. Raises
+        ``UploadError``."""
         return mirror_pins(self.store, self.local_root, self._pins_mirrored)
 
     def _note_remote_commit(self, step: int, created_at: str) -> None:
-        """Feed the time-at-risk gauge with the newest remotely committed step's local commit time."""
+        """Feed the time-at-risk gauge with the newest remotely committed step's local commit
+        time."""
         commit_t = _parse_time(created_at)
         if self.newest_remote_commit is None or step >= self.newest_remote_commit[0]:
             self.newest_remote_commit = (step, commit_t)
@@ -250,21 +308,30 @@ class Uploader:
                 self._note_remote_commit(s, m.created_at)
                 return
 
-    # ------------------------------------------------------------------------------------ loop
+    # --- loop
 
-    def run(self, stop_event: threading.Event | None = None, *, poll_interval_s: float = 2.0,
-            once: bool = False, failure_backoff_s: float = 10.0, max_poll_interval_s: float = 60.0) -> list[int]:
-        """The sidecar loop (:class:`tiered_ckpt.remote.daemon.UploadLoop`): abort abandoned multipart
-        uploads, then repeatedly upload pending steps (newest first) until ``stop_event`` is set (or, with
-        ``once``, until nothing is left that can be done now). Steps waiting for other nodes back off
-        from ``poll_interval_s`` to ``max_poll_interval_s`` (seconds, jittered) and stall after
-        ``policy.stall_deadline_s``; failed steps are retried after ``failure_backoff_s``. Returns the
-        steps committed. Raises ``RunMismatchError`` (the prefix belongs to another run: the loop stops)."""
+    def run(
+        self,
+        stop_event: threading.Event | None = None,
+        *,
+        poll_interval_s: float = 2.0,
+        once: bool = False,
+        failure_backoff_s: float = 10.0,
+        max_poll_interval_s: float = 60.0,
+    ) -> list[int]:
+        """The sidecar loop (:class:`tiered_ckpt.remote.daemon.UploadLoop`): abort abandoned
+        multipart uploads, then repeatedly upload pending steps (newest first) until ``stop_event``
+        is set (or, with ``once``, until nothing is left that can be done now). Steps waiting for
+        other nodes back off from ``poll_interval_s`` to ``max_poll_interval_s`` (seconds, jittered)
+        and stall after ``policy.stall_deadline_s``; failed steps are retried after
+        ``failure_backoff_s``. Returns the steps committed. Raises ``RunMismatchError`` (the prefix
+        belongs to another run: the loop stops)."""
         stop = stop_event if stop_event is not None else self.stop_event
         finished = threading.Event()
         if stop is not self.stop_event:
-            # Propagate an external stop event to the store's (which cuts retries and transfers short),
-            # until this run returns: the relay thread ends with it (no thread left waiting per run).
+            # Propagate an external stop event to the store's (which cuts retries and transfers
+            # short), until this run returns: the relay thread ends with it (no thread left waiting
+            # per run).
             def relay() -> None:
                 while not finished.is_set():
                     if stop.wait(0.2):
@@ -277,12 +344,21 @@ class Uploader:
         finally:
             finished.set()
 
-    def _run(self, stop: threading.Event, once: bool, poll_interval_s: float, max_poll_interval_s: float,
-             failure_backoff_s: float) -> list[int]:
+    def _run(
+        self,
+        stop: threading.Event,
+        once: bool,
+        poll_interval_s: float,
+        max_poll_interval_s: float,
+        failure_backoff_s: float,
+    ) -> list[int]:
         if self._loop is None:
             self._loop = UploadLoop(self)
-        self._loop.configure(poll_interval_s=poll_interval_s, max_poll_interval_s=max_poll_interval_s,
-                             failure_backoff_s=failure_backoff_s)
+        self._loop.configure(
+            poll_interval_s=poll_interval_s,
+            max_poll_interval_s=max_poll_interval_s,
+            failure_backoff_s=failure_backoff_s,
+        )
         self._learn_newest_remote()
         try:
             self.abort_abandoned_uploads()
@@ -296,8 +372,9 @@ class Uploader:
         return sorted(s for s, w in (self._loop.waiting.items() if self._loop else ()) if w.stalled)
 
     def cancel(self) -> None:
-        """Stop now (Ctrl-C or SIGTERM of ``upload --once``): the stop event, and every request in flight cut,
-        parts too (a sidecar's stop lets those finish); the multipart uploads started are aborted."""
+        """Stop now (Ctrl-C or SIGTERM of ``upload --once``): the stop event, and every request in
+        flight cut, parts too (a sidecar's stop lets those finish); the multipart uploads started
+        are aborted."""
         self.cancel_event.set()
         self.stop_event.set()
 
@@ -315,14 +392,16 @@ class Uploader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------------ cleanup / retention
+    # --- cleanup / retention
 
     def abort_abandoned_uploads(self) -> int:
         """Abort the uploads recorded as not abortable (:meth:`sweep_pending_aborts`), then multipart
         uploads under the prefix left by an earlier (crashed) sidecar of this node: those of shard keys
         whose rank this node holds locally, and any older than ``stale_multipart_age_s`` (other nodes'
         live uploads are left alone). Returns how many."""
-        return retention.abort_abandoned_uploads(self.store, self.local_root, self.stale_multipart_age_s)
+        return retention.abort_abandoned_uploads(
+            self.store, self.local_root, self.stale_multipart_age_s
+        )
 
     def _record_failed_abort(self, key: str, upload_id: str, exc: BaseException) -> None:
         pending_aborts.record_failed_abort(self.local_root, self.store.url, key, upload_id, exc)
@@ -340,17 +419,26 @@ class Uploader:
 
     def apply_remote_retention(self) -> list[int]:
         """Delete remotely committed steps beyond the policy (upload manifest first). Returns them."""
-        return retention.apply_remote_retention(self.store, self.policy.keep_remote_last,
-                                                self.policy.keep_remote_every_n_steps)
+        return retention.apply_remote_retention(
+            self.store, self.policy.keep_remote_last, self.policy.keep_remote_every_n_steps
+        )
 
 
 def _parse_time(text: str) -> float:
     from datetime import datetime
+
     try:
         return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except (ValueError, AttributeError):
         return time.time()
 
 
-__all__ = ["DEFAULT_STALL_DEADLINE_S", "Uploader", "UploadPolicy", "UploadManifest", "StepTiming",
-           "LocalStepGoneError", "StepIncompleteError"]
+__all__ = [
+    "DEFAULT_STALL_DEADLINE_S",
+    "Uploader",
+    "UploadPolicy",
+    "UploadManifest",
+    "StepTiming",
+    "LocalStepGoneError",
+    "StepIncompleteError",
+]

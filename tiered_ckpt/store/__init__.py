@@ -3,17 +3,18 @@
 Everything above ``store/`` speaks :class:`ObjectStore` (``base.py``: the protocol with its numbered
 lifecycle, value types, errors, ``parse_s3_url``) and never a boto3 client. Modules:
 
-* pure (no boto3 / botocore / s3transfer import): ``base`` (interface), ``checksums`` (S3-style SHA-256
-  and CRC32C computed locally), ``settings`` (:class:`TransferSettings`, :class:`WriteSettings`);
+* pure (no boto3 / botocore / s3transfer import): ``base`` (interface), ``checksums`` (S3-style
+  SHA-256 and CRC32C computed locally), ``settings`` (:class:`TransferSettings`,
+  :class:`WriteSettings`);
 * the S3 implementation: ``s3`` (:class:`S3Store`: key mapping and the store's retries around every
   call), with its single attempts in ``objects`` (head / put / get / list / delete / read-back) and
   ``multipart`` (create / part / complete / abort / list), which classify botocore errors by their
   structured response and import no boto module, and ``probe`` (does the server validate checksums);
-* the only modules importing boto's libraries: ``client`` (boto3 and botocore: :func:`make_s3_client`)
-  and ``files`` (s3transfer: whole-file uploads and downloads).
+* the only modules importing boto's libraries: ``client`` (boto3 and botocore:
+  :func:`make_s3_client`) and ``files`` (s3transfer: whole-file uploads and downloads).
 
-The boto-backed names (:class:`S3Store`, :func:`make_s3_client`, :func:`probe_checksum_validation`) are
-loaded lazily here, so that importing the interface does not load boto3.
+The boto-backed names (:class:`S3Store`, :func:`make_s3_client`, :func:`probe_checksum_validation`)
+are loaded lazily here, so that importing the interface does not load boto3.
 """
 
 from __future__ import annotations

@@ -1,46 +1,50 @@
 """The object-store interface everything above ``store/`` speaks, its value types and errors. Pure.
 
-Keys are always relative to the store's prefix (``step_0000001234/rank_00000.safetensors``); the store
-maps them to ``<prefix>/<key>`` in its bucket. Implementations: :class:`tiered_ckpt.store.s3.S3Store`.
+Keys are always relative to the store's prefix (``step_0000001234/rank_00000.safetensors``); the
+store maps them to ``<prefix>/<key>`` in its bucket. Implementations:
+:class:`tiered_ckpt.store.s3.S3Store`.
 
 Lifecycle of one store (who calls what):
 
-1. The driver (sidecar daemon / ``Uploader``, ``restore``, the CLI) builds ONE client and ONE store per
-   remote URL and shares it between threads; every method is thread-safe.
+1. The driver (sidecar daemon / ``Uploader``, ``restore``, the CLI) builds ONE client and ONE store
+   per remote URL and shares it between threads; every method is thread-safe.
 2. The uploader's step thread calls :meth:`ObjectStore.server_validates_checksums` once (cached per
    bucket), then per shard, on a shard thread (``tiered_ckpt.remote.transfer``):
 
-   a. below :meth:`~ObjectStore.plan_parts`' threshold (``None``): one :meth:`~ObjectStore.put_bytes`
+   a. below :meth:`~ObjectStore.plan_parts`' threshold (``None``): one
+   :meth:`~ObjectStore.put_bytes`
       with the body's ``checksum_sha256_b64``;
    b. otherwise a multipart upload: the shard thread calls
       :meth:`~ObjectStore.create_multipart_upload` (returns the upload id), part worker threads call
       :meth:`~ObjectStore.upload_part` once per part (each with its own checksum; returns an
-      :class:`UploadedPart`), then the shard thread calls :meth:`~ObjectStore.complete_multipart_upload`
-      with every part in order, or :meth:`~ObjectStore.abort_multipart_upload` on any failure in between
-      (a crash leaves the upload for step 5);
+      :class:`UploadedPart`), then the shard thread calls
+      :meth:`~ObjectStore.complete_multipart_upload` with every part in order, or
+      :meth:`~ObjectStore.abort_multipart_upload` on any failure in between (a crash leaves the
+      upload for step 5);
    c. confirmation: :meth:`~ObjectStore.head` (size, and the checksum the server reports for the
-      algorithm sent), or :meth:`~ObjectStore.read_sha256` (stream the object back and hash it) where the
-      server does not validate checksums.
+      algorithm sent), or :meth:`~ObjectStore.read_sha256` (stream the object back and hash it)
+      where the server does not validate checksums.
 
    Small JSON objects (confirmations, the upload manifest, the ``latest`` pointer) go through
-   :meth:`~ObjectStore.put_bytes` (``if_none_match`` for the commit mark, ``if_match`` for ``latest``).
-   :meth:`~ObjectStore.upload_file` / :meth:`~ObjectStore.file_digests` upload a whole file through the
-   store's own transfer machinery (tools and tests; the uploader hashes as it sends instead).
+   :meth:`~ObjectStore.put_bytes` (``if_none_match`` for the commit mark, ``if_match`` for
+   ``latest``). :meth:`~ObjectStore.upload_file` / :meth:`~ObjectStore.file_digests` upload a whole
+   file through the store's own transfer machinery (tools and tests; the uploader hashes as it sends
+   instead).
 3. Restore reads the pointer with :meth:`~ObjectStore.get_bytes`, confirms objects with
    :meth:`~ObjectStore.head`, and on its download threads fetches every shard's parts with
-   :meth:`~ObjectStore.read_range_into` (a store without it: :meth:`~ObjectStore.download_file`) into
-   buffers it hashes and writes to a temp name it chose; restore (the local commit protocol) fsyncs and
-   renames the file, never the store.
-4. Cleanup (retention, the upload of one shard before it starts) uses :meth:`~ObjectStore.list_keys`,
-   :meth:`~ObjectStore.delete`, :meth:`~ObjectStore.list_multipart_uploads` and
-   :meth:`~ObjectStore.abort_multipart_upload`.
+   :meth:`~ObjectStore.read_range_into` (a store without it: :meth:`~ObjectStore.download_file`)
+   into buffers it hashes and writes to a temp name it chose; restore (the local commit protocol)
+   fsyncs and renames the file, never the store.
+4. Cleanup (retention, the upload of one shard before it starts) uses
+   :meth:`~ObjectStore.list_keys`, :meth:`~ObjectStore.delete`,
+   :meth:`~ObjectStore.list_multipart_uploads` and :meth:`~ObjectStore.abort_multipart_upload`.
 5. A restarted sidecar lists multipart uploads older than its cutoff
    (:meth:`~ObjectStore.list_multipart_uploads`) and aborts them.
 6. The driver calls :meth:`~ObjectStore.close` at shutdown.
 
-Every failure that outlasts the store's retries is an :class:`~tiered_ckpt.errors.UploadError`; the typed
-ones below (:class:`PreconditionFailedError`, :class:`RemoteNotFoundError`, :class:`NoSuchUploadError`)
-are never retried by the store. Local I/O errors stay ``OSError``.
+Every failure that outlasts the store's retries is an :class:`~tiered_ckpt.errors.UploadError`; the
+typed ones below (:class:`PreconditionFailedError`, :class:`RemoteNotFoundError`,
+:class:`NoSuchUploadError`) are never retried by the store. Local I/O errors stay ``OSError``.
 """
 
 from __future__ import annotations
@@ -49,22 +53,23 @@ import datetime as _dt
 import os
 import re
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
 from tiered_ckpt.store.checksums import FileDigests
 
-#: ``on_progress(delta_bytes)``: called from transfer threads (must be thread-safe); ``delta_bytes`` may
-#: be negative when a failed attempt's bytes are taken back before a retry.
+#: ``on_progress(delta_bytes)``: called from transfer threads (must be thread-safe); ``delta_bytes``
+#: may be negative when a failed attempt's bytes are taken back before a retry.
 ProgressCallback = Callable[[int], None]
 
 
 class PreconditionFailedError(UploadError):
-    """A conditional write lost: ``If-None-Match: *`` found an object, or ``If-Match`` saw another ETag
-    (or no object). S3 answers 412 ``PreconditionFailed`` (404 ``NoSuchKey`` for ``If-Match`` on a
-    missing key); never retried."""
+    """A conditional write lost: ``If-None-Match: *`` found an object, or ``If-Match`` saw another
+    ETag (or no object). S3 answers 412 ``PreconditionFailed`` (404 ``NoSuchKey`` for ``If-Match``
+    on a missing key); never retried."""
 
 
 class RemoteNotFoundError(UploadError, FileNotFoundError):
@@ -78,14 +83,15 @@ class RemoteNotFoundError(UploadError, FileNotFoundError):
 
 
 class ObjectSizeError(ShardCorruptedError):
-    """An object is not the size the caller planned (its HEAD says another, or its body runs past it:
-    replaced after the HEAD, or a lying server). Never retried by the store."""
+    """An object is not the size the caller planned (its HEAD says another, or its body runs past
+    it: replaced after the HEAD, or a lying server). Never retried by the store."""
 
 
 class NoSuchUploadError(UploadError):
-    """The multipart upload no longer exists (S3 404 ``NoSuchUpload``): aborted by a cleanup, or completed
-    by an earlier attempt of the same ``CompleteMultipartUpload`` whose response was lost. Never retried by
-    the store; the caller decides (HEAD the object, or upload again from scratch)."""
+    """The multipart upload no longer exists (S3 404 ``NoSuchUpload``): aborted by a cleanup, or
+    completed by an earlier attempt of the same ``CompleteMultipartUpload`` whose response was lost.
+    Never retried by the store; the caller decides (HEAD the object, or upload again from
+    scratch)."""
 
 
 #: S3 additional-checksum algorithms (``x-amz-checksum-<alg>``; response field ``Checksum<ALG>``).
@@ -93,9 +99,12 @@ CHECKSUM_ALGORITHMS = frozenset({"CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256
 
 
 def check_checksum_algorithm(algorithm: str) -> str:
-    """Return ``algorithm`` if it is one of :data:`CHECKSUM_ALGORITHMS`; raise ``ValueError`` otherwise."""
+    """Return ``algorithm`` if it is one of :data:`CHECKSUM_ALGORITHMS`; raise ``ValueError``
+    otherwise."""
     if algorithm not in CHECKSUM_ALGORITHMS:
-        raise ValueError(f"checksum algorithm must be one of {sorted(CHECKSUM_ALGORITHMS)}, got {algorithm!r}")
+        raise ValueError(
+            f"checksum algorithm must be one of {sorted(CHECKSUM_ALGORITHMS)}, got {algorithm!r}"
+        )
     return algorithm
 
 
@@ -103,12 +112,12 @@ def check_checksum_algorithm(algorithm: str) -> str:
 class ObjectInfo:
     """What the server says about one object (S3 ``HeadObject`` / ``PutObject`` responses).
 
-    ``key`` is relative to the store prefix. ``etag`` is opaque (quotes kept; never assume it is an MD5).
-    ``checksum_sha256`` is the base64 ``ChecksumSHA256`` exactly as the server reports it, including the
-    ``-N`` composite form of multipart uploads, or ``None`` when the server reports none.
-    ``last_modified`` is ``None`` when the response does not carry it (``PutObject``).
-    ``checksum_crc32c`` likewise (``ChecksumCRC32C``, composite ``-N`` form for multipart uploads sent
-    with CRC32C part checksums), ``None`` when not reported.
+    ``key`` is relative to the store prefix. ``etag`` is opaque (quotes kept; never assume it is an
+    MD5). ``checksum_sha256`` is the base64 ``ChecksumSHA256`` exactly as the server reports it,
+    including the ``-N`` composite form of multipart uploads, or ``None`` when the server reports
+    none. ``last_modified`` is ``None`` when the response does not carry it (``PutObject``).
+    ``checksum_crc32c`` likewise (``ChecksumCRC32C``, composite ``-N`` form for multipart uploads
+    sent with CRC32C part checksums), ``None`` when not reported.
     """
 
     key: str
@@ -119,7 +128,8 @@ class ObjectInfo:
     checksum_crc32c: str | None = None
 
     def reported_checksum(self, algorithm: str) -> str | None:
-        """The checksum the server reported for ``algorithm`` (``"SHA256"`` or ``"CRC32C"``), or ``None``."""
+        """The checksum the server reported for ``algorithm`` (``"SHA256"`` or ``"CRC32C"``), or
+        ``None``."""
         if algorithm == "SHA256":
             return self.checksum_sha256
         if algorithm == "CRC32C":
@@ -129,7 +139,8 @@ class ObjectInfo:
 
 @dataclass(frozen=True)
 class MultipartUploadInfo:
-    """One in-progress multipart upload (S3 ``ListMultipartUploads``); ``key`` relative to the prefix."""
+    """One in-progress multipart upload (S3 ``ListMultipartUploads``); ``key`` relative to the
+    prefix."""
 
     key: str
     upload_id: str
@@ -139,9 +150,9 @@ class MultipartUploadInfo:
 @dataclass(frozen=True)
 class UploadedPart:
     """One part of a multipart upload as the server accepted it (S3 ``UploadPart`` response), as
-    :meth:`ObjectStore.complete_multipart_upload` must list it: ``part_number`` (1-based), the ``etag``
-    the server returned (opaque), and the additional checksum sent with the part (``checksum_algorithm``
-    from :data:`CHECKSUM_ALGORITHMS`, ``checksum_b64`` its base64 value)."""
+    :meth:`ObjectStore.complete_multipart_upload` must list it: ``part_number`` (1-based), the
+    ``etag`` the server returned (opaque), and the additional checksum sent with the part
+    (``checksum_algorithm`` from :data:`CHECKSUM_ALGORITHMS`, ``checksum_b64`` its base64 value)."""
 
     part_number: int
     etag: str
@@ -151,9 +162,10 @@ class UploadedPart:
 
 @runtime_checkable
 class ObjectStore(Protocol):
-    """A bucket prefix holding objects (lifecycle: module docstring). All methods are thread-safe; keys
-    are relative to the prefix. Every method is retried by the store itself (see ``tiered_ckpt.retry``);
-    what outlasts the retries is an :class:`~tiered_ckpt.errors.UploadError`."""
+    """A bucket prefix holding objects (lifecycle: module docstring). All methods are thread-safe;
+    keys are relative to the prefix. Every method is retried by the store itself (see
+    ``tiered_ckpt.retry``); what outlasts the retries is an
+    :class:`~tiered_ckpt.errors.UploadError`."""
 
     @property
     def url(self) -> str:
@@ -162,10 +174,11 @@ class ObjectStore(Protocol):
 
     @property
     def prefix(self) -> str:
-        """The key prefix every key is relative to (``""`` for a whole bucket), as in :attr:`url`."""
+        """The key prefix every key is relative to (``""`` for a whole bucket), as in
+        :attr:`url`."""
         ...
 
-    # ------------------------------------------------------------------------------ small objects
+    # --- small objects
 
     def put_bytes(
         self,
@@ -176,30 +189,36 @@ class ObjectStore(Protocol):
         if_match: str | None = None,
         checksum_sha256_b64: str | None = None,
     ) -> ObjectInfo:
-        """Write a small object in one request; raises ``PreconditionFailedError`` on a lost condition."""
+        """Write a small object in one request; raises ``PreconditionFailedError`` on a lost
+        condition."""
         ...
 
-    def get_bytes(self, key: str, *, max_bytes: int = ..., byte_range: tuple[int, int] | None = None) -> bytes:
+    def get_bytes(
+        self, key: str, *, max_bytes: int = ..., byte_range: tuple[int, int] | None = None
+    ) -> bytes:
         """The object's bytes, or ``[start, stop)`` of them, at most ``max_bytes`` (the cap of the
         object's kind, ``tiered_ckpt.remote.limits``): a longer body is refused as it passes the cap
-        (:class:`~tiered_ckpt.errors.ManifestError` naming the object and the cap, not retried). Raises
-        ``RemoteNotFoundError``."""
+        (:class:`~tiered_ckpt.errors.ManifestError` naming the object and the cap, not retried).
+        Raises ``RemoteNotFoundError``."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None:
-        """The object's metadata with the checksums the server reports, or ``None`` if it does not exist."""
+        """The object's metadata with the checksums the server reports, or ``None`` if it does not
+        exist."""
         ...
 
-    def read_sha256(self, key: str, *, stop_event: threading.Event | None = None,
-                    max_bytes: int | None = None) -> tuple[int, str]:
-        """Stream the object once (bounded memory): ``(size_bytes, sha256_hex)`` of the bytes received;
-        with ``max_bytes`` (bytes, the planned size) it reads no further than one chunk past it and the
-        request's deadline follows it (a hostile server's endless body or huge announced length).
-        A retried attempt restarts the hash. Raises ``RemoteNotFoundError``; ``OperationInterruptedError``
-        between chunks once ``stop_event`` (or the store's own stop event) is set."""
+    def read_sha256(
+        self, key: str, *, stop_event: threading.Event | None = None, max_bytes: int | None = None
+    ) -> tuple[int, str]:
+        """Stream the object once (bounded memory): ``(size_bytes, sha256_hex)`` of the bytes
+        received; with ``max_bytes`` (bytes, the planned size) it reads no further than one chunk
+        past it and the request's deadline follows it (a hostile server's endless body or huge
+        announced length). A retried attempt restarts the hash. Raises ``RemoteNotFoundError``;
+        ``OperationInterruptedError`` between chunks once ``stop_event`` (or the store's own stop
+        event) is set."""
         ...
 
-    # ------------------------------------------------------------------------------ whole files
+    # --- whole files
 
     def upload_file(
         self,
@@ -209,26 +228,33 @@ class ObjectStore(Protocol):
         on_progress: ProgressCallback | None = None,
         expected_checksum_sha256_b64: str | None = None,
     ) -> ObjectInfo:
-        """Upload a local file (multipart above the threshold); returns the HEAD after completion."""
+        """Upload a local file (multipart above the threshold); returns the HEAD after
+        completion."""
         ...
 
     def file_digests(
         self, path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
     ) -> FileDigests:
-        """Whole-file SHA-256 and the ``ChecksumSHA256`` this store's upload of ``path`` will produce."""
+        """Whole-file SHA-256 and the ``ChecksumSHA256`` this store's upload of ``path`` will
+        produce."""
         ...
 
     def server_validates_checksums(self) -> bool:
-        """Whether the server rejects bytes that do not match the checksum sent (learnt once per bucket)."""
+        """Whether the server rejects bytes that do not match the checksum sent (learnt once per
+        bucket)."""
         ...
 
     def download_file(
-        self, key: str, dest_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
+        self,
+        key: str,
+        dest_path: str | os.PathLike[str],
+        *,
+        on_progress: ProgressCallback | None = None,
         expected_size: int | None = None,
     ) -> int:
-        """Write the object into ``dest_path`` (a temp name the caller chose: created or truncated per
-        attempt, removed again on failure); returns its size in bytes. No fsync, no rename: the caller
-        commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here.
+        """Write the object into ``dest_path`` (a temp name the caller chose: created or truncated
+        per attempt, removed again on failure); returns its size in bytes. No fsync, no rename: the
+        caller commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here.
         ``expected_size`` (bytes): a HEAD size other than it, or a body running past it, raises
         :class:`ObjectSizeError` (before any byte, resp. within one part of it)."""
         ...
@@ -241,7 +267,7 @@ class ObjectStore(Protocol):
         ``UploadError``, ``OperationInterruptedError``, ``ValueError`` (a range outside ``object_size``)."""
         ...
 
-    # ------------------------------------------------------------------------------ multipart uploads
+    # --- multipart uploads
 
     def plan_parts(self, size_bytes: int) -> list[int] | None:
         """Part sizes (bytes, in order) of a multipart upload of ``size_bytes`` with this store's transfer
@@ -269,7 +295,9 @@ class ObjectStore(Protocol):
         :class:`NoSuchUploadError` when the upload is gone."""
         ...
 
-    def complete_multipart_upload(self, key: str, upload_id: str, parts: Sequence[UploadedPart]) -> None:
+    def complete_multipart_upload(
+        self, key: str, upload_id: str, parts: Sequence[UploadedPart]
+    ) -> None:
         """Assemble the object from ``parts`` (every part, ascending ``part_number``). Raises
         :class:`NoSuchUploadError` when the upload is gone (also when an earlier attempt of this call
         succeeded but its response was lost: HEAD the object to tell)."""
@@ -283,7 +311,7 @@ class ObjectStore(Protocol):
         """Abort one multipart upload; ``False`` if it was already gone."""
         ...
 
-    # ------------------------------------------------------------------------------ listing, cleanup
+    # --- listing, cleanup
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         """Keys (relative to the store prefix) starting with ``prefix``, in S3's (lexical) order."""
@@ -312,7 +340,9 @@ def validate_key(key: str) -> str:
         raise ValueError(f"object key contains a control character: {key!r}")
     segments = key.split("/")
     if any(seg in ("", ".", "..") for seg in segments[:-1]) or segments[-1] in ("", ".", ".."):
-        raise ValueError(f"object key must be a relative path without empty, '.' or '..' parts: {key!r}")
+        raise ValueError(
+            f"object key must be a relative path without empty, '.' or '..' parts: {key!r}"
+        )
     return key
 
 
@@ -336,7 +366,11 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     bucket = netloc
     if not bucket:
         raise ValueError(f"S3 URL has no bucket: {url!r}")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket):
+    if (
+        not _BUCKET_RE.match(bucket)
+        or ".." in bucket
+        or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket)
+    ):
         raise ValueError(f"invalid S3 bucket name {bucket!r} in {url!r}")
     prefix = parts.path
     if prefix.startswith("/"):

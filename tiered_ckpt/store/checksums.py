@@ -1,28 +1,29 @@
-"""S3-style SHA-256 and CRC32C checksums computed locally, so what the server reports can be compared with
-what was sent.
+"""S3-style SHA-256 and CRC32C checksums computed locally, so what the server reports can be
+compared with what was sent.
 
 Pure apart from reading a local file; no boto3.
 
-What S3 reports as ``ChecksumSHA256`` (``HeadObject`` with ``ChecksumMode=ENABLED``), when the object was
-written with ``ChecksumAlgorithm=SHA256``:
+What S3 reports as ``ChecksumSHA256`` (``HeadObject`` with ``ChecksumMode=ENABLED``), when the
+object was written with ``ChecksumAlgorithm=SHA256``:
 
 * single ``PutObject``: ``base64(sha256(body))`` (a FULL_OBJECT checksum);
-* multipart upload: ``base64(sha256(d_1 || d_2 || ... || d_n)) + "-n"`` where ``d_i`` is the raw 32-byte
-  SHA-256 of part ``i`` (a COMPOSITE checksum, "checksum of checksums").
+* multipart upload: ``base64(sha256(d_1 || d_2 || ... || d_n)) + "-n"`` where ``d_i`` is the raw
+  32-byte SHA-256 of part ``i`` (a COMPOSITE checksum, "checksum of checksums").
 
 The same composite rule holds for the other algorithms; the uploader's multipart uploads use CRC32C
 (``ChecksumAlgorithm=CRC32C``): ``base64(crc32c(c_1 || ... || c_n)) + "-n"`` where ``c_i`` is the
 4-byte big-endian CRC32C of part ``i`` (:func:`composite_crc32c_b64`).
 
-Observed on moto 5.2.1 (tests/test_store_s3.py pins this): the single-PUT value is whatever the client put
-in the ``x-amz-checksum-sha256`` header (moto echoes it, even when it is wrong for the body), and for
-multipart uploads moto reports the composite value *without* the ``-n`` suffix. :func:`checksums_match`
-therefore compares the base64 part and the part count only when both sides carry one.
+Observed on moto 5.2.1 (tests/test_store_s3.py pins this): the single-PUT value is whatever the
+client put in the ``x-amz-checksum-sha256`` header (moto echoes it, even when it is wrong for the
+body), and for multipart uploads moto reports the composite value *without* the ``-n`` suffix.
+:func:`checksums_match` therefore compares the base64 part and the part count only when both sides
+carry one.
 
 How s3transfer splits a file (``s3transfer.upload``/``utils.ChunksizeAdjuster``, reproduced by
 :func:`plan_part_sizes`): a file of ``size >= multipart_threshold`` is uploaded in parts of
-``part_size`` bytes (the last one shorter), where ``part_size`` is first doubled until there are at most
-10,000 parts and then clamped to [5 MiB, 5 GiB]; a smaller file goes in one ``PutObject``.
+``part_size`` bytes (the last one shorter), where ``part_size`` is first doubled until there are at
+most 10,000 parts and then clamped to [5 MiB, 5 GiB]; a smaller file goes in one ``PutObject``.
 
 Source: AWS S3 user guide, "Checking object integrity" (composite checksums of multipart uploads).
 """
@@ -31,16 +32,17 @@ from __future__ import annotations
 
 import base64
 import hashlib
-
-import google_crc32c
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+
+import google_crc32c
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
-#: S3 limits on multipart uploads (AWS "Amazon S3 multipart upload limits"), as s3transfer applies them.
+#: S3 limits on multipart uploads (AWS "Amazon S3 multipart upload limits"), as s3transfer applies
+#: them.
 MIN_PART_SIZE_BYTES = 5 * MiB
 MAX_PART_SIZE_BYTES = 5 * GiB
 MAX_PARTS = 10_000
@@ -88,7 +90,8 @@ def composite_crc32c_b64(part_crcs: Sequence[bytes]) -> str:
 
 
 def split_checksum(value: str) -> tuple[str, int | None]:
-    """``("base64", n)`` for ``"base64-n"``, ``("base64", None)`` for a value without a part count."""
+    """``("base64", n)`` for ``"base64-n"``, ``("base64", None)`` for a value without a part
+    count."""
     base, sep, count = value.rpartition("-")
     if sep and count.isdigit() and base:
         return base, int(count)
@@ -96,8 +99,8 @@ def split_checksum(value: str) -> tuple[str, int | None]:
 
 
 def checksums_match(reported: str, expected: str) -> bool:
-    """Whether a server-reported checksum (``ChecksumSHA256``, ``ChecksumCRC32C``, ...) agrees with the
-    locally computed ``expected``.
+    """Whether a server-reported checksum (``ChecksumSHA256``, ``ChecksumCRC32C``, ...) agrees with
+    the locally computed ``expected``.
 
     The base64 digests must be equal; the ``-n`` part counts are compared only when both carry one
     (moto omits it, AWS includes it).
@@ -109,11 +112,14 @@ def checksums_match(reported: str, expected: str) -> bool:
     return reported_parts is None or expected_parts is None or reported_parts == expected_parts
 
 
-def plan_part_sizes(size_bytes: int, *, multipart_threshold_bytes: int, part_size_bytes: int) -> list[int] | None:
-    """Sizes of the parts s3transfer will send for a file of ``size_bytes``; ``None`` for a single PUT.
+def plan_part_sizes(
+    size_bytes: int, *, multipart_threshold_bytes: int, part_size_bytes: int
+) -> list[int] | None:
+    """Sizes of the parts s3transfer will send for a file of ``size_bytes``; ``None`` for a single
+    PUT.
 
-    Mirrors s3transfer 0.17 (``size >= multipart_threshold`` means multipart; ``ChunksizeAdjuster``).
-    Raises ``ValueError`` on negative or non-positive arguments.
+    Mirrors s3transfer 0.17 (``size >= multipart_threshold`` means multipart;
+    ``ChunksizeAdjuster``). Raises ``ValueError`` on negative or non-positive arguments.
     """
     if size_bytes < 0:
         raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
@@ -136,8 +142,9 @@ class FileDigests:
     """Digests of a local file computed in one read.
 
     ``sha256_hex``: SHA-256 of the whole file (what the local manifest records).
-    ``checksum_sha256_b64``: what S3 will report as ``ChecksumSHA256`` once the file is uploaded with the
-    same transfer settings (single-PUT or composite form). ``part_sizes_bytes``: ``None`` for a single PUT.
+    ``checksum_sha256_b64``: what S3 will report as ``ChecksumSHA256`` once the file is uploaded
+    with the same transfer settings (single-PUT or composite form). ``part_sizes_bytes``: ``None``
+    for a single PUT.
     """
 
     size_bytes: int

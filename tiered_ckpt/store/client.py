@@ -1,26 +1,26 @@
 """The boto3 / botocore side of the S3 store: building the ONE client a remote is reached through.
 
-With :mod:`tiered_ckpt.store.files` (s3transfer) this is where the store touches boto3's libraries at
-import time; everything else in ``store/`` classifies botocore errors through
-:func:`tiered_ckpt.retry.s3_error_code_and_status` (structured ``response``, never the message text).
+With :mod:`tiered_ckpt.store.files` (s3transfer) this is where the store touches boto3's libraries
+at import time; everything else in ``store/`` classifies botocore errors through
+:func:`tiered_ckpt.retry.s3_error_code_and_status` (structured ``response``, never the message
+text).
 
 Timeouts: ``connect_timeout_s`` / ``read_timeout_s`` are per socket operation of one HTTP request
 (botocore ``Config``). On top of them every request has a stall timeout and a deadline scaled by its
 bytes (:class:`~tiered_ckpt.store.settings.DeadlineSettings`, enforced by
-:mod:`tiered_ckpt.store.deadline`): :func:`install_request_hooks` gives a client the two botocore-side
-pieces that needs, a connection class that tells the watchdog which socket a request uses and a
-``before-send`` hook that stops botocore from retrying an expired request. ``tiered_ckpt.retry`` says
-how all of them stack with botocore's and our retries.
+:mod:`tiered_ckpt.store.deadline`): :func:`install_request_hooks` gives a client the two
+botocore-side pieces that needs, a connection class that tells the watchdog which socket a request
+uses and a ``before-send`` hook that stops botocore from retrying an expired request.
+``tiered_ckpt.retry`` says how all of them stack with botocore's and our retries.
 
 Source: botocore ``config.py`` (``Config``: ``retries``, ``s3``, ``max_pool_connections``,
-``connect_timeout``, ``read_timeout``, ``request_checksum_calculation``, ``response_checksum_validation``),
-boto3 ``session.py``.
+``connect_timeout``, ``read_timeout``, ``request_checksum_calculation``,
+``response_checksum_validation``), boto3 ``session.py``.
 """
 
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 import boto3
@@ -34,7 +34,12 @@ from botocore.awsrequest import (
 from botocore.config import Config
 
 from tiered_ckpt.redact import redact_url
-from tiered_ckpt.store.deadline import RequestGuard, attach_connection, current_guard, veto_expired_request
+from tiered_ckpt.store.deadline import (
+    RequestGuard,
+    attach_connection,
+    current_guard,
+    veto_expired_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,39 +60,45 @@ def make_s3_client(
 ) -> botocore.client.BaseClient:
     """Create ONE S3 client; share it (botocore clients are thread-safe).
 
-    Credentials, region and endpoint follow boto3's chain (arguments first, then ``AWS_*`` environment
-    variables including ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, then ``AWS_PROFILE`` / config
-    files, then instance metadata). ``botocore_max_attempts`` is botocore's per-HTTP-call attempt count in
-    "standard" retry mode, the first try included (1 = botocore never retries; passed as botocore's
-    ``total_max_attempts``); see ``tiered_ckpt.retry`` for how it stacks with ours. ``path_style=True`` is
-    for MinIO and other servers without virtual-host buckets. ``max_pool_connections`` must cover the
-    store's transfer concurrency (uploads + downloads).
+    Credentials, region and endpoint follow boto3's chain (arguments first, then ``AWS_*``
+    environment variables including ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, then
+    ``AWS_PROFILE`` / config files, then instance metadata). ``botocore_max_attempts`` is botocore's
+    per-HTTP-call attempt count in "standard" retry mode, the first try included (1 = botocore never
+    retries; passed as botocore's ``total_max_attempts``); see ``tiered_ckpt.retry`` for how it
+    stacks with ours. ``path_style=True`` is for MinIO and other servers without virtual-host
+    buckets. ``max_pool_connections`` must cover the store's transfer concurrency (uploads +
+    downloads).
 
-    Checksums: ``request_checksum_calculation="when_required"`` keeps botocore from adding CRC32s the
-    store did not ask for (and from switching to aws-chunked trailers that some S3-compatible servers
-    reject); the store asks for SHA-256 explicitly. ``response_checksum_validation="when_required"``
-    because callers verify SHA-256 themselves and moto reports multipart composite checksums without the
-    ``-N`` suffix, which botocore would then misvalidate as a full-object checksum.
+    Checksums: ``request_checksum_calculation="when_required"`` keeps botocore from adding CRC32s
+    the store did not ask for (and from switching to aws-chunked trailers that some S3-compatible
+    servers reject); the store asks for SHA-256 explicitly.
+    ``response_checksum_validation="when_required"`` because callers verify SHA-256 themselves and
+    moto reports multipart composite checksums without the ``-N`` suffix, which botocore would then
+    misvalidate as a full-object checksum.
 
     ``sign_payload=False`` (S3's ``payload_signing_enabled``): requests are signed with
-    ``X-Amz-Content-SHA256: UNSIGNED-PAYLOAD`` instead of a SHA-256 of the body. Over HTTPS botocore already
-    does that for bodies that carry a checksum; over plain HTTP (MinIO in compose, moto) it would otherwise
-    SHA-256 every part once more on the client, a third pass over every byte after the whole-file SHA-256
-    and the part checksum. Integrity does not depend on it: every body the store and the uploader send
-    carries an additional checksum (``ChecksumSHA256``/``ChecksumCRC32C``; DeleteObjects its required
-    checksum), which a validating server checks, and a CompleteMultipartUpload list damaged in transit
-    either names parts the server rejects or yields an object whose composite checksum differs from the
-    one computed locally. ``None`` keeps botocore's default (sign over HTTP), ``True`` always signs.
-    Raises ``ValueError`` on invalid settings (botocore's own validation).
+    ``X-Amz-Content-SHA256: UNSIGNED-PAYLOAD`` instead of a SHA-256 of the body. Over HTTPS botocore
+    already does that for bodies that carry a checksum; over plain HTTP (MinIO in compose, moto) it
+    would otherwise SHA-256 every part once more on the client, a third pass over every byte after
+    the whole-file SHA-256 and the part checksum. Integrity does not depend on it: every body the
+    store and the uploader send carries an additional checksum
+    (``ChecksumSHA256``/``ChecksumCRC32C``; DeleteObjects its required checksum), which a validating
+    server checks, and a CompleteMultipartUpload list damaged in transit either names parts the
+    server rejects or yields an object whose composite checksum differs from the one computed
+    locally. ``None`` keeps botocore's default (sign over HTTP), ``True`` always signs. Raises
+    ``ValueError`` on invalid settings (botocore's own validation).
     """
     if max_pool_connections < 1 or botocore_max_attempts < 1:
         raise ValueError("max_pool_connections and botocore_max_attempts must be >= 1")
     session = boto3.session.Session(profile_name=profile_name, region_name=region_name)
     config = Config(
-        # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries only.
+        # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries
+        # only.
         retries={"mode": "standard", "total_max_attempts": botocore_max_attempts},
-        s3={"addressing_style": "path" if path_style else "auto",
-            **({} if sign_payload is None else {"payload_signing_enabled": sign_payload})},
+        s3={
+            "addressing_style": "path" if path_style else "auto",
+            **({} if sign_payload is None else {"payload_signing_enabled": sign_payload}),
+        },
         max_pool_connections=max_pool_connections,
         connect_timeout=connect_timeout_s,
         read_timeout=read_timeout_s,
@@ -108,9 +119,9 @@ def make_s3_client(
 
 
 #: The most body bytes of a response botocore reads whole inside the call (every response but a
-#: GetObject's 2xx body: LIST pages, error bodies, ...). A full ListObjectsV2 page of 1000 keys of 1024
-#: bytes is about 1.5 MiB; past the cap the request fails (retryably) instead of buffering a hostile
-#: server's endless page, which its deadline alone bounds in time only.
+#: GetObject's 2xx body: LIST pages, error bodies, ...). A full ListObjectsV2 page of 1000 keys of
+#: 1024 bytes is about 1.5 MiB; past the cap the request fails (retryably) instead of buffering a
+#: hostile server's endless page, which its deadline alone bounds in time only.
 MAX_BUFFERED_RESPONSE_BYTES = 16 * 1024 * 1024
 
 
@@ -155,19 +166,23 @@ class _CappedBody:
 
 
 def _cap_buffered_body(resp: Any) -> Any:
-    """Wrap the body file of ``resp`` (urllib3's response; its ``_fp`` the http.client one) unless it is
-    a GetObject 2xx body, which the store streams and caps itself."""
+    """Wrap the body file of ``resp`` (urllib3's response; its ``_fp`` the http.client one) unless
+    it is a GetObject 2xx body, which the store streams and caps itself."""
     guard = current_guard()
     raw = getattr(resp, "_fp", None)
-    if guard is not None and getattr(raw, "fp", None) is not None \
-            and not (guard.streamed and int(resp.status) < 300):
+    if (
+        guard is not None
+        and getattr(raw, "fp", None) is not None
+        and not (guard.streamed and int(resp.status) < 300)
+    ):
         raw.fp = _CappedBody(raw.fp, guard)
     return resp
 
 
 class _Guarded:
-    """Mixed into botocore's connections: each attaches itself to the request guard of the thread that
-    sends on it, and a response body botocore reads whole is capped (:data:`MAX_BUFFERED_RESPONSE_BYTES`)."""
+    """Mixed into botocore's connections: each attaches itself to the request guard of the thread
+    that sends on it, and a response body botocore reads whole is capped
+    (:data:`MAX_BUFFERED_RESPONSE_BYTES`)."""
 
     def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         attach_connection(self)
@@ -200,25 +215,33 @@ def install_request_hooks(client: botocore.client.BaseClient) -> bool:
     """Give ``client`` what the per-request deadlines need (idempotent; the store calls it for every
     client, also an injected one): the ``before-send`` hook
     :func:`~tiered_ckpt.store.deadline.veto_expired_request`, and connection pools whose connections
-    attach to the sending thread's guard, so that an expired request's socket can be shut down. The pools
-    are swapped in botocore's ``URLLib3Session`` (its ``_pool_classes_by_scheme``, the one place botocore
-    names them; existing idle pools are cleared so new ones use the class). Returns ``False`` (with a
-    warning) where this botocore has no such place: then a deadline is only noticed between body chunks."""
+    attach to the sending thread's guard, so that an expired request's socket can be shut down. The
+    pools are swapped in botocore's ``URLLib3Session`` (its ``_pool_classes_by_scheme``, the one
+    place botocore names them; existing idle pools are cleared so new ones use the class). Returns
+    ``False`` (with a warning) where this botocore has no such place: then a deadline is only
+    noticed between body chunks."""
     if getattr(client, _HOOKED_ATTR, None) is not None:
         return bool(getattr(client, _HOOKED_ATTR))
-    client.meta.events.register("before-send.s3", veto_expired_request, unique_id="tiered-ckpt-deadline")
+    client.meta.events.register(
+        "before-send.s3", veto_expired_request, unique_id="tiered-ckpt-deadline"
+    )
     session = getattr(getattr(client, "_endpoint", None), "http_session", None)
     classes = getattr(session, "_pool_classes_by_scheme", None)
     ok = isinstance(classes, dict)
     if ok:
         classes["http"] = _GuardedHTTPConnectionPool
         classes["https"] = _GuardedHTTPSConnectionPool
-        for manager in [getattr(session, "_manager", None), *getattr(session, "_proxy_managers", {}).values()]:
+        for manager in [
+            getattr(session, "_manager", None),
+            *getattr(session, "_proxy_managers", {}).values(),
+        ]:
             if manager is not None:
                 manager.clear()
     else:
-        logger.warning("this botocore has no URLLib3Session._pool_classes_by_scheme: request deadlines are "
-                       "checked between body chunks only")
+        logger.warning(
+            "this botocore has no URLLib3Session._pool_classes_by_scheme: request deadlines are "
+            "checked between body chunks only"
+        )
     setattr(client, _HOOKED_ATTR, ok)
     return ok
 
@@ -235,7 +258,10 @@ def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
     try:
         client.head_bucket(Bucket=bucket)
         return False
-    except (ClientError, BotoCoreError):  # absent (404), or not ours: try to create it, fail loudly below
+    except (
+        ClientError,
+        BotoCoreError,
+    ):  # absent (404), or not ours: try to create it, fail loudly below
         pass
     try:
         client.create_bucket(Bucket=bucket)
@@ -244,4 +270,9 @@ def ensure_bucket(client: botocore.client.BaseClient, bucket: str) -> bool:
     return True
 
 
-__all__ = ["MAX_BUFFERED_RESPONSE_BYTES", "ensure_bucket", "install_request_hooks", "make_s3_client"]
+__all__ = [
+    "MAX_BUFFERED_RESPONSE_BYTES",
+    "ensure_bucket",
+    "install_request_hooks",
+    "make_s3_client",
+]

@@ -1,31 +1,33 @@
-"""Deadlines per S3 request: a stall timeout and a deadline scaled by bytes (:class:`DeadlineSettings`).
+"""Deadlines per S3 request: a stall timeout and a deadline scaled by bytes
+(:class:`DeadlineSettings`).
 
-botocore's ``read_timeout`` bounds each socket read, not a request: a server that answers 200 and then
-sends one byte every 20 s keeps a GET alive for ever (seed lesson: ``restore`` still running after 150 s on
-one GET of ``latest``). Here every API call of the store's client runs under a :class:`RequestGuard`:
+botocore's ``read_timeout`` bounds each socket read, not a request: a server that answers 200 and
+then sends one byte every 20 s keeps a GET alive for ever (seed lesson: ``restore`` still running
+after 150 s on one GET of ``latest``). Here every API call of the store's client runs under a
+:class:`RequestGuard`:
 
 * :class:`GuardedClient` wraps the botocore client (the store, its s3transfer managers and every
   single-attempt helper go through it). Each API call gets a guard with the deadline
-  ``deadline_base_s + bytes / min_rate_bytes_per_s`` (bytes: the request body plus the Range asked for);
-  a streamed response (GetObject) keeps its guard while its body is read (:class:`GuardedBody`), the
-  deadline then counting the ``Content-Length`` announced (at most the Range asked for; the bytes
-  received, when more) and the stall clock running: no body chunk for ``stall_timeout_s`` seconds is a
-  stall. A GET or HEAD (:data:`STALL_FROM_START`) also stalls when no response comes for
-  ``stall_timeout_s``; calls the server may work on for minutes get a longer base (:data:`BASE_FACTORS`).
-  Non-streamed responses (HEAD, PUT, LIST, error bodies, ...) are read by botocore inside the call:
-  the deadline bounds them in time, the connection class of ``store/client.py`` in size (it expires
-  the guard, :meth:`RequestGuard.expire`, past its cap).
-* ONE watchdog thread per process (:data:`_WATCHDOG`, started on first use, ticking every 0.1 s) checks the
-  armed guards. When one expires it shuts down the sockets of the connections that request used
-  (``socket.shutdown``, never ``close``: no descriptor is freed under a reading thread), so the blocked
-  read returns at once. The connections are attached by the connection class ``store/client.py``
-  installs in the client's pools (:func:`attach_connection`, from the request's own thread), and the
-  ``before-send`` hook it registers (:func:`veto_expired_request`) stops botocore's own retries of an
-  expired request before they are sent.
-* An expired request raises :class:`RequestDeadlineError` (``"deadline of 12.0 s passed"``, ``"stalled:
-  no bytes for 60.0 s"``), which :func:`tiered_ckpt.retry.is_retryable_s3_error` retries as a whole
-  operation; s3transfer does NOT retry it itself (it is none of its retryable download errors), so one
-  ranged GET never outlives its deadline times s3transfer's five attempts.
+  ``deadline_base_s + bytes / min_rate_bytes_per_s`` (bytes: the request body plus the Range asked
+  for); a streamed response (GetObject) keeps its guard while its body is read
+  (:class:`GuardedBody`), the deadline then counting the ``Content-Length`` announced (at most the
+  Range asked for; the bytes received, when more) and the stall clock running: no body chunk for
+  ``stall_timeout_s`` seconds is a stall. A GET or HEAD (:data:`STALL_FROM_START`) also stalls when
+  no response comes for ``stall_timeout_s``; calls the server may work on for minutes get a longer
+  base (:data:`BASE_FACTORS`). Non-streamed responses (HEAD, PUT, LIST, error bodies, ...) are read
+  by botocore inside the call: the deadline bounds them in time, the connection class of
+  ``store/client.py`` in size (it expires the guard, :meth:`RequestGuard.expire`, past its cap).
+* ONE watchdog thread per process (:data:`_WATCHDOG`, started on first use, ticking every 0.1 s)
+  checks the armed guards. When one expires it shuts down the sockets of the connections that
+  request used (``socket.shutdown``, never ``close``: no descriptor is freed under a reading
+  thread), so the blocked read returns at once. The connections are attached by the connection class
+  ``store/client.py`` installs in the client's pools (:func:`attach_connection`, from the request's
+  own thread), and the ``before-send`` hook it registers (:func:`veto_expired_request`) stops
+  botocore's own retries of an expired request before they are sent.
+* An expired request raises :class:`RequestDeadlineError` (``"deadline of 12.0 s passed"``,
+  ``"stalled: no bytes for 60.0 s"``), which :func:`tiered_ckpt.retry.is_retryable_s3_error` retries
+  as a whole operation; s3transfer does NOT retry it itself (it is none of its retryable download
+  errors), so one ranged GET never outlives its deadline times s3transfer's five attempts.
 
 No boto import (the hook side lives in ``store/client.py``). Source: Python ``socket.shutdown``
 (POSIX ``shutdown(2)``: a blocked ``recv`` returns 0), botocore events (``before-send``), urllib3
@@ -42,7 +44,8 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tiered_ckpt.store.settings import DeadlineSettings
 
@@ -51,16 +54,18 @@ logger = logging.getLogger(__name__)
 #: How often the watchdog looks at the armed guards (seconds): a deadline fires at most this late.
 TICK_S = 0.1
 _RANGE_RE = re.compile(r"^bytes=(\d+)-(\d+)$")
-#: Calls whose server side may take long without sending a byte back: their base deadline is multiplied
-#: (S3 CompleteMultipartUpload "could take several minutes"; AWS sends whitespace meanwhile).
+#: Calls whose server side may take long without sending a byte back: their base deadline is
+#: multiplied (S3 CompleteMultipartUpload "could take several minutes"; AWS sends whitespace
+#: meanwhile).
 BASE_FACTORS = {"complete_multipart_upload": 10.0, "copy_object": 10.0, "upload_part_copy": 10.0}
 #: Calls with nothing for the server to work on: no response within the stall timeout is a stall.
 STALL_FROM_START = frozenset({"get_object", "head_object", "head_bucket"})
 
 
 class RequestDeadlineError(Exception):
-    """One S3 request ran past its deadline or stalled (its sockets were shut down). Retryable by the
-    store (:func:`tiered_ckpt.retry.is_retryable_s3_error`); ``seconds`` is the limit that was hit."""
+    """One S3 request ran past its deadline or stalled (its sockets were shut down). Retryable by
+    the store (:func:`tiered_ckpt.retry.is_retryable_s3_error`); ``seconds`` is the limit that was
+    hit."""
 
     def __init__(self, message: str, *, seconds: float) -> None:
         super().__init__(message)
@@ -68,13 +73,27 @@ class RequestDeadlineError(Exception):
 
 
 class RequestGuard:
-    """The deadline and stall clock of one request (thread-safe; armed in the watchdog until finished)."""
+    """The deadline and stall clock of one request (thread-safe; armed in the watchdog until
+    finished)."""
 
-    def __init__(self, what: str, settings: DeadlineSettings, *, request_bytes: int, expect_bytes: int,
-                 stall_from_start: bool, base_factor: float = 1.0, streamed: bool = False,
-                 cancel: tuple[threading.Event | None, ...] = ()) -> None:
-        self.what, self._cancel = what, [e for e in cancel if e is not None and not e.is_set()]  # one set: cut
-        #: The call's 2xx body is streamed to the caller (GetObject); every other body botocore reads whole.
+    def __init__(
+        self,
+        what: str,
+        settings: DeadlineSettings,
+        *,
+        request_bytes: int,
+        expect_bytes: int,
+        stall_from_start: bool,
+        base_factor: float = 1.0,
+        streamed: bool = False,
+        cancel: tuple[threading.Event | None, ...] = (),
+    ) -> None:
+        self.what, self._cancel = (
+            what,
+            [e for e in cancel if e is not None and not e.is_set()],
+        )  # one set: cut
+        #: The call's 2xx body is streamed to the caller (GetObject); every other body botocore
+        #: reads whole.
         self.streamed = streamed
         self._settings = settings
         self._lock = threading.Lock()
@@ -96,20 +115,23 @@ class RequestGuard:
             _shutdown(conn)
 
     def body_started(self, content_length: int) -> None:
-        """The response headers are in: the deadline now counts ``content_length``; the stall clock runs."""
+        """The response headers are in: the deadline now counts ``content_length``; the stall clock
+        runs."""
         with self._lock:
             self._expect_bytes = content_length
             self._stall = True
             self._progress_at = time.monotonic()
 
     def progress(self, n_bytes: int) -> None:
-        """A body chunk of ``n_bytes`` arrived (a body without a length earns its time as it comes)."""
+        """A body chunk of ``n_bytes`` arrived (a body without a length earns its time as it
+        comes)."""
         with self._lock:
             self._progress_at = time.monotonic()
             self._received += n_bytes
 
     def expire(self, reason: str) -> None:
-        """Expire the guard now for ``reason`` (a response body over its cap); its sockets are shut down."""
+        """Expire the guard now for ``reason`` (a response body over its cap); its sockets are shut
+        down."""
         with self._lock:
             if self.reason is None:
                 self.reason, self.limit_s = reason, 0.0
@@ -118,11 +140,11 @@ class RequestGuard:
             _shutdown(conn)
 
     def check(self, now: float, in_flight: int = 1) -> bool:
-        """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True`` once
-        expired. ``in_flight``: the guarded requests of the process now; requests in parallel share the
-        link, so the minimum rate is judged across them: the byte part of the deadline is scaled by the
-        most requests seen in flight during this one (parts sent in parallel on a link slower than
-        ``max_concurrency x min_rate`` would otherwise all fail)."""
+        """Expire the guard if its deadline passed or it stalled (then shut its sockets); ``True``
+        once expired. ``in_flight``: the guarded requests of the process now; requests in parallel
+        share the link, so the minimum rate is judged across them: the byte part of the deadline is
+        scaled by the most requests seen in flight during this one (parts sent in parallel on a link
+        slower than ``max_concurrency x min_rate`` would otherwise all fail)."""
         with self._lock:
             self._peak_in_flight = max(self._peak_in_flight, in_flight)
             if self.reason is None:
@@ -141,7 +163,9 @@ class RequestGuard:
             else:
                 return True
         quiet = self.reason.startswith("cancelled")  # a stop asked for is no fault: no warning
-        (logger.debug if quiet else logger.warning)("%s: %s; closing its connection", self.what, self.reason)
+        (logger.debug if quiet else logger.warning)(
+            "%s: %s; closing its connection", self.what, self.reason
+        )
         for conn in conns:
             _shutdown(conn)
         return True
@@ -204,12 +228,14 @@ if hasattr(os, "register_at_fork"):
 
 
 def current_guard() -> RequestGuard | None:
-    """The guard of the request this thread is sending (``None`` outside a :class:`GuardedClient` call)."""
+    """The guard of the request this thread is sending (``None`` outside a :class:`GuardedClient`
+    call)."""
     return getattr(_current, "guard", None)
 
 
 def attach_connection(conn: Any) -> None:
-    """Called by the client's connection class as a request starts: attach ``conn`` to this thread's guard."""
+    """Called by the client's connection class as a request starts: attach ``conn`` to this thread's
+    guard."""
     guard = getattr(_current, "guard", None)
     if guard is not None:
         guard.attach(conn)
@@ -247,24 +273,31 @@ def _range_len(value: Any) -> int | None:
 
 
 def _raw_readinto(body: Any) -> Callable[[memoryview], int] | None:
-    """``http.client``'s ``readinto`` under botocore's ``StreamingBody`` (``_raw_stream._fp``; the bytes
-    added to botocore's count, which checks the length at EOF), or ``None`` where that is not safe
-    (another body type, a content decoder, bytes urllib3 buffered)."""
+    """``http.client``'s ``readinto`` under botocore's ``StreamingBody`` (``_raw_stream._fp``; the
+    bytes added to botocore's count, which checks the length at EOF), or ``None`` where that is not
+    safe (another body type, a content decoder, bytes urllib3 buffered)."""
     stream = getattr(body, "_raw_stream", None)
     readinto = getattr(getattr(stream, "_fp", None), "readinto", None)
-    if readinto is None or getattr(stream, "_decoder", None) is not None or len(getattr(stream, "_decoded_buffer", b"")) or not isinstance(getattr(body, "_amount_read", None), int):  # noqa: E501
+    if (
+        readinto is None
+        or getattr(stream, "_decoder", None) is not None
+        or len(getattr(stream, "_decoded_buffer", b""))
+        or not isinstance(getattr(body, "_amount_read", None), int)
+    ):  # noqa: E501
         return None
 
     def counted(b: memoryview) -> int:
         n = readinto(b) or 0
         body._amount_read += n
         return int(n)
+
     return counted
 
 
 class GuardedBody:
-    """A GetObject body read under its request's guard: every chunk is progress; a read after expiry (or
-    one the shutdown broke) raises :class:`RequestDeadlineError`; EOF or :meth:`close` disarms."""
+    """A GetObject body read under its request's guard: every chunk is progress; a read after expiry
+    (or one the shutdown broke) raises :class:`RequestDeadlineError`; EOF or :meth:`close`
+    disarms."""
 
     def __init__(self, body: Any, guard: RequestGuard) -> None:
         self._body, self._guard, self._done = body, guard, False
@@ -296,12 +329,13 @@ class GuardedBody:
         return data
 
     def readinto(self, b: memoryview) -> int:
-        """Read at most ``len(b)`` body bytes into ``b`` (0 at EOF), straight from ``http.client`` (no
-        intermediate ``bytes``) where :func:`_raw_readinto` allows, else :meth:`read` and a copy."""
+        """Read at most ``len(b)`` body bytes into ``b`` (0 at EOF), straight from ``http.client``
+        (no intermediate ``bytes``) where :func:`_raw_readinto` allows, else :meth:`read` and a
+        copy."""
         raw = _raw_readinto(self._body)
         if raw is None:
             data = self.read(len(b))
-            b[:len(data)] = data
+            b[: len(data)] = data
             return len(data)
         n: int = self._guarded(raw, b)
         self._guard.progress(n)
@@ -318,7 +352,9 @@ class GuardedBody:
         self._finish()
         self._body.close()
 
-    def __del__(self) -> None:  # a body dropped unread (s3transfer stops a failed transfer so) disarms too
+    def __del__(
+        self,
+    ) -> None:  # a body dropped unread (s3transfer stops a failed transfer so) disarms too
         self._finish()
 
     def __getattr__(self, name: str) -> Any:
@@ -327,21 +363,33 @@ class GuardedBody:
 
 class GuardedClient:
     """The botocore client with every API call under a :class:`RequestGuard` (other attributes, e.g.
-    ``meta``, pass through). ``raw`` is the client itself. ``stop_event``: a GET or HEAD in flight when it
-    is set is cut within :data:`TICK_S` (its sockets shut down), even one the server stalls; requests
-    started after it (cleanup) are left alone. ``cancel_event``: the same for every request, uploads too."""
+    ``meta``, pass through). ``raw`` is the client itself. ``stop_event``: a GET or HEAD in flight
+    when it is set is cut within :data:`TICK_S` (its sockets shut down), even one the server stalls;
+    requests started after it (cleanup) are left alone. ``cancel_event``: the same for every
+    request, uploads too."""
 
-    def __init__(self, client: Any, settings: DeadlineSettings, stop_event: threading.Event | None = None,
-                 cancel_event: threading.Event | None = None) -> None:
-        self.raw, self.settings, self.stop_event, self.cancel_event = client, settings, stop_event, cancel_event
+    def __init__(
+        self,
+        client: Any,
+        settings: DeadlineSettings,
+        stop_event: threading.Event | None = None,
+        cancel_event: threading.Event | None = None,
+    ) -> None:
+        self.raw, self.settings, self.stop_event, self.cancel_event = (
+            client,
+            settings,
+            stop_event,
+            cancel_event,
+        )
         self._ops = frozenset(client.meta.method_to_api_mapping)
         self._planned: dict[tuple[str, str], int] = {}
         self._planned_lock = threading.Lock()
 
     @contextlib.contextmanager
     def planned_size(self, bucket: str, key: str, size: int) -> Iterator[None]:
-        """While inside: a GetObject of ``bucket``/``key`` expects at most ``size`` bytes (+1), whatever
-        Range it asks for (s3transfer asks for a whole download part) or length the server announces."""
+        """While inside: a GetObject of ``bucket``/``key`` expects at most ``size`` bytes (+1),
+        whatever Range it asks for (s3transfer asks for a whole download part) or length the server
+        announces."""
         with self._planned_lock:
             self._planned[(bucket, key)] = size
         try:
@@ -365,10 +413,19 @@ class GuardedClient:
                 ranged = min(ranged, planned + 1) if ranged is not None else planned + 1
         what = f"{name} {kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
         stop = self.stop_event if name in STALL_FROM_START else None
-        cut = self.cancel_event if name != "create_multipart_upload" else None  # a cut create may leak an upload
-        guard = RequestGuard(what, self.settings, request_bytes=request_bytes, expect_bytes=ranged or 0,
-                             stall_from_start=name in STALL_FROM_START, base_factor=BASE_FACTORS.get(name, 1.0),
-                             streamed=name == "get_object", cancel=(stop, cut))
+        cut = (
+            self.cancel_event if name != "create_multipart_upload" else None
+        )  # a cut create may leak an upload
+        guard = RequestGuard(
+            what,
+            self.settings,
+            request_bytes=request_bytes,
+            expect_bytes=ranged or 0,
+            stall_from_start=name in STALL_FROM_START,
+            base_factor=BASE_FACTORS.get(name, 1.0),
+            streamed=name == "get_object",
+            cancel=(stop, cut),
+        )
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
         _current.guard = guard
@@ -396,5 +453,15 @@ class GuardedClient:
         return resp
 
 
-__all__ = ["BASE_FACTORS", "GuardedBody", "GuardedClient", "RequestDeadlineError", "RequestGuard", "STALL_FROM_START",
-           "TICK_S", "attach_connection", "current_guard", "veto_expired_request"]
+__all__ = [
+    "BASE_FACTORS",
+    "GuardedBody",
+    "GuardedClient",
+    "RequestDeadlineError",
+    "RequestGuard",
+    "STALL_FROM_START",
+    "TICK_S",
+    "attach_connection",
+    "current_guard",
+    "veto_expired_request",
+]

@@ -1,5 +1,6 @@
-"""Keys relative to a store prefix <-> full S3 keys (pure). A store keeps objects as ``<prefix>/<key>``;
-everything above it speaks relative keys (``step_0000001234/rank_00000.safetensors``)."""
+"""Keys relative to a store prefix <-> full S3 keys (pure). A store keeps objects as
+``<prefix>/<key>``; everything above it speaks relative keys
+(``step_0000001234/rank_00000.safetensors``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from tiered_ckpt.store.base import validate_key
 
 @dataclass(frozen=True)
 class PrefixKeys:
-    """The key mapping of one bucket prefix (``prefix`` without leading or trailing ``/``; ``""`` for the
-    bucket root). Methods raise ``ValueError`` for unusable relative keys (:func:`validate_key`)."""
+    """The key mapping of one bucket prefix (``prefix`` without leading or trailing ``/``; ``""``
+    for the bucket root). Methods raise ``ValueError`` for unusable relative keys
+    (:func:`validate_key`)."""
 
     prefix: str
 
@@ -28,13 +30,14 @@ class PrefixKeys:
         return f"{self.prefix}/{prefix}" if self.prefix else prefix
 
     def relative(self, full_key: str) -> str:
-        """The relative key of a full key the server returned; ``UploadError`` if it lies outside."""
+        """The relative key of a full key the server returned; ``UploadError`` if it lies
+        outside."""
         if not self.prefix:
             return full_key
         head = self.prefix + "/"
         if not full_key.startswith(head):
             raise UploadError(f"server returned key {full_key!r} outside prefix {self.prefix!r}")
-        return full_key[len(head):]
+        return full_key[len(head) :]
 
 
 __all__ = ["PrefixKeys"]

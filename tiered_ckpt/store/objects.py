@@ -1,23 +1,30 @@
-"""Single-attempt S3 object calls for :class:`~tiered_ckpt.store.s3.S3Store`: one request each (botocore
-retries inside it), the boto response turned into our value types, S3 error codes into our typed errors.
-The store wraps each call in its retries and maps keys; nothing here retries or knows the prefix.
+"""Single-attempt S3 object calls for :class:`~tiered_ckpt.store.s3.S3Store`: one request each
+(botocore retries inside it), the boto response turned into our value types, S3 error codes into our
+typed errors. The store wraps each call in its retries and maps keys; nothing here retries or knows
+the prefix.
 
-No boto import: errors are classified with :func:`tiered_ckpt.retry.s3_error_code_and_status`, which reads
-botocore's structured ``ClientError.response`` (never the message text) and answers ``(None, None)`` for
-anything that is not a ``ClientError`` (those propagate unchanged).
+No boto import: errors are classified with :func:`tiered_ckpt.retry.s3_error_code_and_status`, which
+reads botocore's structured ``ClientError.response`` (never the message text) and answers ``(None,
+None)`` for anything that is not a ``ClientError`` (those propagate unchanged).
 
-Source: S3 API reference (HeadObject with ``ChecksumMode=ENABLED``, PutObject with ``ChecksumSHA256``,
-``If-None-Match: *`` and ``If-Match``, GetObject with ``Range``, ListObjectsV2, DeleteObjects).
+Source: S3 API reference (HeadObject with ``ChecksumMode=ENABLED``, PutObject with
+``ChecksumSHA256``, ``If-None-Match: *`` and ``If-Match``, GetObject with ``Range``, ListObjectsV2,
+DeleteObjects).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.errors import ManifestError, RemoteListError, ShardCorruptedError
-from tiered_ckpt.retry import OperationInterruptedError, is_retryable_s3_error, s3_error_code_and_status
+from tiered_ckpt.retry import (
+    OperationInterruptedError,
+    is_retryable_s3_error,
+    s3_error_code_and_status,
+)
 from tiered_ckpt.store.base import ObjectInfo, PreconditionFailedError, RemoteNotFoundError
 from tiered_ckpt.store.checksums import checksums_match
 from tiered_ckpt.store.keys import PrefixKeys
@@ -26,8 +33,8 @@ if TYPE_CHECKING:
     from botocore.client import BaseClient
 
 #: The store's retried call: ``call(op_name, attempt) -> attempt()``'s result (one page per call).
-#: ``call(op_name, fn, **kwargs)``: the store's retried call (``S3Store._call``; ``error=`` the class of its
-#: final failure).
+#: ``call(op_name, fn, **kwargs)``: the store's retried call (``S3Store._call``; ``error=`` the
+#: class of its final failure).
 RetriedCall = Callable[..., Any]
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
@@ -39,7 +46,8 @@ GET_CHUNK_BYTES = 64 * 1024
 
 
 def is_not_found(exc: BaseException) -> bool:
-    """``exc`` is a botocore ``ClientError`` for a missing object or bucket (404, ``NoSuchKey``, ...)."""
+    """``exc`` is a botocore ``ClientError`` for a missing object or bucket (404, ``NoSuchKey``,
+    ...)."""
     code, status = s3_error_code_and_status(exc)
     return status == 404 or code in _NOT_FOUND_CODES
 
@@ -81,12 +89,18 @@ def put_object(
     if_match: str | None,
 ) -> ObjectInfo:
     """PutObject of ``payload`` with ``ChecksumSHA256=checksum_sha256_b64``, the write settings'
-    ``write_args`` and the condition (``If-None-Match: *`` or ``If-Match: <etag>``). A lost condition (412
-    ``PreconditionFailed``; 404 for ``If-Match`` on a missing key) raises :class:`PreconditionFailedError`;
-    a reported ``ChecksumSHA256`` that differs from the one sent raises
-    :class:`~tiered_ckpt.errors.ShardCorruptedError` (retryable)."""
-    request: dict[str, str | bytes] = {"Bucket": bucket, "Key": full_key, "Body": payload, "ChecksumAlgorithm": "SHA256",
-                               "ChecksumSHA256": checksum_sha256_b64, **write_args}
+    ``write_args`` and the condition (``If-None-Match: *`` or ``If-Match: <etag>``). A lost
+    condition (412 ``PreconditionFailed``; 404 for ``If-Match`` on a missing key) raises
+    :class:`PreconditionFailedError`; a reported ``ChecksumSHA256`` that differs from the one sent
+    raises :class:`~tiered_ckpt.errors.ShardCorruptedError` (retryable)."""
+    request: dict[str, str | bytes] = {
+        "Bucket": bucket,
+        "Key": full_key,
+        "Body": payload,
+        "ChecksumAlgorithm": "SHA256",
+        "ChecksumSHA256": checksum_sha256_b64,
+        **write_args,
+    }
     if if_none_match:
         request["IfNoneMatch"] = "*"
     if if_match is not None:
@@ -96,7 +110,11 @@ def put_object(
         resp = client.put_object(**request)
     except Exception as exc:
         code, status = s3_error_code_and_status(exc)
-        lost = status == 412 or code == "PreconditionFailed" or (if_match is not None and is_not_found(exc))
+        lost = (
+            status == 412
+            or code == "PreconditionFailed"
+            or (if_match is not None and is_not_found(exc))
+        )
         if conditional and lost:
             condition = "If-None-Match: *" if if_none_match else f"If-Match: {if_match}"
             raise PreconditionFailedError(
@@ -105,20 +123,26 @@ def put_object(
         raise
     reported = resp.get("ChecksumSHA256")
     if reported is not None and not checksums_match(reported, checksum_sha256_b64):
-        raise ShardCorruptedError(f"{what}: server reports ChecksumSHA256 {reported}, sent {checksum_sha256_b64}")
+        raise ShardCorruptedError(
+            f"{what}: server reports ChecksumSHA256 {reported}, sent {checksum_sha256_b64}"
+        )
     return ObjectInfo(
-        key=key, size_bytes=len(payload), etag=str(resp["ETag"]), checksum_sha256=reported, last_modified=None
+        key=key,
+        size_bytes=len(payload),
+        etag=str(resp["ETag"]),
+        checksum_sha256=reported,
+        last_modified=None,
     )
 
 
 def get_object(client: BaseClient, request: Mapping[str, str], what: str, max_bytes: int) -> bytes:
     """GetObject with the prepared ``request`` (Bucket, Key, optional Range): the body, read in
-    :data:`GET_CHUNK_BYTES` chunks and refused with :class:`~tiered_ckpt.errors.ManifestError` naming
-    ``what`` and the cap as soon as it passes ``max_bytes`` (or announces more), so an endless body costs
-    at most one chunk over the cap in memory. Without a Range in ``request`` it asks for
-    ``bytes=0-<max_bytes>`` (one byte over the cap, to tell "at the cap" from "over it"; a server may
-    ignore the Range, the count still holds); an empty object (416 ``InvalidRange`` for that range) is
-    fetched again without one. Raises :class:`RemoteNotFoundError` on 404."""
+    :data:`GET_CHUNK_BYTES` chunks and refused with :class:`~tiered_ckpt.errors.ManifestError`
+    naming ``what`` and the cap as soon as it passes ``max_bytes`` (or announces more), so an
+    endless body costs at most one chunk over the cap in memory. Without a Range in ``request`` it
+    asks for ``bytes=0-<max_bytes>`` (one byte over the cap, to tell "at the cap" from "over it"; a
+    server may ignore the Range, the count still holds); an empty object (416 ``InvalidRange`` for
+    that range) is fetched again without one. Raises :class:`RemoteNotFoundError` on 404."""
     ranged = dict(request) if "Range" in request else {**request, "Range": f"bytes=0-{max_bytes}"}
     try:
         resp = client.get_object(**ranged)
@@ -132,8 +156,10 @@ def get_object(client: BaseClient, request: Mapping[str, str], what: str, max_by
 
 
 def _too_large(what: str, max_bytes: int, seen: str) -> ManifestError:
-    return ManifestError(f"{what} is larger than the {max_bytes}-byte cap for this kind of object ({seen}); "
-                         "refusing to read it")
+    return ManifestError(
+        f"{what} is larger than the {max_bytes}-byte cap for this kind of object ({seen}); "
+        "refusing to read it"
+    )
 
 
 def _read_capped(resp: Mapping[str, Any], what: str, max_bytes: int) -> bytes:
@@ -153,19 +179,26 @@ def _read_capped(resp: Mapping[str, Any], what: str, max_bytes: int) -> bytes:
 
 
 def read_sha256(
-    client: BaseClient, bucket: str, full_key: str, what: str, stop_events: tuple[threading.Event, ...],
+    client: BaseClient,
+    bucket: str,
+    full_key: str,
+    what: str,
+    stop_events: tuple[threading.Event, ...],
     max_bytes: int | None = None,
 ) -> tuple[int, str]:
-    """GetObject streamed in :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the body.
-    With ``max_bytes`` it asks for ``bytes=0-<max_bytes>`` (so the request's deadline follows the planned
-    size, not a length the server announces) and stops reading once more than ``max_bytes`` arrived: the
-    size returned is then over ``max_bytes`` (the hash of what was read), never an endless read; an empty
-    object (416 for that Range) is fetched again without one. Raises :class:`RemoteNotFoundError` (404),
-    :class:`OperationInterruptedError` once any of ``stop_events`` is set (checked after each chunk)."""
+    """GetObject streamed in :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the
+    body. With ``max_bytes`` it asks for ``bytes=0-<max_bytes>`` (so the request's deadline follows
+    the planned size, not a length the server announces) and stops reading once more than
+    ``max_bytes`` arrived: the size returned is then over ``max_bytes`` (the hash of what was read),
+    never an endless read; an empty object (416 for that Range) is fetched again without one. Raises
+    :class:`RemoteNotFoundError` (404), :class:`OperationInterruptedError` once any of
+    ``stop_events`` is set (checked after each chunk)."""
     request = {"Bucket": bucket, "Key": full_key}
     try:
         try:
-            resp = client.get_object(**request, **({} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}))
+            resp = client.get_object(
+                **request, **({} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"})
+            )
         except Exception as exc:
             if max_bytes is None or s3_error_code_and_status(exc)[1] != 416:
                 raise
@@ -203,12 +236,19 @@ def list_objects_page(
 
 
 def iter_keys(
-    call: RetriedCall, client: BaseClient, bucket: str, keys: PrefixKeys, prefix: str, page_size: int, url: str
+    call: RetriedCall,
+    client: BaseClient,
+    bucket: str,
+    keys: PrefixKeys,
+    prefix: str,
+    page_size: int,
+    url: str,
 ) -> Iterator[str]:
-    """Relative keys under ``prefix``, page after page (a generator; each page one ``call``). Raises ``ValueError`` on
-    a ``page_size`` outside [1, 1000], :class:`~tiered_ckpt.errors.RemoteListError` when a page fails after
-    the retries, or is truncated without a token or with the token it was asked with (a server that ignores
-    it: the same page for ever)."""
+    """Relative keys under ``prefix``, page after page (a generator; each page one ``call``). Raises
+    ``ValueError`` on a ``page_size`` outside [1, 1000],
+    :class:`~tiered_ckpt.errors.RemoteListError` when a page fails after the retries, or is
+    truncated without a token or with the token it was asked with (a server that ignores it: the
+    same page for ever)."""
     if not 1 <= page_size <= 1000:
         raise ValueError(f"page_size must be in [1, 1000], got {page_size}")
     full_prefix = keys.full_prefix(prefix)
@@ -216,7 +256,8 @@ def iter_keys(
     while True:
         sent = token
         page, truncated, token = call(
-            f"list {url}/{prefix}", lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t),
+            f"list {url}/{prefix}",
+            lambda t=token: list_objects_page(client, bucket, full_prefix, page_size, t),
             error=RemoteListError,
         )
         for full_key in page:
@@ -224,16 +265,20 @@ def iter_keys(
         if not truncated:
             return
         if not token:
-            raise RemoteListError(f"listing {url}/{prefix} failed: the server sent a truncated page without a "
-                                  "continuation token")
+            raise RemoteListError(
+                f"listing {url}/{prefix} failed: the server sent a truncated page without a "
+                "continuation token"
+            )
         if token == sent:  # a server ignoring ContinuationToken would answer the same page for ever
-            raise RemoteListError(f"listing {url}/{prefix} failed: the server sent back the continuation token "
-                                  "it was sent (the same page for ever)")
+            raise RemoteListError(
+                f"listing {url}/{prefix} failed: the server sent back the continuation token "
+                "it was sent (the same page for ever)"
+            )
 
 
 class PartialDeleteError(Exception):
-    """DeleteObjects reported per-key errors; ``retryable`` if all of them are transient (internal to the
-    store: it retries the failed keys or raises an ``UploadError`` naming them)."""
+    """DeleteObjects reported per-key errors; ``retryable`` if all of them are transient (internal
+    to the store: it retries the failed keys or raises an ``UploadError`` naming them)."""
 
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
@@ -248,9 +293,12 @@ def is_retryable_delete_error(exc: BaseException) -> bool:
 
 
 def delete_batch(client: BaseClient, bucket: str, batch: list[str]) -> None:
-    """DeleteObjects of ``batch`` (full keys, at most 1000). On per-key errors ``batch`` is narrowed IN
-    PLACE to the keys that failed (so a retry sends only those) and :class:`PartialDeleteError` raised."""
-    resp = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+    """DeleteObjects of ``batch`` (full keys, at most 1000). On per-key errors ``batch`` is narrowed
+    IN PLACE to the keys that failed (so a retry sends only those) and :class:`PartialDeleteError`
+    raised."""
+    resp = client.delete_objects(
+        Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+    )
     errors = resp.get("Errors") or []
     if not errors:
         batch.clear()
@@ -260,7 +308,8 @@ def delete_batch(client: BaseClient, bucket: str, batch: list[str]) -> None:
     codes = sorted({str(e.get("Code")) for e in errors})
     retryable = all(str(e.get("Code")) in _TRANSIENT_DELETE_CODES for e in errors)
     raise PartialDeleteError(
-        f"{len(errors)} key(s) not deleted, codes {codes}, first {sorted(failed)[:3]}", retryable=retryable
+        f"{len(errors)} key(s) not deleted, codes {codes}, first {sorted(failed)[:3]}",
+        retryable=retryable,
     )
 
 

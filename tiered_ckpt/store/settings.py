@@ -1,12 +1,13 @@
-"""Configuration of the S3 store, as small frozen dataclasses checked in ``__post_init__`` (STYLE item 8).
-Pure: no boto3 import, so callers can build settings without loading the client.
+"""Configuration of the S3 store, as small frozen dataclasses checked in ``__post_init__`` (STYLE
+item 8). Pure: no boto3 import, so callers can build settings without loading the client.
 
 * :class:`TransferSettings`: part sizes and concurrency of uploads and downloads.
 * :class:`WriteSettings`: server-side encryption and storage class applied to every object written.
 * :class:`DeadlineSettings`: the stall timeout and the byte-scaled deadline of every single request.
 
-Source: S3 API reference (multipart limits: parts of 5 MiB .. 5 GiB, at most 10,000 parts, single PUT up
-to 5 GiB; PutObject / CreateMultipartUpload ``ServerSideEncryption``, ``SSEKMSKeyId``, ``StorageClass``).
+Source: S3 API reference (multipart limits: parts of 5 MiB .. 5 GiB, at most 10,000 parts, single
+PUT up to 5 GiB; PutObject / CreateMultipartUpload ``ServerSideEncryption``, ``SSEKMSKeyId``,
+``StorageClass``).
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ class TransferSettings:
     """How the store moves files.
 
     Uploads: a file of ``size >= multipart_threshold_bytes`` goes as a multipart upload in parts of
-    ``part_size_bytes`` (S3: 5 MiB .. 5 GiB, at most 10,000 parts; s3transfer doubles the part size for
-    huge files), ``max_concurrency`` parts in flight per store. Downloads: an object of
+    ``part_size_bytes`` (S3: 5 MiB .. 5 GiB, at most 10,000 parts; s3transfer doubles the part size
+    for huge files), ``max_concurrency`` parts in flight per store. Downloads: an object of
     ``size >= download_part_size_bytes`` is fetched with ranged GETs of that size,
     ``download_max_concurrency`` in flight, the parts of all shards of a restore in one window (its
-    buffers: at most ``download_max_concurrency x download_part_size_bytes`` bytes, 256 MiB by default).
-    The defaults (16 MiB x 16) were tuned on SeaweedFS, a real object store (``bench/restore.py``); S3
-    and MinIO reach their throughput with parallel moderate ranges too. **moto** answers a ranged GET in
-    time proportional to the whole object: there use few large ranges (e.g. 64 MiB x 4, or a part size
-    above the shard size: one GET per shard, then memory is up to 4 shards).
-    Raises ``ValueError`` on out-of-range values.
+    buffers: at most ``download_max_concurrency x download_part_size_bytes`` bytes, 256 MiB by
+    default). The defaults (16 MiB x 16) were tuned on SeaweedFS, a real object store
+    (``bench/restore.py``); S3 and MinIO reach their throughput with parallel moderate ranges too.
+    **moto** answers a ranged GET in time proportional to the whole object: there use few large
+    ranges (e.g. 64 MiB x 4, or a part size above the shard size: one GET per shard, then memory is
+    up to 4 shards). Raises ``ValueError`` on out-of-range values.
     """
 
     multipart_threshold_bytes: int = 64 * MiB
@@ -64,26 +65,29 @@ class TransferSettings:
                 f"got {self.multipart_threshold_bytes}"
             )
         if self.download_part_size_bytes < MiB:
-            raise ValueError(f"download_part_size_bytes must be >= 1 MiB, got {self.download_part_size_bytes}")
+            raise ValueError(
+                f"download_part_size_bytes must be >= 1 MiB, got {self.download_part_size_bytes}"
+            )
 
 
 @dataclass(frozen=True)
 class DeadlineSettings:
     """Deadlines of each single S3 request (enforced by :mod:`tiered_ckpt.store.deadline`).
 
-    A request fails (retryably, :class:`~tiered_ckpt.store.deadline.RequestDeadlineError`) when it runs
-    past ``deadline_base_s + bytes / min_rate_bytes_per_s`` seconds from its start, where ``bytes`` is the
-    request body plus the response body expected (the Range asked for, else the ``Content-Length``
-    announced, or the bytes received when more), or when it *stalls*: no chunk of the response body
-    arrived for ``stall_timeout_s`` seconds (for a GET or HEAD, also no response headers). A chunk is
-    64 KiB for small objects, 256 KiB for s3transfer's downloads and 8 MiB for a read-back, so the stall
-    timeout must cover one chunk at the slowest rate allowed (8 MiB at 256 KiB/s: 32 s).
-    CompleteMultipartUpload (which S3 may work on for minutes) gets 10 x ``deadline_base_s``.
+    A request fails (retryably, :class:`~tiered_ckpt.store.deadline.RequestDeadlineError`) when it
+    runs past ``deadline_base_s + bytes / min_rate_bytes_per_s`` seconds from its start, where
+    ``bytes`` is the request body plus the response body expected (the Range asked for, else the
+    ``Content-Length`` announced, or the bytes received when more), or when it *stalls*: no chunk of
+    the response body arrived for ``stall_timeout_s`` seconds (for a GET or HEAD, also no response
+    headers). A chunk is 64 KiB for small objects, 256 KiB for s3transfer's downloads and 8 MiB for
+    a read-back, so the stall timeout must cover one chunk at the slowest rate allowed (8 MiB at 256
+    KiB/s: 32 s). CompleteMultipartUpload (which S3 may work on for minutes) gets 10 x
+    ``deadline_base_s``.
 
     The defaults (stall 60 s, base 60 s, 256 KiB/s) let a 64 MiB part through in 5.3 min and a 5 GiB
-    one in 5.7 h: a safety net against a server that never finishes (an endless or trickling body: one
-    byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput check. Raises
-    ``ValueError`` on values that are not finite numbers > 0.
+    one in 5.7 h: a safety net against a server that never finishes (an endless or trickling body:
+    one byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput check.
+    Raises ``ValueError`` on values that are not finite numbers > 0.
     """
 
     stall_timeout_s: float = 60.0
@@ -93,11 +97,16 @@ class DeadlineSettings:
     def __post_init__(self) -> None:
         for name in ("stall_timeout_s", "deadline_base_s", "min_rate_bytes_per_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value < float("inf")
+            ):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     def deadline_s(self, n_bytes: int) -> float:
-        """Seconds a request moving ``n_bytes`` (body sent plus body expected back) may take in all."""
+        """Seconds a request moving ``n_bytes`` (body sent plus body expected back) may take in
+        all."""
         return self.deadline_base_s + max(n_bytes, 0) / self.min_rate_bytes_per_s
 
 
@@ -109,9 +118,9 @@ _STORAGE_CLASS_RE = re.compile(r"^[A-Z][A-Z_]*$")
 class WriteSettings:
     """Optional S3 arguments applied to every object written (PutObject / CreateMultipartUpload).
 
-    ``server_side_encryption``: ``"AES256"``, ``"aws:kms"`` or ``"aws:kms:dsse"``; ``sse_kms_key_id``
-    only with a KMS value; ``storage_class``: e.g. ``"STANDARD"``, ``"INTELLIGENT_TIERING"``.
-    Raises ``ValueError`` on other values.
+    ``server_side_encryption``: ``"AES256"``, ``"aws:kms"`` or ``"aws:kms:dsse"``;
+    ``sse_kms_key_id`` only with a KMS value; ``storage_class``: e.g. ``"STANDARD"``,
+    ``"INTELLIGENT_TIERING"``. Raises ``ValueError`` on other values.
     """
 
     server_side_encryption: str | None = None
@@ -119,7 +128,10 @@ class WriteSettings:
     storage_class: str | None = None
 
     def __post_init__(self) -> None:
-        if self.server_side_encryption is not None and self.server_side_encryption not in _SSE_VALUES:
+        if (
+            self.server_side_encryption is not None
+            and self.server_side_encryption not in _SSE_VALUES
+        ):
             raise ValueError(
                 f"server_side_encryption must be one of {sorted(_SSE_VALUES)}, got {self.server_side_encryption!r}"
             )
@@ -127,12 +139,15 @@ class WriteSettings:
             if not self.sse_kms_key_id:
                 raise ValueError("sse_kms_key_id must not be empty")
             if self.server_side_encryption not in ("aws:kms", "aws:kms:dsse"):
-                raise ValueError("sse_kms_key_id requires server_side_encryption='aws:kms' or 'aws:kms:dsse'")
+                raise ValueError(
+                    "sse_kms_key_id requires server_side_encryption='aws:kms' or 'aws:kms:dsse'"
+                )
         if self.storage_class is not None and not _STORAGE_CLASS_RE.match(self.storage_class):
             raise ValueError(f"storage_class must look like 'STANDARD', got {self.storage_class!r}")
 
     def extra_args(self) -> dict[str, str]:
-        """The settings as S3 request parameters (``ServerSideEncryption``, ``SSEKMSKeyId``, ``StorageClass``)."""
+        """The settings as S3 request parameters (``ServerSideEncryption``, ``SSEKMSKeyId``,
+        ``StorageClass``)."""
         args: dict[str, str] = {}
         if self.server_side_encryption is not None:
             args["ServerSideEncryption"] = self.server_side_encryption

@@ -1,13 +1,15 @@
-"""A training job's events as JSON lines, for another process to read (the demo reads its jobs' logs).
+"""A training job's events as JSON lines, for another process to read (the demo reads its jobs'
+logs).
 
 One record per line, a flat JSON object with an ``"event"`` key:
 
-- ``{"event": "save", **SaveOutcome.to_json()}``: one :class:`~tiered_ckpt.training.manager.SaveOutcome`
-  (step, rank, seconds of the background write + hash + commit, stage_seconds, committed_here, error);
+- ``{"event": "save", **SaveOutcome.to_json()}``: one
+  :class:`~tiered_ckpt.training.manager.SaveOutcome` (step, rank, seconds of the background write +
+  hash + commit, stage_seconds, committed_here, error);
 - ``{"event": "resumed", "step": N}``: the job resumed from committed step ``N``.
 
-The writer appends and flushes each line at once (a job SIGKILLed later keeps every earlier line); the
-reader skips a last line cut short by such a kill and any record it does not know.
+The writer appends and flushes each line at once (a job SIGKILLed later keeps every earlier line);
+the reader skips a last line cut short by such a kill and any record it does not know.
 
 Lifecycle::
 
@@ -23,10 +25,11 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Mapping
+from typing import Any
 
 from tiered_ckpt.training.manager import SaveOutcome
 
@@ -63,11 +66,15 @@ class JobEventLog:
         with self._lock:
             self._f.close()
 
-    def __enter__(self) -> "JobEventLog":
+    def __enter__(self) -> JobEventLog:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 
@@ -81,8 +88,9 @@ class JobEvents:
 
 
 def read_job_events(path: str | os.PathLike[str]) -> JobEvents:
-    """Read a :class:`JobEventLog` file; a missing file reads as no events. Lines that are not complete
-    records of a known event (a line cut by SIGKILL) are skipped. Raises ``OSError`` on a read error."""
+    """Read a :class:`JobEventLog` file; a missing file reads as no events. Lines that are not
+    complete records of a known event (a line cut by SIGKILL) are skipped. Raises ``OSError`` on a
+    read error."""
     p = Path(path)
     if not p.exists():
         return JobEvents((), None)

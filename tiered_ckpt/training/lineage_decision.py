@@ -1,43 +1,46 @@
-"""The manager's lineage decision (SPEC §11): at :meth:`CheckpointManager.load` and at its first save.
+"""The manager's lineage decision (SPEC §11): at :meth:`CheckpointManager.load` and at its first
+save.
 
 The rule (``N``: the newest attempt any visible record names; visible: every rank's root and, with a
 ``remote_url``, the bucket):
 
 - every load of step ``S`` (the manager's first or a later one, ``load(S)`` or ``load()``) while a
-  current committed step ``> S`` is visible starts attempt ``N+1`` with ``supersedes_from = S + 1`` (a
-  rollback, or a node replacement that lost the newest step); loading the newest current step again
-  starts none;
+  current committed step ``> S`` is visible starts attempt ``N+1`` with ``supersedes_from = S + 1``
+  (a rollback, or a node replacement that lost the newest step); loading the newest current step
+  again starts none;
 - a first save of step ``T`` without a load while a current step ``>= T`` is visible starts attempt
   ``N+1`` with ``supersedes_from = T``;
-- a bucket that cannot be read (``UploadError``: an outage) may hold newer current steps: the decision
-  goes on from the local tier (a warning) as if it did, so a load (or first save) starts a new attempt
-  that supersedes whatever newer the bucket holds once the record reaches it (the sidecar publishes the
-  root's record before any step of the new attempt); a load that finds no step locally then raises
-  ``UploadError``, never :class:`NoCheckpointError` (the bucket may hold one);
-- otherwise the run goes on in attempt ``N``; with no record anywhere a run is created (attempt 1, a new
-  run id, rank 0's choice).
+- a bucket that cannot be read (``UploadError``: an outage) may hold newer current steps: the
+  decision goes on from the local tier (a warning) as if it did, so a load (or first save) starts a
+  new attempt that supersedes whatever newer the bucket holds once the record reaches it (the
+  sidecar publishes the root's record before any step of the new attempt); a load that finds no step
+  locally then raises ``UploadError``, never :class:`NoCheckpointError` (the bucket may hold one);
+- otherwise the run goes on in attempt ``N``; with no record anywhere a run is created (attempt 1, a
+  new run id, rank 0's choice).
 
-Lifecycle of one decision (every rank, in the caller's thread; collectives on the manager's policy group):
+Lifecycle of one decision (every rank, in the caller's thread; collectives on the manager's policy
+group):
 
-1. survey: every rank reads its root's ``run.json``; rank 0 also reads the bucket (its record and its
-   committed steps) and draws a candidate run id and timestamp. All-gathered; every rank merges the
-   records (:meth:`RunLineage.merge`; :class:`LineageError` on divergence) to the same result;
-2. steps: every rank reports its root's committed steps current under the merged record (and, to load,
-   the steps it can offer: holding its own shard, or restorable from the bucket). All-gathered; the step
-   to load is the newest every rank offers; every rank reports the world size of the step as it would
-   load it (its root's manifest, else the bucket's save), all-gathered: a mismatch raises
-   :class:`WorldSizeMismatchError` on every rank before anything is written or downloaded; the decision
-   above is made (identically on every rank);
-3. record: every rank writes the decided record into its root (:func:`write_run_record`: idempotent, so
-   ranks sharing a root may all write it) and sets the superseded steps aside
-   (:func:`set_aside_superseded`, race-tolerant); rank 0 publishes it to the bucket; an all-gather of the
-   outcomes is the barrier (any failure raises on every rank). Only then may the new attempt save.
+1. survey: every rank reads its root's ``run.json``; rank 0 also reads the bucket (its record and
+   its committed steps) and draws a candidate run id and timestamp. All-gathered; every rank merges
+   the records (:meth:`RunLineage.merge`; :class:`LineageError` on divergence) to the same result;
+2. steps: every rank reports its root's committed steps current under the merged record (and, to
+   load, the steps it can offer: holding its own shard, or restorable from the bucket).
+   All-gathered; the step to load is the newest every rank offers; every rank reports the world size
+   of the step as it would load it (its root's manifest, else the bucket's save), all-gathered: a
+   mismatch raises :class:`WorldSizeMismatchError` on every rank before anything is written or
+   downloaded; the decision above is made (identically on every rank);
+3. record: every rank writes the decided record into its root (:func:`write_run_record`: idempotent,
+   so ranks sharing a root may all write it) and sets the superseded steps aside
+   (:func:`set_aside_superseded`, race-tolerant); rank 0 publishes it to the bucket; an all-gather
+   of the outcomes is the barrier (any failure raises on every rank). Only then may the new attempt
+   save.
 
-A crash anywhere repeats the decision on restart: once a root holds the record, its superseded steps are
-filtered by every catalogue read, so the same step is loaded and no newer current step is seen (no third
-attempt). ``run_id`` and ``attempt`` of the decided record go into every manifest the manager commits.
-An error on one rank in phases 1-2 is raised on every rank with its own type (``ManifestError`` for an
-unreadable ``run.json``, local or the bucket's).
+A crash anywhere repeats the decision on restart: once a root holds the record, its superseded steps
+are filtered by every catalogue read, so the same step is loaded and no newer current step is seen
+(no third attempt). ``run_id`` and ``attempt`` of the decided record go into every manifest the
+manager commits. An error on one rank in phases 1-2 is raised on every rank with its own type
+(``ManifestError`` for an unreadable ``run.json``, local or the bucket's).
 """
 
 from __future__ import annotations
@@ -47,14 +50,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.errors import (CheckpointError, DistributedSaveError, LineageError, ManifestError, MissingShardError,
-                                NoCheckpointError, RunMismatchError, ShardCorruptedError, UploadError,
-                                WorldSizeMismatchError)
+from tiered_ckpt.errors import (
+    CheckpointError,
+    DistributedSaveError,
+    LineageError,
+    ManifestError,
+    MissingShardError,
+    NoCheckpointError,
+    RunMismatchError,
+    ShardCorruptedError,
+    UploadError,
+    WorldSizeMismatchError,
+)
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import utc_now
-from tiered_ckpt.local import new_run_id, read_manifest, read_run_record, set_aside_superseded, write_run_record
-from tiered_ckpt.training.resume import (RemoteView, current_local_steps, ensure_local, local_ranks_present,
-                                         offer_steps, publish_remote_lineage, read_remote_view, step_complete)
+from tiered_ckpt.local import (
+    new_run_id,
+    read_manifest,
+    read_run_record,
+    set_aside_superseded,
+    write_run_record,
+)
+from tiered_ckpt.training.resume import (
+    RemoteView,
+    current_local_steps,
+    ensure_local,
+    local_ranks_present,
+    offer_steps,
+    publish_remote_lineage,
+    read_remote_view,
+    step_complete,
+)
 
 if TYPE_CHECKING:
     from tiered_ckpt.training.dist import SaveCoordinator
@@ -62,9 +88,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Error types a rank's failure in phases 1-2 is raised as on every rank (others: CheckpointError).
-_GATHERED_ERRORS = {c.__name__: c for c in (ManifestError, LineageError, UploadError, RunMismatchError,
-                                             NoCheckpointError, WorldSizeMismatchError, MissingShardError,
-                                             ShardCorruptedError)}
+_GATHERED_ERRORS = {
+    c.__name__: c
+    for c in (
+        ManifestError,
+        LineageError,
+        UploadError,
+        RunMismatchError,
+        NoCheckpointError,
+        WorldSizeMismatchError,
+        MissingShardError,
+        ShardCorruptedError,
+    )
+}
 
 
 def _error_entry(exc: BaseException, where: str) -> dict[str, str]:
@@ -72,8 +108,8 @@ def _error_entry(exc: BaseException, where: str) -> dict[str, str]:
 
 
 def _raise_gathered(got: list[dict[str, Any]], what: str) -> None:
-    """Raise the lowest failing rank's error (``got[i]["error"]``, see :func:`_error_entry`) with its
-    type, on every rank alike."""
+    """Raise the lowest failing rank's error (``got[i]["error"]``, see :func:`_error_entry`) with
+    its type, on every rank alike."""
     errors = {g["rank"]: g["error"] for g in got if "error" in g}
     if errors:
         first = errors[min(errors)]
@@ -83,10 +119,10 @@ def _raise_gathered(got: list[dict[str, Any]], what: str) -> None:
 
 @dataclass(frozen=True)
 class Survey:
-    """Phase 1 on every rank: the merged record (``None``: no record anywhere), rank 0's candidate run id
-    and timestamp, the bucket's view (``None`` without a remote; ``readable=False`` when it could not be
-    read) and whether the bucket is this run's (a bucket of another run is read for restoring, never
-    written)."""
+    """Phase 1 on every rank: the merged record (``None``: no record anywhere), rank 0's candidate
+    run id and timestamp, the bucket's view (``None`` without a remote; ``readable=False`` when it
+    could not be read) and whether the bucket is this run's (a bucket of another run is read for
+    restoring, never written)."""
 
     merged: RunLineage | None
     run_id: str
@@ -96,8 +132,8 @@ class Survey:
 
     @property
     def remote_lineage(self) -> RunLineage | None:
-        """The record the bucket's saves are judged under: the run's merged one, or the bucket's own when
-        it is another run's."""
+        """The record the bucket's saves are judged under: the run's merged one, or the bucket's own
+        when it is another run's."""
         return self.merged if self.remote_ours or self.remote is None else self.remote.lineage
 
     @property
@@ -112,16 +148,25 @@ class Survey:
         return self.remote is not None and not self.remote.readable
 
 
-def decide(survey: Survey, visible: set[int], *, loaded: int | None = None,
-           first_save: int | None = None) -> RunLineage:
-    """The record the run continues in (see the module docstring); pure. An unreadable bucket counts as
-    holding a current step newer than any."""
-    base = survey.merged if survey.merged is not None else RunLineage.first(survey.run_id, survey.started_at)
+def decide(
+    survey: Survey, visible: set[int], *, loaded: int | None = None, first_save: int | None = None
+) -> RunLineage:
+    """The record the run continues in (see the module docstring); pure. An unreadable bucket counts
+    as holding a current step newer than any."""
+    base = (
+        survey.merged
+        if survey.merged is not None
+        else RunLineage.first(survey.run_id, survey.started_at)
+    )
     unknown = survey.remote_unknown
     if loaded is not None and (unknown or any(s > loaded for s in visible)):
-        return base.new_attempt(supersedes_from=loaded + 1, resumed_from=loaded, started_at=survey.started_at)
+        return base.new_attempt(
+            supersedes_from=loaded + 1, resumed_from=loaded, started_at=survey.started_at
+        )
     if first_save is not None and (unknown or any(s >= first_save for s in visible)):
-        return base.new_attempt(supersedes_from=first_save, resumed_from=None, started_at=survey.started_at)
+        return base.new_attempt(
+            supersedes_from=first_save, resumed_from=None, started_at=survey.started_at
+        )
     return base
 
 
@@ -130,8 +175,16 @@ class LineageDecider:
     :class:`~tiered_ckpt.training.dist.SaveCoordinator` (its ``all_gather_json(obj, policy=True)``
     gathers from every rank on the policy group), ``None`` for one process."""
 
-    def __init__(self, root: Path, rank: int, coord: "SaveCoordinator | None", *, remote_url: str | None = None,
-                 s3_client: Any = None, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        coord: SaveCoordinator | None,
+        *,
+        remote_url: str | None = None,
+        s3_client: Any = None,
+        world_size: int = 1,
+    ) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
         self._coord = coord
         self.remote_url, self._s3_client = remote_url, s3_client
@@ -142,15 +195,17 @@ class LineageDecider:
         try:
             return list(self._coord.all_gather_json(obj, policy=True))
         except RuntimeError as exc:
-            raise DistributedSaveError(f"rank {self.rank}: {what}: a collective failed (a rank died or timed "
-                                       f"out?): {exc}") from exc
+            raise DistributedSaveError(
+                f"rank {self.rank}: {what}: a collective failed (a rank died or timed out?): {exc}"
+            ) from exc
 
-    # ------------------------------------------------------------------------------ phases
+    # --- phases
 
     def survey(self, known: RunLineage | None = None) -> Survey:
-        """Phase 1. ``known``: the record the manager already runs in (merged with the roots'). Raises
-        :class:`LineageError` (records that diverge), ``ManifestError`` (a ``run.json`` that cannot be read,
-        on any rank or in the bucket), and whatever else reading the bucket raised, with its type."""
+        """Phase 1. ``known``: the record the manager already runs in (merged with the roots').
+        Raises :class:`LineageError` (records that diverge), ``ManifestError`` (a ``run.json`` that
+        cannot be read, on any rank or in the bucket), and whatever else reading the bucket raised,
+        with its type."""
         mine: dict[str, Any] = {"rank": self.rank}
         try:
             rec = read_run_record(self.root)
@@ -161,7 +216,9 @@ class LineageDecider:
             mine.update(run_id=new_run_id(), started_at=utc_now())
             if self.remote_url is not None:
                 try:  # whatever fails here must reach every rank, not leave them waiting in the gather
-                    mine["remote"] = read_remote_view(self.remote_url, s3_client=self._s3_client).to_json()
+                    mine["remote"] = read_remote_view(
+                        self.remote_url, s3_client=self._s3_client
+                    ).to_json()
                 except Exception as exc:
                     mine["error"] = _error_entry(exc, f"reading {self.remote_url}: ")
         got = self._gather(mine, "gathering run records")
@@ -179,22 +236,35 @@ class LineageDecider:
                 merged = remote.lineage if merged is None else merged.merge(remote.lineage)
             else:
                 ours = False
-                log.warning("rank %d: %s belongs to run %s, this root to run %s: its steps may be restored, "
-                            "its record is left alone", self.rank, self.remote_url, remote.lineage.run_id,
-                            merged.run_id)
+                log.warning(
+                    "rank %d: %s belongs to run %s, this root to run %s: its steps may be restored, "
+                    "its record is left alone",
+                    self.rank,
+                    self.remote_url,
+                    remote.lineage.run_id,
+                    merged.run_id,
+                )
         if remote is not None and not remote.readable:
-            log.warning("rank %d: %s could not be read (%s): only the local tier's steps are considered (the "
-                        "bucket may hold newer ones); with no step here, the load fails", self.rank,
-                        self.remote_url, remote.error)
+            log.warning(
+                "rank %d: %s could not be read (%s): only the local tier's steps are considered (the "
+                "bucket may hold newer ones); with no step here, the load fails",
+                self.rank,
+                self.remote_url,
+                remote.error,
+            )
         return Survey(merged, head["run_id"], head["started_at"], remote, ours)
 
-    def _steps(self, sv: Survey, *, offers: bool, whole: bool = False) -> tuple[set[int], list[set[int]]]:
-        """Phase 2: the visible current steps (every root's and the bucket's) and, with ``offers``, what
-        each rank can load (``whole``: steps with every rank's shard, not just its own)."""
+    def _steps(
+        self, sv: Survey, *, offers: bool, whole: bool = False
+    ) -> tuple[set[int], list[set[int]]]:
+        """Phase 2: the visible current steps (every root's and the bucket's) and, with ``offers``,
+        what each rank can load (``whole``: steps with every rank's shard, not just its own)."""
         local = current_local_steps(self.root, sv.merged)
         mine: dict[str, Any] = {"current": local}
         if offers:
-            mine["offer"] = offer_steps(self.root, None if whole else self.rank, local, sv.remote_current)
+            mine["offer"] = offer_steps(
+                self.root, None if whole else self.rank, local, sv.remote_current
+            )
         got = self._gather(mine, "gathering the current steps")
         visible = set(sv.remote_current).union(*(g["current"] for g in got))
         return visible, [set(g["offer"]) for g in got] if offers else []
@@ -209,42 +279,66 @@ class LineageDecider:
             set_aside_superseded(self.root, lineage)
         except (CheckpointError, OSError) as exc:
             failure, mine["error"] = exc, f"{type(exc).__name__}: {exc}"
-        if self.rank == 0 and failure is None and self.remote_url is not None and sv.remote_ours \
-                and not sv.remote_unknown and (sv.remote is None or sv.remote.lineage != lineage):
+        if (
+            self.rank == 0
+            and failure is None
+            and self.remote_url is not None
+            and sv.remote_ours
+            and not sv.remote_unknown
+            and (sv.remote is None or sv.remote.lineage != lineage)
+        ):
             self._publish(lineage)  # an unreadable bucket is left to the sidecar (no retries here)
         got = self._gather(mine, "recording the run's lineage")
         errors = {g["rank"]: g["error"] for g in got if "error" in g}
         if errors:
-            raise LineageError(f"recording attempt {lineage.attempt} of run {lineage.run_id} failed on rank(s) "
-                               f"{sorted(errors)}: {next(iter(errors.values()))}") from failure
+            raise LineageError(
+                f"recording attempt {lineage.attempt} of run {lineage.run_id} failed on rank(s) "
+                f"{sorted(errors)}: {next(iter(errors.values()))}"
+            ) from failure
 
     def _publish(self, lineage: RunLineage) -> None:
-        """Rank 0: the record into the bucket. A failure is logged, not raised: the sidecar publishes the
-        root's record before it uploads any step of a newer attempt (SPEC §11)."""
+        """Rank 0: the record into the bucket. A failure is logged, not raised: the sidecar
+        publishes the root's record before it uploads any step of a newer attempt (SPEC §11)."""
         assert self.remote_url is not None
         try:
             publish_remote_lineage(self.remote_url, lineage, s3_client=self._s3_client)
         except CheckpointError as exc:
-            log.warning("run %s attempt %d: could not publish the record to %s (%s); the sidecar will",
-                        lineage.run_id, lineage.attempt, self.remote_url, exc)
+            log.warning(
+                "run %s attempt %d: could not publish the record to %s (%s); the sidecar will",
+                lineage.run_id,
+                lineage.attempt,
+                self.remote_url,
+                exc,
+            )
 
     def _announce(self, sv: Survey, lineage: RunLineage, visible: set[int]) -> None:
         if sv.merged is None:
             log.info("rank %d: run %s starts in %s", self.rank, lineage.run_id, self.root)
         if lineage.attempt > (sv.merged.attempt if sv.merged is not None else 1):
             a = lineage.attempts[-1]
-            newer = sorted(s for s in visible if a.supersedes_from is not None and s >= a.supersedes_from)
-            log.warning("rank %d: run %s attempt %d (resumed from %s) supersedes steps >= %s of earlier "
-                        "attempts: %s are set aside, not loaded", self.rank, lineage.run_id, a.attempt,
-                        a.resumed_from, a.supersedes_from, newer)
+            newer = sorted(
+                s for s in visible if a.supersedes_from is not None and s >= a.supersedes_from
+            )
+            log.warning(
+                "rank %d: run %s attempt %d (resumed from %s) supersedes steps >= %s of earlier "
+                "attempts: %s are set aside, not loaded",
+                self.rank,
+                lineage.run_id,
+                a.attempt,
+                a.resumed_from,
+                a.supersedes_from,
+                newer,
+            )
 
-    # ------------------------------------------------------------------------------ decisions
+    # --- decisions
 
-    def _choose(self, sv: Survey, step: int | None, visible: set[int], offers: list[set[int]]) -> int:
+    def _choose(
+        self, sv: Survey, step: int | None, visible: set[int], offers: list[set[int]]
+    ) -> int:
         """The step to load: ``step``, or the newest every rank offers. Raises (on every rank alike)
         ``UploadError`` when none is found and the bucket could not be read (it may hold one),
-        :class:`MissingShardError` when current committed steps exist (``visible``) but none that every
-        rank can load (a lost shard: never a silent fresh start over them), else
+        :class:`MissingShardError` when current committed steps exist (``visible``) but none that
+        every rank can load (a lost shard: never a silent fresh start over them), else
         :class:`NoCheckpointError`."""
         common = set.intersection(*offers) if offers else set()
         if step is not None and step in common or step is None and common:
@@ -252,27 +346,45 @@ class LineageDecider:
         where = f"rank {self.rank}: {self.root}"
         if sv.remote_unknown:
             assert sv.remote is not None
-            what = "no current step" if step is None else f"step {step} is not a current committed step that"
-            raise UploadError(f"{what} every rank holds locally ({where}), and {self.remote_url} could not be "
-                              f"read ({sv.remote.error}): it may hold one; not deciding without it")
+            what = (
+                "no current step"
+                if step is None
+                else f"step {step} is not a current committed step that"
+            )
+            raise UploadError(
+                f"{what} every rank holds locally ({where}), and {self.remote_url} could not be "
+                f"read ({sv.remote.error}): it may hold one; not deciding without it"
+            )
         wanted = step if step is not None else max(visible, default=None)
         if wanted is not None and wanted in visible:
             lacking = [r for r, o in enumerate(offers) if wanted not in o]
-            what = f"step {step} is not" if step is not None else f"no current step (the newest: {wanted}) is"
-            raise MissingShardError(f"{what} loadable by every rank: rank(s) {lacking} lack their shard of "
-                                    f"{wanted} ({where}); restore it from the bucket or load an older step")
+            what = (
+                f"step {step} is not"
+                if step is not None
+                else f"no current step (the newest: {wanted}) is"
+            )
+            raise MissingShardError(
+                f"{what} loadable by every rank: rank(s) {lacking} lack their shard of "
+                f"{wanted} ({where}); restore it from the bucket or load an older step"
+            )
         if step is None:
             remote = f" or in {self.remote_url}" if self.remote_url is not None else ""
-            raise NoCheckpointError(f"no current step is available to every rank, locally ({where}){remote}")
-        raise NoCheckpointError(f"step {step} is not a current committed step every rank can load ({where})")
+            raise NoCheckpointError(
+                f"no current step is available to every rank, locally ({where}){remote}"
+            )
+        raise NoCheckpointError(
+            f"step {step} is not a current committed step every rank can load ({where})"
+        )
 
     def _check_world_size(self, sv: Survey, step: int) -> None:
-        """Phase 2, after choosing: every rank's world size of ``step`` as it would load it (its root's
-        manifest when its shard is here, else the bucket's save), gathered. Raises
+        """Phase 2, after choosing: every rank's world size of ``step`` as it would load it (its
+        root's manifest when its shard is here, else the bucket's save), gathered. Raises
         :class:`WorldSizeMismatchError` on every rank before anything is written or downloaded."""
         mine: dict[str, Any] = {"rank": self.rank}
         try:
-            if step in current_local_steps(self.root, sv.merged) and local_ranks_present(self.root, step, [self.rank]):
+            if step in current_local_steps(self.root, sv.merged) and local_ranks_present(
+                self.root, step, [self.rank]
+            ):
                 mine["world_size"] = read_manifest(self.root, step).world_size
             elif sv.remote is not None:
                 mine["world_size"] = sv.remote.world_size_of(step, sv.remote_lineage)
@@ -283,13 +395,16 @@ class LineageDecider:
         for g in got:
             ws = g.get("world_size")
             if ws is not None and ws != self.world_size:
-                raise WorldSizeMismatchError(f"step {step} was saved by {ws} ranks, but {self.world_size} are "
-                                             f"loading it (resharding was not asked for)")
+                raise WorldSizeMismatchError(
+                    f"step {step} was saved by {ws} ranks, but {self.world_size} are "
+                    f"loading it (resharding was not asked for)"
+                )
 
     def _restore_whole(self, sv: Survey, step: int) -> None:
-        """Rank 0 makes every rank's shard of ``step`` local in its root (the ranks of a resharding load
-        share one root), restoring what is missing from the bucket; the outcome gather is the barrier.
-        Raises restore's errors on every rank alike (their type where :data:`_GATHERED_ERRORS` has it)."""
+        """Rank 0 makes every rank's shard of ``step`` local in its root (the ranks of a resharding
+        load share one root), restoring what is missing from the bucket; the outcome gather is the
+        barrier. Raises restore's errors on every rank alike (their type where
+        :data:`_GATHERED_ERRORS` has it)."""
         mine: dict[str, Any] = {"rank": self.rank}
         ws = sv.remote.world_size_of(step, sv.remote_lineage) if sv.remote is not None else None
         if self.rank == 0 and ws is not None and not step_complete(self.root, step):
@@ -298,22 +413,25 @@ class LineageDecider:
                 ensure_local(self.root, self.remote_url, step, range(ws), s3_client=self._s3_client)
             except Exception as exc:  # reported to every rank, not left waiting in the gather
                 mine["error"] = _error_entry(exc, f"restoring into {self.root}: ")
-        _raise_gathered(self._gather(mine, "restoring the step"), f"step {step} could not be restored")
+        _raise_gathered(
+            self._gather(mine, "restoring the step"), f"step {step} could not be restored"
+        )
 
-    def at_load(self, step: int | None, *, known: RunLineage | None = None,
-                resharding: bool = False) -> tuple[int, RunLineage]:
-        """The step to load (``None``: the newest current step every rank can load) and the record the run
-        continues in, recorded everywhere; this rank's shard of the step is made local from the bucket if
-        missing. Every load decides, the manager's first and any later one (``known``: the record the
-        manager runs in so far): loading a step older than a visible current step starts a new attempt.
-        ``resharding`` (:class:`tiered_ckpt.dcp.DCPCheckpointManager`: DCP reshards through its planner,
-        and any rank may read any shard): a step saved by another world size may be loaded (no
-        :class:`WorldSizeMismatchError`), a step counts as local only with every rank's shard present, and
-        rank 0 restores the whole step (the ranks share one root).
-        Raises :class:`NoCheckpointError` (nothing, or not that step, is committed and current),
-        :class:`MissingShardError` (it is, but not every rank can load it), ``UploadError`` (either, with a
-        bucket that could not be read), :class:`WorldSizeMismatchError` (nothing is decided or downloaded
-        then), ``ManifestError``, :class:`LineageError`, restore's errors."""
+    def at_load(
+        self, step: int | None, *, known: RunLineage | None = None, resharding: bool = False
+    ) -> tuple[int, RunLineage]:
+        """The step to load (``None``: the newest current step every rank can load) and the record
+        the run continues in, recorded everywhere; this rank's shard of the step is made local from
+        the bucket if missing. Every load decides, the manager's first and any later one (``known``:
+        the record the manager runs in so far): loading a step older than a visible current step
+        starts a new attempt. ``resharding`` (:class:`tiered_ckpt.dcp.DCPCheckpointManager`: DCP
+        reshards through its planner, and any rank may read any shard): a step saved by another
+        world size may be loaded (no :class:`WorldSizeMismatchError`), a step counts as local only
+        with every rank's shard present, and rank 0 restores the whole step (the ranks share one
+        root). Raises :class:`NoCheckpointError` (nothing, or not that step, is committed and
+        current), :class:`MissingShardError` (it is, but not every rank can load it),
+        ``UploadError`` (either, with a bucket that could not be read),
+        :class:`WorldSizeMismatchError` (nothing is decided or downloaded then), ``ManifestError``, :class:`LineageError`, restore's errors."""
         sv = self.survey(known)
         visible, offers = self._steps(sv, offers=True, whole=resharding)
         step = self._choose(sv, step, visible, offers)
@@ -337,10 +455,14 @@ class LineageDecider:
         if not local_ranks_present(self.root, step, [self.rank]):
             assert self.remote_url is not None
             try:
-                ensure_local(self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client)
+                ensure_local(
+                    self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client
+                )
             except Exception as exc:  # reported to every rank, not left waiting in the gather
                 mine["error"] = _error_entry(exc, f"restoring into {self.root}: ")
-        _raise_gathered(self._gather(mine, "restoring the step"), f"step {step} could not be restored")
+        _raise_gathered(
+            self._gather(mine, "restoring the step"), f"step {step} could not be restored"
+        )
 
     def at_first_save(self, step: int) -> RunLineage:
         """The record a manager that did not load continues in, before its first save of ``step``;

@@ -1,22 +1,23 @@
-"""The check of a save's replicated claims (issue 14): a value saved as :class:`~tiered_ckpt.state.Replicated`
-is stored once per node and handed to every rank, so it must be identical on every rank of the save, or
-the ranks whose value is not stored would get another rank's value on load (a tensor-, pipeline- or
-expert-parallel parameter would be lost). No torch: the collectives are the caller's
-(:meth:`tiered_ckpt.training.dist.SaveCoordinator.save`).
+"""The check of a save's replicated claims: a value saved as
+:class:`~tiered_ckpt.state.Replicated` is stored once per node and handed to every rank, so it must
+be identical on every rank of the save, or the ranks whose value is not stored would get another
+rank's value on load (a tensor-, pipeline- or expert-parallel parameter would be lost). No torch:
+the collectives are the caller's (:meth:`tiered_ckpt.training.dist.SaveCoordinator.save`).
 
-Protocol: every rank computes :func:`replicated_digests` of its state (the sha256 of each leaf of each
-Replicated value: an array's dtype, shape and bytes, a JSON value's text) and :func:`combined_digest` of them; the ranks
-all-gather the combined digests (one 64-character string each). Only when they differ do they all-gather
-the per-key digests, and :func:`mismatch_error` names the first key that differs and the ranks holding
-each value. Cost: one sha256 pass over the replicated values on every rank, per save (in the background
-thread when saving asynchronously).
+Protocol: every rank computes :func:`replicated_digests` of its state (the sha256 of each leaf of
+each Replicated value: an array's dtype, shape and bytes, a JSON value's text) and
+:func:`combined_digest` of them; the ranks all-gather the combined digests (one 64-character string
+each). Only when they differ do they all-gather the per-key digests, and :func:`mismatch_error`
+names the first key that differs and the ranks holding each value. Cost: one sha256 pass over the
+replicated values on every rank, per save (in the background thread when saving asynchronously).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,9 @@ def _escape(key: str) -> str:
 
 
 def _digest(value: Any, key: str) -> str:
-    tree, entries = fmt.flatten_state({"v": value})  # validates as the writer does (no Replicated inside)
+    tree, entries = fmt.flatten_state(
+        {"v": value}
+    )  # validates as the writer does (no Replicated inside)
     h = hashlib.sha256(json.dumps(tree, sort_keys=True, allow_nan=True).encode())
     for e in entries:  # in the tree's order: the names are in the tree
         h.update(f"\n{e.name}|{e.code}|{list(e.array.shape)}\n".encode())
@@ -49,10 +52,10 @@ def _leaves(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 
 def replicated_digests(state: Mapping[str, Any]) -> dict[str, str]:
-    """``{key path: sha256 hex}`` of every :class:`Replicated` value in ``state``: one for each leaf inside
-    it (an array or a JSON value, at its own key path, so that a mismatch names the tensor), and one at
-    the value's own key path for its layout (the leaves' paths). Key paths as the shard files name them:
-    keys joined by ``/``, ``%`` and ``/`` inside keys escaped. Raises
+    """``{key path: sha256 hex}`` of every :class:`Replicated` value in ``state``: one for each leaf
+    inside it (an array or a JSON value, at its own key path, so that a mismatch names the tensor),
+    and one at the value's own key path for its layout (the leaves' paths). Key paths as the shard
+    files name them: keys joined by ``/``, ``%`` and ``/`` inside keys escaped. Raises
     :class:`~tiered_ckpt.errors.UnsupportedStateError` for a value the writer would refuse."""
     out: dict[str, str] = {}
     stack: list[tuple[str, Any]] = [("", state)]
@@ -73,7 +76,8 @@ def replicated_digests(state: Mapping[str, Any]) -> dict[str, str]:
 
 
 def combined_digest(digests: Mapping[str, str]) -> str:
-    """One sha256 over every ``(key, digest)`` pair, sorted: equal on two ranks iff their claims agree."""
+    """One sha256 over every ``(key, digest)`` pair, sorted: equal on two ranks iff their claims
+    agree."""
     return hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()
 
 
@@ -93,4 +97,8 @@ def mismatch_error(step: int, per_rank: Sequence[Mapping[str, str]]) -> Replicat
     return ReplicatedMismatchError(
         f"step {step}: {key!r} is saved as Replicated but differs between ranks (ranks holding equal values: "
         f"{shown}){more}; nothing was written: save values that differ per rank without the claim (tensor-, "
-        "pipeline- and expert-parallel parts are not replicated)", key=key, rank_groups=rank_groups, keys=bad)
+        "pipeline- and expert-parallel parts are not replicated)",
+        key=key,
+        rank_groups=rank_groups,
+        keys=bad,
+    )

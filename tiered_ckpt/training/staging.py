@@ -1,16 +1,18 @@
 """Staging: copy a state into host buffers that are reused from one save to the next. No torch.
 
-The only work an async save does in the caller's thread. Arrays (and ``GlobalSlice`` arrays) are copied
-with ``np.copyto`` into a buffer kept per key path, reallocated only when the shape or dtype changes
-(inside a ``Replicated`` too: the marker is kept);
-JSON values are deep-copied (and validated) so that later mutation of the caller's lists and dicts does
-not leak into the checkpoint. The stager owns one set of buffers: the caller must not stage again while
-a background write still reads the previous staged state (the manager waits for it first).
+The only work an async save does in the caller's thread. Arrays (and ``GlobalSlice`` arrays) are
+copied with ``np.copyto`` into a buffer kept per key path, reallocated only when the shape or dtype
+changes (inside a ``Replicated`` too: the marker is kept);
+JSON values are deep-copied (and validated) so that later mutation of the caller's lists and dicts
+does not leak into the checkpoint. The stager owns one set of buffers: the caller must not stage
+again while a background write still reads the previous staged state (the manager waits for it
+first).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +36,9 @@ def copy_json(value: Any, where: str) -> Any:
                 raise UnsupportedStateError(f"{where}: key {k!r} is not a string")
             out[k] = copy_json(v, f"{where}/{k}")
         return out
-    raise UnsupportedStateError(f"{where}: {type(value).__name__} is neither an array nor JSON-able")
+    raise UnsupportedStateError(
+        f"{where}: {type(value).__name__} is neither an array nor JSON-able"
+    )
 
 
 class Stager:
@@ -59,7 +63,8 @@ class Stager:
         return buf
 
     def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """A copy of ``state`` whose arrays live in this stager's buffers (valid until the next call).
+        """A copy of ``state`` whose arrays live in this stager's buffers (valid until the next
+        call).
 
         Raises ``UnsupportedStateError`` for object arrays and non-JSON values.
         """
@@ -84,7 +89,9 @@ class Stager:
             return self._copy(p, v)
         if isinstance(v, GlobalSlice):
             return GlobalSlice(self._copy(p, v.array), v.global_shape, v.offset)
-        if isinstance(v, Replicated) and not in_rep:  # the marker kept, its value staged like any other
+        if (
+            isinstance(v, Replicated) and not in_rep
+        ):  # the marker kept, its value staged like any other
             return Replicated(self._value(v.value, p, True))
         if isinstance(v, Mapping):
             return self._walk(v, p)

@@ -5,25 +5,37 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from tiered_ckpt.errors import CheckpointError, UnsupportedStateError
-from tiered_ckpt.training.torch_tensors import (PinnedBufferPool, finish_host_copies, host_array, numpy_to_tensor,
-                                                refuse_dtensor, to_json_value)
+from tiered_ckpt.training.torch_tensors import (
+    PinnedBufferPool,
+    finish_host_copies,
+    host_array,
+    numpy_to_tensor,
+    refuse_dtensor,
+    to_json_value,
+)
 
 __all__ = ["capture_optimizer", "restore_optimizer"]
 
 
 def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer`` (duck-typed: no torch.distributed import)."""
+    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer`` (duck-typed: no torch.distributed
+    import)."""
     return hasattr(optimizer, "consolidate_state_dict") and hasattr(optimizer, "optim")
 
 
 def _param_names(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]) -> dict[int, str]:
-    named = model.items() if isinstance(model, Mapping) else model.named_parameters(remove_duplicate=True)
+    named = (
+        model.items()
+        if isinstance(model, Mapping)
+        else model.named_parameters(remove_duplicate=True)
+    )
     return {id(p): n for n, p in named}
 
 
@@ -36,10 +48,10 @@ def capture_optimizer(
     """Optimizer state keyed by parameter name, plus ``param_groups`` as JSON.
 
     For a ``ZeroRedundancyOptimizer`` only this rank's partition (its local optimizer) is captured,
-    with no consolidation; ``kind`` is then ``"zero_local"``. Tensor state (``exp_avg``, ...) becomes
-    arrays (aliasing CPU tensors); non-tensor state becomes JSON. Raises ``UnsupportedStateError`` if
-    the optimizer holds a parameter that ``model`` does not name, or a DTensor state (FSDP2: naming
-    ``optim/<param>/<key>``; save through :mod:`tiered_ckpt.dcp`).
+    with no consolidation; ``kind`` is then ``"zero_local"``. Tensor state (``exp_avg``, ...)
+    becomes arrays (aliasing CPU tensors); non-tensor state becomes JSON. Raises
+    ``UnsupportedStateError`` if the optimizer holds a parameter that ``model`` does not name, or a
+    DTensor state (FSDP2: naming ``optim/<param>/<key>``; save through :mod:`tiered_ckpt.dcp`).
     """
     local = optimizer.optim if _is_zero(optimizer) else optimizer
     # ZeRO keeps the hyper-parameters users and schedulers change in its global groups (copied into
@@ -54,7 +66,9 @@ def capture_optimizer(
         for p in group["params"]:
             name = names.get(id(p))
             if name is None:
-                raise UnsupportedStateError(f"optimizer param group {gi} holds a parameter the model does not name")
+                raise UnsupportedStateError(
+                    f"optimizer param group {gi} holds a parameter the model does not name"
+                )
             gnames.append(name)
             pstate = local.state.get(p)
             if not pstate:
@@ -62,27 +76,41 @@ def capture_optimizer(
             entry: dict[str, Any] = {}
             for key, v in pstate.items():
                 if not isinstance(key, str):
-                    raise UnsupportedStateError(f"optimizer state key {key!r} of {name!r} is not a string")
+                    raise UnsupportedStateError(
+                        f"optimizer state key {key!r} of {name!r} is not a string"
+                    )
                 if isinstance(v, torch.Tensor):
                     entry[key], sync = host_array(f"optim/{name}/{key}", v, pool)
                     pending |= sync
                 else:
                     entry[key] = to_json_value(v, f"optimizer.state.{name}.{key}")
             state[name] = entry
-        hyper = {k: to_json_value(v, f"optimizer.param_groups[{gi}].{k}")
-                 for k, v in hyper_groups[gi].items() if k != "params"}
+        hyper = {
+            k: to_json_value(v, f"optimizer.param_groups[{gi}].{k}")
+            for k, v in hyper_groups[gi].items()
+            if k != "params"
+        }
         hyper["params"] = gnames
         groups.append(hyper)
     finish_host_copies(state, pending)
-    return {"state": state, "param_groups": groups, "kind": "zero_local" if local is not optimizer else "plain"}
+    return {
+        "state": state,
+        "param_groups": groups,
+        "kind": "zero_local" if local is not optimizer else "plain",
+    }
 
 
 def _group_kinds(groups: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The live values of each group that are not plain JSON (tuples, tensors), before a load."""
-    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (tuple, torch.Tensor))} for g in groups]
+    return [
+        {k: v for k, v in g.items() if k != "params" and isinstance(v, (tuple, torch.Tensor))}
+        for g in groups
+    ]
 
 
-def _apply_group_values(group: MutableMapping[str, Any], saved: Mapping[str, Any], kinds: Mapping[str, Any]) -> None:
+def _apply_group_values(
+    group: MutableMapping[str, Any], saved: Mapping[str, Any], kinds: Mapping[str, Any]
+) -> None:
     """Set hyper-parameters of a live param group from JSON, keeping the live tuple/tensor types."""
     for k, v in saved.items():
         if k == "params":
@@ -105,13 +133,16 @@ def restore_optimizer(
     """Load a :func:`capture_optimizer` result into ``optimizer`` (no ``step()`` is taken).
 
     Parameters are matched by name, group by group (their order inside a group may differ); raises
-    ``CheckpointError`` if the groups or their sets of parameter names differ (e.g. a ZeRO partition of another world size: reshard first),
-    ``UnsupportedStateError`` (before anything changes) if a parameter is a DTensor (FSDP2: use ``tiered_ckpt.dcp``).
+    ``CheckpointError`` if the groups or their sets of parameter names differ (e.g. a ZeRO partition
+    of another world size: reshard first), ``UnsupportedStateError`` (before anything changes) if a
+    parameter is a DTensor (FSDP2: use ``tiered_ckpt.dcp``).
     """
     zero = _is_zero(optimizer)
     local = optimizer.optim if zero else optimizer
     if saved.get("kind", "plain") != ("zero_local" if zero else "plain"):
-        raise CheckpointError(f"optimizer checkpoint kind {saved.get('kind')!r} does not fit {type(optimizer).__name__}")
+        raise CheckpointError(
+            f"optimizer checkpoint kind {saved.get('kind')!r} does not fit {type(optimizer).__name__}"
+        )
     names = _param_names(model)
     saved_groups = saved["param_groups"]
     if len(saved_groups) != len(local.param_groups):
@@ -125,7 +156,9 @@ def restore_optimizer(
         for p in group["params"]:
             refuse_dtensor(f"optimizer parameter {names.get(id(p))!r}", p)
         live_names = [names.get(id(p)) for p in group["params"]]
-        if sorted(map(str, live_names)) != sorted(sgroup["params"]):  # order may differ: matched by name
+        if sorted(map(str, live_names)) != sorted(
+            sgroup["params"]
+        ):  # order may differ: matched by name
             raise CheckpointError(
                 f"optimizer param group {gi}: live params {live_names} != saved {list(sgroup['params'])}"
             )
@@ -134,7 +167,8 @@ def restore_optimizer(
             pstate = saved["state"].get(name)
             if pstate:
                 sd_state[index] = {
-                    k: numpy_to_tensor(np.asarray(v)) if isinstance(v, np.ndarray) else v for k, v in pstate.items()
+                    k: numpy_to_tensor(np.asarray(v)) if isinstance(v, np.ndarray) else v
+                    for k, v in pstate.items()
                 }
             ids.append(index)
             index += 1

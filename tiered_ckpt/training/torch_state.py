@@ -1,10 +1,11 @@
 """Capture and restore of a PyTorch training state as arrays + JSON (extra ``tiered-ckpt[torch]``).
 
 The core package never imports torch; this module does. It turns a model, an optimizer (a plain
-``torch.optim.Optimizer`` or the local partition of ``torch.distributed.optim.ZeroRedundancyOptimizer``),
-an LR scheduler, a ``GradScaler`` and the RNG streams into a *state* (nested ``dict`` of ``str`` ->
-``numpy.ndarray`` / JSON value) that :class:`tiered_ckpt.CheckpointManager` or ``write_shard`` stores,
-and back. Nothing here pickles or unpickles.
+``torch.optim.Optimizer`` or the local partition of
+``torch.distributed.optim.ZeroRedundancyOptimizer``), an LR scheduler, a ``GradScaler`` and the RNG
+streams into a *state* (nested ``dict`` of ``str`` -> ``numpy.ndarray`` / JSON value) that
+:class:`tiered_ckpt.CheckpointManager` or ``write_shard`` stores, and back. Nothing here pickles or
+unpickles.
 
 Layout of :func:`capture_training_state`'s result (absent parts are omitted)::
 
@@ -17,24 +18,25 @@ Layout of :func:`capture_training_state`'s result (absent parts are omitted)::
      "progress":  {...JSON...},                                  # progress= (step, data position, ...)
      "rng":       capture_rng_state(...)}
 
-Replicated only where the caller says so: with ``replicated_group`` (the data-parallel group of a DDP or
-ZeRO-1 job, which must span every rank of the checkpoint) ``model``, a plain ``optimizer``,
+Replicated only where the caller says so: with ``replicated_group`` (the data-parallel group of a
+DDP or ZeRO-1 job, which must span every rank of the checkpoint) ``model``, a plain ``optimizer``,
 ``scheduler``, ``scaler`` and ``progress`` are wrapped in :class:`~tiered_ckpt.state.Replicated`
 (stored once per node, not once per rank; the save checks that they are identical on every rank and
-refuses otherwise: :class:`~tiered_ckpt.training.ReplicatedMismatchError`). A ZeroRedundancyOptimizer's
-local partition and the RNG streams stay per rank. Nothing is ever guessed: tensor-, pipeline- and
-expert-parallel parameters differ per rank, and storing them once would lose data. Per-rank values that
-remain reshard with ``tiered-ckpt reshard --preset training`` (:data:`tiered_ckpt.local.reshard.TRAINING_RULES`).
+refuses otherwise: :class:`~tiered_ckpt.training.ReplicatedMismatchError`). A
+ZeroRedundancyOptimizer's local partition and the RNG streams stay per rank. Nothing is ever
+guessed: tensor-, pipeline- and expert-parallel parameters differ per rank, and storing them once
+would lose data. Per-rank values that remain reshard with ``tiered-ckpt reshard --preset training``
+(:data:`tiered_ckpt.local.reshard.TRAINING_RULES`).
 
 Tensors are converted bit-exactly: float16/float32/float64/int*/bool map to the numpy dtype;
 bfloat16 and float8 tensors are *viewed* as integers of the same width and then as the matching
 ``ml_dtypes`` type (no float round trip). For CPU tensors the arrays **alias the live tensors** (no
 copy): store them before the tensors change (``CheckpointManager.save`` copies them into its staging
 buffers before returning). CUDA tensors are copied into pinned host buffers (``torch.empty(...,
-pin_memory=True)``, ``copy_(non_blocking=True)``, one ``torch.cuda.synchronize()``), cached per name in
-a :class:`PinnedBufferPool` (``pool=``, default :data:`DEFAULT_PINNED_POOL`) and reused between
-captures, so the arrays of one capture stay valid until the next capture (save before capturing again);
-that path is simple on purpose and is not exercised by the CPU-only tests.
+pin_memory=True)``, ``copy_(non_blocking=True)``, one ``torch.cuda.synchronize()``), cached per name
+in a :class:`PinnedBufferPool` (``pool=``, default :data:`DEFAULT_PINNED_POOL`) and reused between
+captures, so the arrays of one capture stay valid until the next capture (save before capturing
+again); that path is simple on purpose and is not exercised by the CPU-only tests.
 
 Code: this module (model, everything at once), :mod:`~tiered_ckpt.training.torch_optim` (optimizer),
 :mod:`~tiered_ckpt.training.torch_rng` (RNG streams), :mod:`~tiered_ckpt.training.torch_tensors`
@@ -48,7 +50,8 @@ Restoring loads state and ``param_groups`` (lr, betas, weight decay, ...) throug
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -57,9 +60,16 @@ from tiered_ckpt.errors import CheckpointError, UnsupportedStateError
 from tiered_ckpt.state import Replicated
 from tiered_ckpt.training.torch_optim import capture_optimizer, restore_optimizer
 from tiered_ckpt.training.torch_rng import RandomGenerator, capture_rng_state, restore_rng_state
-from tiered_ckpt.training.torch_tensors import DEFAULT_PINNED_POOL  # noqa: F401  (importable here, as before)
-from tiered_ckpt.training.torch_tensors import (PinnedBufferPool, finish_host_copies, host_array, numpy_to_tensor,
-                                                refuse_dtensor, tensor_to_numpy, to_json_value)
+from tiered_ckpt.training.torch_tensors import (
+    DEFAULT_PINNED_POOL,  # noqa: F401  (importable here, as before)
+    PinnedBufferPool,
+    finish_host_copies,
+    host_array,
+    numpy_to_tensor,
+    refuse_dtensor,
+    tensor_to_numpy,
+    to_json_value,
+)
 
 __all__ = [
     "tensor_to_numpy",
@@ -76,25 +86,28 @@ __all__ = [
 ]
 
 
-
 class HasStateDict(Protocol):
-    """What a scheduler or a ``GradScaler`` offers here: ``state_dict()`` (plain JSON-able values) and
-    ``load_state_dict(dict)`` (``torch.optim.lr_scheduler.LRScheduler``, ``torch.amp.GradScaler``, ...)."""
+    """What a scheduler or a ``GradScaler`` offers here: ``state_dict()`` (plain JSON-able values)
+    and ``load_state_dict(dict)`` (``torch.optim.lr_scheduler.LRScheduler``,
+    ``torch.amp.GradScaler``, ...)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-# ---------------------------------------------------------------------------------------------- model
+# --- model
 
 
-def capture_model(model: torch.nn.Module, *, pool: PinnedBufferPool | None = None) -> dict[str, np.ndarray]:
+def capture_model(
+    model: torch.nn.Module, *, pool: PinnedBufferPool | None = None
+) -> dict[str, np.ndarray]:
     """``model.state_dict()`` (parameters and persistent buffers) as ``{name: ndarray}``.
 
-    CPU arrays alias the live tensors; see the module docstring. Raises ``UnsupportedStateError`` naming
-    the key for a DTensor (a model sharded with FSDP2 ``fully_shard`` or tensor parallel): such a model is
-    saved through :mod:`tiered_ckpt.dcp` (``get_state_dict`` + ``tiered_ckpt.dcp.save``).
+    CPU arrays alias the live tensors; see the module docstring. Raises ``UnsupportedStateError``
+    naming the key for a DTensor (a model sharded with FSDP2 ``fully_shard`` or tensor parallel):
+    such a model is saved through :mod:`tiered_ckpt.dcp` (``get_state_dict`` +
+    ``tiered_ckpt.dcp.save``).
     """
     out: dict[str, Any] = {}
     pending = False
@@ -107,12 +120,14 @@ def capture_model(model: torch.nn.Module, *, pool: PinnedBufferPool | None = Non
     return out
 
 
-def restore_model(model: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, strict: bool = True) -> None:
+def restore_model(
+    model: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, strict: bool = True
+) -> None:
     """Copy ``arrays`` into ``model`` bit-exactly (``load_state_dict``; dtype must match).
 
-    Raises ``CheckpointError`` on a missing/unexpected key (with ``strict``) or a dtype/shape mismatch,
-    ``UnsupportedStateError`` (before anything changes) when the model holds DTensors (FSDP2: use
-    ``tiered_ckpt.dcp``).
+    Raises ``CheckpointError`` on a missing/unexpected key (with ``strict``) or a dtype/shape
+    mismatch, ``UnsupportedStateError`` (before anything changes) when the model holds DTensors
+    (FSDP2: use ``tiered_ckpt.dcp``).
     """
     current = model.state_dict()
     for name, cur in current.items():
@@ -132,22 +147,25 @@ def restore_model(model: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, s
         raise CheckpointError(f"model state does not match the model: {exc}") from exc
 
 
-# ------------------------------------------------------------------------------------------ all of it
+# --- all of it
 
 
 def _check_replicated_group(group: Any) -> None:
-    """``group`` (a ``torch.distributed`` process group, ``dist.group.WORLD`` included) spans every rank of
-    the job; else ``ValueError`` (a Replicated value is stored once for every rank of a checkpoint)."""
+    """``group`` (a ``torch.distributed`` process group, ``dist.group.WORLD`` included) spans every
+    rank of the job; else ``ValueError`` (a Replicated value is stored once for every rank of a
+    checkpoint)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("replicated_group needs torch.distributed initialized")
     n, world = dist.get_world_size(group), dist.get_world_size()
     if n != world:
-        raise ValueError(f"replicated_group has {n} of the job's {world} ranks: a Replicated value is stored once "
-                         "for every rank of the checkpoint, so only a data-parallel group spanning the whole job "
-                         "can be claimed (with tensor, pipeline or expert parallelism, save the state per rank, "
-                         "or use tiered_ckpt.dcp)")
+        raise ValueError(
+            f"replicated_group has {n} of the job's {world} ranks: a Replicated value is stored once "
+            "for every rank of the checkpoint, so only a data-parallel group spanning the whole job "
+            "can be claimed (with tensor, pipeline or expert parallelism, save the state per rank, "
+            "or use tiered_ckpt.dcp)"
+        )
 
 
 def capture_training_state(
@@ -165,12 +183,12 @@ def capture_training_state(
     """Everything above in one state dict (layout in the module docstring).
 
     ``progress``: the job's counters and data position as JSON (``step``, ``epoch``,
-    ``DataPosition.to_json()``, a loss history), stored under ``"progress"``; add other keys of your own
-    to the returned dict before saving. ``optimizer`` needs ``model`` (for parameter names).
+    ``DataPosition.to_json()``, a loss history), stored under ``"progress"``; add other keys of your
+    own to the returned dict before saving. ``optimizer`` needs ``model`` (for parameter names).
     ``replicated_group``: the data-parallel process group (``torch.distributed.group.WORLD`` for a
-    pure data-parallel job) whose ranks all hold the same model, plain optimizer, scheduler, scaler and
-    progress: those are marked Replicated (see the module docstring). ``ValueError`` if it does not span
-    the whole job or torch.distributed is not initialized.
+    pure data-parallel job) whose ranks all hold the same model, plain optimizer, scheduler, scaler
+    and progress: those are marked Replicated (see the module docstring). ``ValueError`` if it does
+    not span the whole job or torch.distributed is not initialized.
     """
     if replicated_group is not None:
         _check_replicated_group(replicated_group)
@@ -180,9 +198,13 @@ def capture_training_state(
         out["model"] = rep(capture_model(model, pool=pool))
     if optimizer is not None:
         if model is None:
-            raise ValueError("capture_training_state: an optimizer needs the model (parameter names)")
+            raise ValueError(
+                "capture_training_state: an optimizer needs the model (parameter names)"
+            )
         opt = capture_optimizer(optimizer, model, pool=pool)
-        out["optimizer"] = rep(opt) if opt.get("kind") == "plain" else opt  # a ZeRO partition is per rank
+        out["optimizer"] = (
+            rep(opt) if opt.get("kind") == "plain" else opt
+        )  # a ZeRO partition is per rank
     if scheduler is not None:
         out["scheduler"] = rep(to_json_value(scheduler.state_dict(), "scheduler"))
     if scaler is not None:
@@ -207,10 +229,11 @@ def restore_training_state(
     """Restore what :func:`capture_training_state` captured into the live objects passed.
 
     Order: model, optimizer, scheduler, scaler, RNG (last, so that nothing consumes random numbers
-    after it). Raises ``CheckpointError`` when a requested part is missing or does not fit. A rank added
-    by a reshard with the ``training`` preset has no ``rng``: pass ``rng="rng" in state`` and seed it as
-    at a fresh start. ``progress`` is the caller's to read (``state["progress"]``).
+    after it). Raises ``CheckpointError`` when a requested part is missing or does not fit. A rank
+    added by a reshard with the ``training`` preset has no ``rng``: pass ``rng="rng" in state`` and
+    seed it as at a fresh start. ``progress`` is the caller's to read (``state["progress"]``).
     """
+
     def part(key: str) -> Any:
         if key not in state:
             raise CheckpointError(f"checkpoint has no {key!r} state")
@@ -220,7 +243,9 @@ def restore_training_state(
         restore_model(model, part("model"))
     if optimizer is not None:
         if model is None:
-            raise ValueError("restore_training_state: an optimizer needs the model (parameter names)")
+            raise ValueError(
+                "restore_training_state: an optimizer needs the model (parameter names)"
+            )
         restore_optimizer(optimizer, model, part("optimizer"))
     if scheduler is not None:
         scheduler.load_state_dict(dict(part("scheduler")))
@@ -228,4 +253,3 @@ def restore_training_state(
         scaler.load_state_dict(dict(part("scaler")))
     if rng:
         restore_rng_state(part("rng"), generators)
-

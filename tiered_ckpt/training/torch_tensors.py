@@ -1,13 +1,14 @@
-"""Bit-exact conversion between torch tensors and numpy arrays, pinned host buffers for CUDA tensors,
-and JSON conversion of the small values a torch state holds. Shared by the torch state modules
-(:mod:`tiered_ckpt.training.torch_state`, ``torch_optim``, ``torch_rng``); see torch_state's docstring
-for the dtype mapping and aliasing rules.
+"""Bit-exact conversion between torch tensors and numpy arrays, pinned host buffers for CUDA
+tensors, and JSON conversion of the small values a torch state holds. Shared by the torch state
+modules (:mod:`tiered_ckpt.training.torch_state`, ``torch_optim``, ``torch_rng``); see torch_state's
+docstring for the dtype mapping and aliasing rules.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -16,8 +17,17 @@ from numpy.typing import DTypeLike
 
 from tiered_ckpt.errors import UnsupportedStateError
 
-__all__ = ["tensor_to_numpy", "numpy_to_tensor", "PinnedBufferPool", "DEFAULT_PINNED_POOL", "host_array",
-           "finish_host_copies", "to_json_value", "is_dtensor", "refuse_dtensor"]
+__all__ = [
+    "tensor_to_numpy",
+    "numpy_to_tensor",
+    "PinnedBufferPool",
+    "DEFAULT_PINNED_POOL",
+    "host_array",
+    "finish_host_copies",
+    "to_json_value",
+    "is_dtensor",
+    "refuse_dtensor",
+]
 
 # torch dtype -> (integer view dtype for torch, numpy dtype of the stored array). None = direct.
 _VIEW_DTYPES: dict[torch.dtype, tuple[torch.dtype, DTypeLike]] = {
@@ -37,7 +47,8 @@ _NUMPY_TO_TORCH_VIEW = {np.dtype(npdt): (view, tdt) for tdt, (view, npdt) in _VI
 
 
 class PinnedBufferPool:
-    """Pinned host buffers for CUDA tensors, reused between captures (keyed by name, shape, dtype)."""
+    """Pinned host buffers for CUDA tensors, reused between captures (keyed by name, shape,
+    dtype)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -56,8 +67,8 @@ class PinnedBufferPool:
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel). Imports nothing:
-    no DTensor can exist before ``torch.distributed.tensor`` is loaded."""
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel). Imports
+    nothing: no DTensor can exist before ``torch.distributed.tensor`` is loaded."""
     mod = sys.modules.get("torch.distributed.tensor")
     cls = getattr(mod, "DTensor", None) if mod is not None else None
     return cls is not None and isinstance(t, cls)
@@ -66,8 +77,9 @@ def is_dtensor(t: Any) -> bool:
 def refuse_dtensor(where: str, t: Any) -> None:
     """Raise ``UnsupportedStateError`` naming ``where`` if ``t`` is a DTensor (else nothing).
 
-    The arrays of this module hold one process's whole tensors; a DTensor is a shard of a global tensor
-    with placements on a device mesh, which only a DCP state dict describes: ``tiered_ckpt.dcp`` saves it.
+    The arrays of this module hold one process's whole tensors; a DTensor is a shard of a global
+    tensor with placements on a device mesh, which only a DCP state dict describes:
+    ``tiered_ckpt.dcp`` saves it.
     """
     if not is_dtensor(t):
         return
@@ -79,15 +91,17 @@ def refuse_dtensor(where: str, t: Any) -> None:
         f"{where} is a DTensor{layout}: a sharded model (FSDP2 fully_shard, tensor parallel) cannot be "
         "captured as arrays; save it through tiered_ckpt.dcp instead (state = get_state_dict(model, optimizer) "
         "from torch.distributed.checkpoint.state_dict, then tiered_ckpt.dcp.save / async_save; load with "
-        "tiered_ckpt.dcp.load and set_state_dict)")
+        "tiered_ckpt.dcp.load and set_state_dict)"
+    )
 
 
 def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array with the same bytes (a view when ``t`` is contiguous).
 
     bfloat16/float8 become ``ml_dtypes`` arrays through an integer view. Raises
-    ``UnsupportedStateError`` for a DTensor (see :func:`refuse_dtensor`) and for dtypes without a numpy
-    counterpart (complex32, quantized, ...), and ``ValueError`` for non-CPU tensors (copy them to host first).
+    ``UnsupportedStateError`` for a DTensor (see :func:`refuse_dtensor`) and for dtypes without a
+    numpy counterpart (complex32, quantized, ...), and ``ValueError`` for non-CPU tensors (copy them
+    to host first).
     """
     refuse_dtensor("the tensor", t)
     if t.device.type != "cpu":
@@ -106,7 +120,9 @@ def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     """A new CPU tensor (own, writable memory) with exactly the bytes of ``a``."""
-    a = a if a.flags.c_contiguous else a.copy(order="C")  # (np.ascontiguousarray makes 0-d arrays 1-d)
+    a = (
+        a if a.flags.c_contiguous else a.copy(order="C")
+    )  # (np.ascontiguousarray makes 0-d arrays 1-d)
     view = _NUMPY_TO_TORCH_VIEW.get(a.dtype)
     if view is not None:
         return torch.from_numpy(a.view(_TORCH_INT_TO_NUMPY[view[0]]).copy()).view(view[1])
@@ -117,9 +133,12 @@ def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
 DEFAULT_PINNED_POOL = PinnedBufferPool()
 
 
-def host_array(name: str, t: torch.Tensor, pool: PinnedBufferPool | None) -> tuple[np.ndarray | torch.Tensor, bool]:
-    """``(array_or_pinned_tensor, needs_sync)`` for one tensor: a CPU tensor's aliasing array, or the
-    pinned host tensor a device-to-host copy is filling (pass to :func:`finish_host_copies` after all).
+def host_array(
+    name: str, t: torch.Tensor, pool: PinnedBufferPool | None
+) -> tuple[np.ndarray | torch.Tensor, bool]:
+    """``(array_or_pinned_tensor, needs_sync)`` for one tensor: a CPU tensor's aliasing array, or
+    the pinned host tensor a device-to-host copy is filling (pass to :func:`finish_host_copies`
+    after all).
 
     Raises ``UnsupportedStateError`` naming ``name`` (e.g. ``model/<param>``) for a DTensor."""
     refuse_dtensor(repr(name), t)
@@ -139,8 +158,7 @@ def finish_host_copies(out: MutableMapping[str, Any], pending: bool) -> None:
             finish_host_copies(v, False)
 
 
-
-# ----------------------------------------------------------------------------------------------- JSON
+# --- JSON
 
 
 def to_json_value(value: Any, where: str) -> Any:
@@ -164,7 +182,9 @@ def to_json_value(value: Any, where: str) -> Any:
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise UnsupportedStateError(f"{where}: non-string key {k!r} cannot be stored as JSON")
+                raise UnsupportedStateError(
+                    f"{where}: non-string key {k!r} cannot be stored as JSON"
+                )
             out[k] = to_json_value(v, f"{where}.{k}")
         return out
     raise UnsupportedStateError(f"{where}: value of type {type(value).__name__} is not JSON-able")

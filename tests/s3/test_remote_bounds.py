@@ -1,4 +1,4 @@
-"""Adversarial review of issue 11's remote bounds: attacks the first round's tests did not make.
+"""Bounds of every remote read and write against hostile servers.
 
 Each test talks HTTP to a real server thread (tests/hostile_http.py, or the tiny servers below for
 responses botocore reads whole: LIST pages and error bodies).
@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import s3_infra
 from _upload_util import SMALL
 from hostile_http import Behaviour, HostileS3, run_bounded
 from spawn import python_cmd
+
 from tiered_ckpt import Uploader
-from tiered_ckpt.local import save_sharded
 from tiered_ckpt.errors import RemoteListError, UploadError
+from tiered_ckpt.local import save_sharded
 from tiered_ckpt.remote.transfer import SentShard, TransitCorruptionError, confirm_shard
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.s3 import S3Store, make_s3_client
@@ -41,12 +41,17 @@ def _store(url: str, **kwargs: Any) -> S3Store:
     return S3Store(client, BUCKET, PREFIX, **kwargs)
 
 
-# --------------------------------------------------------------------------- read-back of a shard
+# --- read-back of a shard
 
 
 def _sent(size: int) -> SentShard:
-    return SentShard(size_bytes=size, sha256_hex="0" * 64, checksum_algorithm="SHA256", checksum_b64="A" * 44,
-                     parts=1)
+    return SentShard(
+        size_bytes=size,
+        sha256_hex="0" * 64,
+        checksum_algorithm="SHA256",
+        checksum_b64="A" * 44,
+        parts=1,
+    )
 
 
 def test_read_back_of_an_endless_body_stops_near_the_sent_size() -> None:
@@ -55,20 +60,26 @@ def test_read_back_of_an_endless_body_stops_near_the_sent_size() -> None:
     512 MiB here, and with a faster server for ever: its deadline grows with the bytes received)."""
     with HostileS3() as srv, _store(srv.endpoint_url, retry=RetryPolicy(max_attempts=1)) as store:
         srv.set(f"{PREFIX}/{KEY}", Behaviour("endless", size=4096, limit_bytes=512 * MiB))
-        result = run_bounded(lambda: confirm_shard(store, KEY, _sent(4096), server_validates=False,
-                                                expected_sha256="0" * 64), 60)
+        result = run_bounded(
+            lambda: confirm_shard(
+                store, KEY, _sent(4096), server_validates=False, expected_sha256="0" * 64
+            ),
+            60,
+        )
         assert type(result) is TransitCorruptionError, result
         assert srv.sent[f"{PREFIX}/{KEY}"] < 64 * MiB, srv.sent
 
 
 @pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_read_back_of_a_trickle_announcing_a_huge_length_meets_its_deadline() -> None:
-    """The server HEADs 4 KiB, then answers the read-back's GET with ``Content-Length: 10**12`` and one
-    byte every 0.2 s (never a stall): the GET's deadline must follow the sent size, not the length the
-    server announces (before: 1 s + 10**12 B / 256 KiB/s, i.e. no deadline)."""
+    """The server HEADs 4 KiB, then answers the read-back's GET with ``Content-Length: 10**12`` and
+    one byte every 0.2 s (never a stall): the GET's deadline must follow the sent size, not the
+    length the server announces (before: 1 s + 10**12 B / 256 KiB/s, i.e. no deadline)."""
     settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.0)
-    with HostileS3() as srv, _store(srv.endpoint_url, deadlines=settings,
-                                    retry=RetryPolicy(max_attempts=1)) as store:
+    with (
+        HostileS3() as srv,
+        _store(srv.endpoint_url, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as store,
+    ):
         srv.set(f"{PREFIX}/{KEY}", Behaviour("trickle", size=10**12, interval_s=0.2))
         t0 = time.monotonic()
         result = run_bounded(lambda: store.read_sha256(KEY, max_bytes=4096), 15)
@@ -77,12 +88,12 @@ def test_read_back_of_a_trickle_announcing_a_huge_length_meets_its_deadline() ->
         assert time.monotonic() - t0 < 5.0
 
 
-# --------------------------------------------------------------------------- responses botocore reads whole
+# --- responses botocore reads whole
 
 
 class _EndlessXML(BaseHTTPRequestHandler):
-    """LIST (``?list-type=2``) answers 200 and an XML page that never ends; any other GET or HEAD a 500
-    whose error body never ends (both without a Content-Length, up to ``LIMIT`` bytes)."""
+    """LIST (``?list-type=2``) answers 200 and an XML page that never ends; any other GET or HEAD a
+    500 whose error body never ends (both without a Content-Length, up to ``LIMIT`` bytes)."""
 
     protocol_version = "HTTP/1.1"
     LIMIT = 128 * MiB
@@ -93,13 +104,20 @@ class _EndlessXML(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         listing = "list-type=2" in self.path
-        chunked = "chunked" in self.path  # Transfer-Encoding: chunked (urllib3 reads those another way)
+        chunked = (
+            "chunked" in self.path
+        )  # Transfer-Encoding: chunked (urllib3 reads those another way)
         self.send_response(200 if listing else 500)
         self.send_header("Content-Type", "application/xml")
-        self.send_header("Transfer-Encoding" if chunked else "Connection", "chunked" if chunked else "close")
+        self.send_header(
+            "Transfer-Encoding" if chunked else "Connection", "chunked" if chunked else "close"
+        )
         self.end_headers()
-        head = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Contents><Key>' if listing
-                else b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>')
+        head = (
+            b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Contents><Key>'
+            if listing
+            else b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>'
+        )
         chunk = b"a" * (256 * 1024)
         frame = (lambda b: b"%x\r\n%s\r\n" % (len(b), b)) if chunked else (lambda b: b)
         try:
@@ -126,9 +144,9 @@ def endless_xml() -> Any:
 
 
 def test_endless_list_page_is_refused_within_a_bounded_size(endless_xml: str) -> None:
-    """A LIST page that never ends: botocore reads non-streamed responses whole inside the call, so the
-    deadline alone let it buffer all the server sent for 60 s (128 MiB here before the server gave up;
-    GBs at loopback speed). The store must stop reading it at a fixed cap."""
+    """A LIST page that never ends: botocore reads non-streamed responses whole inside the call, so
+    the deadline alone let it buffer all the server sent for 60 s (128 MiB here before the server
+    gave up; GBs at loopback speed). The store must stop reading it at a fixed cap."""
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: list(store.list_keys("")), 30)
     assert type(result) is RemoteListError, result  # a listing's failure, worded as one
@@ -137,8 +155,8 @@ def test_endless_list_page_is_refused_within_a_bounded_size(endless_xml: str) ->
 
 @pytest.mark.parametrize("key", ["latest", "chunked/latest"])
 def test_endless_error_body_is_refused_within_a_bounded_size(endless_xml: str, key: str) -> None:
-    """A GET answered 500 with an error body that never ends (botocore reads error bodies whole), sent
-    close-delimited or with ``Transfer-Encoding: chunked``."""
+    """A GET answered 500 with an error body that never ends (botocore reads error bodies whole),
+    sent close-delimited or with ``Transfer-Encoding: chunked``."""
     with _store(endless_xml, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: store.get_bytes(key, max_bytes=1024), 30)
     assert type(result) is UploadError, result
@@ -152,12 +170,13 @@ def test_endless_chunked_list_page_is_refused_within_a_bounded_size(endless_xml:
     assert _EndlessXML.sent < 64 * MiB, _EndlessXML.sent
 
 
-# --------------------------------------------------------------------------- pagination that never ends
+# --- pagination that never ends
 
 
 class _SamePage(BaseHTTPRequestHandler):
-    """A server that ignores ContinuationToken / KeyMarker (some S3-compatible servers do): every LIST
-    and every ListMultipartUploads answers the same truncated first page with the same next marker."""
+    """A server that ignores ContinuationToken / KeyMarker (some S3-compatible servers do): every
+    LIST and every ListMultipartUploads answers the same truncated first page with the same next
+    marker."""
 
     protocol_version = "HTTP/1.1"
     pages = 0
@@ -168,14 +187,18 @@ class _SamePage(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         type(self).pages += 1
         if "uploads" in self.path:
-            body = (b'<?xml version="1.0" encoding="UTF-8"?><ListMultipartUploadsResult><Bucket>hostile</Bucket>'
-                    b"<IsTruncated>true</IsTruncated><NextKeyMarker>p/a</NextKeyMarker>"
-                    b"<NextUploadIdMarker>u1</NextUploadIdMarker><Upload><Key>p/a</Key><UploadId>u1</UploadId>"
-                    b"</Upload></ListMultipartUploadsResult>")
+            body = (
+                b'<?xml version="1.0" encoding="UTF-8"?><ListMultipartUploadsResult><Bucket>hostile</Bucket>'
+                b"<IsTruncated>true</IsTruncated><NextKeyMarker>p/a</NextKeyMarker>"
+                b"<NextUploadIdMarker>u1</NextUploadIdMarker><Upload><Key>p/a</Key><UploadId>u1</UploadId>"
+                b"</Upload></ListMultipartUploadsResult>"
+            )
         else:
-            body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>true</IsTruncated>'
-                    b"<NextContinuationToken>t1</NextContinuationToken><KeyCount>1</KeyCount>"
-                    b"<Contents><Key>p/a</Key><Size>1</Size></Contents></ListBucketResult>")
+            body = (
+                b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><IsTruncated>true</IsTruncated>'
+                b"<NextContinuationToken>t1</NextContinuationToken><KeyCount>1</KeyCount>"
+                b"<Contents><Key>p/a</Key><Size>1</Size></Contents></ListBucketResult>"
+            )
         self.send_response(200)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
@@ -188,7 +211,9 @@ def same_page() -> Any:
     _SamePage.pages = 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SamePage)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    ).start()
     host, port = server.server_address[:2]
     yield f"http://{host}:{port}"
     server.shutdown()
@@ -205,7 +230,8 @@ def _first(it: Any, n: int) -> list[Any]:
 
 
 def test_list_keys_refuses_a_repeated_continuation_token(same_page: str) -> None:
-    """Before: list_keys yielded the same key for ever (a sidecar sweep or ``ls --remote`` never ended)."""
+    """Before: list_keys yielded the same key for ever (a sidecar sweep or ``ls --remote`` never
+    ended)."""
     with _store(same_page, retry=RetryPolicy(max_attempts=1)) as store:
         result = run_bounded(lambda: _first(store.list_keys(""), 300), 20)
     assert type(result) is RemoteListError, result  # a listing's failure, worded as one
@@ -221,44 +247,78 @@ def test_list_multipart_uploads_refuses_a_repeated_marker(same_page: str) -> Non
     assert _SamePage.pages == 2
 
 
-# --------------------------------------------------------------------------- 403 to an optional API
+# --- 403 to an optional API
 
 
 def test_access_denied_to_list_multipart_uploads_does_not_stop_uploads(
-        tmp_path: Any, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
+    tmp_path: Any, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
+) -> None:
     """A least-privilege policy without ``s3:ListBucketMultipartUploads`` answers that call 403
-    AccessDenied (a permission apart from PutObject). Listing leftovers is a cleanup; before, the 403
-    failed every shard upload (the 4 KiB single PUT too) after its listing step."""
+    AccessDenied (a permission apart from PutObject). Listing leftovers is a cleanup; before, the
+    403 failed every shard upload (the 4 KiB single PUT too) after its listing step."""
     root = tmp_path / "node"
     rng = np.random.default_rng(7)
     save_sharded([{"w": rng.integers(0, 2**31, size=1024, dtype=np.int32)}], root, 1)
-    rule = fault_proxy.fail_first(None, s3_infra.is_list_multipart_uploads, status=403, code="AccessDenied",
-                                  message="Access Denied")
+    rule = fault_proxy.fail_first(
+        None,
+        s3_infra.is_list_multipart_uploads,
+        status=403,
+        code="AccessDenied",
+        message="Access Denied",
+    )
     client = s3_infra.make_test_client(fault_proxy.url)
-    with Uploader(root, s3_bucket.url, s3_client=client, retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01,
-                                                                           max_wait_s=0.01), **SMALL) as up:
+    with Uploader(
+        root,
+        s3_bucket.url,
+        s3_client=client,
+        retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.01),
+        **SMALL,
+    ) as up:
         assert up.upload_step(1).step == 1
     assert rule.applied >= 1
 
 
 def test_cli_upload_once_with_access_denied_to_list_multipart_uploads(
-        tmp_path: Any, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy) -> None:
-    """``upload --once`` sweeps abandoned uploads before its steps; a 403 to that listing failed the whole
-    command (exit 1, nothing uploaded) although the sidecar's loop only logs the same failure."""
+    tmp_path: Any, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
+) -> None:
+    """``upload --once`` sweeps abandoned uploads before its steps; a 403 to that listing failed the
+    whole command (exit 1, nothing uploaded) although the sidecar's loop only logs the same
+    failure."""
     root = tmp_path / "node"
     rng = np.random.default_rng(8)
     save_sharded([{"w": rng.integers(0, 2**31, size=1024, dtype=np.int32)}], root, 1)
-    fault_proxy.fail_first(None, s3_infra.is_list_multipart_uploads, status=403, code="AccessDenied",
-                           message="Access Denied")
-    out = subprocess.run(python_cmd("-m", "tiered_ckpt.cli", "upload", "--once", "--local", root, "--remote",
-                                    s3_bucket.url, "--endpoint-url", fault_proxy.url, "--path-style",
-                                    "--no-progress"), capture_output=True, text=True, timeout=120)
+    fault_proxy.fail_first(
+        None,
+        s3_infra.is_list_multipart_uploads,
+        status=403,
+        code="AccessDenied",
+        message="Access Denied",
+    )
+    out = subprocess.run(
+        python_cmd(
+            "-m",
+            "tiered_ckpt.cli",
+            "upload",
+            "--once",
+            "--local",
+            root,
+            "--remote",
+            s3_bucket.url,
+            "--endpoint-url",
+            fault_proxy.url,
+            "--path-style",
+            "--no-progress",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("step 1: committed remotely"), out.stdout
     assert "could not sweep abandoned multipart uploads" in out.stderr, out.stderr
 
 
-# --------------------------------------------------------------------------- a slow but healthy link
+# --- a slow but healthy link
 
 
 class _ThrottledLink:
@@ -312,17 +372,24 @@ class _ThrottledLink:
 
 @pytest.mark.slow
 def test_parallel_parts_on_a_link_faster_than_the_minimum_rate_get_through(
-        tmp_path: Any, s3_bucket: s3_infra.S3Location) -> None:
-    """4 parts of 5 MiB in parallel over a 2.5 MiB/s uplink, the minimum rate 1 MiB/s: the link is 2.5x
-    the minimum, yet each part moves at 0.625 MiB/s and passes its 1 s + 5 s deadline (about 8 s)."""
+    tmp_path: Any, s3_bucket: s3_infra.S3Location
+) -> None:
+    """4 parts of 5 MiB in parallel over a 2.5 MiB/s uplink, the minimum rate 1 MiB/s: the link is
+    2.5x the minimum, yet each part moves at 0.625 MiB/s and passes its 1 s + 5 s deadline (about 8
+    s)."""
     link = _ThrottledLink(s3_bucket.endpoint_url, 2.5 * MiB)
     path = tmp_path / "big.bin"
     path.write_bytes(os.urandom(20 * MiB))
-    store = S3Store(s3_infra.make_test_client(link.url, botocore_max_attempts=1), s3_bucket.bucket, "p",
-                    transfer=TransferSettings(multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB,
-                                              max_concurrency=4),
-                    deadlines=DeadlineSettings(deadline_base_s=1.0, min_rate_bytes_per_s=1 * MiB),
-                    retry=RetryPolicy(max_attempts=1))
+    store = S3Store(
+        s3_infra.make_test_client(link.url, botocore_max_attempts=1),
+        s3_bucket.bucket,
+        "p",
+        transfer=TransferSettings(
+            multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB, max_concurrency=4
+        ),
+        deadlines=DeadlineSettings(deadline_base_s=1.0, min_rate_bytes_per_s=1 * MiB),
+        retry=RetryPolicy(max_attempts=1),
+    )
     try:
         info = store.upload_file("big.bin", path)
     finally:
@@ -331,15 +398,17 @@ def test_parallel_parts_on_a_link_faster_than_the_minimum_rate_get_through(
     assert info.size_bytes == 20 * MiB
 
 
-# --------------------------------------------------------------------------- two sidecars on one root
+# --- two sidecars on one root
 
 
 @pytest.mark.slow
 def test_second_uploader_on_one_root_leaves_the_first_ones_upload_alone(
-        tmp_path: Any, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture) -> None:
-    """Uploader A sends a 12 MiB shard (multipart) over a 4 MiB/s link; once its upload is open on the
-    server, uploader B starts on the same root. Before: B aborted A's upload as a 'leftover' (A's next
-    parts then fail: moto answers 500, S3 404 NoSuchUpload, and A's retry aborts B's in turn)."""
+    tmp_path: Any, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Uploader A sends a 12 MiB shard (multipart) over a 4 MiB/s link; once its upload is open on
+    the server, uploader B starts on the same root. Before: B aborted A's upload as a 'leftover'
+    (A's next parts then fail: moto answers 500, S3 404 NoSuchUpload, and A's retry aborts B's in
+    turn)."""
     caplog.set_level(logging.INFO, logger="tiered_ckpt")
     root = tmp_path / "node"
     rng = np.random.default_rng(9)
@@ -348,8 +417,13 @@ def test_second_uploader_on_one_root_leaves_the_first_ones_upload_alone(
     out: dict[str, Any] = {}
 
     def go(name: str) -> None:
-        with Uploader(root, s3_bucket.url, s3_client=s3_infra.make_test_client(link.url),
-                      retry=RetryPolicy(max_attempts=2, initial_wait_s=0.05, max_wait_s=0.1), **SMALL) as up:
+        with Uploader(
+            root,
+            s3_bucket.url,
+            s3_client=s3_infra.make_test_client(link.url),
+            retry=RetryPolicy(max_attempts=2, initial_wait_s=0.05, max_wait_s=0.1),
+            **SMALL,
+        ) as up:
             try:
                 out[name] = up.upload_step(1).step
             except Exception as exc:  # noqa: BLE001 - reported below
@@ -366,17 +440,21 @@ def test_second_uploader_on_one_root_leaves_the_first_ones_upload_alone(
     a.join(60)
     b.join(60)
     link.close()
-    aborted = [r.getMessage() for r in caplog.records if "aborted leftover multipart upload" in r.getMessage()]
+    aborted = [
+        r.getMessage()
+        for r in caplog.records
+        if "aborted leftover multipart upload" in r.getMessage()
+    ]
     assert aborted == []
     assert out == {"a": 1, "b": 1}
 
 
-# --------------------------------------------------------------------------- a length the server claims
+# --- a length the server claims
 
 
 class _SmallHeadHugeGet(BaseHTTPRequestHandler):
-    """HEAD announces 4096 bytes; GET answers ``Content-Length: 10**12`` and sends one byte every 0.2 s
-    (never long enough apart to be a stall)."""
+    """HEAD announces 4096 bytes; GET answers ``Content-Length: 10**12`` and sends one byte every
+    0.2 s (never long enough apart to be a stall)."""
 
     protocol_version = "HTTP/1.1"
 
@@ -406,17 +484,21 @@ class _SmallHeadHugeGet(BaseHTTPRequestHandler):
 
 @pytest.mark.slow  # over 1 s (quick tier: 3 minutes in all)
 def test_download_of_a_small_shard_meets_the_deadline_of_its_planned_size(tmp_path: Any) -> None:
-    """A 4 KiB shard whose GET trickles: s3transfer asks for ``bytes=0-<download part size - 1>`` (64 MiB
-    by default), so the deadline counted 64 MiB, not the 4 KiB planned (before: 1 s + 64 MiB at
-    256 KiB/s = 257 s here, 316 s with the default base, per attempt)."""
+    """A 4 KiB shard whose GET trickles: s3transfer asks for ``bytes=0-<download part size - 1>``
+    (64 MiB by default), so the deadline counted 64 MiB, not the 4 KiB planned (before: 1 s + 64 MiB
+    at 256 KiB/s = 257 s here, 316 s with the default base, per attempt)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SmallHeadHugeGet)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    ).start()
     host, port = server.server_address[:2]
     settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.0)
     dest = tmp_path / "shard.tmp"
     try:
-        with _store(f"http://{host}:{port}", deadlines=settings, retry=RetryPolicy(max_attempts=1)) as store:
+        with _store(
+            f"http://{host}:{port}", deadlines=settings, retry=RetryPolicy(max_attempts=1)
+        ) as store:
             t0 = time.monotonic()
             result = run_bounded(lambda: store.download_file(KEY, dest, expected_size=4096), 15)
             elapsed = time.monotonic() - t0
