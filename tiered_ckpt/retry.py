@@ -8,17 +8,12 @@ How the retry layers stack (read this before tuning any of them):
    a throttled, 5xx or dropped ``UploadPart`` is sent up to ``B`` times in total,
    with botocore's own jittered backoff (up to 1 s, 2 s, ... capped at 20 s) and a client-wide retry
    quota. botocore knows nothing about the operation the call belongs to.
-2. **s3transfer** (the multipart machinery) adds nothing for uploads: when one part fails for good
-   it fails the whole transfer and aborts the multipart upload. For downloads it re-issues a ranged
-   GET whose body stream broke, up to ``num_download_attempts`` (5) times.
-3. **This module** (:func:`call_with_retries`) retries the *whole operation* of one store method: a
-   complete ``upload_file`` (create, every part, complete, HEAD and checksum comparison), a whole
-   download into the caller's temp file, one PUT of a small object, and each single call of a
+2. **This module** (:func:`call_with_retries`) retries the *whole operation* of one store method:
+   one PUT of a small object, one ranged GET into the caller's buffer, and each single call of a
    multipart upload the uploader drives itself (create, one part, complete, abort;
    ``remote/transfer.py``). It is what recovers when botocore gave up on one call, when the server
    reported a checksum that differs from what was sent
-   (:class:`~tiered_ckpt.errors.ShardCorruptedError`), or when a multipart upload disappeared under
-   ``upload_file``.
+   (:class:`~tiered_ckpt.errors.ShardCorruptedError`).
 
 Worst case, one HTTP request is sent ``B x RetryPolicy.max_attempts`` times, and the wall time is
 bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of our waits`` where
@@ -32,22 +27,19 @@ Timeouts and deadlines (innermost first; each bounds what the one before cannot)
   botocore ``Config(connect_timeout=, read_timeout=)``). Per read, not per request: a server that
   sends one byte every 20 s never trips it. A timeout raises ``ConnectTimeoutError`` /
   ``ReadTimeoutError``, which botocore's standard mode retries (layer 1) and this module treats as
-  retryable (layer 3).
+  retryable (layer 2).
 * **Per request, the store** (``store/deadline.py``,
   :class:`~tiered_ckpt.store.settings.DeadlineSettings`): every single HTTP request of a store (each
-  GET, HEAD, PUT, part, LIST, also s3transfer's ranged GETs and upload parts) must finish within
+  GET, HEAD, PUT, part, LIST, ranged GET) must finish within
   ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 60 s + bytes at 256 KiB/s;
   CompleteMultipartUpload 10 x the base) and must not *stall*: no body chunk (for GET/HEAD, no
   response either) for ``stall_timeout_s`` (default 60 s). A watchdog thread shuts the request's
   socket down when either passes, so the blocked read returns at once, and botocore's remaining
   attempts of that request are not sent (its ``before-send`` hook). The request raises
   ``RequestDeadlineError`` ("deadline of N s passed" / "stalled: no bytes for N s"): not retried by
-  botocore nor by s3transfer, retried here as a whole operation (layer 3), which starts a fresh
+  botocore, retried here as a whole operation (layer 2), which starts a fresh
   request with a fresh deadline. With the retries exhausted the caller gets an ``UploadError`` whose
   message names the deadline or stall and its seconds.
-* **s3transfer**: no timeout of its own; a transfer future waits as long as its requests do, now
-  each bounded by its deadline. The store polls its stop event every 50 ms while it waits
-  (``store/files.py``) and cancels the transfer.
 * **This module**: stops by attempt count (``stop_after_attempt``) or the stop event, never by
   elapsed time. Waits between attempts are bounded (``max_wait_s`` each).
 * **Above the store**: the uploader retries a whole shard on top of the store's per-call retries (a
@@ -58,7 +50,7 @@ first backoff, <= 2 s) + sum of our waits``: with the defaults a GET of ``latest
 that trickles or stays silent gives up after about 6 x 60 s = 6 min (the stall; botocore's own
 read-timeout retries happen inside each request's deadline), a 64 MiB part after about 6 x 316 s.
 Callers that need a tighter bound lower ``DeadlineSettings`` and ``max_attempts``, or set the stop
-event, which prevents the next attempt, cuts a backoff short, cancels s3transfer transfers and ends
+event, which prevents the next attempt, cuts a backoff short and ends a ranged GET or
 a read-back between chunks (a single request already in flight runs to its deadline).
 
 Logging (``logging.getLogger(__name__)``): one WARNING per operation, at its first failure, with the

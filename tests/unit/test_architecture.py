@@ -5,8 +5,7 @@
 - no import of another folder's ``_private`` names or modules, no import circle;
 - the durable-commit calls (``os.fsync``, ``os.replace``, ``os.rename``, ``os.link``,
   ``Path.rename``) only in the local commit protocol module and the one trash helper; boto3/botocore
-  only in ``store/client.py``, s3transfer only in ``store/files.py`` (type-only imports aside),
-  tenacity only in ``retry.py``; the format layer does no I/O and starts no threads; nothing above
+  only in ``store/client.py`` (type-only imports aside), tenacity only in ``retry.py``; the format layer does no I/O and starts no threads; nothing above
   ``store/`` touches a boto3 client.
 
 Each checker is a function of ``{module name: source}`` so that the tests below also prove, on small
@@ -243,7 +242,6 @@ def check_durable_calls(modules: dict[str, str]) -> list[str]:
 THIRD_PARTY_HOMES = {
     "boto3": {"tiered_ckpt.store.client"},
     "botocore": {"tiered_ckpt.store.client"},
-    "s3transfer": {"tiered_ckpt.store.files"},
     "tenacity": {"tiered_ckpt.retry"},
 }
 
@@ -452,7 +450,7 @@ def test_third_party_and_purity_and_client_are_caught() -> None:
             "tiered_ckpt.remote.u": "import boto3\n",
             "tiered_ckpt.store.client": "import boto3\n",
             "tiered_ckpt.store.s3": "import botocore\n",
-            "tiered_ckpt.store.files": typed,
+            "tiered_ckpt.store.objects": typed,
             "tiered_ckpt.remote.v": typed,
             "tiered_ckpt.local.x": "from tenacity import retry\n",
         }

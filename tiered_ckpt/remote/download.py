@@ -22,8 +22,7 @@ once:
   shards' parts keep flowing: shard after shard, the first shards finish early.
 
 The first failure stops the taking of parts; the lowest rank's error is raised once the threads are
-done. A store without ``read_range_into`` (another :class:`ObjectStore`) gets one ``download_file``
-per shard and a hash of the file.
+done.
 """
 
 from __future__ import annotations
@@ -63,25 +62,6 @@ _ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 _WRITE_FLAGS = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def hash_file(path: Path) -> tuple[str, int]:
-    """``(sha256 hex, size in bytes)`` of a file, read in 8 MiB chunks through
-    :func:`tiered_ckpt.safe_read.opened` (no symlink followed below its root, never blocking, a
-    regular file only). Raises ``FileNotFoundError`` (absent), :class:`ShardCorruptedError` (a
-    symlink, FIFO, device or directory there; a read error)."""
-    sha = hashlib.sha256()
-    n = 0
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with opened(path, error=ShardCorruptedError) as fd:
-        while True:
-            k = os.readv(fd, [buf])
-            if not k:
-                break
-            sha.update(view[:k])
-            n += k
-    return sha.hexdigest(), n
 
 
 def _check_header(path: Path, plan: RestorePlan, rank: int, where: str) -> None:
@@ -256,7 +236,7 @@ def _worker(
         try:
             view = memoryview(buf)[:n]
             try:
-                store.read_range_into(sh.obj.key, off, view, object_size=sh.obj.size_bytes)  # type: ignore[attr-defined]
+                store.read_range_into(sh.obj.key, off, view, object_size=sh.obj.size_bytes)
             except RemoteNotFoundError as exc:
                 raise MissingShardError(
                     f"{sh.where} disappeared before it could be downloaded"
@@ -307,12 +287,6 @@ def fetch_shards(
     t = transfer_of(store)
     part = part_size_bytes or t.download_part_size_bytes
     conc = concurrency or t.download_max_concurrency
-    if not hasattr(store, "read_range_into"):
-        for obj in objects:
-            _fetch_whole(store, plan, obj, targets[obj.rank], on_progress)
-            if on_verified is not None:
-                on_verified(obj)
-        return
     shards = []
     for obj in objects:
         fd = os.open(targets[obj.rank], _WRITE_FLAGS | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -354,22 +328,6 @@ def fetch_shards(
         raise w.errors[min(w.errors)]
 
 
-def _fetch_whole(
-    store: ObjectStore,
-    plan: RestorePlan,
-    obj: RemoteObject,
-    dest: Path,
-    on_progress: ProgressCallback | None,
-) -> None:
-    where = _where(store, plan, obj)
-    try:
-        store.download_file(obj.key, dest, on_progress=on_progress, expected_size=obj.size_bytes)
-    except RemoteNotFoundError as exc:
-        raise MissingShardError(f"{where} disappeared before it could be downloaded") from exc
-    sha, size = hash_file(dest)
-    _verify(plan, obj, dest, sha, size, where)
-
-
 def fetch_shard(
     store: ObjectStore,
     plan: RestorePlan,
@@ -383,4 +341,4 @@ def fetch_shard(
     fetch_shards(store, plan, [obj], {obj.rank: dest}, on_progress=on_progress, cancel=cancel)
 
 
-__all__ = ["fetch_shard", "fetch_shards", "hash_file", "transfer_of"]
+__all__ = ["fetch_shard", "fetch_shards", "transfer_of"]

@@ -1,9 +1,8 @@
 """Sending one shard file and confirming it remotely, end to end (the transfer half of
 ``upload.py``).
 
-Why not ``S3Store.upload_file``: s3transfer reads the file itself, so the bytes we hash would come
-from a *second* read of the file and a shard that rots between the two reads would go unnoticed.
-Here every byte is hashed as it is read for sending, on one thread, in file order:
+Every byte is hashed as it is read for sending, on one thread, in file order (a second read for
+hashing would miss a shard that rots between the two reads):
 
 1. :func:`tiered_ckpt.safe_read.open_file` (``O_NOFOLLOW`` on every component, non-blocking, a
    regular file only); its size must equal the local manifest's (else :class:`LocalShardError`).
@@ -12,7 +11,7 @@ Here every byte is hashed as it is read for sending, on one thread, in file orde
    carrying its ``ChecksumSHA256`` (``S3Store.put_bytes``).
 3. Otherwise a multipart upload (:class:`~tiered_ckpt.store.base.ObjectStore` lifecycle step 2b):
    ``store.create_multipart_upload(checksum_algorithm="CRC32C")``; the reader thread ``pread`` s
-   part after part (part sizes from ``store.plan_parts``, as s3transfer would plan them), feeds the
+   part after part (part sizes from ``store.plan_parts``, S3's multipart limits), feeds the
    whole-file SHA-256, and hands each part to a worker that computes the part's CRC32C (sent as
    ``ChecksumCRC32C``, so a validating server rejects bytes damaged in transit; hardware CRC32C
    through ctypes releases the GIL) and calls ``store.upload_part``. A semaphore shared by every

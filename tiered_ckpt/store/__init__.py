@@ -3,15 +3,15 @@
 Everything above ``store/`` speaks :class:`ObjectStore` (``base.py``: the protocol with its numbered
 lifecycle, value types, errors, ``parse_s3_url``) and never a boto3 client. Modules:
 
-* pure (no boto3 / botocore / s3transfer import): ``base`` (interface), ``checksums`` (S3-style
+* pure (no boto3 / botocore import): ``base`` (interface), ``checksums`` (S3-style
   SHA-256 and CRC32C computed locally), ``settings`` (:class:`TransferSettings`,
   :class:`WriteSettings`);
 * the S3 implementation: ``s3`` (:class:`S3Store`: key mapping and the store's retries around every
-  call), with its single attempts in ``objects`` (head / put / get / list / delete / read-back) and
+  call), with its single attempts in ``objects`` (head / put / get / ranged get / list / delete / read-back) and
   ``multipart`` (create / part / complete / abort / list), which classify botocore errors by their
   structured response and import no boto module, and ``probe`` (does the server validate checksums);
-* the only modules importing boto's libraries: ``client`` (boto3 and botocore:
-  :func:`make_s3_client`) and ``files`` (s3transfer: whole-file uploads and downloads).
+* the only module importing boto's libraries: ``client`` (boto3 and botocore:
+  :func:`make_s3_client`).
 
 The boto-backed names (:class:`S3Store`, :func:`make_s3_client`, :func:`probe_checksum_validation`)
 are loaded lazily here, so that importing the interface does not load boto3.
@@ -36,10 +36,8 @@ from tiered_ckpt.store.base import (
     validate_key,
 )
 from tiered_ckpt.store.checksums import (
-    FileDigests,
     checksums_match,
     composite_sha256_b64,
-    compute_file_digests,
     plan_part_sizes,
     sha256_b64,
 )
@@ -69,7 +67,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CHECKSUM_ALGORITHMS",
-    "FileDigests",
     "MultipartUploadInfo",
     "NoSuchUploadError",
     "ObjectInfo",
@@ -83,7 +80,6 @@ __all__ = [
     "WriteSettings",
     "checksums_match",
     "composite_sha256_b64",
-    "compute_file_digests",
     "ensure_bucket",
     "format_s3_url",
     "make_s3_client",

@@ -27,14 +27,11 @@ Lifecycle of one store (who calls what):
 
    Small JSON objects (confirmations, the upload manifest, the ``latest`` pointer) go through
    :meth:`~ObjectStore.put_bytes` (``if_none_match`` for the commit mark, ``if_match`` for
-   ``latest``). :meth:`~ObjectStore.upload_file` / :meth:`~ObjectStore.file_digests` upload a whole
-   file through the store's own transfer machinery (tools and tests; the uploader hashes as it sends
-   instead).
+   ``latest``).
 3. Restore reads the pointer with :meth:`~ObjectStore.get_bytes`, confirms objects with
    :meth:`~ObjectStore.head`, and on its download threads fetches every shard's parts with
-   :meth:`~ObjectStore.read_range_into` (a store without it: :meth:`~ObjectStore.download_file`)
-   into buffers it hashes and writes to a temp name it chose; restore (the local commit protocol)
-   fsyncs and renames the file, never the store.
+   :meth:`~ObjectStore.read_range_into` into buffers it hashes and writes to a temp name it
+   chose; restore (the local commit protocol) fsyncs and renames the file, never the store.
 4. Cleanup (retention, the upload of one shard before it starts) uses
    :meth:`~ObjectStore.list_keys`, :meth:`~ObjectStore.delete`,
    :meth:`~ObjectStore.list_multipart_uploads` and :meth:`~ObjectStore.abort_multipart_upload`.
@@ -50,7 +47,6 @@ typed ones below (:class:`PreconditionFailedError`, :class:`RemoteNotFoundError`
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -59,7 +55,6 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
-from tiered_ckpt.store.checksums import FileDigests
 
 #: ``on_progress(delta_bytes)``: called from transfer threads (must be thread-safe); ``delta_bytes``
 #: may be negative when a failed attempt's bytes are taken back before a retry.
@@ -218,45 +213,9 @@ class ObjectStore(Protocol):
         event) is set."""
         ...
 
-    # --- whole files
-
-    def upload_file(
-        self,
-        key: str,
-        path: str | os.PathLike[str],
-        *,
-        on_progress: ProgressCallback | None = None,
-        expected_checksum_sha256_b64: str | None = None,
-    ) -> ObjectInfo:
-        """Upload a local file (multipart above the threshold); returns the HEAD after
-        completion."""
-        ...
-
-    def file_digests(
-        self, path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
-    ) -> FileDigests:
-        """Whole-file SHA-256 and the ``ChecksumSHA256`` this store's upload of ``path`` will
-        produce."""
-        ...
-
     def server_validates_checksums(self) -> bool:
         """Whether the server rejects bytes that do not match the checksum sent (learnt once per
         bucket)."""
-        ...
-
-    def download_file(
-        self,
-        key: str,
-        dest_path: str | os.PathLike[str],
-        *,
-        on_progress: ProgressCallback | None = None,
-        expected_size: int | None = None,
-    ) -> int:
-        """Write the object into ``dest_path`` (a temp name the caller chose: created or truncated
-        per attempt, removed again on failure); returns its size in bytes. No fsync, no rename: the
-        caller commits the file (``tiered_ckpt.local.commit``). The bytes are not verified here.
-        ``expected_size`` (bytes): a HEAD size other than it, or a body running past it, raises
-        :class:`ObjectSizeError` (before any byte, resp. within one part of it)."""
         ...
 
     def read_range_into(self, key: str, offset: int, out: memoryview, *, object_size: int) -> None:

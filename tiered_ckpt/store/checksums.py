@@ -33,9 +33,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import google_crc32c
 
@@ -46,8 +44,6 @@ GiB = 1024 * MiB
 MIN_PART_SIZE_BYTES = 5 * MiB
 MAX_PART_SIZE_BYTES = 5 * GiB
 MAX_PARTS = 10_000
-
-_READ_CHUNK_BYTES = 4 * MiB
 
 
 def sha256_b64(data: bytes) -> str:
@@ -137,77 +133,13 @@ def plan_part_sizes(
     return sizes
 
 
-@dataclass(frozen=True)
-class FileDigests:
-    """Digests of a local file computed in one read.
-
-    ``sha256_hex``: SHA-256 of the whole file (what the local manifest records).
-    ``checksum_sha256_b64``: what S3 will report as ``ChecksumSHA256`` once the file is uploaded
-    with the same transfer settings (single-PUT or composite form). ``part_sizes_bytes``: ``None``
-    for a single PUT.
-    """
-
-    size_bytes: int
-    sha256_hex: str
-    checksum_sha256_b64: str
-    part_sizes_bytes: tuple[int, ...] | None
-
-
-def compute_file_digests(
-    path: str | os.PathLike[str],
-    *,
-    multipart_threshold_bytes: int,
-    part_size_bytes: int,
-    on_bytes: Callable[[int], None] | None = None,
-) -> FileDigests:
-    """Read ``path`` once and return its whole-file SHA-256 and its S3 ``ChecksumSHA256`` to be.
-
-    ``on_bytes(n)`` is called as chunks are hashed (progress). Raises ``OSError`` from reading, and
-    ``ValueError`` if the file changes size while being read.
-    """
-    size = os.stat(path).st_size
-    parts = plan_part_sizes(
-        size, multipart_threshold_bytes=multipart_threshold_bytes, part_size_bytes=part_size_bytes
-    )
-    whole = hashlib.sha256()
-    part_digests: list[bytes] = []
-    with open(path, "rb") as f:
-        for part_size in parts if parts is not None else [size]:
-            part = hashlib.sha256()
-            remaining = part_size
-            while remaining > 0:
-                chunk = f.read(min(_READ_CHUNK_BYTES, remaining))
-                if not chunk:
-                    raise ValueError(f"{os.fspath(path)}: file shrank while being hashed")
-                whole.update(chunk)
-                part.update(chunk)
-                remaining -= len(chunk)
-                if on_bytes is not None:
-                    on_bytes(len(chunk))
-            part_digests.append(part.digest())
-        if f.read(1):
-            raise ValueError(f"{os.fspath(path)}: file grew while being hashed")
-    if parts is None:
-        checksum = base64.b64encode(part_digests[0]).decode("ascii")
-    else:
-        checksum = composite_sha256_b64(part_digests)
-    return FileDigests(
-        size_bytes=size,
-        sha256_hex=whole.hexdigest(),
-        checksum_sha256_b64=checksum,
-        part_sizes_bytes=tuple(parts) if parts is not None else None,
-    )
-
-
 __all__ = [
     "MIN_PART_SIZE_BYTES",
     "MAX_PART_SIZE_BYTES",
     "MAX_PARTS",
-    "FileDigests",
     "checksums_match",
     "composite_crc32c_b64",
     "composite_sha256_b64",
-    "compute_file_digests",
     "crc32c_b64",
     "plan_part_sizes",
     "sha256_b64",

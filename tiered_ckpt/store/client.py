@@ -1,7 +1,6 @@
 """The boto3 / botocore side of the S3 store: building the ONE client a remote is reached through.
 
-With :mod:`tiered_ckpt.store.files` (s3transfer) this is where the store touches boto3's libraries
-at import time; everything else in ``store/`` classifies botocore errors through
+This is the one place the store touches boto3's libraries at import time; everything else in ``store/`` classifies botocore errors through
 :func:`tiered_ckpt.retry.s3_error_code_and_status` (structured ``response``, never the message
 text).
 

@@ -6,8 +6,8 @@ then sends one byte every 20 s keeps a GET alive for ever (seed lesson: ``restor
 after 150 s on one GET of ``latest``). Here every API call of the store's client runs under a
 :class:`RequestGuard`:
 
-* :class:`GuardedClient` wraps the botocore client (the store, its s3transfer managers and every
-  single-attempt helper go through it). Each API call gets a guard with the deadline
+* :class:`GuardedClient` wraps the botocore client (the store and every single-attempt helper go
+  through it). Each API call gets a guard with the deadline
   ``deadline_base_s + bytes / min_rate_bytes_per_s`` (bytes: the request body plus the Range asked
   for); a streamed response (GetObject) keeps its guard while its body is read
   (:class:`GuardedBody`), the deadline then counting the ``Content-Length`` announced (at most the

@@ -7,6 +7,9 @@ No boto import: errors are classified with :func:`tiered_ckpt.retry.s3_error_cod
 reads botocore's structured ``ClientError.response`` (never the message text) and answers ``(None,
 None)`` for anything that is not a ``ClientError`` (those propagate unchanged).
 
+A ranged GET (:func:`read_range_attempt`) reads straight into the caller's buffer; the download
+(``tiered_ckpt.remote``) runs every shard's parts through it, hashing as the bytes arrive.
+
 Source: S3 API reference (HeadObject with ``ChecksumMode=ENABLED``, PutObject with
 ``ChecksumSHA256``, ``If-None-Match: *`` and ``If-Match``, GetObject with ``Range``, ListObjectsV2,
 DeleteObjects).
@@ -15,6 +18,7 @@ DeleteObjects).
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -25,7 +29,12 @@ from tiered_ckpt.retry import (
     is_retryable_s3_error,
     s3_error_code_and_status,
 )
-from tiered_ckpt.store.base import ObjectInfo, PreconditionFailedError, RemoteNotFoundError
+from tiered_ckpt.store.base import (
+    ObjectInfo,
+    ObjectSizeError,
+    PreconditionFailedError,
+    RemoteNotFoundError,
+)
 from tiered_ckpt.store.checksums import checksums_match
 from tiered_ckpt.store.keys import PrefixKeys
 
@@ -313,11 +322,120 @@ def delete_batch(client: BaseClient, bucket: str, batch: list[str]) -> None:
     )
 
 
+#: Bytes per ``readinto`` of a ranged GET's body: the stall clock's granularity (64 MiB parts still
+#: report progress every 1 MiB, well inside the stall timeout at the slowest rate allowed).
+RANGE_CHUNK_BYTES = 1024 * 1024
+_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def download_retryable(exc: BaseException) -> bool:
+    """Retry predicate of downloads: what :func:`is_retryable_s3_error` retries, but never a size
+    refused."""
+    return not isinstance(exc, ObjectSizeError) and is_retryable_s3_error(exc)
+
+
+def _check_range_answer(
+    resp: Mapping[str, Any], what: str, offset: int, n: int, object_size: int
+) -> None:
+    """The GetObject answer is exactly ``[offset, offset + n)`` of an object of ``object_size``
+    bytes: its ``Content-Range`` (or, without one, a whole-object 200 that is this one part) and its
+    length. Another total size or a longer body: :class:`ObjectSizeError` before any byte is
+    read."""
+    length = resp.get("ContentLength")
+    cr = resp.get("ContentRange")
+    m = _CONTENT_RANGE_RE.match(cr) if isinstance(cr, str) else None
+    if m is not None:
+        start, end, total = int(m.group(1)), int(m.group(2)), m.group(3)
+        if total != "*" and int(total) != object_size:
+            raise ObjectSizeError(
+                f"{what}: the server reports {total} bytes, planned {object_size}; "
+                "not reading it (replaced after the plan?)"
+            )
+        if (start, end) != (offset, offset + n - 1):
+            raise ObjectSizeError(
+                f"{what}: asked for bytes {offset}-{offset + n - 1}, the server sent {start}-{end}"
+            )
+    elif not (offset == 0 and n == object_size):
+        raise ObjectSizeError(
+            f"{what}: the server ignored the Range bytes={offset}-{offset + n - 1} "
+            f"(no Content-Range); not reading a whole body of {length} bytes"
+        )
+    if length is not None and int(length) != n:
+        raise ObjectSizeError(
+            f"{what}: a body of {int(length)} bytes for a range of {n}; not reading it"
+        )
+
+
+def read_range_attempt(
+    client: BaseClient,
+    *,
+    bucket: str,
+    full_key: str,
+    what: str,
+    offset: int,
+    out: memoryview,
+    object_size: int,
+    stop_events: tuple[threading.Event, ...] = (),
+) -> None:
+    """One ranged GetObject of ``[offset, offset + len(out))`` of an object planned at
+    ``object_size`` bytes, read straight into ``out`` (no intermediate copy where the HTTP body
+    allows ``readinto``) in :data:`RANGE_CHUNK_BYTES` pieces, under the request's deadline and stall
+    clock (the client is the store's ``GuardedClient``; the deadline counts ``len(out)``). Never
+    reads past ``len(out)``.
+
+    Raises :class:`RemoteNotFoundError` (404), :class:`ObjectSizeError` (another total size in
+    ``Content-Range``, another range or length, HTTP 416: before any byte is read),
+    ``ConnectionError`` (the body ended early; retryable), :class:`OperationInterruptedError` (a
+    stop event set between chunks), ``ValueError`` (a range outside the object). Source: S3
+    GetObject ``Range`` / ``Content-Range`` (RFC 9110 section 14)."""
+    n = len(out)
+    if not (0 <= offset and n > 0 and offset + n <= object_size):
+        raise ValueError(f"range [{offset}, {offset + n}) outside an object of {object_size} bytes")
+    try:
+        resp = client.get_object(
+            Bucket=bucket, Key=full_key, Range=f"bytes={offset}-{offset + n - 1}"
+        )
+    except Exception as exc:
+        if is_not_found(exc):
+            raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
+        if (
+            s3_error_code_and_status(exc)[1] == 416
+        ):  # InvalidRange: shorter than planned now (replaced)
+            raise ObjectSizeError(
+                f"{what}: the server refuses bytes {offset}-{offset + n - 1} (HTTP 416); it is "
+                f"shorter than the planned {object_size} bytes (replaced after the plan?)"
+            ) from exc
+        raise
+    body = resp["Body"]
+    try:
+        _check_range_answer(resp, what, offset, n, object_size)
+        got = 0
+        while got < n:
+            k = body.readinto(out[got : got + RANGE_CHUNK_BYTES])
+            if not k:
+                raise ConnectionError(
+                    f"{what}: the body of bytes {offset}-{offset + n - 1} ended after {got} bytes"
+                )
+            got += k
+            if any(e.is_set() for e in stop_events):
+                raise OperationInterruptedError(f"{what}: stopped during a ranged GET")
+        if body.read(
+            1
+        ):  # EOF read through the client's own path: it hands the connection back to the pool
+            raise ObjectSizeError(
+                f"{what}: the body of bytes {offset}-{offset + n - 1} runs past them"
+            )
+    finally:
+        body.close()
+
+
 __all__ = [
     "GET_CHUNK_BYTES",
     "PartialDeleteError",
+    "RANGE_CHUNK_BYTES",
     "READ_CHUNK_BYTES",
     "delete_batch",
+    "download_retryable",
     "get_object",
     "head_object",
     "is_not_found",
@@ -326,5 +444,6 @@ __all__ = [
     "list_objects_page",
     "object_info",
     "put_object",
+    "read_range_attempt",
     "read_sha256",
 ]

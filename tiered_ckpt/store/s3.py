@@ -3,27 +3,23 @@
 :class:`S3Store` maps keys under its prefix and wraps every operation once in
 :func:`tiered_ckpt.retry.call_with_retries` (whole-operation retries on top of botocore's
 per-request ones; that module says how they stack). The single attempts live beside it:
-``objects.py`` (head, put, get, list, delete, read-back), ``multipart.py`` (create, part, complete,
-abort, list), ``files.py`` (whole files through s3transfer, one manager per direction per store, so
-concurrency is bounded per store), ``probe.py`` (does the server validate checksums); the client
+``objects.py`` (head, put, get, ranged get, list, delete, read-back), ``multipart.py`` (create,
+part, complete, abort, list), ``probe.py`` (does the server validate checksums); the client
 comes from ``client.py``.
 
-Integrity: every body written carries an additional checksum (``ChecksumSHA256`` for ``put_bytes``
-and ``upload_file``, the caller's algorithm for the multipart uploads it drives), so a validating
-server (AWS, MinIO) rejects damaged bytes; ``upload_file`` then HEADs the object
-(``ChecksumMode=ENABLED``) and retries on a size or checksum that differs from what was sent. A
-server that does not validate (moto) echoes the header it was sent, so a match proves nothing there:
+Integrity: every body written carries an additional checksum (``ChecksumSHA256`` for ``put_bytes``,
+the caller's algorithm for the multipart uploads it drives), so a validating server (AWS, MinIO)
+rejects damaged bytes. A server that does not validate (moto) echoes the header it was sent, so a match proves nothing there:
 :func:`probe_checksum_validation` tells the caller whether it must read the object back
 (:meth:`S3Store.read_sha256`). Credentials are never logged.
 
 Source: S3 API reference (PutObject, HeadObject, GetObject, ListObjectsV2, DeleteObjects, the
-multipart calls, conditional writes with If-None-Match / If-Match), s3transfer ``manager.py``.
+multipart calls, conditional writes with If-None-Match / If-Match).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,26 +32,16 @@ from tiered_ckpt.store.base import (
     MultipartUploadInfo,
     ObjectInfo,
     ObjectSizeError,
-    ProgressCallback,
     UploadedPart,
     format_s3_url,
     parse_s3_url,
 )
 from tiered_ckpt.store.checksums import (
-    FileDigests,
-    compute_file_digests,
     plan_part_sizes,
     sha256_b64,
 )
 from tiered_ckpt.store.client import install_request_hooks, make_s3_client
 from tiered_ckpt.store.deadline import GuardedClient
-from tiered_ckpt.store.files import (
-    FileTransfers,
-    download_attempt,
-    download_retryable,
-    read_range_attempt,
-    upload_attempt,
-)
 from tiered_ckpt.store.keys import PrefixKeys
 from tiered_ckpt.store.probe import PROBE_KEY_PREFIX, probe_checksum_validation, probe_once
 from tiered_ckpt.store.settings import DeadlineSettings, TransferSettings, WriteSettings
@@ -117,7 +103,6 @@ class S3Store:
         self._retry = retry if retry is not None else RetryPolicy()
         self._write = write if write is not None else WriteSettings()
         self._stop_event = stop_event
-        self._files = FileTransfers(self._client, self._transfer, stop_event)
         self._closed = False
 
     @classmethod
@@ -306,102 +291,11 @@ class S3Store:
             ),
         )
 
-    # --- whole files
-
-    def file_digests(
-        self, path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None
-    ) -> FileDigests:
-        """Read ``path`` once: its SHA-256 and the ``ChecksumSHA256`` :meth:`upload_file` will
-        produce with this store's transfer settings. Raises ``OSError``."""
-        return compute_file_digests(
-            path,
-            multipart_threshold_bytes=self._transfer.multipart_threshold_bytes,
-            part_size_bytes=self._transfer.part_size_bytes,
-            on_bytes=on_progress,
-        )
-
-    def upload_file(
-        self,
-        key: str,
-        path: str | os.PathLike[str],
-        *,
-        on_progress: ProgressCallback | None = None,
-        expected_checksum_sha256_b64: str | None = None,
-    ) -> ObjectInfo:
-        """Upload ``path`` with s3transfer (multipart at or above the threshold, parts in parallel).
-
-        Sends SHA-256 additional checksums: for a single PUT ``expected_checksum_sha256_b64`` itself
-        (the server validates the body against *our* digest; what :meth:`file_digests` returns,
-        computed here with one extra read when not given), for multipart uploads per part (botocore
-        computes them from the bytes it sends). After completion the object is HEADed with
-        ``ChecksumMode=ENABLED``; a size or reported checksum other than what was sent raises
-        :class:`~tiered_ckpt.errors.ShardCorruptedError`, retried (a whole new upload). The returned
-        ``ObjectInfo.checksum_sha256`` is ``None`` when the server reports none: nothing about the
-        stored bytes was confirmed, read them back. On a server that does not validate checksums
-        (:func:`probe_checksum_validation`) a match is only an echo of what was sent, so the caller
-        must read back there too.
-
-        ``on_progress(delta_bytes)`` is called from transfer threads; a failed attempt's bytes are
-        taken back with a negative delta before the retry. A failed or cancelled multipart upload is aborted by
-        s3transfer. Raises ``UploadError``, ``OperationInterruptedError``, ``OSError`` (local file)."""
-        full_key, source, what = self._keys.full_key(key), os.fspath(path), self._describe(key)
-        size = os.stat(source).st_size
-        if expected_checksum_sha256_b64 is None:
-            expected_checksum_sha256_b64 = self.file_digests(source).checksum_sha256_b64
-        expected = expected_checksum_sha256_b64
-        single_put = self.plan_parts(size) is None
-        return self._call(
-            f"upload {source} -> {what}",
-            lambda: upload_attempt(
-                self._files,
-                source,
-                bucket=self._bucket,
-                full_key=full_key,
-                key=key,
-                what=what,
-                size=size,
-                expected_checksum_b64=expected,
-                single_put=single_put,
-                write_args=self._write.extra_args(),
-                on_progress=on_progress,
-            ),
-            is_retryable=multipart.is_retryable_upload_error,
-        )
-
-    def download_file(
-        self,
-        key: str,
-        dest_path: str | os.PathLike[str],
-        *,
-        on_progress: ProgressCallback | None = None,
-        expected_size: int | None = None,
-    ) -> int:
-        """Download with s3transfer (ranged GETs per :class:`TransferSettings`) into ``dest_path`` itself
-        (created or truncated per attempt, removed on failure; no fsync, rename or verification: see
-        :meth:`ObjectStore.download_file`). Returns the size in bytes. ``expected_size``: HEADed first, another
-        size raises :class:`~tiered_ckpt.store.base.ObjectSizeError` before any byte, a body past it stops
-        within one part; not retried. Raises ``RemoteNotFoundError``, ``UploadError``,
-        ``OperationInterruptedError``, ``OSError`` (local disk, e.g. a missing directory)."""
-        full_key = self._keys.full_key(key)
-        dest = os.path.abspath(os.fspath(dest_path))
-        what = self._describe(key)
-        return self._call(
-            f"download {what} -> {dest}",
-            lambda: download_attempt(
-                self._files,
-                dest,
-                bucket=self._bucket,
-                full_key=full_key,
-                what=what,
-                on_progress=on_progress,
-                expected_size=expected_size,
-            ),
-            passthrough=(ObjectSizeError,),
-            is_retryable=download_retryable,
-        )
+    # --- ranged reads
 
     def read_range_into(self, key: str, offset: int, out: memoryview, *, object_size: int) -> None:
-        """See :meth:`ObjectStore.read_range_into`: one ranged GET per attempt (``files.read_range_attempt``)."""
+        """See :meth:`ObjectStore.read_range_into`: one ranged GET per attempt
+        (``objects.read_range_attempt``)."""
         full_key, what, events = (
             self._keys.full_key(key),
             self._describe(key),
@@ -409,7 +303,7 @@ class S3Store:
         )
         self._call(
             f"get {what} bytes {offset}+{len(out)}",
-            lambda: read_range_attempt(
+            lambda: objects.read_range_attempt(
                 self._client,
                 bucket=self._bucket,
                 full_key=full_key,
@@ -420,7 +314,7 @@ class S3Store:
                 stop_events=events,
             ),
             passthrough=(ObjectSizeError,),
-            is_retryable=download_retryable,
+            is_retryable=objects.download_retryable,
         )
 
     # --- multipart uploads
@@ -564,9 +458,8 @@ class S3Store:
                 )
 
     def close(self) -> None:
-        """Shut down the transfer threads (waiting for running transfers). Idempotent."""
+        """Mark the store closed (it holds no threads of its own). Idempotent."""
         self._closed = True
-        self._files.shutdown()
 
     def __enter__(self) -> S3Store:
         return self
