@@ -13,7 +13,7 @@ emptied local directory:
 * ``s5cmd``: ``s5cmd cp 's3://bucket/prefix/step_X/*' DIR/`` with its defaults (no hash, no fsync);
 * ``aws``: ``aws s3 cp --recursive`` with the CLI's defaults (8 MiB ranged GETs, 10 in flight; no
   hash, no fsync);
-* ``restore[<setting>]``: :func:`tiered_ckpt.remote.restore.restore_detailed` (GET latest pointer,
+* ``restore[<setting>]``: :func:`tiered_ckpt.remote.restore.restorer.restore_detailed` (GET latest pointer,
   LIST, GET upload manifest + manifest, HEAD every shard, all shards' ranged GETs in one window,
   sha256 while the bytes arrive, header check, each shard fsynced as it completes, local commit,
   marker), per download setting: ``default`` (the library's
@@ -86,8 +86,8 @@ def shard_prefix(loc) -> str:
 def run_restore(endpoint: str, url: str, dest: Path, setting: str) -> float:
     import s3_infra
 
-    from tiered_ckpt.remote import download
-    from tiered_ckpt.remote.restore import restore_detailed
+    from tiered_ckpt.remote.restore import download
+    from tiered_ckpt.remote.restore.restorer import restore_detailed
 
     download.DIRECT_IO = not setting.endswith(":cached")  # ":cached": through the page cache (A/B)
     part, conc = parse_setting(setting.removesuffix(":cached"))
@@ -151,7 +151,7 @@ def main() -> int:
                 f"saved step {step}: 4 shards, {size / MiB:.0f} MiB in {time.monotonic() - t:.1f} s",
                 flush=True,
             )
-            from tiered_ckpt.remote.upload import Uploader
+            from tiered_ckpt.remote.upload.uploader import Uploader
 
             t = time.monotonic()
             client = s3_infra.make_test_client(endpoint, read_timeout_s=600)

@@ -355,8 +355,8 @@ def main() -> int:
         if not args.no_remote:
             import s3_infra
 
-            from tiered_ckpt.remote.restore_plan import plan_restore
-            from tiered_ckpt.remote.upload import Uploader
+            from tiered_ckpt.remote.restore.plan import plan_restore
+            from tiered_ckpt.remote.upload.uploader import Uploader
 
             os.environ.update(s3_infra.TEST_AWS_ENV)
             for k in s3_infra.TEST_AWS_ENV_REMOVE:

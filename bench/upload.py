@@ -115,7 +115,7 @@ def run_ours(
     concurrency: int,
 ) -> tuple[float, float]:
     from tiered_ckpt.layout import UPLOADED_MARKER_NAME
-    from tiered_ckpt.remote.upload import Uploader
+    from tiered_ckpt.remote.upload.uploader import Uploader
 
     (root / step_dir_name(step) / UPLOADED_MARKER_NAME).unlink(missing_ok=True)
     client = s3_infra.make_test_client(loc.endpoint_url, read_timeout_s=300)

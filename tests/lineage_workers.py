@@ -56,7 +56,7 @@ def train_step(state: dict, step: int, rank: int) -> float:
 
 def upload(root: Path, url: str, client, steps: list[int], nodes: list[int], rank: int) -> None:
     """Each listed node's sidecar (its local rank 0) uploads ``steps``, one node after the other."""
-    from tiered_ckpt.remote.upload import StepIncompleteError, Uploader
+    from tiered_ckpt.remote.upload.uploader import StepIncompleteError, Uploader
 
     for node in (0, 1):
         if node in nodes and rank == 2 * node:

@@ -56,7 +56,7 @@ def main() -> None:
     for step in (2, 4):
         mgr.save(step, state(rank, step))
     dist.barrier()
-    from tiered_ckpt.remote.upload import StepIncompleteError, Uploader
+    from tiered_ckpt.remote.upload.uploader import StepIncompleteError, Uploader
 
     for turn in (
         0,

@@ -46,9 +46,9 @@ _EXPORTS: dict[str, str] = {
     "save_sharded": "tiered_ckpt.local",
     "write_shard": "tiered_ckpt.local",
     "list_remote_steps": "tiered_ckpt.remote.catalogue",
-    "restore": "tiered_ckpt.remote.restore",
-    "Uploader": "tiered_ckpt.remote.upload",
-    "UploadPolicy": "tiered_ckpt.remote.upload",
+    "restore": "tiered_ckpt.remote.restore.restorer",
+    "Uploader": "tiered_ckpt.remote.upload.uploader",
+    "UploadPolicy": "tiered_ckpt.remote.upload.uploader",
     "GlobalSlice": "tiered_ckpt.state",
     "Replicated": "tiered_ckpt.state",
     "CheckpointManager": "tiered_ckpt.training.manager",
@@ -91,8 +91,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         write_shard,
     )
     from tiered_ckpt.remote.catalogue import list_remote_steps
-    from tiered_ckpt.remote.restore import restore
-    from tiered_ckpt.remote.upload import Uploader, UploadPolicy
+    from tiered_ckpt.remote.restore.restorer import restore
+    from tiered_ckpt.remote.upload.uploader import Uploader, UploadPolicy
     from tiered_ckpt.state import GlobalSlice, Replicated
     from tiered_ckpt.training.manager import CheckpointManager, SavePolicy
 

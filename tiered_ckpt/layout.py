@@ -66,7 +66,7 @@ LOCK_PREFIX = ".lock."
 TMP_SUFFIX = ".tmp"
 #: Prefix of a step directory being deleted (renamed first, then removed; local/trash.py).
 TRASH_PREFIX = ".trash."
-#: Folder of the per-shard confirmation records inside a remote step (remote/commit.py).
+#: Folder of the per-shard confirmation records inside a remote step (remote/upload/commit.py).
 CONFIRM_DIR = ".confirm"
 #: Remote keys of the store's checksum-validation probe (store/probe.py), relative to the prefix.
 PROBE_KEY_PREFIX = ".tiered_ckpt_probe/"
@@ -83,7 +83,7 @@ ADOPTED_MARKER_NAME = "adopted.json"
 #: Prefix of the node discovery tokens in a root (which ranks share this disk; training/dist.py).
 NODE_TOKEN_PREFIX = ".node."
 #: Multipart uploads the sidecar started and could not abort, swept later
-#: (remote/pending_aborts.py).
+#: (remote/upload/pending_aborts.py).
 PENDING_ABORTS_NAME = ".pending_aborts.json"
 
 #: Key layouts of a save's shard objects (module docstring); ``flat`` is the default.

@@ -11,7 +11,7 @@ Protocol (one file per holder, no flock so that it works the same on NFS-like sh
    the locks again inside it: a holder that raced in is seen and the directory is renamed back.
 
 ``kind`` is a short word: ``read``, ``upload`` or ``stalled`` (the sidecar keeps a step whose other
-nodes never confirmed; see :mod:`tiered_ckpt.remote.upload`).
+nodes never confirmed; see :mod:`tiered_ckpt.remote.upload.uploader`).
 
 Node tokens (the end of this module) are the other kind of presence file: which ranks share a root.
 """

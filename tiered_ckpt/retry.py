@@ -11,7 +11,7 @@ How the retry layers stack (read this before tuning any of them):
 2. **This module** (:func:`call_with_retries`) retries the *whole operation* of one store method:
    one PUT of a small object, one ranged GET into the caller's buffer, and each single call of a
    multipart upload the uploader drives itself (create, one part, complete, abort;
-   ``remote/transfer.py``). It is what recovers when botocore gave up on one call, when the server
+   ``remote/upload/transfer.py``). It is what recovers when botocore gave up on one call, when the server
    reported a checksum that differs from what was sent
    (:class:`~tiered_ckpt.errors.ShardCorruptedError`).
 

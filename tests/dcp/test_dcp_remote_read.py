@@ -32,7 +32,7 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import read_manifest
 from tiered_ckpt.local.reader import ShardReader
-from tiered_ckpt.remote.ranged_read import open_remote_step
+from tiered_ckpt.remote.restore.ranged_read import open_remote_step
 from tiered_ckpt.retry import RetryPolicy
 
 pytestmark = [pytest.mark.s3, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

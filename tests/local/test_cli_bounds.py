@@ -109,18 +109,6 @@ CASES = [
             "s3://bucket/p",
             "--local",
             "{tmp}/dest",
-            "--parallel-shards",
-            "10000000000",
-        ],
-        "--parallel-shards",
-    ),
-    (
-        [
-            "restore",
-            "--remote",
-            "s3://bucket/p",
-            "--local",
-            "{tmp}/dest",
             "--part-size-mib",
             "100000000",
         ],

@@ -263,7 +263,7 @@ def test_pending_aborts_of_a_symlinked_step_named_root_are_kept(tmp_path: Path) 
     path, which ``safe_read.locate`` took for a file of step 3 of ``/ckpt``, so the symlinked root
     was refused as "a symlink", the record read as invalid and replaced: every recorded open upload
     but the newest was forgotten."""
-    from tiered_ckpt.remote.pending_aborts import read_pending_aborts, record_failed_abort
+    from tiered_ckpt.remote.upload.pending_aborts import read_pending_aborts, record_failed_abort
 
     real = tmp_path / "nvme-run"
     real.mkdir()

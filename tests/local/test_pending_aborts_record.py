@@ -1,4 +1,4 @@
-"""The local record of multipart uploads that could not be aborted (remote/pending_aborts.py; issue
+"""The local record of multipart uploads that could not be aborted (remote/upload/pending_aborts.py; issue
 11 Why 10): what is written, and that a hostile or damaged file is never followed, never blocks and
 never crashes."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tiered_ckpt.layout import PENDING_ABORTS_NAME
-from tiered_ckpt.remote import pending_aborts
-from tiered_ckpt.remote.pending_aborts import (
+from tiered_ckpt.remote.upload import pending_aborts
+from tiered_ckpt.remote.upload.pending_aborts import (
     MAX_PENDING_ABORTS_BYTES,
     read_pending_aborts,
     record_failed_abort,

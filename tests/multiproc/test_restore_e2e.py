@@ -16,7 +16,7 @@ from spawn import RESTORE_WORKERS, start_ranks, wait_ranks
 
 from tiered_ckpt import committed_steps, load_sharded, read_manifest, restore
 from tiered_ckpt.layout import MANIFEST_NAME, UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.remote.upload import Uploader
+from tiered_ckpt.remote.upload.uploader import Uploader
 from tiered_ckpt.training.manager import CheckpointManager
 
 

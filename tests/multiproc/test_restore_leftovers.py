@@ -64,8 +64,6 @@ def _restore_cmd(loc: S3Location, dest: Path, concurrency: int = 1) -> list[str]
         str(concurrency),
         "--part-size-mib",
         "1",
-        "--parallel-shards",
-        "2",
         "--no-progress",
     )
 

@@ -72,10 +72,6 @@ S3 = "s3://some-bucket/prefix"
             ["restore", "--remote", S3, "--local", "{tmp}/dest", "--part-size-mib", "0"],
             "--part-size-mib",
         ),
-        (
-            ["restore", "--remote", S3, "--local", "{tmp}/dest", "--parallel-shards", "0"],
-            "--parallel-shards",
-        ),
         (["restore", "--remote", S3, "--local", "{tmp}/dest", "--ranks", "1-x"], "rank"),
         (["restore", "--remote", S3, "--local", "{tmp}/dest", "--step", "-3"], "--step"),
         (

@@ -21,7 +21,7 @@ from restore_util import publish, save_step
 from s3_infra import S3Location
 from spawn import child_env, cli_cmd, free_port
 
-from tiered_ckpt.remote.metrics import UploadMetrics
+from tiered_ckpt.remote.upload.metrics import UploadMetrics
 
 ACCESS_KEY = "AKIATESTSECRETKEY01"
 SECRET_KEY = "s3cr3tTESTsecretVALUE/abc+xyz"

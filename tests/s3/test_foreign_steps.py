@@ -31,7 +31,7 @@ from tiered_ckpt.cli import main
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, read_manifest, read_run_record, save_sharded
-from tiered_ckpt.remote.upload import Uploader
+from tiered_ckpt.remote.upload.uploader import Uploader
 from tiered_ckpt.training.manager import CheckpointManager
 
 T0 = "2026-01-01T00:00:00.000000Z"

@@ -16,7 +16,7 @@ import pytest
 from s3_infra import S3Location, new_bucket
 
 import tiered_ckpt as tc
-from tiered_ckpt.remote.verify import scan_remote
+from tiered_ckpt.remote.inspect.verify import scan_remote
 
 V2 = Path(__file__).resolve().parent.parent / "golden" / "v2"
 REMOTE = V2 / "remote"

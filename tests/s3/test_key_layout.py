@@ -19,8 +19,8 @@ from tiered_ckpt.cli import main
 from tiered_ckpt.errors import ManifestError, UploadError
 from tiered_ckpt.layout import remote_shard_key, save_shard_key, step_dir_name
 from tiered_ckpt.local import read_manifest
-from tiered_ckpt.remote.upload import StepIncompleteError, UploadPolicy
-from tiered_ckpt.remote.verify import scan_remote
+from tiered_ckpt.remote.inspect.verify import scan_remote
+from tiered_ckpt.remote.upload.uploader import StepIncompleteError, UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 
 KiB = 1024

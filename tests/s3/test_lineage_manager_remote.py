@@ -17,7 +17,7 @@ from s3_infra import S3Location
 
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import committed_steps, save_sharded
-from tiered_ckpt.remote.upload import Uploader
+from tiered_ckpt.remote.upload.uploader import Uploader
 from tiered_ckpt.training.manager import CheckpointManager
 
 

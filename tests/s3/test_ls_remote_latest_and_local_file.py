@@ -20,7 +20,7 @@ from tiered_ckpt.cli import main
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME
 from tiered_ckpt.local import save_sharded
-from tiered_ckpt.remote.upload import Uploader
+from tiered_ckpt.remote.upload.uploader import Uploader
 
 T0 = "2026-01-01T00:00:00.000000Z"
 RUN = "a" * 32

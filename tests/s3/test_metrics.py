@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.local import read_manifest
-from tiered_ckpt.remote.metrics import UploadMetrics
+from tiered_ckpt.remote.upload.metrics import UploadMetrics
 from tiered_ckpt.retry import RetryPolicy
 
 

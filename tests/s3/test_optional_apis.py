@@ -23,7 +23,7 @@ from spawn import python_cmd
 from tiered_ckpt import Uploader, UploadError, restore
 from tiered_ckpt.layout import PENDING_ABORTS_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest, save_sharded
-from tiered_ckpt.remote.upload import UploadPolicy
+from tiered_ckpt.remote.upload.uploader import UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store import optional_apis
 
@@ -236,7 +236,7 @@ def test_expired_credentials_mid_upload_record_the_open_upload_then_the_sidecar_
 def test_pending_abort_sweep_is_bounded_and_keeps_refused_entries(
     tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
 ) -> None:
-    from tiered_ckpt.remote.pending_aborts import record_failed_abort, sweep_pending_aborts
+    from tiered_ckpt.remote.upload.pending_aborts import record_failed_abort, sweep_pending_aborts
 
     root = tmp_path / "node"
     root.mkdir()

@@ -22,7 +22,7 @@ from s3_infra import S3Location
 
 from tiered_ckpt import ShardCorruptedError, save_sharded
 from tiered_ckpt.errors import UploadError
-from tiered_ckpt.remote import download
+from tiered_ckpt.remote.restore import download
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.base import ObjectSizeError
 from tiered_ckpt.store.deadline import RequestDeadlineError
@@ -119,7 +119,7 @@ def test_a_5xx_on_one_part_is_retried(srv: HostileS3) -> None:
 
 from tiered_ckpt import read_manifest  # noqa: E402
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name  # noqa: E402
-from tiered_ckpt.remote.restore_plan import RemoteObject, RestorePlan  # noqa: E402
+from tiered_ckpt.remote.restore.plan import RemoteObject, RestorePlan  # noqa: E402
 
 STEP = 3
 
@@ -245,7 +245,7 @@ def test_fetch_shards_of_odd_sizes(srv: HostileS3, tmp_path: Path, part: int, co
 
 
 class _NoDirectOS:
-    """``os`` for :mod:`tiered_ckpt.remote.download` on a file system refusing ``O_DIRECT`` with
+    """``os`` for :mod:`tiered_ckpt.remote.restore.download` on a file system refusing ``O_DIRECT`` with
     EINVAL at ``open`` (``at="open"``, tmpfs before Linux 6.6) or at ``pwrite`` (``at="pwrite"``, an
     alignment the device refuses); ``reopen_fails``: the buffered re-open after it fails (the temp
     file removed). Records every close."""
@@ -315,7 +315,7 @@ def test_a_failed_reopen_after_o_direct_is_refused_closes_each_fd_once(
 from restore_util import files_under  # noqa: E402
 
 from tiered_ckpt import committed_steps  # noqa: E402
-from tiered_ckpt.remote.restore import restore_detailed  # noqa: E402
+from tiered_ckpt.remote.restore.restorer import restore_detailed  # noqa: E402
 
 
 @pytest.mark.parametrize("how", ["same_size", "other_size", "empty"])

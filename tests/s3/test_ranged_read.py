@@ -1,4 +1,4 @@
-"""Verified partial reads of a shard straight from the bucket (tiered_ckpt.remote.ranged_read): a
+"""Verified partial reads of a shard straight from the bucket (tiered_ckpt.remote.restore.ranged_read): a
 step is uploaded by the real Uploader (shards written with 4 KiB CRC32C chunks), then ranges of its
 tensors are read with ranged GETs and compared byte for byte with the local file, the bytes fetched
 counted; corrupt, replaced, missing and round-1 objects give typed errors or whole-object
@@ -20,7 +20,7 @@ from tiered_ckpt.errors import MissingShardError, NoCheckpointError, ShardCorrup
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.local import commit_step, new_save_id, read_manifest, write_shard
 from tiered_ckpt.local.reader import ReadStats, ShardReader
-from tiered_ckpt.remote.ranged_read import open_remote_step
+from tiered_ckpt.remote.restore.ranged_read import open_remote_step
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.base import ObjectSizeError
 

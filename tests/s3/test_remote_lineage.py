@@ -109,8 +109,8 @@ def test_second_run_on_a_claimed_prefix_is_refused(
 def test_adopt_prefix_replaces_the_claim(
     tmp_path: Path, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tiered_ckpt.remote.shard_upload import StepStats
-    from tiered_ckpt.remote.step_upload import upload_step
+    from tiered_ckpt.remote.upload.shard_upload import StepStats
+    from tiered_ckpt.remote.upload.step_upload import upload_step
 
     a, b = tmp_path / "runA", tmp_path / "runB"
     new_run(a, RUN_A)
@@ -248,7 +248,7 @@ def test_rollback_on_the_remote_tier(tmp_path: Path, s3_bucket: s3_infra.S3Locat
     with pytest.raises(NoCheckpointError, match="superseded by attempt 2 from step 501"):
         restore(s3_bucket.url, tmp_path / "x", step=700, s3_client=s3_bucket.client)
 
-    from tiered_ckpt.remote.verify import scan_remote
+    from tiered_ckpt.remote.inspect.verify import scan_remote
 
     got = [
         (r.step, r.state, r.reason) for r in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)
@@ -265,9 +265,9 @@ def test_rollback_on_the_remote_tier(tmp_path: Path, s3_bucket: s3_infra.S3Locat
 def _commit_without_lineage_check(root: Path, loc: s3_infra.S3Location, s: int) -> None:
     """The remote commit protocol of ``root``'s step ``s`` alone (what a sidecar does after its
     lineage check passed): shards, records, fence, upload manifest, ``latest``."""
-    from tiered_ckpt.remote.commit import RemoteStepCommit
-    from tiered_ckpt.remote.shard_upload import StepStats, upload_shard
-    from tiered_ckpt.remote.step_upload import read_local_manifest
+    from tiered_ckpt.remote.upload.commit import RemoteStepCommit
+    from tiered_ckpt.remote.upload.shard_upload import StepStats, upload_shard
+    from tiered_ckpt.remote.upload.step_upload import read_local_manifest
 
     sdir = root / step_dir_name(s)
     with uploader(root, loc) as up:
@@ -320,7 +320,7 @@ def _two_nodes(tmp_path: Path, s: int) -> tuple[Path, Path, Path]:
 def test_object_overwritten_after_confirmation_is_never_committed(
     tmp_path: Path, s3_bucket: s3_infra.S3Location
 ) -> None:
-    from tiered_ckpt.remote.upload import StepIncompleteError
+    from tiered_ckpt.remote.upload.uploader import StepIncompleteError
 
     src, a, b = _two_nodes(tmp_path, 7)
     with uploader(a, s3_bucket) as up:
@@ -356,7 +356,7 @@ def test_object_overwritten_after_confirmation_is_never_committed(
         marker(a, 7)["manifest_sha256"]
         == hashlib.sha256((a / step_dir_name(7) / MANIFEST_NAME).read_bytes()).hexdigest()
     )
-    from tiered_ckpt.remote.verify import scan_remote
+    from tiered_ckpt.remote.inspect.verify import scan_remote
 
     assert [(r.step, r.state) for r in scan_remote(s3_bucket.url, s3_client=s3_bucket.client)] == [
         (7, "committed")
@@ -368,10 +368,10 @@ def test_changed_remote_manifest_is_never_committed(
 ) -> None:
     """manifest.json changed after this node mirrored it, before its commit: the fence's sha256
     check refuses the commit; the next pass mirrors the manifest again and commits."""
-    from tiered_ckpt.remote.commit import RemoteStepCommit
-    from tiered_ckpt.remote.shard_upload import StepStats, upload_shard
-    from tiered_ckpt.remote.step_upload import read_local_manifest
-    from tiered_ckpt.remote.upload import StepIncompleteError
+    from tiered_ckpt.remote.upload.commit import RemoteStepCommit
+    from tiered_ckpt.remote.upload.shard_upload import StepStats, upload_shard
+    from tiered_ckpt.remote.upload.step_upload import read_local_manifest
+    from tiered_ckpt.remote.upload.uploader import StepIncompleteError
 
     src, a, b = _two_nodes(tmp_path, 8)
     sp = save_prefix(s3_bucket, src, 8)

@@ -17,7 +17,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import PINNED_MARKER_NAME, RUN_RECORD_NAME, step_dir_name
 from tiered_ckpt.local.pins import pin_step
 from tiered_ckpt.remote.catalogue import read_catalogue, remote_committed_steps
-from tiered_ckpt.remote.upload import UploadPolicy
+from tiered_ckpt.remote.upload.uploader import UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 
 KiB = 1024
@@ -105,7 +105,7 @@ def test_superseded_saves_go_only_after_keep_last_current_and_never_pinned(
 def test_pins_of_steps_uploaded_earlier_are_mirrored(
     tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
 ) -> None:
-    from tiered_ckpt.remote.step_upload import mirror_pins
+    from tiered_ckpt.remote.upload.step_upload import mirror_pins
 
     root = tmp_path / "node"
     new_run(root, RUN_A)
@@ -173,9 +173,9 @@ def test_a_poll_while_other_nodes_confirm_is_one_list(
     one LIST of the save's .confirm/ prefix: no re-read of the run record, the upload manifest, the
     local shards' records or the mirrored manifest, and no re-PUT of anything. Once the other node's
     records are listed they are GET once, then the fence and the commit."""
-    from tiered_ckpt.remote.shard_upload import StepStats
-    from tiered_ckpt.remote.step_upload import upload_step
-    from tiered_ckpt.remote.upload import StepIncompleteError
+    from tiered_ckpt.remote.upload.shard_upload import StepStats
+    from tiered_ckpt.remote.upload.step_upload import upload_step
+    from tiered_ckpt.remote.upload.uploader import StepIncompleteError
 
     src, a, b = tmp_path / "src", tmp_path / "nodeA", tmp_path / "nodeB"
     lin = new_run(src, RUN_A)

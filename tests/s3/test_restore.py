@@ -32,7 +32,7 @@ from tiered_ckpt.layout import (
     remote_latest_key,
     step_dir_name,
 )
-from tiered_ckpt.remote.restore import (
+from tiered_ckpt.remote.restore.restorer import (
     REMOTE_COMMITTED,
     REMOTE_NO_UPLOAD_MANIFEST,
     plan_restore,
@@ -87,7 +87,6 @@ def test_restore_named_step_and_dry_run(run, s3_bucket: S3Location, tmp_path: Pa
         dest,
         s3_client=s3_bucket.client,
         step=10,
-        max_parallel_shards=2,
         download_part_size_bytes=8 << 20,
         download_max_concurrency=2,
     )
@@ -184,7 +183,7 @@ def test_corrupt_remote_shard_fails_cleanly_then_falls_back(
         committed_steps(dest) == [] and files_under(dest) == []
     )  # nothing committed, no temp files
 
-    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.restore"):
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.restore.restorer"):
         res = restore_detailed(loc.url, dest, s3_client=loc.client, fallback=True)
     assert res.manifest.step == 10 and committed_steps(dest) == [10]
     assert [s for s, _ in res.plan.skipped] == [20]

@@ -41,8 +41,6 @@ def test_sigint_mid_restore_stops_promptly_and_commits_nothing(
         "1",
         "--part-size-mib",
         "1",
-        "--parallel-shards",
-        "1",
         "--no-progress",
     )
     t0 = time.monotonic()

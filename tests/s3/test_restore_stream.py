@@ -13,8 +13,8 @@ from s3_infra import S3Location
 
 from tiered_ckpt import ShardCorruptedError, committed_steps, load_sharded, save_sharded
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
-from tiered_ckpt.remote import download
-from tiered_ckpt.remote.restore import plan_restore, restore_detailed
+from tiered_ckpt.remote.restore import download
+from tiered_ckpt.remote.restore.restorer import plan_restore, restore_detailed
 from tiered_ckpt.store import TransferSettings
 from tiered_ckpt.store.s3 import S3Store
 

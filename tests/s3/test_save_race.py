@@ -32,7 +32,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest
-from tiered_ckpt.remote.verify import scan_remote
+from tiered_ckpt.remote.inspect.verify import scan_remote
 
 pytestmark = pytest.mark.slow
 

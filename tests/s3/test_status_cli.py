@@ -19,8 +19,8 @@ from tiered_ckpt.layout import remote_save_prefix, step_dir_name
 from tiered_ckpt.local import read_manifest, save_sharded
 from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.remote.at_risk import commit_time
-from tiered_ckpt.remote.metrics import UploadMetrics
-from tiered_ckpt.remote.upload import Uploader
+from tiered_ckpt.remote.upload.metrics import UploadMetrics
+from tiered_ckpt.remote.upload.uploader import Uploader
 
 T0 = "2026-01-01T00:00:00.000000Z"
 RUN = "0123456789abcdef0123456789abcdef"

@@ -366,7 +366,7 @@ def test_list_and_abort_multipart_uploads(
 
 @both_servers
 def test_multipart_operations_of_the_interface(store: S3Store) -> None:
-    """create -> upload_part (CRC32C each, out of order) -> complete, as remote/transfer.py drives
+    """create -> upload_part (CRC32C each, out of order) -> complete, as remote/upload/transfer.py drives
     them; HEAD reports the composite ChecksumCRC32C; read_sha256 streams the object back."""
     from tiered_ckpt.store.checksums import composite_crc32c_b64, crc32c_b64
 

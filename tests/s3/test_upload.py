@@ -24,7 +24,7 @@ from tiered_ckpt import Uploader, UploadManifest
 from tiered_ckpt.format.upload_manifest import LatestPointer
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest
-from tiered_ckpt.remote.upload import StepIncompleteError, UploadPolicy
+from tiered_ckpt.remote.upload.uploader import StepIncompleteError, UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 
 MiB = 1024 * 1024

@@ -12,7 +12,7 @@ from _upload_util import SMALL, list_keys, make_step, remote_bytes, save_prefix
 from tiered_ckpt import ShardCorruptedError, Uploader, UploadError
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local import read_manifest
-from tiered_ckpt.remote.upload import LocalStepGoneError
+from tiered_ckpt.remote.upload.uploader import LocalStepGoneError
 from tiered_ckpt.retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(max_attempts=6, initial_wait_s=0.05, max_wait_s=0.3)
@@ -66,7 +66,7 @@ def test_slowdown_resets_and_flipped_byte_are_retried_and_verified(
 def test_dead_bucket_fails_cleanly_then_recovers(
     tmp_path: Path, s3_bucket: s3_infra.S3Location, fault_proxy: s3_infra.FaultProxy
 ) -> None:
-    from tiered_ckpt.remote.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload.metrics import UploadMetrics
 
     root = tmp_path / "node"
     make_step(root, 4)

@@ -12,7 +12,7 @@ from s3_infra import S3Location
 
 from tiered_ckpt import Uploader, restore
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.remote.restore import remote_committed_steps
+from tiered_ckpt.remote.restore.restorer import remote_committed_steps
 from tiered_ckpt.retry import RetryPolicy
 
 FAST = RetryPolicy(max_attempts=3, initial_wait_s=0.05, max_wait_s=0.2)

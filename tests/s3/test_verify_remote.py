@@ -14,7 +14,7 @@ from s3_servers import both_servers
 from spawn import child_env, python_cmd
 
 from tiered_ckpt.layout import remote_key, shard_file_name
-from tiered_ckpt.remote.verify import scan_remote
+from tiered_ckpt.remote.inspect.verify import scan_remote
 
 
 def _remote_root(tmp_path: Path, loc: S3Location) -> None:

@@ -28,7 +28,7 @@ from tiered_ckpt import Uploader, UploadManifest
 from tiered_ckpt.cli import main
 from tiered_ckpt.format.records import ConfirmationRecord
 from tiered_ckpt.local import save_sharded
-from tiered_ckpt.remote.stored_checksums import ShardCheck, judge, summarize
+from tiered_ckpt.remote.inspect.stored_checksums import ShardCheck, judge, summarize
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.base import ObjectInfo
 

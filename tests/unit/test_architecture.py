@@ -5,8 +5,10 @@
 - no import of another folder's ``_private`` names or modules, no import circle;
 - the durable-commit calls (``os.fsync``, ``os.replace``, ``os.rename``, ``os.link``,
   ``Path.rename``) only in the local commit protocol module and the one trash helper; boto3/botocore
-  only in ``store/client.py`` (type-only imports aside), tenacity only in ``retry.py``; the format layer does no I/O and starts no threads; nothing above
-  ``store/`` touches a boto3 client.
+  only in ``store/client.py`` (type-only imports aside), tenacity only in ``retry.py``; the format
+  layer does no I/O and starts no threads; nothing above ``store/`` touches a boto3 client;
+- inside ``remote/``, the folders by direction import one way: shared modules <- ``upload/``,
+  ``restore/`` (never each other) <- ``inspect/``.
 
 Each checker is a function of ``{module name: source}`` so that the tests below also prove, on small
 made-up packages, that it catches what it is meant to catch.
@@ -114,6 +116,38 @@ def check_layers(modules: dict[str, str]) -> list[str]:
             lt, tn = layer_of(target)
             if lt > lm:
                 bad.append(f"{mod}:{line} ({ln}) imports {target} ({tn}): upward")
+    return bad
+
+
+#: The folders of ``remote/`` by direction, with their rank: a module imports only from a lower rank
+#: or its own folder (shared top-level modules: 0; ``upload/`` and ``restore/`` never import each
+#: other; ``inspect/`` reads with both).
+REMOTE_FOLDERS = {
+    "tiered_ckpt.remote.upload": 1,
+    "tiered_ckpt.remote.restore": 1,
+    "tiered_ckpt.remote.inspect": 2,
+}
+
+
+def _remote_folder(mod: str) -> tuple[str, int] | None:
+    for folder, rank in REMOTE_FOLDERS.items():
+        if mod == folder or mod.startswith(folder + "."):
+            return folder, rank
+    if mod == "tiered_ckpt.remote" or mod.startswith("tiered_ckpt.remote."):
+        return "tiered_ckpt.remote", 0
+    return None
+
+
+def check_remote_folders(modules: dict[str, str]) -> list[str]:
+    bad = []
+    for mod, src in modules.items():
+        here = _remote_folder(mod)
+        if here is None:
+            continue
+        for target, _, line in imports_of(mod, src, modules):
+            there = _remote_folder(target)
+            if there is not None and there[0] != here[0] and there[1] >= here[1]:
+                bad.append(f"{mod}:{line} imports {target}: {here[0]} may not import {there[0]}")
     return bad
 
 
@@ -334,6 +368,7 @@ def check_no_client_above_store(modules: dict[str, str]) -> list[str]:
 
 CHECKS = [
     check_layers,
+    check_remote_folders,
     check_private,
     check_circles,
     check_durable_calls,
@@ -411,6 +446,21 @@ def test_private_name_across_folders_is_caught() -> None:
     ]
 
 
+def test_import_between_remote_folders_is_caught() -> None:
+    mods = _fake(
+        tiered_ckpt__remote__upload__a="from tiered_ckpt.remote.restore.b import x\n",
+        tiered_ckpt__remote__restore__b="from tiered_ckpt.remote.catalogue import y\nx = 1\n",
+        tiered_ckpt__remote__inspect__c="from tiered_ckpt.remote.upload.a import z\n",
+        tiered_ckpt__remote__catalogue="from tiered_ckpt.remote.inspect.c import w\ny = 1\n",
+    )
+    assert check_remote_folders(mods) == [
+        "tiered_ckpt.remote.upload.a:1 imports tiered_ckpt.remote.restore.b: "
+        "tiered_ckpt.remote.upload may not import tiered_ckpt.remote.restore",
+        "tiered_ckpt.remote.catalogue:1 imports tiered_ckpt.remote.inspect.c: "
+        "tiered_ckpt.remote may not import tiered_ckpt.remote.inspect",
+    ]
+
+
 def test_circle_is_caught() -> None:
     mods = _fake(
         tiered_ckpt__local__a="import tiered_ckpt.local.b\n",
@@ -433,13 +483,13 @@ def test_durable_calls_outside_the_protocol_are_caught() -> None:
         "Path('a').rename('b')\nos.link('a', 'b')\n'x'.replace('x', 'y')\n"
     )
     assert check_durable_calls(
-        {"tiered_ckpt.remote.restore": src, "tiered_ckpt.local.commit": src}
+        {"tiered_ckpt.remote.restore.restorer": src, "tiered_ckpt.local.commit": src}
     ) == [
-        "tiered_ckpt.remote.restore:3 os.fsync",
-        "tiered_ckpt.remote.restore:4 os.rename",
-        "tiered_ckpt.remote.restore:5 r (from os)",
-        "tiered_ckpt.remote.restore:6 .rename()",
-        "tiered_ckpt.remote.restore:7 os.link",
+        "tiered_ckpt.remote.restore.restorer:3 os.fsync",
+        "tiered_ckpt.remote.restore.restorer:4 os.rename",
+        "tiered_ckpt.remote.restore.restorer:5 r (from os)",
+        "tiered_ckpt.remote.restore.restorer:6 .rename()",
+        "tiered_ckpt.remote.restore.restorer:7 os.link",
     ]
 
 

@@ -14,8 +14,8 @@ from tiered_ckpt.layout import (
     remote_save_key,
 )
 from tiered_ckpt.remote.catalogue import CURRENT, RemoteCatalogue, RemoteSave, remote_steps_of
-from tiered_ckpt.remote.restore import record_to_carry
-from tiered_ckpt.remote.retention import retention_victim_saves
+from tiered_ckpt.remote.restore.restorer import record_to_carry
+from tiered_ckpt.remote.upload.retention import retention_victim_saves
 
 T0 = "2026-01-01T00:00:00.000000Z"
 RUN = "r" * 32

@@ -1,4 +1,4 @@
-"""The sidecar loop's timing (tiered_ckpt.remote.daemon.UploadLoop; SPEC §11 "Sidecar at scale")
+"""The sidecar loop's timing (tiered_ckpt.remote.upload.daemon.UploadLoop; SPEC §11 "Sidecar at scale")
 against a stand-in uploader: exponential backoff with jitter per waiting step, the stall deadline
 (one WARNING, the metrics, the ``stalled`` lock), newer steps never blocked, RunMismatchError stops
 the loop. The same loop against a real sidecar process and S3 server:
@@ -17,10 +17,10 @@ import pytest
 
 from tiered_ckpt.errors import RunMismatchError
 from tiered_ckpt.layout import LOCK_PREFIX, step_dir_name
-from tiered_ckpt.remote.daemon import UploadLoop, ranks_text
 from tiered_ckpt.remote.errors import StepIncompleteError
-from tiered_ckpt.remote.metrics import UploadMetrics
-from tiered_ckpt.remote.upload import UploadPolicy
+from tiered_ckpt.remote.upload.daemon import UploadLoop, ranks_text
+from tiered_ckpt.remote.upload.metrics import UploadMetrics
+from tiered_ckpt.remote.upload.uploader import UploadPolicy
 
 
 class FakeUploader:
@@ -113,7 +113,7 @@ def test_a_waiting_step_is_not_polled_before_its_time_and_never_blocks_a_newer_o
 def test_a_step_past_the_deadline_is_reported_once_kept_and_committed_later(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tiered_ckpt.remote.daemon")
+    caplog.set_level(logging.INFO, logger="tiered_ckpt.remote.upload.daemon")
     up = FakeUploader(tmp_path, [7], deadline_s=0.05)
     loop = _loop(up, poll=0.01, cap=0.02)
     stop = threading.Event()

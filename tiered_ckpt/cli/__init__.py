@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM stop any command within a second or two: transfers in flight cut, multipart uploads
     aborted, nothing committed; one line ``tiered-ckpt: interrupted (SIGINT)`` (or ``(SIGTERM)``),
     exit 130 (143). The two watching commands stop cleanly on both instead, exit 0: ``upload
-    --watch`` (:mod:`tiered_ckpt.remote.daemon`) and ``status --watch`` (it only reads)."""
+    --watch`` (:mod:`tiered_ckpt.remote.upload.daemon`) and ``status --watch`` (it only reads)."""
     with _signals_interrupt():
         try:
             parser = build_parser()

@@ -20,7 +20,7 @@ Stages (each a real process; the demo only launches, watches and measures):
 5. **Resume from local disk**: relaunched, it resumes from its newest committed step.
 6. **Cluster loss**: once the sidecar has uploaded a step newer than that, the job and the sidecar
    are SIGKILLed and the local tier is deleted.
-7. **Restore** from the bucket (:func:`tiered_ckpt.remote.restore.restore_detailed`), a new sidecar,
+7. **Restore** from the bucket (:func:`tiered_ckpt.remote.restore.restorer.restore_detailed`), a new sidecar,
    resume again, run to the end; the sidecar uploads the final step.
 8. **Report**: steps, bytes written and uploaded, save / upload / restore times, the max abs loss
    difference against the baseline, both curves, and a PNG plot.
@@ -337,7 +337,7 @@ class _Demo:
         )
 
     def _stage_cluster_loss(self) -> None:
-        from tiered_ckpt.remote.restore import list_remote_steps
+        from tiered_ckpt.remote.restore.restorer import list_remote_steps
 
         self.written = _bytes_by_step(self.story_root)
         self.upload_lat = list(_upload_latencies(self.story_root).values())
@@ -351,7 +351,7 @@ class _Demo:
         )
 
     def _stage_restore_and_finish(self) -> None:
-        from tiered_ckpt.remote.restore import list_remote_steps, restore_detailed
+        from tiered_ckpt.remote.restore.restorer import list_remote_steps, restore_detailed
 
         cfg, root, target = self.cfg, self.story_root, self.target
         res = restore_detailed(target.remote_url, root, store=target.store)

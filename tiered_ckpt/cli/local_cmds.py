@@ -216,7 +216,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if ranks is not None:
             raise CliError("--ranks is for a node-local ROOT, not --remote", EXIT_USAGE)
         from tiered_ckpt.cli.restore_cmd import make_client, remote_empty_line
-        from tiered_ckpt.remote.verify import scan_remote
+        from tiered_ckpt.remote.inspect.verify import scan_remote
 
         client = make_client(args)
         rows = list(scan_remote(args.remote, step=args.step, fast=args.fast, s3_client=client))

@@ -110,12 +110,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help=f"ranged GETs in flight, all shards' parts in one window, 1 to {MAX_CONCURRENCY} (default 16)",
     )
-    p.add_argument(
-        "--parallel-shards",
-        type=bounded_int(MAX_CONCURRENCY),
-        default=8,
-        help="kept for scripts of earlier versions; no effect (every shard's parts share the --concurrency window)",
-    )
     add_s3_args(p)
     add_progress_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -161,7 +155,7 @@ def _check_local(local: Path) -> None:
     """``--local`` must be a directory or a path one can make, and writable (exit 1, one line,
     before any request): a directory is made and removed in it, or in its nearest existing ancestor,
     to find out."""
-    from tiered_ckpt.remote.restore import not_a_directory
+    from tiered_ckpt.remote.restore.restorer import not_a_directory
 
     bad = not_a_directory(local)
     if bad is not None:
@@ -253,7 +247,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace, client: Any, ranks: list[int] | None) -> int:
-    from tiered_ckpt.remote.restore import plan_restore, restore_detailed
+    from tiered_ckpt.remote.restore.restorer import plan_restore, restore_detailed
 
     if args.dry_run:
         plan = plan_restore(
@@ -286,7 +280,6 @@ def _restore(args: argparse.Namespace, client: Any, ranks: list[int] | None) -> 
             if args.part_size_mib is not None
             else None,
             download_max_concurrency=args.concurrency,
-            max_parallel_shards=args.parallel_shards,
             on_progress=progress,
             on_plan=progress.on_plan,
         )
@@ -314,7 +307,7 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 def cmd_ls_remote(args: argparse.Namespace) -> int:
     """``tiered-ckpt ls --remote s3://bucket/prefix``: remote steps and their state."""
-    from tiered_ckpt.remote.restore import list_remote_steps
+    from tiered_ckpt.remote.restore.restorer import list_remote_steps
 
     _check_url(args.remote)
     client = make_client(args)

@@ -5,7 +5,7 @@ A row per step: its local state, its remote state, the bytes of its shards confi
 total, the sidecar's mark (``uploaded.json``) and a note; under each table the newest local and
 remote steps and the time at risk (the seconds of training since the newest remote commit: the
 sidecar's gauge ``tiered_ckpt_upload_seconds_since_newest_remote``). The words are those of
-:mod:`tiered_ckpt.remote.run_status`.
+:mod:`tiered_ckpt.remote.inspect.run_status`.
 
 ``--json``: ``{"time": T, "remote_holds_run": B, "runs": [...]}`` (:meth:`RunState.to_dict`): ``T``
 the time of the reading (seconds since the epoch) at which ``at_risk_s`` is taken, ``B`` whether the
@@ -44,7 +44,7 @@ from tiered_ckpt.cli._common import (
 from tiered_ckpt.cli.restore_cmd import add_s3_args, make_client, remote_empty_line
 
 if TYPE_CHECKING:
-    from tiered_ckpt.remote.run_status import RunState
+    from tiered_ckpt.remote.inspect.run_status import RunState
 
 #: ``--watch`` without a value: seconds between refreshes.
 DEFAULT_WATCH_S = 2.0
@@ -122,13 +122,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def read_runs(args: argparse.Namespace, client: Any) -> tuple[list[RunState], bool | None]:
-    """:func:`~tiered_ckpt.remote.run_status.read_status` of ``args.root`` and ``args.remote``, and
+    """:func:`~tiered_ckpt.remote.inspect.run_status.read_status` of ``args.root`` and ``args.remote``, and
     whether the prefix holds a run (``None`` without ``--remote``). A prefix with no ``run.json``
     and no step is normal beside a ROOT (nothing uploaded yet: said under the tables) and an error
     without one. Raises :class:`CliError` (exit 1) for that error (unless ``--allow-empty``)."""
     from tiered_ckpt.remote.catalogue import remote_target
     from tiered_ckpt.remote.handle import StoreHandle
-    from tiered_ckpt.remote.run_status import ABSENT, read_status
+    from tiered_ckpt.remote.inspect.run_status import ABSENT, read_status
 
     if args.remote is None:
         return read_status(args.root), None

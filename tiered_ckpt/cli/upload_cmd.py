@@ -50,14 +50,14 @@ from tiered_ckpt.redact import redact_text
 from tiered_ckpt.retry import OperationInterruptedError
 
 if TYPE_CHECKING:
-    from tiered_ckpt.remote.metrics import UploadMetrics
-    from tiered_ckpt.remote.upload import Uploader
+    from tiered_ckpt.remote.upload.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload.uploader import Uploader
 
 MiB = 1024 * 1024
-#: UploadPolicy's default (tiered_ckpt.remote.upload.DEFAULT_STALL_DEADLINE_S; not imported: the CLI
+#: UploadPolicy's default (tiered_ckpt.remote.upload.uploader.DEFAULT_STALL_DEADLINE_S; not imported: the CLI
 #: registers its parsers without importing the upload tier).
 DEFAULT_STALL_DEADLINE_S = 1800.0
-#: tiered_ckpt.remote.metrics.DEFAULT_METRICS_HOST (not imported, as above): loopback only.
+#: tiered_ckpt.remote.upload.metrics.DEFAULT_METRICS_HOST (not imported, as above): loopback only.
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
@@ -232,7 +232,7 @@ def build_uploader(
     on_progress: Callable[[int], None] | None = None,
     metrics: UploadMetrics | None = None,
 ) -> Uploader:
-    from tiered_ckpt.remote.upload import Uploader, UploadPolicy
+    from tiered_ckpt.remote.upload.uploader import Uploader, UploadPolicy
     from tiered_ckpt.store import WriteSettings, make_s3_client, parse_s3_url
 
     if not args.local:
@@ -296,9 +296,9 @@ def build_uploader(
 def cmd_upload(args: argparse.Namespace) -> int:
     from tiered_ckpt.errors import RunMismatchError
     from tiered_ckpt.layout import UPLOAD_MANIFEST_NAME, save_entry_name
-    from tiered_ckpt.remote.daemon import run_sidecar
-    from tiered_ckpt.remote.metrics import UploadMetrics
-    from tiered_ckpt.remote.upload import StepIncompleteError
+    from tiered_ckpt.remote.upload.daemon import run_sidecar
+    from tiered_ckpt.remote.upload.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload.uploader import StepIncompleteError
 
     port = args.metrics_port
     metrics = UploadMetrics()

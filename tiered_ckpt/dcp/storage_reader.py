@@ -1,7 +1,7 @@
 """``TieredStorageReader``: a ``torch.distributed.checkpoint`` StorageReader for steps written by
 :class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter`, reading through the local tier's
 verified partial reads (:class:`tiered_ckpt.local.reader.ShardReader`) and, for a shard missing
-locally, ranged reads from the bucket (``tiered_ckpt.remote.ranged_read``).
+locally, ranged reads from the bucket (``tiered_ckpt.remote.restore.ranged_read``).
 
 Who calls what, in DCP's numbered lifecycle (``dcp.load``):
 
@@ -26,7 +26,7 @@ Who calls what, in DCP's numbered lifecycle (``dcp.load``):
    after; copies into ``planner.resolve_tensor`` and calls ``commit_tensor``; byte items go to
    ``planner.load_bytes`` as they were stored.
 
-Where the bytes come from (``remote_url`` given; ``tiered_ckpt.remote.ranged_read``, imported only
+Where the bytes come from (``remote_url`` given; ``tiered_ckpt.remote.restore.ranged_read``, imported only
 then):
 
 - the root holds the step (its ``manifest.json``): every rank's shard from disk; a rank whose shard
@@ -266,10 +266,10 @@ class TieredStorageReader(StorageReader):
 
     def _remote_step(self, step: int | None, save_id: str | None) -> Any:
         """The bucket's copy of ``step`` (``None``: the newest current step), opened once per load
-        (:func:`tiered_ckpt.remote.ranged_read.open_remote_step`, imported only here); its manifest
+        (:func:`tiered_ckpt.remote.restore.ranged_read.open_remote_step`, imported only here); its manifest
         must name ``save_id`` (the local manifest's) when one is given."""
         if self._remote is None:
-            from tiered_ckpt.remote.ranged_read import open_remote_step
+            from tiered_ckpt.remote.restore.ranged_read import open_remote_step
 
             self._remote = open_remote_step(
                 self.remote_url,

@@ -3,7 +3,7 @@
 - :class:`ConfirmationRecord`: ``<prefix>/step_XXXXXXXXXX.<save_id>/.confirm/rank_XXXXX.json``, PUT
   by the sidecar that sent and confirmed one shard, read (GET, never LIST) by whoever gathers the
   step's confirmations before writing the upload manifest. Written and read only by
-  :mod:`tiered_ckpt.remote.commit`.
+  :mod:`tiered_ckpt.remote.upload.commit`.
 - :class:`UploadedMarker`: ``<step_dir>/uploaded.json`` on local disk: the step is in the bucket
   named by ``remote`` (uploaded, restored from it, or released unsent by ``skip_intermediate``).
   Written and read only by :mod:`tiered_ckpt.local.markers`.
@@ -49,7 +49,7 @@ class ConfirmationRecord:
     bytes read for sending, equal to the local manifest's record. ``confirmed_by``: one of
     :data:`~tiered_ckpt.format.upload_manifest.CONFIRM_METHODS`. ``checksum_algorithm`` /
     ``checksum``: the S3 additional checksum sent (``"SHA256"`` for a single PUT, ``"CRC32C"``
-    composite ``...-N`` for a multipart upload; see :mod:`tiered_ckpt.remote.transfer`).
+    composite ``...-N`` for a multipart upload; see :mod:`tiered_ckpt.remote.upload.transfer`).
     ``save_id``: the save the shard belongs to. ``etag``: the object's ETag when it was confirmed
     (the commit re-checks it; ``None`` in older records).
     """

@@ -10,7 +10,7 @@ still be running (:func:`tiered_ckpt.fs.owner_alive`: a process of another host 
 as alive, so only ``gc --force`` removes its files).
 
 Used by ``gc`` and ``ls`` (:mod:`tiered_ckpt.local.scan`) and by a restore that starts over in a
-step directory a dead restore left (:mod:`tiered_ckpt.remote.restore`). ``lstat``/``unlink`` only:
+step directory a dead restore left (:mod:`tiered_ckpt.remote.restore.restorer`). ``lstat``/``unlink`` only:
 nothing is followed, nothing renamed.
 """
 

@@ -1,8 +1,8 @@
 """The local ``uploaded.json`` marker of a step directory: the one place that writes and reads it.
 
 Writers: the sidecar after a remote commit or a ``skip_intermediate`` release
-(:mod:`tiered_ckpt.remote.upload`), and restore after its local commit
-(:mod:`tiered_ckpt.remote.restore`). Readers: the sidecar's backlog (a step counts as uploaded only
+(:mod:`tiered_ckpt.remote.upload.uploader`), and restore after its local commit
+(:mod:`tiered_ckpt.remote.restore.restorer`). Readers: the sidecar's backlog (a step counts as uploaded only
 for the remote its marker names) and upload-gated rotation
 (:func:`tiered_ckpt.local.rotation.is_uploaded`). The format is
 :class:`tiered_ckpt.format.records.UploadedMarker`.

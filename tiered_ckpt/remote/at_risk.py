@@ -1,8 +1,8 @@
 """The training time at risk: seconds since the local commit of the newest remotely committed step.
 
 One definition for the sidecar's gauge ``tiered_ckpt_upload_seconds_since_newest_remote``
-(:mod:`tiered_ckpt.remote.metrics`) and for ``tiered-ckpt status``
-(:mod:`tiered_ckpt.remote.run_status`): ``max(0, now - T)``, ``T`` the ``created_at`` of the newest
+(:mod:`tiered_ckpt.remote.upload.metrics`) and for ``tiered-ckpt status``
+(:mod:`tiered_ckpt.remote.inspect.run_status`): ``max(0, now - T)``, ``T`` the ``created_at`` of the newest
 remotely committed step (the UTC time its local ``manifest.json`` was committed; the upload manifest
 carries the same value), so that the two figures agree when read at the same moment. Pure: no I/O.
 """

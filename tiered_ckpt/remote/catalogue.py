@@ -1,7 +1,7 @@
 """The remote catalogue: which saves a bucket prefix holds, and which are current (SPEC §4-5, §11).
 
 **A save is remotely committed iff GET finds its valid ``upload_manifest.json``** (the remote commit
-point, written last by :mod:`tiered_ckpt.remote.commit`). Nothing else makes it committed: not the
+point, written last by :mod:`tiered_ckpt.remote.upload.commit`). Nothing else makes it committed: not the
 ``latest`` pointer, not LIST. Keys: one prefix per save, ``<prefix>/step_XXXXXXXXXX.<save_id>/``
 (schema 2; its shards in ``<prefix>/shards/<hh>/`` under the ``hashed`` key layout); round-1 saves
 (schema 1) at ``<prefix>/step_XXXXXXXXXX/``, read as they are
@@ -56,7 +56,7 @@ REMOTE_COMMITTED = "committed"
 REMOTE_NO_UPLOAD_MANIFEST = "no upload manifest"
 REMOTE_BAD_UPLOAD_MANIFEST = "bad upload manifest"
 REMOTE_VANISHED = "vanished"
-#: :attr:`RemoteStep.status` of the save a restore of its step would choose.
+#: :attr:`ListedSave.status` of the save a restore of its step would choose.
 CURRENT = "current"
 
 SaveKey = tuple[int, "str | None"]
@@ -320,7 +320,7 @@ def read_catalogue(
 
 
 @dataclass(frozen=True)
-class RemoteStep:
+class ListedSave:
     """One save seen in the bucket (:func:`list_remote_steps`). ``state``: ``committed`` (upload
     manifest present and valid), ``no upload manifest`` (objects listed but no commit point: an
     upload in progress or abandoned; never restored), ``bad upload manifest`` (present but
@@ -385,15 +385,15 @@ class RemoteStep:
         }
 
 
-def remote_steps_of(cat: RemoteCatalogue) -> list[RemoteStep]:
-    """:class:`RemoteStep` rows of a catalogue: every save and fault, by step; within a step the
+def remote_steps_of(cat: RemoteCatalogue) -> list[ListedSave]:
+    """:class:`ListedSave` rows of a catalogue: every save and fault, by step; within a step the
     current save first. Only a current save is marked ``latest``."""
     rows = []
     for s in cat.saves:
         status = cat.status(s)
         latest = status == CURRENT and cat.is_latest(s.step, s.key_save_id)
         rows.append(
-            RemoteStep(
+            ListedSave(
                 s.step,
                 REMOTE_COMMITTED,
                 "",
@@ -408,13 +408,13 @@ def remote_steps_of(cat: RemoteCatalogue) -> list[RemoteStep]:
             )
         )
     for f in cat.faults:  # never marked latest: not a usable commit, whatever the pointer names
-        rows.append(RemoteStep(f.step, f.state, f.reason, save_id=f.key_save_id, objects=f.objects))
+        rows.append(ListedSave(f.step, f.state, f.reason, save_id=f.key_save_id, objects=f.objects))
     return sorted(
         rows, key=lambda r: (r.step, not r.current, r.state != REMOTE_COMMITTED, r.save_id or "")
     )
 
 
-def list_remote_steps_in(store: ObjectStore) -> list[RemoteStep]:
+def list_remote_steps_in(store: ObjectStore) -> list[ListedSave]:
     """:func:`list_remote_steps` on an open store."""
     return remote_steps_of(read_catalogue(store))
 
@@ -425,9 +425,9 @@ def list_remote_steps(
     s3_client: Any = None,
     store: ObjectStore | None = None,
     endpoint_url: str | None = None,
-) -> list[RemoteStep]:
+) -> list[ListedSave]:
     """Every save seen under ``remote_url`` and its state and lineage status (see
-    :class:`RemoteStep`), ascending by step. Upload manifests are read with GET (small objects);
+    :class:`ListedSave`), ascending by step. Upload manifests are read with GET (small objects);
     shards are not HEADed (restore does that). The save named by the ``latest`` pointer is listed
     even when LIST does not show it yet. Raises :class:`~tiered_ckpt.errors.UploadError` when the
     bucket cannot be read, ``ManifestError`` when its ``run.json`` is unreadable.
@@ -478,7 +478,7 @@ __all__ = [
     "REMOTE_VANISHED",
     "RemoteCatalogue",
     "RemoteSave",
-    "RemoteStep",
+    "ListedSave",
     "SaveFault",
     "committed_step_candidates",
     "get_or_none",

@@ -27,8 +27,8 @@ class StepIncompleteError(UploadError):
     """This node's shards of the step are confirmed, but other ranks (uploaded by other nodes'
     sidecars) are not yet: the step is not remotely committed. ``missing_ranks`` lists them.
 
-    ``commit``: the :class:`~tiered_ckpt.remote.commit.RemoteStepCommit` that waited (set by
-    :func:`tiered_ckpt.remote.step_upload.upload_step`); passing it back as ``resume=`` on the next
+    ``commit``: the :class:`~tiered_ckpt.remote.upload.commit.RemoteStepCommit` that waited (set by
+    :func:`tiered_ckpt.remote.upload.step_upload.upload_step`); passing it back as ``resume=`` on the next
     poll costs one LIST per poll (SPEC §11, "Sidecar at scale") instead of re-reading every
     record."""
 

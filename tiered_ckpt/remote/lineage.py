@@ -7,7 +7,7 @@ operator passes ``--adopt-prefix``, replace another run's claim.
 
 Lifecycle (who calls what):
 
-1. every sidecar, once per step it uploads (:func:`tiered_ckpt.remote.step_upload.upload_step`):
+1. every sidecar, once per step it uploads (:func:`tiered_ckpt.remote.upload.step_upload.upload_step`):
    :func:`claim_or_check` with the root's record. Steady state: one GET (the record already names
    this run and is at least as new as the root's). No record and no steps: the prefix is claimed. No
    record but steps (a round-1 prefix): adopted with a warning, by the same conditional PUT. The

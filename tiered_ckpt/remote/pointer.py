@@ -1,5 +1,5 @@
 """The ``latest`` pointer of a bucket prefix (``<prefix>/latest``, SPEC §4): read it, and read it
-with its ETag for a conditional move (:mod:`tiered_ckpt.remote.commit`). A hint only: a save is
+with its ETag for a conditional move (:mod:`tiered_ckpt.remote.upload.commit`). A hint only: a save is
 committed iff its upload manifest is found (:mod:`tiered_ckpt.remote.catalogue`, which re-exports
 these readers)."""
 

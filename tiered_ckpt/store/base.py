@@ -9,7 +9,7 @@ Lifecycle of one store (who calls what):
 1. The driver (sidecar daemon / ``Uploader``, ``restore``, the CLI) builds ONE client and ONE store
    per remote URL and shares it between threads; every method is thread-safe.
 2. The uploader's step thread calls :meth:`ObjectStore.server_validates_checksums` once (cached per
-   bucket), then per shard, on a shard thread (``tiered_ckpt.remote.transfer``):
+   bucket), then per shard, on a shard thread (``tiered_ckpt.remote.upload.transfer``):
 
    a. below :meth:`~ObjectStore.plan_parts`' threshold (``None``): one
    :meth:`~ObjectStore.put_bytes`

@@ -5,7 +5,7 @@ serves a cleanup, so a missing one degrades instead of failing the upload:
 
 - ListMultipartUploads missing: the per-shard leftover abort and the abandoned-upload sweep find
   nothing to list (uploads this process could not abort are still recorded locally:
-  :mod:`tiered_ckpt.remote.pending_aborts`).
+  :mod:`tiered_ckpt.remote.upload.pending_aborts`).
 - AbortMultipartUpload missing: a failed multipart upload stays open on the server (recorded locally
   for a later sweep; a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` is the server-side
   remedy).

@@ -32,7 +32,7 @@ from tiered_ckpt.local.catalogue import (
 from tiered_ckpt.remote.catalogue import read_catalogue
 from tiered_ckpt.remote.handle import StoreHandle
 from tiered_ckpt.remote.lineage import publish_lineage
-from tiered_ckpt.remote.restore import restore
+from tiered_ckpt.remote.restore.restorer import restore
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def ensure_local(
 ) -> ShardManifest:
     """Make ``ranks``' shards of ``step`` present in ``root``, restoring the missing ones from the
     bucket (a replaced node, or a whole missing step). No remote call when everything is already
-    local. Raises :func:`~tiered_ckpt.remote.restore.restore`'s errors."""
+    local. Raises :func:`~tiered_ckpt.remote.restore.restorer.restore`'s errors."""
     present = set(local_ranks_present(root, step, ranks))
     missing = sorted(set(ranks) - present)
     if not missing:
@@ -241,7 +241,7 @@ def prepare_load_from_remote(
     Raises :class:`NoCheckpointError` when no step is available to every rank (``UploadError``
     instead when the bucket could not be read: it may hold one), ``ManifestError`` (the bucket's
     ``run.json``), :class:`LineageError` when the root's and the bucket's records disagree, and
-    :func:`~tiered_ckpt.remote.restore.restore`'s errors.
+    :func:`~tiered_ckpt.remote.restore.restorer.restore`'s errors.
     """
     view = read_remote_view(remote_url, s3_client=s3_client, endpoint_url=endpoint_url)
     if lineage is None:

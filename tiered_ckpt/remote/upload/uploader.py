@@ -1,17 +1,18 @@
-"""The upload tier's driver: push committed local steps to an S3-compatible bucket (SPEC §4, issue
-4).
+"""The upload tier's driver: push committed local steps to an S3-compatible bucket (SPEC §4).
 
 :class:`Uploader` is the sidecar's one object: the backlog (which local steps still need this
 remote), the daemon loop (:meth:`Uploader.run`) and the public methods the CLI, the tests and the
-benches call. The work is done by one module per job:
+benches call. :class:`UploadPolicy` says what to upload, what to keep remotely, how to confirm and
+when a waiting step is stalled; :class:`StepTiming` is the seconds spent on one step. The work is
+done by one module per job:
 
-- :mod:`tiered_ckpt.remote.step_upload` - one step from this node (local lock, manifest, marker);
-- :mod:`tiered_ckpt.remote.commit` - THE remote commit protocol of one step (confirmations, upload
+- :mod:`tiered_ckpt.remote.upload.step_upload` - one step from this node (local lock, manifest, marker);
+- :mod:`tiered_ckpt.remote.upload.commit` - THE remote commit protocol of one step (confirmations, upload
   manifest with ``If-None-Match``, ``latest``), with its numbered lifecycle;
-- :mod:`tiered_ckpt.remote.shard_upload` - one shard (skip if confirmed, send, confirm, retries);
-- :mod:`tiered_ckpt.remote.retention` - remote rotation and the abandoned-multipart sweep;
+- :mod:`tiered_ckpt.remote.upload.shard_upload` - one shard (skip if confirmed, send, confirm, retries);
+- :mod:`tiered_ckpt.remote.upload.retention` - remote rotation and the abandoned-multipart sweep;
 - :mod:`tiered_ckpt.remote.catalogue` - what the bucket holds (one meaning of "committed");
-- :mod:`tiered_ckpt.remote.daemon` - the loop's timing: backoff of waiting steps, the stall
+- :mod:`tiered_ckpt.remote.upload.daemon` - the loop's timing: backoff of waiting steps, the stall
   deadline.
 
 Memory stays bounded: no file is buffered whole (single PUTs are below the multipart threshold), at
@@ -28,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.errors import CheckpointError, UploadError
@@ -36,25 +38,78 @@ from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import KEY_LAYOUTS
 from tiered_ckpt.local.catalogue import committed_steps, step_path, write_root
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
-from tiered_ckpt.remote import pending_aborts, retention
 from tiered_ckpt.remote.catalogue import committed_step_candidates
-from tiered_ckpt.remote.daemon import UploadLoop
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
-from tiered_ckpt.remote.retention import DEFAULT_STALE_MULTIPART_AGE_S
-from tiered_ckpt.remote.shard_upload import ShardSender, StepStats
-from tiered_ckpt.remote.step_upload import mirror_pins, read_local_manifest, upload_step
-from tiered_ckpt.remote.upload_policy import DEFAULT_STALL_DEADLINE_S, StepTiming, UploadPolicy
+from tiered_ckpt.remote.upload import pending_aborts, retention
+from tiered_ckpt.remote.upload.daemon import UploadLoop
+from tiered_ckpt.remote.upload.retention import DEFAULT_STALE_MULTIPART_AGE_S
+from tiered_ckpt.remote.upload.shard_upload import ShardSender, StepStats
+from tiered_ckpt.remote.upload.step_upload import mirror_pins, read_local_manifest, upload_step
 from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
 from tiered_ckpt.store.base import ObjectStore, parse_s3_url
 
 if TYPE_CHECKING:
-    from tiered_ckpt.remote.commit import RemoteStepCommit
-    from tiered_ckpt.remote.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload.commit import RemoteStepCommit
+    from tiered_ckpt.remote.upload.metrics import UploadMetrics
     from tiered_ckpt.store import WriteSettings
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
+
+
+#: ``UploadPolicy.stall_deadline_s`` by default (seconds): see there.
+DEFAULT_STALL_DEADLINE_S = 1800.0
+
+
+@dataclass(frozen=True)
+class UploadPolicy:
+    """What to upload and what to keep remotely.
+
+    ``skip_intermediate``: when several steps are pending, upload only the newest; older pending
+    ones are released (marker ``uploaded.json`` with ``"skipped": true``, so upload-gated rotation
+    may delete them). ``keep_remote_last``: keep this many newest remotely committed steps
+    (``None``: keep all). ``keep_remote_every_n_steps``: additionally keep steps with ``step % N ==
+    0``. ``verify``: ``"auto"`` (server checksum where the bucket validates, else read-back) or
+    ``"read-back"`` (always read back).
+    ``stall_deadline_s``: seconds a step may wait for other nodes' confirmations (counted from this
+    sidecar's first wait) before it is reported stalled, kept locally outside
+    ``max_pending_uploads`` and polled at the cap (:mod:`tiered_ckpt.remote.upload.daemon`); ``None``:
+    never. The default, 30 minutes, is meant as a few save intervals of a typical job (the sidecar
+    does not know the interval: set it to 2-4x yours); it must exceed how long the slowest node
+    takes to upload one step.
+    """
+
+    skip_intermediate: bool = False
+    keep_remote_last: int | None = None
+    keep_remote_every_n_steps: int | None = None
+    verify: str = "auto"
+    stall_deadline_s: float | None = DEFAULT_STALL_DEADLINE_S
+
+    def __post_init__(self) -> None:
+        if self.keep_remote_last is not None and self.keep_remote_last < 1:
+            raise ValueError(f"keep_remote_last must be >= 1 or None, got {self.keep_remote_last}")
+        if self.keep_remote_every_n_steps is not None and self.keep_remote_every_n_steps < 1:
+            raise ValueError(
+                f"keep_remote_every_n_steps must be >= 1 or None, got "
+                f"{self.keep_remote_every_n_steps}"
+            )
+        if self.verify not in ("auto", "read-back"):
+            raise ValueError(f"verify must be 'auto' or 'read-back', got {self.verify!r}")
+        if self.stall_deadline_s is not None and not self.stall_deadline_s > 0:
+            raise ValueError(f"stall_deadline_s must be > 0 or None, got {self.stall_deadline_s}")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds spent on one step by this node: ``transfer_s`` (hash + send + server-side
+    confirmation), ``read_back_s`` (read-back only, summed over shards), ``total_s``."""
+
+    step: int
+    bytes_sent: int
+    transfer_s: float
+    read_back_s: float
+    total_s: float
 
 
 class Uploader:
@@ -63,7 +118,7 @@ class Uploader:
     ``s3_client``: an injected botocore S3 client (shared; see
     ``tiered_ckpt.store.make_s3_client``); ``None`` builds one from boto3's chain
     (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), for ``endpoint_url`` when given (as
-    :func:`~tiered_ckpt.remote.restore.restore` does; both at once raise ``ValueError``). Transfer:
+    :func:`~tiered_ckpt.remote.restore.restorer.restore` does; both at once raise ``ValueError``). Transfer:
     ``multipart_threshold_bytes``, ``part_size_bytes``, ``max_concurrency`` (parts in flight, all
     shards together), ``max_concurrent_shards`` (shards read at once). Defaults (16 MiB parts, 10 in
     flight) come from ``bench/upload.py``: parts of 32 MiB and more cost moto (and the client)
@@ -71,7 +126,7 @@ class Uploader:
     threshold are fresh, page-faulted memory every time), and 10 in flight matches ``aws s3 cp``.
     ``retry``: whole-operation retries on top of botocore's (see ``tiered_ckpt.retry``). ``write``:
     SSE / storage class (``tiered_ckpt.store.WriteSettings``). ``metrics``: a
-    :class:`tiered_ckpt.remote.metrics.UploadMetrics`. ``stop_event``: cuts retries short and aborts
+    :class:`tiered_ckpt.remote.upload.metrics.UploadMetrics`. ``stop_event``: cuts retries short and aborts
     in-flight multipart uploads (their parts in flight finish; :meth:`cancel` cuts those too).
     ``adopt_prefix``: take over a prefix whose ``run.json`` names another run (``--adopt-prefix``;
     otherwise ``RunMismatchError``, SPEC §11 fencing). ``key_layout``: ``"flat"`` (default) or
@@ -215,8 +270,6 @@ class Uploader:
             pending = pending[:1]
         return pending
 
-    _select_pending = select_pending  # the name the CLI used before it was public
-
     def _release_skipped(self, step: int) -> None:
         try:
             write_uploaded_marker(
@@ -283,7 +336,7 @@ class Uploader:
 
     def mirror_pins(self) -> list[int]:
         """Mirror the pins of local steps uploaded earlier to this remote (``mgr.pin`` after the
-        upload; :func:`tiered_ckpt.remote.step_upload.mirror_pins`): local reads, plus one HEAD per
+        upload; :func:`tiered_ckpt.remote.upload.step_upload.mirror_pins`): local reads, plus one HEAD per
         pinned step not mirrored yet by this uploader. Returns the steps pinned remotely now. Raises
         ``UploadError``."""
         return mirror_pins(self.store, self.local_root, self._pins_mirrored)
@@ -319,7 +372,7 @@ class Uploader:
         failure_backoff_s: float = 10.0,
         max_poll_interval_s: float = 60.0,
     ) -> list[int]:
-        """The sidecar loop (:class:`tiered_ckpt.remote.daemon.UploadLoop`): abort abandoned
+        """The sidecar loop (:class:`tiered_ckpt.remote.upload.daemon.UploadLoop`): abort abandoned
         multipart uploads, then repeatedly upload pending steps (newest first) until ``stop_event``
         is set (or, with ``once``, until nothing is left that can be done now). Steps waiting for
         other nodes back off from ``poll_interval_s`` to ``max_poll_interval_s`` (seconds, jittered)
@@ -408,7 +461,7 @@ class Uploader:
 
     def sweep_pending_aborts(self) -> int:
         """Abort (a bounded number of) the uploads this root recorded as not abortable
-        (:func:`~tiered_ckpt.remote.pending_aborts.sweep_pending_aborts`); the sidecar calls it on every
+        (:func:`~tiered_ckpt.remote.upload.pending_aborts.sweep_pending_aborts`); the sidecar calls it on every
         poll. Returns how many were settled. Raises ``OSError`` (the record cannot be rewritten)."""
         return pending_aborts.sweep_pending_aborts(self.store, self.local_root)
 
@@ -435,10 +488,10 @@ def _parse_time(text: str) -> float:
 
 __all__ = [
     "DEFAULT_STALL_DEADLINE_S",
-    "Uploader",
-    "UploadPolicy",
-    "UploadManifest",
-    "StepTiming",
     "LocalStepGoneError",
     "StepIncompleteError",
+    "StepTiming",
+    "UploadManifest",
+    "UploadPolicy",
+    "Uploader",
 ]

@@ -39,7 +39,7 @@ hashing would miss a shard that rots between the two reads):
 Any failure after ``CreateMultipartUpload`` aborts that upload (best effort, logged); an abort that
 fails too (expired credentials, a server without AbortMultipartUpload) is handed to
 ``on_abort_failed`` (the uploader records it for a later sweep:
-:mod:`tiered_ckpt.remote.pending_aborts`); a crash leaves it for the next sidecar start
+:mod:`tiered_ckpt.remote.upload.pending_aborts`); a crash leaves it for the next sidecar start
 (``Uploader.abort_abandoned_uploads``). Retries stack as ``tiered_ckpt.retry`` describes: botocore's
 per HTTP request (503 SlowDown, resets), the store's per call (each create, part, complete, HEAD and
 read-back is one retried store operation), and the caller's per shard (a fresh upload after a
@@ -128,7 +128,7 @@ def send_shard(
     aborted), :class:`TransitCorruptionError` (the multipart upload vanished), ``UploadError`` (the
     store's retries ran out; the caller's retry decides). ``on_abort_failed(key, upload_id, exc)``:
     called when a failed multipart upload cannot be aborted either (recorded for a later sweep,
-    ``remote/pending_aborts.py``)."""
+    ``remote/upload/pending_aborts.py``)."""
     what = f"{store.url}/{key}"
     try:  # no symlink followed below the root, never blocking on a FIFO, regular files only
         fd = open_file(path, error=LocalShardError)

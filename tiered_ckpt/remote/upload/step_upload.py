@@ -1,7 +1,7 @@
 """Uploading one step from this node: the local half around the remote commit protocol (SPEC §4,
 §11).
 
-:func:`upload_step` is what :meth:`tiered_ckpt.remote.upload.Uploader.upload_step` runs for step
+:func:`upload_step` is what :meth:`tiered_ckpt.remote.upload.uploader.Uploader.upload_step` runs for step
 ``S`` (every node's sidecar, for the shards on its own disk):
 
 1. Hold ``hold_step_lock(step_dir, "upload")`` (rotation skips the step) and read ``manifest.json``.
@@ -13,9 +13,9 @@
    claim, a newer attempt published, or ``RunMismatchError`` for a prefix of another run unless
    ``adopt_prefix``). A step that either record supersedes raises
    :class:`~tiered_ckpt.remote.errors.StepSupersededError`: never uploaded, no ``uploaded.json``.
-3. Run :class:`~tiered_ckpt.remote.commit.RemoteStepCommit` on the save's own keys: already
+3. Run :class:`~tiered_ckpt.remote.upload.commit.RemoteStepCommit` on the save's own keys: already
    committed -> straight to ``latest``; otherwise mirror the manifest, upload the local shards
-   concurrently (:mod:`tiered_ckpt.remote.shard_upload`), gather every rank's confirmation, re-check
+   concurrently (:mod:`tiered_ckpt.remote.upload.shard_upload`), gather every rank's confirmation, re-check
    the local step, fence and write the upload manifest. Waiting for other nodes raises
    ``StepIncompleteError`` carrying the commit object; passed back as ``resume`` it makes the next
    poll one LIST.
@@ -55,10 +55,10 @@ from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marke
 from tiered_ckpt.local.pins import MAX_PIN_BYTES, has_pin, pin_bytes
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.remote.catalogue import save_key
-from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
 from tiered_ckpt.remote.lineage import claim_or_check
-from tiered_ckpt.remote.shard_upload import ShardSender, StepStats, upload_shard
+from tiered_ckpt.remote.upload.commit import RemoteStepCommit
+from tiered_ckpt.remote.upload.shard_upload import ShardSender, StepStats, upload_shard
 from tiered_ckpt.retry import OperationInterruptedError
 from tiered_ckpt.safe_read import is_regular_file
 from tiered_ckpt.store.base import ObjectStore
@@ -281,7 +281,7 @@ def upload_step(
     manifest. ``adopt_prefix``: take over a prefix claimed by another run (``--adopt-prefix``).
     ``resume``: the commit object of an earlier ``StepIncompleteError`` for this step (used when the
     local manifest is still the same bytes). Errors: see
-    :meth:`tiered_ckpt.remote.upload.Uploader.upload_step`, plus :class:`StepSupersededError`,
+    :meth:`tiered_ckpt.remote.upload.uploader.Uploader.upload_step`, plus :class:`StepSupersededError`,
     ``RunMismatchError``, ``LineageError`` and :class:`~tiered_ckpt.remote.errors.FencingError` (an
     object changed since it was confirmed; nothing committed, no marker)."""
     with contextlib.ExitStack() as stack:

@@ -1,5 +1,5 @@
 """Downloading planned shards and verifying them (lifecycle step 3 of
-:mod:`tiered_ckpt.remote.restore`; also what ``tiered-ckpt verify --remote`` runs, so a step that
+:mod:`tiered_ckpt.remote.restore.restorer`; also what ``tiered-ckpt verify --remote`` runs, so a step that
 verifies is one that restores).
 
 :func:`fetch_shards` moves every planned shard at once, at the server's speed, reading each byte
@@ -41,7 +41,7 @@ from tiered_ckpt.errors import MissingShardError, ShardCorruptedError
 from tiered_ckpt.format.shard_file import decode_state
 from tiered_ckpt.local.reader import check_header_bytes, read_header_bytes
 from tiered_ckpt.remote.handle import object_url
-from tiered_ckpt.remote.restore_plan import RemoteObject, RestorePlan
+from tiered_ckpt.remote.restore.plan import RemoteObject, RestorePlan
 from tiered_ckpt.safe_read import opened
 from tiered_ckpt.store.base import ObjectStore, RemoteNotFoundError
 from tiered_ckpt.store.settings import TransferSettings

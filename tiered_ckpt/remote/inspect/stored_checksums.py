@@ -40,10 +40,10 @@ from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.format.records import ConfirmationRecord
 from tiered_ckpt.local.held import format_ranks
 from tiered_ckpt.remote.catalogue import RemoteSave
-from tiered_ckpt.remote.commit import confirm_key
 from tiered_ckpt.remote.handle import get_or_none, object_url
 from tiered_ckpt.remote.limits import MAX_CONFIRMATION_BYTES
-from tiered_ckpt.remote.restore_plan import PLAN_HEAD_CONCURRENCY, RestorePlan
+from tiered_ckpt.remote.restore.plan import PLAN_HEAD_CONCURRENCY, RestorePlan
+from tiered_ckpt.remote.upload.commit import confirm_key
 from tiered_ckpt.store.base import ObjectInfo, ObjectStore
 from tiered_ckpt.store.checksums import checksums_match, split_checksum
 

@@ -1,12 +1,12 @@
 """``tiered-ckpt verify --remote s3://bucket/prefix``: the state of every remote save, checked
 against its upload manifest with the same code restore uses
-(:func:`~tiered_ckpt.remote.restore_plan.plan_step`,
-:func:`~tiered_ckpt.remote.download.fetch_shard`), so a save that verifies is one that restores.
+(:func:`~tiered_ckpt.remote.restore.plan.plan_step`,
+:func:`~tiered_ckpt.remote.restore.download.fetch_shard`), so a save that verifies is one that restores.
 
 - ``committed``: upload manifest valid, mirrored ``manifest.json`` matches its sha256, every shard
   object present with the right size (HEAD) and, unless ``fast``, downloaded and matching its sha256
   and header; with ``fast``, the checksum the server stores for each object matching the recorded
-  one (:mod:`tiered_ckpt.remote.stored_checksums`).
+  one (:mod:`tiered_ckpt.remote.inspect.stored_checksums`).
   A committed save that is not its step's current one (SPEC §11) says why in its reason:
   ``superseded by attempt K from step S``, ``replaced by save X (attempt K)`` or ``run X, not the
   prefix's run Y`` (listed, never restored);
@@ -17,7 +17,7 @@ against its upload manifest with the same code restore uses
 - ``incomplete``: an object the upload manifest lists is missing.
 
 One row per save, by step, the step's current save first (a :class:`RemoteStepStatus`: ``checked``
-says how a committed row was checked, :data:`~tiered_ckpt.remote.stored_checksums.CHECKED_LEVELS`:
+says how a committed row was checked, :data:`~tiered_ckpt.remote.inspect.stored_checksums.CHECKED_LEVELS`:
 ``sha256`` for the full check; with ``fast`` ``crc32c`` or ``server-sha256`` (the weakest over its
 shards) where the server stores checksums, ``size`` where it stores none, which the row's note then
 says: ``size only: the server stores no CRC32C or SHA-256 checksum``). ``fast`` downloads no shard:
@@ -42,17 +42,17 @@ from tiered_ckpt.remote.catalogue import (
     read_catalogue,
     remote_steps_of,
 )
-from tiered_ckpt.remote.download import fetch_shard
 from tiered_ckpt.remote.handle import StoreHandle
-from tiered_ckpt.remote.restore_plan import plan_step
-from tiered_ckpt.remote.stored_checksums import check_stored_checksums, summarize
+from tiered_ckpt.remote.inspect.stored_checksums import check_stored_checksums, summarize
+from tiered_ckpt.remote.restore.download import fetch_shard
+from tiered_ckpt.remote.restore.plan import plan_step
 from tiered_ckpt.store.base import ObjectStore
 
 
 @dataclass(frozen=True)
 class RemoteStepStatus(StepStatus):
     """A :class:`~tiered_ckpt.local.scan.StepStatus` of a remote save, plus ``checked`` (committed
-    rows: one of :data:`~tiered_ckpt.remote.stored_checksums.CHECKED_LEVELS`; ``None`` otherwise)
+    rows: one of :data:`~tiered_ckpt.remote.inspect.stored_checksums.CHECKED_LEVELS`; ``None`` otherwise)
     and ``checked_note`` (``"size only: ..."`` when some shard was checked by size only; shown among
     the :attr:`details`, so in the note and the verify line, never as a key of its own)."""
 

@@ -1,6 +1,6 @@
 """Multipart uploads this node started and could not abort, recorded locally and swept later.
 
-A failed multipart shard upload is aborted at once (:mod:`tiered_ckpt.remote.transfer`). When that
+A failed multipart shard upload is aborted at once (:mod:`tiered_ckpt.remote.upload.transfer`). When that
 abort fails too (credentials that expired mid-upload answer the abort with 403 as well; a server
 without AbortMultipartUpload answers 501), the upload would stay open on the server, holding its
 parts' bytes, until a bucket lifecycle rule or the next sidecar's listing sweep finds it; and a
@@ -23,7 +23,7 @@ instead:
 
 Several processes sharing a root: each read-modify-write is atomic but not serialised across
 processes, so a concurrent update may drop an entry; the listing sweep for uploads older than
-``stale_multipart_age_s`` (:mod:`tiered_ckpt.remote.retention`) still finds it where the server
+``stale_multipart_age_s`` (:mod:`tiered_ckpt.remote.upload.retention`) still finds it where the server
 lists.
 
 Source: S3 API reference (AbortMultipartUpload; ListMultipartUploads), seed lesson "expired

@@ -4,11 +4,11 @@ Lifecycle of one :func:`restore` (made by one process: the CLI, an operator's sc
 :class:`~tiered_ckpt.training.manager.CheckpointManager` through
 :func:`tiered_ckpt.training.resume.prepare_load_from_remote`):
 
-1. **Candidates** and 2. **Plan**: :mod:`tiered_ckpt.remote.restore_plan` (over the catalogue,
+1. **Candidates** and 2. **Plan**: :mod:`tiered_ckpt.remote.restore.plan` (over the catalogue,
    :mod:`tiered_ckpt.remote.catalogue`): the newest candidate whose upload manifest GET reads (or
    the requested ``step``), its mirrored ``manifest.json`` checked against it, every shard to fetch
    HEADed. Nothing local is touched yet (``--dry-run`` stops here).
-3. **Download** (:mod:`tiered_ckpt.remote.download`): the parts of all shards go through one window
+3. **Download** (:mod:`tiered_ckpt.remote.restore.download`): the parts of all shards go through one window
    of ranged GETs (per :class:`~tiered_ckpt.store.TransferSettings`) into names staged in the local
    step directory (:meth:`LocalStepCommit.stage`), hashed as they arrive and compared with the
    manifest's sha256 and size, their safetensors headers with the manifest's records; each shard is
@@ -39,9 +39,12 @@ error (:class:`~tiered_ckpt.errors.MissingShardError`,
 :class:`~tiered_ckpt.errors.ShardCorruptedError`, :class:`~tiered_ckpt.errors.ManifestError`) names
 the step and the object, the staged files are removed and nothing is committed locally. A failure
 after shards were renamed into place and before ``manifest.json`` commits (ENOSPC at the manifest
-write, Ctrl-C) removes the files this restore placed again; a restore that finds a dead restore's
-leftovers in the step removes them before it downloads (:mod:`tiered_ckpt.remote.restore_local`): a
-retry starts clean. ``fallback=True`` moves on to the next older candidate with a warning.
+write, Ctrl-C) removes the files this restore placed again (:class:`Placed`, by ``(st_dev,
+st_ino)``: a file another writer renamed over one of them since stays); a restore that finds a dead
+restore's leftovers in the step (temp files of dead owners; with the writer lock its own, the files
+under the planned shards' names) removes them before it downloads (:func:`clear_dead_restore`): a
+retry starts clean. ``run.json`` is not taken back: the run record carried into the root is true
+whatever happens to the step. ``fallback=True`` moves on to the next older candidate with a warning.
 Remote failures that outlast the retries are :class:`~tiered_ckpt.errors.UploadError` (never a
 fallback: an unreachable bucket fails older steps the same way).
 
@@ -67,34 +70,35 @@ from tiered_ckpt.errors import (
     CheckpointWriteError,
     ConcurrentSaveError,
 )
+from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
-from tiered_ckpt.layout import shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import read_manifest_bytes, read_run_record
-from tiered_ckpt.local.commit import LocalStepCommit
+from tiered_ckpt.fs import write_all
+from tiered_ckpt.layout import ADOPTED_MARKER_NAME, shard_file_name, step_dir_name
+from tiered_ckpt.local.catalogue import (
+    adopted_bytes,
+    read_adopted,
+    read_manifest_bytes,
+    read_run_record,
+)
+from tiered_ckpt.local.commit import LocalStepCommit, fsync_dir
+from tiered_ckpt.local.leftovers import placed_identity, remove_dead_temps, remove_placed
 from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.local.markers import write_uploaded_marker
+from tiered_ckpt.local.node_ranks import record_node_ranks
 from tiered_ckpt.remote.catalogue import (
     REMOTE_BAD_UPLOAD_MANIFEST,
     REMOTE_COMMITTED,
     REMOTE_NO_UPLOAD_MANIFEST,
     REMOTE_VANISHED,
-    RemoteStep,
+    ListedSave,
     list_remote_steps,
     read_latest_pointer,
     remote_committed_steps,
 )
-from tiered_ckpt.remote.download import fetch_shards
 from tiered_ckpt.remote.handle import StoreHandle
-from tiered_ckpt.remote.restore_local import (
-    Placed,
-    clear_dead_restore,
-    record_adoption,
-    record_held_ranks,
-    record_to_carry,
-    same_save,
-)
-from tiered_ckpt.remote.restore_plan import (
+from tiered_ckpt.remote.restore.download import fetch_shards
+from tiered_ckpt.remote.restore.plan import (
     STEP_FAULTS,
     RemoteObject,
     RestorePlan,
@@ -110,6 +114,148 @@ log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 ProgressCallback = Callable[[int], None]
+
+
+log = logging.getLogger(__name__)
+
+
+class Placed:
+    """The files one restore renamed (or is about to rename) into its step directory, by name, with
+    their ``(st_dev, st_ino)``. Filled from the download threads (one dict assignment per shard)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[int, int]] = {}
+
+    def record(self, name: str, path: Path) -> None:
+        """Remember the file now at ``path`` (a staged temp, or the final name) as ours under
+        ``name``."""
+        ident = placed_identity(path)
+        if ident is not None:
+            self.files[name] = ident
+
+    def undo(self, lsc: LocalStepCommit) -> None:
+        """Remove the files of :attr:`files` still in place, unless the step got committed meanwhile
+        (then they are part of it), and fsync the directory. Best effort: an ``OSError`` is logged
+        (the caller is already failing with the original error)."""
+        if not self.files or lsc.committed or lsc.is_committed():
+            return
+        try:
+            removed = remove_placed(lsc.step_dir, self.files)
+            if removed:
+                fsync_dir(lsc.step_dir)
+        except OSError as e:
+            log.warning(
+                "step %d: could not remove the files this failed restore placed in %s: %s",
+                lsc.step,
+                lsc.step_dir,
+                e,
+            )
+            return
+        if removed:
+            log.info(
+                "step %d: the restore failed before its manifest; removed what it placed (%s)",
+                lsc.step,
+                ", ".join(removed),
+            )
+
+
+def clear_dead_restore(lsc: LocalStepCommit, plan: RestorePlan, *, committed: bool) -> None:
+    """Before downloading into a step directory: remove the temp files of dead owners there and,
+    when the step is not ``committed`` and this restore created the writer lock (``lsc.claimed``: no
+    live writer shares the step), the files under the final names of the planned shards (a dead
+    writer's, about to be replaced). Raises ``OSError``."""
+    gone = [p.name for p in remove_dead_temps(lsc.step_dir, owned_only=True)]
+    if lsc.claimed and not committed:
+        for obj in plan.objects:
+            path = lsc.step_dir / shard_file_name(obj.rank)
+            if os.path.lexists(path) and not os.path.isdir(path):
+                os.unlink(path)
+                gone.append(path.name)
+    if gone:
+        fsync_dir(lsc.step_dir)
+        log.warning(
+            "step %d: removed %d leftover(s) of a dead writer from %s before restoring: %s",
+            plan.step,
+            len(gone),
+            lsc.step_dir,
+            ", ".join(sorted(gone)),
+        )
+
+
+def same_save(local_bytes: bytes, plan: RestorePlan) -> bool:
+    """The local committed manifest describes the same save as the remote one (node-local commits of
+    one save differ only in ``created_at``)."""
+    if local_bytes == plan.manifest_bytes:
+        return True
+    try:
+        lm = ShardManifest.from_json(local_bytes)
+    except CheckpointError:
+        return False
+    rm = plan.manifest
+    return (lm.step, lm.world_size, lm.save_id) == (rm.step, rm.world_size, rm.save_id) and all(
+        (a.sha256, a.size_bytes) == (b.sha256, b.size_bytes) for a, b in zip(lm.shards, rm.shards)
+    )
+
+
+def record_to_carry(local: RunLineage | None, remote: RunLineage | None) -> RunLineage | None:
+    """The run record a restore writes into the root (``None``: keep the root's as it is): the
+    bucket's lineage into a root without one, the newer record of the same run, nothing into a root
+    of another run (fine tuning) or when the two records of one run diverge (a warning; the manager
+    decides)."""
+    if remote is None:
+        return None
+    if local is None:
+        return remote
+    if local.run_id != remote.run_id:
+        log.info(
+            "restoring from run %s into a root of run %s: the root keeps its run record",
+            remote.run_id,
+            local.run_id,
+        )
+        return None
+    if remote.extends(local) and remote != local:
+        return remote
+    if not local.extends(remote):
+        log.warning(
+            "run %s: the root's run.json and the bucket's disagree about the attempts; the root keeps "
+            "its own",
+            local.run_id,
+        )
+    return None
+
+
+def record_held_ranks(step_dir: Path, manifest: ShardManifest) -> None:
+    """After a restore of some ranks only (a replaced node): record the ranks the step directory now
+    holds (``node_ranks.json``), so that ``verify`` checks them and still reports a missing one.
+    After the manifest: a crash in between leaves verify strict (it reports the step incomplete),
+    never lenient."""
+    held = {rec.rank for rec in manifest.shards if os.path.lexists(step_dir / rec.path)}
+    if held and held != set(range(manifest.world_size)):
+        record_node_ranks(step_dir, held, manifest.world_size)
+
+
+def record_adoption(lsc: LocalStepCommit, manifest: ShardManifest, placed: Placed) -> None:
+    """A foreign step (its manifest names another run than the root's record, or none) entering a
+    root with a record: write ``adopted.json`` naming the root's run and current attempt (SPEC §11),
+    durably, unless the step already holds exactly that for this save; it is then one of the
+    ``placed`` files. Before the manifest commits (the caller's order). Raises ``OSError``."""
+    rec = read_run_record(lsc.root)
+    if rec is None or manifest.run_id == rec.run_id:
+        return
+    sid = manifest.save_id or None
+    if read_adopted(lsc.step_dir, sid) == (rec.run_id, rec.attempt):
+        return
+    body = adopted_bytes(rec.run_id, rec.attempt, sid)
+    lsc.write_file(ADOPTED_MARKER_NAME, lambda fd: write_all(fd, body))
+    placed.record(ADOPTED_MARKER_NAME, lsc.step_dir / ADOPTED_MARKER_NAME)
+    log.info(
+        "step %d (run %s, attempt %d) entered run %s at its attempt %d: judged by that attempt",
+        manifest.step,
+        manifest.run_id,
+        manifest.attempt,
+        rec.run_id,
+        rec.attempt,
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +295,7 @@ def _download_all(
     cancel: Callable[[], None],
     placed: Placed,
 ) -> None:
-    """Step 3 for every planned object (:func:`~tiered_ckpt.remote.download.fetch_shards`: all
+    """Step 3 for every planned object (:func:`~tiered_ckpt.remote.restore.download.fetch_shards`: all
     shards' ranged GETs in one window, sha256 as the bytes arrive): each shard lands in its staged
     temp name, is verified, then fsynced on the transfer thread that completed it (so the flushes
     overlap the other shards' transfers) and recorded in ``placed`` (the file
@@ -337,7 +483,6 @@ def restore_detailed(
     endpoint_url: str | None = None,
     download_part_size_bytes: int | None = None,
     download_max_concurrency: int | None = None,
-    max_parallel_shards: int = 8,
     store: ObjectStore | None = None,
     on_progress: ProgressCallback | None = None,
     on_plan: Callable[[RestorePlan], None] | None = None,
@@ -348,8 +493,6 @@ def restore_detailed(
     transfer = _transfer_settings(download_part_size_bytes, download_max_concurrency)
     if transfer is not None and store is not None:
         raise ValueError("download settings are ignored when a store is given")
-    if max_parallel_shards < 1:
-        raise ValueError(f"max_parallel_shards must be >= 1, got {max_parallel_shards}")
     # ``local_root`` is the run root whatever its name looks like: a directory named like a step
     # (``/x/step_0000000003``) is restored into, never read as that step of its parent.
     root = Path(local_root).absolute()
@@ -398,7 +541,6 @@ def restore(
     endpoint_url: str | None = None,
     download_part_size_bytes: int | None = None,
     download_max_concurrency: int | None = None,
-    max_parallel_shards: int = 8,
     on_progress: ProgressCallback | None = None,
 ) -> ShardManifest:
     """Restore a remotely committed step from ``remote_url`` (``s3://bucket/prefix``) into the run
@@ -415,8 +557,7 @@ def restore(
     ``AWS_ENDPOINT_URL``). ``download_part_size_bytes`` / ``download_max_concurrency``: ranged-GET size
     and requests in flight (defaults: :class:`~tiered_ckpt.store.TransferSettings`; large ranges suit
     servers such as moto where a ranged GET costs as much as the whole object, parallel moderate ranges
-    suit S3 and MinIO). ``max_parallel_shards``: kept for callers of earlier versions and checked (>= 1),
-    otherwise unused: all shards' parts share one window of ``download_max_concurrency`` ranged GETs. ``on_progress(delta_bytes)``
+    suit S3 and MinIO); all shards' parts share one window of ``download_max_concurrency`` ranged GETs. ``on_progress(delta_bytes)``
     is called from transfer threads.
 
     Raises :class:`NoCheckpointError` (nothing remotely committed, or the requested step has no upload
@@ -437,25 +578,30 @@ def restore(
         endpoint_url=endpoint_url,
         download_part_size_bytes=download_part_size_bytes,
         download_max_concurrency=download_max_concurrency,
-        max_parallel_shards=max_parallel_shards,
         on_progress=on_progress,
     ).manifest
 
 
 __all__ = [
+    "Placed",
+    "REMOTE_BAD_UPLOAD_MANIFEST",
     "REMOTE_COMMITTED",
     "REMOTE_NO_UPLOAD_MANIFEST",
-    "REMOTE_BAD_UPLOAD_MANIFEST",
     "REMOTE_VANISHED",
     "RemoteObject",
+    "ListedSave",
     "RestorePlan",
     "RestoreResult",
-    "RemoteStep",
+    "clear_dead_restore",
+    "list_remote_steps",
     "not_a_directory",
+    "plan_restore",
+    "read_latest_pointer",
+    "record_adoption",
+    "record_held_ranks",
+    "record_to_carry",
+    "remote_committed_steps",
     "restore",
     "restore_detailed",
-    "plan_restore",
-    "list_remote_steps",
-    "remote_committed_steps",
-    "read_latest_pointer",
+    "same_save",
 ]

@@ -21,17 +21,17 @@ a confirmation record naming the other layout's key fails :meth:`~RemoteStepComm
 
 Lifecycle of :class:`RemoteStepCommit` for save ``(S, save_id)``. EVERY node's sidecar runs it, for
 the shards on its own disk (a node-local root holds that node's ranks plus the global manifest),
-under the local step's ``upload`` lock (:mod:`tiered_ckpt.remote.step_upload` holds it and calls
+under the local step's ``upload`` lock (:mod:`tiered_ckpt.remote.upload.step_upload` holds it and calls
 these in order); one object may serve several polls of the same save (``resume``), remembering what
 it has read:
 
 1. :meth:`~RemoteStepCommit.committed` - GET the save's upload manifest. Present: go to 6.
 2. :meth:`~RemoteStepCommit.put_manifest` - mirror ``manifest.json`` unless it is already there with
    these bytes (HEAD, at most one GET); once per object.
-3. Per local shard, concurrently (:mod:`tiered_ckpt.remote.shard_upload`):
+3. Per local shard, concurrently (:mod:`tiered_ckpt.remote.upload.shard_upload`):
    :meth:`~RemoteStepCommit.confirmed` says whether a record for this save exists and HEAD shows the
    object with the recorded ETag and size (a restart never re-sends a confirmed shard); otherwise
-   the shard is sent and confirmed (:mod:`tiered_ckpt.remote.transfer`) and
+   the shard is sent and confirmed (:mod:`tiered_ckpt.remote.upload.transfer`) and
    :meth:`~RemoteStepCommit.record_confirmation` PUTs its record with the object's ETag.
 4. :meth:`~RemoteStepCommit.gather` - one LIST of the save's ``.confirm/`` prefix; the records not
    read yet are GET only once LIST shows every rank (kept for later polls). A rank not confirmed yet
@@ -50,7 +50,7 @@ it has read:
    (:mod:`tiered_ckpt.local.markers`).
 
 Un-commit (remote retention) is the reverse: delete the upload manifest FIRST, then the other
-objects (:mod:`tiered_ckpt.remote.retention`). Confirmation records are written and read only here.
+objects (:mod:`tiered_ckpt.remote.upload.retention`). Confirmation records are written and read only here.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """Uploading one shard of a step: step 3 of the remote commit protocol
-(:mod:`tiered_ckpt.remote.commit`).
+(:mod:`tiered_ckpt.remote.upload.commit`).
 
-Called by :mod:`tiered_ckpt.remote.step_upload` on the shard executor, one call per local shard:
+Called by :mod:`tiered_ckpt.remote.upload.step_upload` on the shard executor, one call per local shard:
 
 1. Skip the shard if :meth:`RemoteStepCommit.confirmed` finds its record for this save and the
    object with the recorded ETag and size (a restart never re-sends a confirmed shard).
 2. Abort leftover multipart uploads of that key (an earlier attempt of this node that crashed). A
    server without ListMultipartUploads or AbortMultipartUpload (501, warned once per store:
    :mod:`tiered_ckpt.store.optional_apis`) skips this step; a leftover that cannot be aborted (403)
-   is recorded for a later sweep (:mod:`tiered_ckpt.remote.pending_aborts`); the upload proceeds
+   is recorded for a later sweep (:mod:`tiered_ckpt.remote.upload.pending_aborts`); the upload proceeds
    either way. While another live uploader holds an ``upload`` lock on the step (a second sidecar or
    ``upload --once`` on the same root), its open uploads are not leftovers: none is aborted (the
    abandoned-upload sweep finds real leftovers later, by age).
 3. Send it hashing the bytes as read, and confirm it (server checksum where the bucket validates,
-   else read-back; see :mod:`tiered_ckpt.remote.transfer`). Failures are retried as a whole
+   else read-back; see :mod:`tiered_ckpt.remote.upload.transfer`). Failures are retried as a whole
    (:mod:`tiered_ckpt.retry`: S3 errors that may pass, ``NoSuchUpload``, transit corruption); local
-   rot (:class:`~tiered_ckpt.remote.transfer.LocalShardError`) is not, and keeps its own type.
+   rot (:class:`~tiered_ckpt.remote.upload.transfer.LocalShardError`) is not, and keeps its own type.
 4. PUT its confirmation record with the confirmed object's ETag
    (:meth:`RemoteStepCommit.record_confirmation`).
 """
@@ -33,9 +33,9 @@ from pathlib import Path
 from tiered_ckpt.errors import UploadError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.locks import live_locks
-from tiered_ckpt.remote.commit import RemoteStepCommit
 from tiered_ckpt.remote.errors import LocalStepGoneError
-from tiered_ckpt.remote.transfer import (
+from tiered_ckpt.remote.upload.commit import RemoteStepCommit
+from tiered_ckpt.remote.upload.transfer import (
     LocalShardError,
     SentShard,
     ShardConfirmation,
@@ -73,7 +73,7 @@ class ShardSender:
     ``server_validates`` (a cached probe), ``force_read_back`` (``UploadPolicy.verify``), the stop
     event, ``on_progress(delta_bytes)`` the ``on_sent(bytes)`` metrics hook, ``on_abort_failed(key,
     upload_id, exc)`` for a multipart upload that could not be aborted (the uploader records it:
-    :mod:`tiered_ckpt.remote.pending_aborts`), ``key_layout`` (``flat``, ``hashed``: where new
+    :mod:`tiered_ckpt.remote.upload.pending_aborts`), ``key_layout`` (``flat``, ``hashed``: where new
     saves' shard objects go; :mod:`tiered_ckpt.layout`), and ``cancel()`` (sets the stop event and
     cuts the requests in flight: Ctrl-C of a one-shot upload)."""
 

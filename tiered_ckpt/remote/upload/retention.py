@@ -1,5 +1,5 @@
 """Remote cleanup (SPEC §4, §11): rotation of remotely committed saves, and the sweep of abandoned
-multipart uploads. Both are called by the sidecar (:class:`tiered_ckpt.remote.upload.Uploader`): the
+multipart uploads. Both are called by the sidecar (:class:`tiered_ckpt.remote.upload.uploader.Uploader`): the
 sweep once at start, retention after each step it commits.
 
 - :func:`apply_remote_retention` keeps the newest ``keep_last`` *current* steps (their winning save;
@@ -17,7 +17,7 @@ sweep once at start, retention after each step it commits.
   prefix, filtered to ``step_*`` and ``shards/*`` keys): those of shard keys whose rank this node
   holds locally, and any older than ``stale_age_s`` whoever started them (other nodes' live uploads
   are left alone). It first aborts the uploads this root recorded as not abortable
-  (:mod:`tiered_ckpt.remote.pending_aborts`). A server without ListMultipartUploads or
+  (:mod:`tiered_ckpt.remote.upload.pending_aborts`). A server without ListMultipartUploads or
   AbortMultipartUpload (501; :mod:`tiered_ckpt.store.optional_apis`, warned once per store) ends the
   listing sweep quietly instead of failing it. Retention deletes through ``store.delete``, which
   falls back to one DeleteObject per key where DeleteObjects is missing.
@@ -38,7 +38,7 @@ from tiered_ckpt.layout import (
     save_entry_name,
 )
 from tiered_ckpt.remote.catalogue import CURRENT, RemoteCatalogue, RemoteSave, read_catalogue
-from tiered_ckpt.remote.pending_aborts import sweep_pending_aborts
+from tiered_ckpt.remote.upload.pending_aborts import sweep_pending_aborts
 from tiered_ckpt.safe_read import list_dir
 from tiered_ckpt.store.base import ObjectStore
 from tiered_ckpt.store.optional_apis import OperationNotSupportedError

@@ -1,7 +1,7 @@
 """Restore planning (SPEC §5, §11): which remotely committed save to restore and what to fetch for
 it.
 
-Lifecycle steps 1-2 of :mod:`tiered_ckpt.remote.restore` (nothing local is touched; ``--dry-run``
+Lifecycle steps 1-2 of :mod:`tiered_ckpt.remote.restore.restorer` (nothing local is touched; ``--dry-run``
 and ``tiered-ckpt verify --remote`` stop here):
 
 1. **Candidates** (:func:`~tiered_ckpt.remote.catalogue.read_catalogue`): the current save of every
@@ -350,7 +350,7 @@ def plan_restore(
     store: ObjectStore | None = None,
     endpoint_url: str | None = None,
 ) -> RestorePlan:
-    """What :func:`~tiered_ckpt.remote.restore.restore` would fetch (``--dry-run``): choose the save
+    """What :func:`~tiered_ckpt.remote.restore.restorer.restore` would fetch (``--dry-run``): choose the save
     and confirm its objects with HEAD, downloading nothing but the small manifests. Errors as
     restore."""
     with StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url) as st:

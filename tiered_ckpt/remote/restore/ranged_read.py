@@ -6,14 +6,14 @@ Lifecycle (who calls what):
 
 1. :func:`open_remote_step` (one per load): chooses the save (of a step, or of the newest step) as
    restore does (:func:`~tiered_ckpt.remote.catalogue.read_catalogue` and
-   :func:`~tiered_ckpt.remote.restore_plan.candidates`: the current save of ``step`` under the
+   :func:`~tiered_ckpt.remote.restore.plan.candidates`: the current save of ``step`` under the
    prefix's run record, merged with the caller's ``local_lineage`` when both name one run), then
    GETs its mirrored ``manifest.json`` and checks it against the upload manifest exactly as restore
-   does (:func:`~tiered_ckpt.remote.restore_plan.read_mirrored_manifest`: sha256, step, save id,
+   does (:func:`~tiered_ckpt.remote.restore.plan.read_mirrored_manifest`: sha256, step, save id,
    every rank's size and sha256). Nothing is HEADed: every ranged GET below checks the object's
    total size against the record (``Content-Range``), so no HEAD is needed and a replaced object
    fails at its first read.
-2. :meth:`RemoteStep.shard_reader` (one per rank read, per thread): a :class:`RemoteShardReader` on
+2. :meth:`RemoteSaveReader.shard_reader` (one per rank read, per thread): a :class:`RemoteShardReader` on
    the rank's shard object, at the key the upload manifest's ``key_layout`` gives it.
 3. :class:`RemoteShardReader` has :class:`tiered_ckpt.local.reader.ShardReader`'s interface and
    checks:
@@ -35,7 +35,7 @@ Lifecycle (who calls what):
    :class:`~tiered_ckpt.store.base.ObjectSizeError` before any byte is read. The bytes of successful
    GETs are counted in the caller's :class:`~tiered_ckpt.local.reader.ReadStats` (``bytes_read``,
    ``calls``).
-4. :meth:`RemoteStep.close` (or ``with``): closes the store if :func:`open_remote_step` built it.
+4. :meth:`RemoteSaveReader.close` (or ``with``): closes the store if :func:`open_remote_step` built it.
 
 Errors: :class:`NoCheckpointError` (the prefix holds no current save of ``step``),
 :class:`MissingShardError` (the mirrored manifest or the shard object is absent),
@@ -61,14 +61,14 @@ from tiered_ckpt.format.tensor_index import MAX_HEADER_BYTES
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.local.reader import ReadStats, check_header_bytes
 from tiered_ckpt.remote.catalogue import RemoteSave, SaveFault, read_catalogue
-from tiered_ckpt.remote.download import transfer_of
 from tiered_ckpt.remote.handle import StoreHandle, object_url
-from tiered_ckpt.remote.restore_plan import candidates, read_mirrored_manifest
+from tiered_ckpt.remote.restore.download import transfer_of
+from tiered_ckpt.remote.restore.plan import candidates, read_mirrored_manifest
 from tiered_ckpt.store.base import ObjectSizeError, ObjectStore, RemoteNotFoundError
 
 
 @dataclass
-class RemoteStep:
+class RemoteSaveReader:
     """One remotely committed save of ``step`` opened for ranged reads (see the module docstring).
 
     ``manifest``: its global manifest, verified against ``upload_manifest``; ``manifest_bytes``: the
@@ -108,7 +108,7 @@ class RemoteStep:
             self._handle.__exit__(None, None, None)
             self._handle = None
 
-    def __enter__(self) -> RemoteStep:
+    def __enter__(self) -> RemoteSaveReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -123,11 +123,11 @@ def open_remote_step(
     store: ObjectStore | None = None,
     s3_client: Any = None,
     local_lineage: RunLineage | None = None,
-) -> RemoteStep:
+) -> RemoteSaveReader:
     """Open the current remotely committed save of ``step`` under ``remote_url``
     (``s3://bucket/prefix``) for ranged reads; ``step=None``: of the newest current step, as restore
-    (without fallback) picks it (``RemoteStep.step`` says which). ``store``: an open store to use
-    (left open by :meth:`RemoteStep.close`); otherwise one is built over ``s3_client`` (default:
+    (without fallback) picks it (``RemoteSaveReader.step`` says which). ``store``: an open store to use
+    (left open by :meth:`RemoteSaveReader.close`); otherwise one is built over ``s3_client`` (default:
     boto3's chain, ``endpoint_url`` or ``AWS_ENDPOINT_URL``). ``local_lineage``: the reading root's
     run record, merged with the bucket's when both name one run (so that a save the root's record
     supersedes is not chosen, as restore does).
@@ -150,7 +150,7 @@ def open_remote_step(
     except BaseException:
         handle.__exit__(None, None, None)
         raise
-    return RemoteStep(st.url, save.step, save, m, raw, st, handle if handle.owned else None)
+    return RemoteSaveReader(st.url, save.step, save, m, raw, st, handle if handle.owned else None)
 
 
 def check_chunks(
@@ -203,7 +203,7 @@ class RemoteShardReader:
         self.close()
 
     def close(self) -> None:
-        """Drop the reader's buffers; the store stays open (it is the :class:`RemoteStep`'s)."""
+        """Drop the reader's buffers; the store stays open (it is the :class:`RemoteSaveReader`'s)."""
         self._store = None
         self._whole = None
 
@@ -333,4 +333,4 @@ class RemoteShardReader:
         return arr.reshape(t.shape)
 
 
-__all__ = ["RemoteShardReader", "RemoteStep", "check_chunks", "open_remote_step"]
+__all__ = ["RemoteShardReader", "RemoteSaveReader", "check_chunks", "open_remote_step"]

@@ -3,7 +3,7 @@
 
 Lifecycle (one process per training node):
 
-1. The CLI builds ONE S3 client and ONE :class:`~tiered_ckpt.remote.upload.Uploader` and calls
+1. The CLI builds ONE S3 client and ONE :class:`~tiered_ckpt.remote.upload.uploader.Uploader` and calls
    :func:`run_sidecar`.
 2. :func:`run_sidecar` installs SIGTERM/SIGINT handlers that only set the stop event, optionally
    serves Prometheus metrics, and runs ``Uploader.run`` (:class:`UploadLoop`) in a worker thread
@@ -24,7 +24,7 @@ confirmations (``StepIncompleteError``) is polled with its own exponential backo
 poll comes ``U(d/2, d)`` seconds after the previous one, ``d = min(max_poll_interval_s,
 poll_interval_s * 2**(n-1))`` (jittered so that the nodes of a job do not poll in step), and each
 poll costs one LIST (the commit object of the previous poll is passed back: see
-:mod:`tiered_ckpt.remote.step_upload`). A step still waiting ``UploadPolicy.stall_deadline_s`` after
+:mod:`tiered_ckpt.remote.upload.step_upload`). A step still waiting ``UploadPolicy.stall_deadline_s`` after
 its first wait is **stalled**: reported once (one WARNING naming the missing ranks;
 ``tiered_ckpt_upload_stalled_steps``, ``tiered_ckpt_upload_stalls_total``), kept locally under a
 ``stalled`` step lock (upload-gated rotation keeps locked steps and does not count them against
@@ -56,7 +56,7 @@ from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, S
 from tiered_ckpt.retry import OperationInterruptedError
 
 if TYPE_CHECKING:
-    from tiered_ckpt.remote.metrics import UploadMetrics
+    from tiered_ckpt.remote.upload.metrics import UploadMetrics
     from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 
 class Uploader(Protocol):
-    """What the loop and :func:`run_sidecar` use of :class:`tiered_ckpt.remote.upload.Uploader`
+    """What the loop and :func:`run_sidecar` use of :class:`tiered_ckpt.remote.upload.uploader.Uploader`
     (which imports this module, so it is named here by its shape)."""
 
     local_root: Path
@@ -160,7 +160,7 @@ _CONFIRMED_BY = {"server-checksum": "server checksum", "read-back": "read-back"}
 
 
 class UploadLoop:
-    """The sidecar loop of one :class:`~tiered_ckpt.remote.upload.Uploader` (module docstring).
+    """The sidecar loop of one :class:`~tiered_ckpt.remote.upload.uploader.Uploader` (module docstring).
     State (waiting steps, failure backoffs) lives here across :meth:`run` calls; one thread at a
     time."""
 

@@ -60,9 +60,9 @@ from tiered_ckpt.remote.catalogue import (
     read_catalogue,
     save_key,
 )
-from tiered_ckpt.remote.commit import confirmed_ranks
 from tiered_ckpt.remote.handle import get_or_none
 from tiered_ckpt.remote.limits import MAX_REMOTE_MANIFEST_BYTES
+from tiered_ckpt.remote.upload.commit import confirmed_ranks
 from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
