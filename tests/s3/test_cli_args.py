@@ -228,9 +228,7 @@ def test_restore_ranks_outside_world_size_is_one_line(remote: S3Location, tmp_pa
             "--ranks",
             ranks,
         )
-        line = one_error_line(
-            proc, 2
-        )  # a usage error: the ranks are checked against the step
+        line = one_error_line(proc, 2)  # a usage error: the ranks are checked against the step
         assert "rank" in line and "world" in line and len(line) < 600, line
         assert not dest.exists() or tc.committed_steps(dest) == []
 

@@ -32,9 +32,8 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.fs import write_all
 from tiered_ckpt.layout import ADOPTED_MARKER_NAME, shard_file_name
 from tiered_ckpt.local.catalogue import adopted_bytes, read_adopted, read_run_record
-from tiered_ckpt.local.commit import LocalStepCommit, fsync_dir
+from tiered_ckpt.local.commit import LocalStepCommit, fsync_dir, record_node_ranks
 from tiered_ckpt.local.leftovers import placed_identity, remove_dead_temps, remove_placed
-from tiered_ckpt.local.node_ranks import record_node_ranks
 from tiered_ckpt.remote.restore_plan import RestorePlan
 
 log = logging.getLogger(__name__)
