@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from _common import interleaved, machine_note, median, table  # noqa: E402
 
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
-from tiered_ckpt.local import save_sharded  # noqa: E402
+from tiered_ckpt.local.single_process_save import save_sharded  # noqa: E402
 
 MiB = 1024 * 1024
 NAMED = {"default": (None, None), "moto": (2048 * MiB, 4)}

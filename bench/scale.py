@@ -55,9 +55,12 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # s3_infra: the tests' embedded 
 import numpy as np  # noqa: E402
 from _common import interleaved, machine_note, median, spread, table  # noqa: E402
 
-from tiered_ckpt import GlobalSlice, commit_step, load_shard, new_save_id, write_shard  # noqa: E402
+from tiered_ckpt import GlobalSlice, load_shard  # noqa: E402
 from tiered_ckpt.format.manifest import ShardManifest  # noqa: E402
+from tiered_ckpt.fs import new_save_id  # noqa: E402
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name  # noqa: E402
+from tiered_ckpt.local.commit import commit_step  # noqa: E402
+from tiered_ckpt.local.writer import write_shard  # noqa: E402
 
 MiB = 1024 * 1024
 #: Floors of issue 12 ("Show"): seconds, or bytes for the manifest.
@@ -109,7 +112,7 @@ def manifest_with_tensors_bytes(root: Path, step: int) -> int:
     """Bytes of ``manifest.json`` if every shard record listed its tensors (dtype, shape, offsets,
     global slice, chunk CRC32Cs), as manifests did before issue 12, rebuilt from the verified shard
     headers."""
-    from tiered_ckpt.local.reader import manifest_with_tensors
+    from tiered_ckpt.local.verified_read import manifest_with_tensors
 
     sdir = root / step_dir_name(step)
     m = ShardManifest.from_json((sdir / MANIFEST_NAME).read_bytes())

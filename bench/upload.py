@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE))
 import _s3bench as sb  # noqa: E402
 
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
-from tiered_ckpt.local import save_sharded  # noqa: E402
+from tiered_ckpt.local.single_process_save import save_sharded  # noqa: E402
 
 MiB = 1024 * 1024
 

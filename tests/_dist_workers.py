@@ -53,7 +53,9 @@ def _train(model, opt, n: int, seed: int) -> None:
 def mode_zero(rank: int, world: int, out: Path) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from tiered_ckpt import commit_step, load_shard, write_shard
+    from tiered_ckpt import load_shard
+    from tiered_ckpt.local.commit import commit_step
+    from tiered_ckpt.local.writer import write_shard
     from tiered_ckpt.training.torch_state import capture_training_state, restore_training_state
 
     m1 = _model()
@@ -66,7 +68,7 @@ def mode_zero(rank: int, world: int, out: Path) -> dict:
     recs = [None] * world
     dist.all_gather_object(recs, rec.to_json())  # test-only transport of the records
     if rank == 0:
-        from tiered_ckpt import ShardRecord
+        from tiered_ckpt.format.manifest import ShardRecord
 
         commit_step(root, 3, world, [ShardRecord.from_json(r) for r in recs])
     dist.barrier()

@@ -21,7 +21,7 @@ import numpy as np
 import torch.distributed as dist
 
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import committed_steps
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.training.manager import CheckpointManager
 
 
@@ -30,7 +30,7 @@ def state(step: int, rank: int) -> dict:
 
 
 def superseded(root: Path) -> list[list]:
-    from tiered_ckpt.local import superseded_local_steps
+    from tiered_ckpt.local.lineage import superseded_local_steps
 
     return sorted(
         [

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import save_sharded
+from tiered_ckpt.local.single_process_save import save_sharded
 
 MiB = 1024 * 1024
 #: Small transfer settings so that ~12 MiB shards go multipart (5 MiB parts, 6 MiB threshold).
@@ -67,7 +67,7 @@ def list_keys(loc, prefix: str | None = None) -> list[str]:
 def save_entry(root: Path, step: int) -> str:
     """``step_XXXXXXXXXX.<save_id>``: the remote entry of the local step's save (SPEC §11 keys)."""
     from tiered_ckpt.layout import save_entry_name
-    from tiered_ckpt.local import read_manifest
+    from tiered_ckpt.local.catalogue import read_manifest
 
     return save_entry_name(step, read_manifest(root, step).save_id)
 

@@ -79,8 +79,10 @@ def make_states(seed: int, big: bool = False, world_size: int = WORLD_SIZE) -> l
 
 
 def _save(variant: str, root: str, step: int, states: list[dict]) -> None:
-    from tiered_ckpt import commit_step, save_sharded, write_shard
-    from tiered_ckpt.local import new_save_id
+    from tiered_ckpt import save_sharded
+    from tiered_ckpt.fs import new_save_id
+    from tiered_ckpt.local.commit import commit_step
+    from tiered_ckpt.local.writer import write_shard
 
     if variant in ("sharded", "replace"):
         save_sharded(states, root, step, extra={"variant": variant}, replace=(variant == "replace"))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tiered_ckpt.local import committed_steps
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.store import make_s3_client
 from tiered_ckpt.training.manager import CheckpointManager
 
@@ -71,7 +71,7 @@ def upload(root: Path, url: str, client, steps: list[int], nodes: list[int], ran
 
 def superseded(root: Path) -> list[list]:
     try:
-        from tiered_ckpt.local import superseded_local_steps
+        from tiered_ckpt.local.lineage import superseded_local_steps
     except (
         ImportError
     ):  # the code before issue 10 (the test reproduces its failure): nothing to list

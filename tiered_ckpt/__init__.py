@@ -2,99 +2,60 @@
 
 Local tier (per-rank safetensors shards + a manifest committed last), an uploader sidecar that
 pushes committed steps to S3, and restore after cluster loss. See README.md and docs/SPEC.md (the
-"SPEC §N" references in docstrings). The layers and where each part lives: docs/ARCHITECTURE.md.
+"SPEC §N" references in docstrings). The layers and where each part lives: docs/ARCHITECTURE.md;
+what the modules offer beyond these names: its section "Beyond the public face".
 """
+
+# ruff: noqa: F401  (the TYPE_CHECKING imports are the public names, listed by __all__ = list(_EXPORTS))
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-#: Each public name and the module it lives in. The package imports them lazily (PEP 562), on first
-#: use: ``import tiered_ckpt.cli`` then loads only what the command line needs before it installs
-#: its signal handlers, so a Ctrl-C during start-up is its one line, not an import's traceback.
+#: The public names and the module each lives in: the one list (``__all__`` is its keys). The
+#: package imports them lazily (PEP 562), on first use: ``import tiered_ckpt.cli`` then loads only
+#: what the command line needs before it installs its signal handlers, so a Ctrl-C during start-up
+#: is its one line, not an import's traceback (and ``DCPCheckpointManager`` alone needs torch).
 _EXPORTS: dict[str, str] = {
-    "CheckpointError": "tiered_ckpt.errors",
-    "CheckpointExistsError": "tiered_ckpt.errors",
-    "CheckpointWriteError": "tiered_ckpt.errors",
-    "ConcurrentSaveError": "tiered_ckpt.errors",
-    "DistributedSaveError": "tiered_ckpt.errors",
-    "LineageError": "tiered_ckpt.errors",
-    "ManifestError": "tiered_ckpt.errors",
-    "MissingShardError": "tiered_ckpt.errors",
-    "NoCheckpointError": "tiered_ckpt.errors",
-    "ReshardError": "tiered_ckpt.errors",
-    "RunMismatchError": "tiered_ckpt.errors",
-    "SaveTimeoutError": "tiered_ckpt.errors",
-    "ShardCorruptedError": "tiered_ckpt.errors",
-    "UnsupportedStateError": "tiered_ckpt.errors",
-    "UploadError": "tiered_ckpt.errors",
-    "WorldSizeMismatchError": "tiered_ckpt.errors",
-    "SCHEMA_VERSION": "tiered_ckpt.format.manifest",
-    "ShardManifest": "tiered_ckpt.format.manifest",
-    "ShardRecord": "tiered_ckpt.format.manifest",
-    "TensorRecord": "tiered_ckpt.format.manifest",
-    "UploadManifest": "tiered_ckpt.format.upload_manifest",
-    "ReshardResult": "tiered_ckpt.local",
-    "commit_step": "tiered_ckpt.local",
-    "committed_steps": "tiered_ckpt.local",
-    "even_split": "tiered_ckpt.local",
-    "latest_step": "tiered_ckpt.local",
-    "load_shard": "tiered_ckpt.local",
-    "load_sharded": "tiered_ckpt.local",
-    "new_save_id": "tiered_ckpt.local",
-    "read_manifest": "tiered_ckpt.local",
-    "reshard": "tiered_ckpt.local",
-    "save_sharded": "tiered_ckpt.local",
-    "write_shard": "tiered_ckpt.local",
-    "list_remote_steps": "tiered_ckpt.remote.catalogue",
-    "restore": "tiered_ckpt.remote.restore.restorer",
-    "Uploader": "tiered_ckpt.remote.upload.uploader",
-    "UploadPolicy": "tiered_ckpt.remote.upload.uploader",
-    "GlobalSlice": "tiered_ckpt.state",
-    "Replicated": "tiered_ckpt.state",
     "CheckpointManager": "tiered_ckpt.training.manager",
-    "SavePolicy": "tiered_ckpt.training.manager",
+    "SaveOutcome": "tiered_ckpt.training.manager",
+    "DCPCheckpointManager": "tiered_ckpt.dcp.manager",
+    "Uploader": "tiered_ckpt.remote.upload.uploader",
+    "restore": "tiered_ckpt.remote.restore.restorer",
+    "save_sharded": "tiered_ckpt.local.single_process_save",
+    "load_sharded": "tiered_ckpt.local.load_committed",
+    "load_shard": "tiered_ckpt.local.load_committed",
+    "read_manifest": "tiered_ckpt.local.catalogue",
+    "committed_steps": "tiered_ckpt.local.catalogue",
+    "latest_step": "tiered_ckpt.local.catalogue",
+    "reshard": "tiered_ckpt.local.reshard",
+    "Replicated": "tiered_ckpt.state",
+    "GlobalSlice": "tiered_ckpt.state",
+    "CheckpointError": "tiered_ckpt.errors",
+    "NoCheckpointError": "tiered_ckpt.errors",
+    "ManifestError": "tiered_ckpt.errors",
+    "ShardCorruptedError": "tiered_ckpt.errors",
+    "UploadError": "tiered_ckpt.errors",
+    "LineageError": "tiered_ckpt.errors",
 }
 
-if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names (a test keeps them equal)
+    from tiered_ckpt.dcp.manager import DCPCheckpointManager
     from tiered_ckpt.errors import (
         CheckpointError,
-        CheckpointExistsError,
-        CheckpointWriteError,
-        ConcurrentSaveError,
-        DistributedSaveError,
         LineageError,
         ManifestError,
-        MissingShardError,
         NoCheckpointError,
-        ReshardError,
-        RunMismatchError,
-        SaveTimeoutError,
         ShardCorruptedError,
-        UnsupportedStateError,
         UploadError,
-        WorldSizeMismatchError,
     )
-    from tiered_ckpt.format.manifest import SCHEMA_VERSION, ShardManifest, ShardRecord, TensorRecord
-    from tiered_ckpt.format.upload_manifest import UploadManifest
-    from tiered_ckpt.local import (
-        ReshardResult,
-        commit_step,
-        committed_steps,
-        even_split,
-        latest_step,
-        load_shard,
-        load_sharded,
-        new_save_id,
-        read_manifest,
-        reshard,
-        save_sharded,
-        write_shard,
-    )
-    from tiered_ckpt.remote.catalogue import list_remote_steps
+    from tiered_ckpt.local.catalogue import committed_steps, latest_step, read_manifest
+    from tiered_ckpt.local.load_committed import load_shard, load_sharded
+    from tiered_ckpt.local.reshard import reshard
+    from tiered_ckpt.local.single_process_save import save_sharded
     from tiered_ckpt.remote.restore.restorer import restore
-    from tiered_ckpt.remote.upload.uploader import Uploader, UploadPolicy
+    from tiered_ckpt.remote.upload.uploader import Uploader
     from tiered_ckpt.state import GlobalSlice, Replicated
-    from tiered_ckpt.training.manager import CheckpointManager, SavePolicy
+    from tiered_ckpt.training.manager import CheckpointManager, SaveOutcome
 
 
 def __getattr__(name: str) -> Any:
@@ -114,46 +75,4 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointWriteError",
-    "ConcurrentSaveError",
-    "DistributedSaveError",
-    "LineageError",
-    "RunMismatchError",
-    "ManifestError",
-    "MissingShardError",
-    "NoCheckpointError",
-    "ReshardError",
-    "SaveTimeoutError",
-    "ShardCorruptedError",
-    "UnsupportedStateError",
-    "UploadError",
-    "WorldSizeMismatchError",
-    "commit_step",
-    "committed_steps",
-    "latest_step",
-    "load_shard",
-    "load_sharded",
-    "new_save_id",
-    "read_manifest",
-    "save_sharded",
-    "write_shard",
-    "SCHEMA_VERSION",
-    "ShardManifest",
-    "ShardRecord",
-    "TensorRecord",
-    "GlobalSlice",
-    "Replicated",
-    "reshard",
-    "ReshardResult",
-    "even_split",
-    "Uploader",
-    "UploadPolicy",
-    "UploadManifest",
-    "restore",
-    "list_remote_steps",
-    "CheckpointManager",
-    "SavePolicy",
-]
+__all__ = list(_EXPORTS)

@@ -76,7 +76,7 @@ RUN_RECORD_NAME = "run.json"
 SUPERSEDED_DIR = "superseded"
 #: Pin of a step (local step directory, and the remote save prefix): rotation and retention keep it.
 PINNED_MARKER_NAME = "pinned.json"
-#: The ranks a node-local step directory holds (local/node_ranks.py).
+#: The ranks a node-local step directory holds (local/held_ranks.py).
 NODE_RANKS_NAME = "node_ranks.json"
 #: A step restored from another run: the root's run and attempt it entered in (local/catalogue.py).
 ADOPTED_MARKER_NAME = "adopted.json"

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tiered_ckpt import dcp as tdcp
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 
 STEPS = {"sync": 1, "thread": 2, "process": 3}
 BLOB = bytes(range(256)) * 3

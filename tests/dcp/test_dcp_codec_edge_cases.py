@@ -26,9 +26,9 @@ from tiered_ckpt.dcp.placement import Placement
 from tiered_ckpt.dcp.planners import TieredLoadPlanner
 from tiered_ckpt.dcp.storage_reader import TieredStorageReader
 from tiered_ckpt.errors import DcpMetadataError, ShardCorruptedError
-from tiered_ckpt.local import read_manifest, step_path
-from tiered_ckpt.local.reader import ShardReader
+from tiered_ckpt.local.catalogue import read_manifest, step_path
 from tiered_ckpt.local.shard_io import READ_BYTES
+from tiered_ckpt.local.verified_read import ShardReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-import tiered_ckpt.local as local
 from tiered_ckpt import dcp as tdcp
 from tiered_ckpt.dcp.api import typed_errors
 from tiered_ckpt.dcp.items import METADATA_TENSOR
@@ -34,7 +33,11 @@ from tiered_ckpt.errors import (
     UnsupportedStateError,
 )
 from tiered_ckpt.format.lineage import RunLineage
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
+from tiered_ckpt.local.commit import commit_step
 from tiered_ckpt.local.lineage import write_run_record
+from tiered_ckpt.local.load_committed import load_shard
+from tiered_ckpt.local.writer import write_shard
 
 STEP = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -62,8 +65,8 @@ def good(
     ``b`` (bytes)."""
     root = tmp_path_factory.mktemp("good") / "run"
     tdcp.save({"w": torch.arange(6.0).reshape(2, 3), "n": 5, "b": b"xy"}, root, STEP)
-    arrays = dict(local.load_shard(root, 0, 1))
-    return arrays, local.read_manifest(root).extra, arrays[METADATA_TENSOR].tobytes().decode()
+    arrays = dict(load_shard(root, 0, 1))
+    return arrays, read_manifest(root).extra, arrays[METADATA_TENSOR].tobytes().decode()
 
 
 def forge(
@@ -77,8 +80,8 @@ def forge(
     base, extra, text = good
     raw = meta.encode() if isinstance(meta, str) else (meta if meta is not None else text.encode())
     forged = {**base, **(arrays or {}), METADATA_TENSOR: np.frombuffer(raw, np.uint8)}
-    rec = local.write_shard(root, STEP, 0, forged, chunk_bytes=16384)
-    local.commit_step(
+    rec = write_shard(root, STEP, 0, forged, chunk_bytes=16384)
+    commit_step(
         root, STEP, 1, [rec], {"dcp": {**extra["dcp"], "metadata_bytes": md_bytes or len(raw)}}
     )
 
@@ -306,7 +309,7 @@ def test_two_writers_of_one_step_one_wins(tmp_path: Path) -> None:
     assert isinstance(out["A"], ConcurrentSaveError) and out["B"] is None, out
     back = {"w": torch.zeros(64)}
     assert tdcp.load(back, tmp_path) == STEP and back["w"].tolist() == [2.0] * 64
-    m = local.read_manifest(tmp_path)
+    m = read_manifest(tmp_path)
     assert {r.save_id for r in m.shards} == {m.save_id}
 
 
@@ -337,7 +340,7 @@ def test_state_whose_dtype_changes_between_plan_and_write_is_not_committed(tmp_p
                 )
         finally:
             writer.abort()
-    assert local.committed_steps(tmp_path) == []
+    assert committed_steps(tmp_path) == []
 
 
 def _save_world(root: Path, states: list[dict[str, Any]]) -> list[int]:
@@ -364,7 +367,7 @@ def test_empty_state_and_a_rank_with_no_items(tmp_path: Path) -> None:
     # Two ranks hold the same tensor: deduplication gives one of them nothing to write.
     items = _save_world(tmp_path / "dedup", [{"w": torch.arange(4.0)}, {"w": torch.arange(4.0)}])
     assert sorted(items) == [0, 1]
-    assert local.read_manifest(tmp_path / "dedup").world_size == 2
+    assert read_manifest(tmp_path / "dedup").world_size == 2
     back = {"w": torch.zeros(4)}
     assert tdcp.load(back, tmp_path / "dedup") == STEP and back["w"].tolist() == [
         0.0,
@@ -383,7 +386,7 @@ def test_load_of_newest_step_skips_superseded_and_uncommitted_steps(tmp_path: Pa
         tmp_path,
         lineage.new_attempt(supersedes_from=6, resumed_from=5, started_at="2024-01-02T00:00:00Z"),
     )
-    local.write_shard(tmp_path, 9, 0, {"w@0": np.full(2, 9.0, np.float32)})  # never committed
+    write_shard(tmp_path, 9, 0, {"w@0": np.full(2, 9.0, np.float32)})  # never committed
     back = {"w": torch.zeros(2)}
     assert tdcp.load(back, tmp_path) == 5 and back["w"].tolist() == [5.0, 5.0]
     for step in (7, 9):

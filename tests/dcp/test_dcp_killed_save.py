@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from spawn import child_env, cli_cmd, python_cmd
 
-import tiered_ckpt.local as local
+from tiered_ckpt.local.catalogue import committed_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -46,7 +46,7 @@ def test_sigkilled_dcp_save_is_swept_by_gc(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert sdir.is_dir() and not (sdir / "manifest.json").exists()
-    assert local.committed_steps(root) == []
+    assert committed_steps(root) == []
     p = subprocess.run(
         [*cli_cmd(), "gc", str(root), "--min-age-s", "0", "--json"],
         capture_output=True,
@@ -61,4 +61,4 @@ def test_sigkilled_dcp_save_is_swept_by_gc(tmp_path: Path) -> None:
     from tiered_ckpt import dcp
 
     dcp.save({"w": torch.ones(3)}, root, 7)
-    assert local.committed_steps(root) == [7]
+    assert committed_steps(root) == [7]

@@ -13,8 +13,9 @@ import torch
 
 from tiered_ckpt.dcp import DCPCheckpointManager, TieredStorageWriter
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, WorldSizeMismatchError
-from tiered_ckpt.local import committed_steps, read_manifest, save_sharded
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
 from tiered_ckpt.local.rotation import RotationPolicy
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.training import SaveOutcome
 from tiered_ckpt.training.lineage_decision import LineageDecider
 

@@ -17,10 +17,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-import tiered_ckpt.local as local
 from tiered_ckpt import dcp as tdcp
 from tiered_ckpt.dcp.items import METADATA_TENSOR
 from tiered_ckpt.errors import DcpMetadataError, UnsupportedPlannerError, UnsupportedStateError
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.load_committed import load_shard
+from tiered_ckpt.local.single_process_save import save_sharded
+from tiered_ckpt.local.writer import write_shard
 
 STEP = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -123,7 +127,7 @@ def good_step(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     root = tmp_path_factory.mktemp("good") / "run"
     tdcp.save({"w": torch.arange(3.0), "n": 5}, root, STEP)
-    return dict(local.load_shard(root, 0, 1)), local.read_manifest(root).extra
+    return dict(load_shard(root, 0, 1)), read_manifest(root).extra
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
@@ -140,8 +144,8 @@ def test_hostile_metadata_raises_a_typed_error(tmp_path: Path, good_step: Any, n
     root = (
         tmp_path / "run"
     )  # re-written as a well-formed, committed step: only the metadata's JSON is hostile
-    rec = local.write_shard(root, STEP, 0, forged, chunk_bytes=16384)
-    local.commit_step(root, STEP, 1, [rec], {"dcp": {**extra["dcp"], "metadata_bytes": len(raw)}})
+    rec = write_shard(root, STEP, 0, forged, chunk_bytes=16384)
+    commit_step(root, STEP, 1, [rec], {"dcp": {**extra["dcp"], "metadata_bytes": len(raw)}})
     with pytest.raises(DcpMetadataError, match="DCP metadata"):
         tdcp.TieredStorageReader(root).read_metadata()
     with pytest.raises(DcpMetadataError):
@@ -149,6 +153,6 @@ def test_hostile_metadata_raises_a_typed_error(tmp_path: Path, good_step: Any, n
 
 
 def test_manifest_without_dcp_metadata_is_refused(tmp_path: Path) -> None:
-    local.save_sharded([{"w": np.ones(3)}], tmp_path, STEP)
+    save_sharded([{"w": np.ones(3)}], tmp_path, STEP)
     with pytest.raises(DcpMetadataError, match="not saved through tiered_ckpt.dcp"):
         tdcp.load({"w": torch.zeros(3)}, tmp_path)

@@ -30,8 +30,8 @@ from tiered_ckpt.errors import (
     ShardCorruptedError,
 )
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import read_manifest
-from tiered_ckpt.local.reader import ShardReader
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.local.verified_read import ShardReader
 from tiered_ckpt.remote.restore.ranged_read import open_remote_step
 from tiered_ckpt.retry import RetryPolicy
 

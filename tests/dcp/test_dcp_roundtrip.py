@@ -14,12 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-import tiered_ckpt.local as local
 from tiered_ckpt import dcp as tdcp
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.dcp.api import typed_errors
 from tiered_ckpt.dcp.items import METADATA_TENSOR
 from tiered_ckpt.dcp.storage_writer import TieredStorageWriter
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
+from tiered_ckpt.local.load_committed import load_shard
+from tiered_ckpt.local.writer import write_shard
 
 STEP = 3
 BLOB = b"\x00\xffraw\x80bytes"
@@ -114,7 +116,7 @@ def test_round_trip_is_byte_equal(saved: Path) -> None:
 def test_the_step_is_an_ordinary_local_step(
     saved: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    m = local.read_manifest(saved)
+    m = read_manifest(saved)
     assert (m.step, m.world_size, m.shards[0].crc32c_chunk_bytes) == (STEP, 1, 16384)
     info = m.extra["dcp"]
     assert (
@@ -122,7 +124,7 @@ def test_the_step_is_an_ordinary_local_step(
         and info["metadata_rank"] == 0
         and info["metadata_tensor"] == METADATA_TENSOR
     )
-    arrays = local.load_shard(saved, 0, 1)  # the local tier's verified whole-shard load
+    arrays = load_shard(saved, 0, 1)  # the local tier's verified whole-shard load
     assert arrays[METADATA_TENSOR].nbytes == info["metadata_bytes"]
     assert np.array_equal(arrays["t.i64@0,0"], np.arange(-4, 8).reshape(3, 4))
     assert cli_main(["verify", str(saved)]) == 0
@@ -144,13 +146,11 @@ def test_replace_and_existing_step(saved: Path) -> None:
         tdcp.save(make_state(True), saved, STEP)
     state = make_state(True)
     state["t"]["f32"] += 1
-    old = local.read_manifest(saved).save_id
+    old = read_manifest(saved).save_id
     tdcp.save(state, saved, STEP, replace=True)
     back = make_state(False)
     tdcp.load(back, saved, STEP)
-    assert local.read_manifest(saved).save_id != old and torch.equal(
-        back["t"]["f32"], state["t"]["f32"]
-    )
+    assert read_manifest(saved).save_id != old and torch.equal(back["t"]["f32"], state["t"]["f32"])
 
 
 def test_writer_identity_and_pickle(tmp_path: Path) -> None:
@@ -171,7 +171,7 @@ def test_writer_identity_and_pickle(tmp_path: Path) -> None:
         TieredStorageWriter(tmp_path, 1, extra={"dcp": 1})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        rec = local.write_shard(
+        rec = write_shard(
             tmp_path / "ws", 1, 0, {"x": np.arange(10_000, dtype=np.float32)}, chunk_bytes=4096
         )
     assert rec.crc32c_chunk_bytes == 4096
@@ -246,6 +246,6 @@ def test_failed_save_is_not_committed_and_leaves_the_step_free(tmp_path: Path) -
         finally:
             writer.abort()
     sdir = tmp_path / "step_0000000002"
-    assert sorted(p.name for p in sdir.iterdir()) == [] and local.committed_steps(tmp_path) == []
+    assert sorted(p.name for p in sdir.iterdir()) == [] and committed_steps(tmp_path) == []
     tdcp.save({"w": torch.ones(4)}, tmp_path, 2)
-    assert local.committed_steps(tmp_path) == [2]
+    assert committed_steps(tmp_path) == [2]

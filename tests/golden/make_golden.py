@@ -31,6 +31,7 @@ import numpy as np
 
 import tiered_ckpt as tc
 from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.local.writer import write_shard
 
 CREATED_AT = "2024-01-01T00:00:00.000000Z"
 HOST = "golden-host"
@@ -190,7 +191,7 @@ def write_checkpoint(out: Path, name: str) -> None:
     states = make()
     save_id = f"golden_{name}"
     records = [
-        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
+        dataclasses.replace(write_shard(root, step, r, st, save_id=save_id), host=HOST)
         for r, st in enumerate(states)
     ]
     sys.path.insert(0, str(Path(__file__).resolve().parent))

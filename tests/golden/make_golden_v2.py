@@ -56,7 +56,8 @@ import ml_dtypes
 import numpy as np
 
 import tiered_ckpt as tc
-from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.manifest import SCHEMA_VERSION, ShardManifest
+from tiered_ckpt.local.writer import write_shard
 
 CREATED_AT = "2024-06-01T00:00:00.000000Z"
 HOST = "golden-host"
@@ -284,7 +285,7 @@ def v2_manifest_json(m: ShardManifest) -> str:
         shard["tensors"] = [{k: t[k] for k in V2_TENSOR_KEYS if k in t} for t in s["tensors"]]
         out["shards"].append(shard)
     text = json.dumps(out, indent=1, sort_keys=True, allow_nan=True) + "\n"
-    if tc.SCHEMA_VERSION == 2:  # run on the v2 code: its own writer's bytes
+    if SCHEMA_VERSION == 2:  # run on the v2 code: its own writer's bytes
         assert text == m.to_json(), "v2_manifest_json differs from the v2 writer's manifest.json"
     return text
 
@@ -295,7 +296,7 @@ def records_with_tensors(sdir: Path, step: int, save_id: str, records: list[Any]
     verified headers (a no-op on the code that wrote the frozen files)."""
     if all(r.tensors is not None for r in records):
         return records
-    from tiered_ckpt.local.reader import verified_header  # issue 12 and later
+    from tiered_ckpt.local.verified_read import verified_header  # header format 2 and later
 
     m = ShardManifest(world_size=len(records), step=step, shards=tuple(records), save_id=save_id)
     return [
@@ -317,7 +318,7 @@ def write_checkpoint(out: Path, name: str) -> None:
     states = make()
     save_id = f"golden_v2_{name}"
     records = [
-        dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
+        dataclasses.replace(write_shard(root, step, r, st, save_id=save_id), host=HOST)
         for r, st in enumerate(states)
     ]
     records = records_with_tensors(root / f"step_{step:010d}", step, save_id, records)

@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_golden_v2 as g2  # noqa: E402
 
-import tiered_ckpt as tc  # noqa: E402
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord  # noqa: E402
+from tiered_ckpt.local.writer import write_shard
 
 CREATED_AT = "2025-01-01T00:00:00.000000Z"
 HOST = "golden-host"
@@ -71,7 +71,7 @@ def write_checkpoint(out: Path, name: str) -> None:
         step,
         save_id,
         [
-            dataclasses.replace(tc.write_shard(root, step, r, st, save_id=save_id), host=HOST)
+            dataclasses.replace(write_shard(root, step, r, st, save_id=save_id), host=HOST)
             for r, st in enumerate(states)
         ],
     )

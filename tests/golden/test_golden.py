@@ -17,6 +17,7 @@ from spawn import python_cmd
 
 import tiered_ckpt as tc
 from tiered_ckpt import ShardCorruptedError
+from tiered_ckpt.format.manifest import SCHEMA_VERSION
 
 GOLDEN = Path(__file__).resolve().parent
 V1 = GOLDEN / "v1"
@@ -60,7 +61,7 @@ def test_golden_loads_exactly(name: str) -> None:
     assert on_disk["schema_version"] == 1  # frozen v1 files; read through the named migration
     m = tc.read_manifest(root)
     assert (m.schema_version, m.step, m.world_size, m.save_id) == (
-        tc.SCHEMA_VERSION,
+        SCHEMA_VERSION,
         exp["step"],
         exp["world_size"],
         exp["save_id"],

@@ -23,6 +23,7 @@ from spawn import python_cmd
 
 import tiered_ckpt as tc
 from tiered_ckpt import ShardCorruptedError
+from tiered_ckpt.format.manifest import SCHEMA_VERSION
 from tiered_ckpt.local.scan import scan
 
 GOLDEN = Path(__file__).resolve().parent
@@ -118,7 +119,7 @@ def test_golden_v2_loads_exactly(name: str, verify: str) -> None:
     )  # frozen v2 files
     m = tc.read_manifest(root)
     assert (m.schema_version, m.step, m.world_size, m.save_id) == (
-        tc.SCHEMA_VERSION,
+        SCHEMA_VERSION,
         exp["step"],
         exp["world_size"],
         exp["save_id"],

@@ -18,10 +18,11 @@ import tiered_ckpt as tc
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import new_save_id, utc_now
 from tiered_ckpt.layout import SUPERSEDED_DIR, step_dir_name
-from tiered_ckpt.local import commit_step, write_shard
+from tiered_ckpt.local.commit import commit_step
 from tiered_ckpt.local.lineage import set_aside_superseded, write_run_record
 from tiered_ckpt.local.pins import pin_step
 from tiered_ckpt.local.scan import INCOMPLETE, scan
+from tiered_ckpt.local.writer import write_shard
 
 CMD = cli_cmd()
 

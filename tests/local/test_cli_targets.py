@@ -207,8 +207,8 @@ def test_ls_shows_the_upload_mark_of_each_step(
     mark is a column ('-' when there is none; 'stale' once the step was saved again) and a
     ``--json`` key."""
     from tiered_ckpt.format.records import UploadedMarker
-    from tiered_ckpt.local import save_sharded
     from tiered_ckpt.local.markers import manifest_sha256_of, write_uploaded_marker
+    from tiered_ckpt.local.single_process_save import save_sharded
 
     root = tmp_path / "run"
     for s in (1, 2, 3):

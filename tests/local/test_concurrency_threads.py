@@ -15,17 +15,21 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt.errors import CheckpointExistsError, ConcurrentSaveError
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.writer import write_shard
 
 
 def _race(
     root: Path, size: int, replace: bool
-) -> tuple[dict[float, str], dict[float, tc.ShardManifest]]:
+) -> tuple[dict[float, str], dict[float, ShardManifest]]:
     """Two threads save step 1 of ``root`` (2 ranks, ``size`` float32 of value 1.0 resp. 2.0) at
     once: each save's outcome (``ok``, ``concurrent`` or another error) and the manifest each
     successful one returned."""
     barrier = threading.Barrier(2)
     results: dict[float, str] = {}
-    manifests: dict[float, tc.ShardManifest] = {}
+    manifests: dict[float, ShardManifest] = {}
 
     def go(v: float) -> None:
         barrier.wait()
@@ -34,11 +38,9 @@ def _race(
                 [{"w": np.full(size, v, np.float32)}] * 2, root, 1, replace=replace
             )
             results[v] = "ok"
-        except tc.ConcurrentSaveError:
+        except ConcurrentSaveError:
             results[v] = "concurrent"
-        except (
-            tc.CheckpointExistsError
-        ):  # the other save committed before this one began (no overlap)
+        except CheckpointExistsError:  # the other save committed before this one began (no overlap)
             results[v] = "exists"
         except tc.CheckpointError as e:  # any other outcome is a failure of this test
             results[v] = f"{type(e).__name__}: {e}"
@@ -66,7 +68,7 @@ def _check_committed(
     root: Path,
     size: int,
     results: dict[float, str],
-    manifests: dict[float, tc.ShardManifest],
+    manifests: dict[float, ShardManifest],
     replace: bool,
 ) -> None:
     """Never a mix: the committed step 1 is, byte for byte on every rank, the content of exactly one
@@ -126,7 +128,7 @@ def test_two_threads_replacing_one_after_the_other_last_commit_wins(tmp_path: Pa
     has returned, so both replaces succeed and 2.0's commit is the later one."""
     tc.save_sharded([{"w": np.zeros(3, np.float32)}] * 2, tmp_path, 1)
     results: dict[float, str] = {}
-    manifests: dict[float, tc.ShardManifest] = {}
+    manifests: dict[float, ShardManifest] = {}
     for v in (1.0, 2.0):
 
         def go(v: float = v) -> None:
@@ -147,8 +149,8 @@ def test_two_threads_replacing_one_after_the_other_last_commit_wins(tmp_path: Pa
 def test_sequential_write_shard_without_save_id_still_adopts(tmp_path: Path) -> None:
     """The plain single-process use of the rank-side API keeps working: write every rank without a
     save_id, then commit (records share the adopted save)."""
-    recs = [tc.write_shard(tmp_path, 7, r, {"x": np.arange(r + 1)}) for r in range(3)]
+    recs = [write_shard(tmp_path, 7, r, {"x": np.arange(r + 1)}) for r in range(3)]
     assert len({rec.save_id for rec in recs}) == 1
-    m = tc.commit_step(tmp_path, 7, 3, recs)
+    m = commit_step(tmp_path, 7, 3, recs)
     assert m.save_id == recs[0].save_id
     assert [s["x"].tolist() for s in tc.load_sharded(tmp_path, 3)] == [[0], [0, 1], [0, 1, 2]]

@@ -42,14 +42,11 @@ import pytest
 from spawn import cli_cmd, python_cmd
 
 import tiered_ckpt as tc
-from tiered_ckpt import (
-    CheckpointError,
-    ManifestError,
-    MissingShardError,
-    ShardCorruptedError,
-)
+from tiered_ckpt import CheckpointError, ManifestError, ShardCorruptedError
+from tiered_ckpt.errors import MissingShardError
+from tiered_ckpt.format.manifest import SCHEMA_VERSION
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local.reader import manifest_with_tensors
+from tiered_ckpt.local.verified_read import manifest_with_tensors
 
 WORLD = 2
 STRACE = shutil.which("strace") or "/usr/bin/strace"
@@ -396,7 +393,7 @@ CASES: list[Case] = [
     T("manifest-deep-nesting", lambda c: c.write_manifest_text("[" * 200_000 + "]" * 200_000), ME),
     # --- manifest: schema_version
     # -------------------------------------------------------------------
-    T("version-newer", setp("schema_version", tc.SCHEMA_VERSION + 1), ME),
+    T("version-newer", setp("schema_version", SCHEMA_VERSION + 1), ME),
     T("version-zero", setp("schema_version", 0), ME),
     T("version-missing", lambda c: c.edit(lambda m: m.pop("schema_version")), ME),
     T("version-string", setp("schema_version", "1"), ME),
@@ -658,9 +655,7 @@ def test_load_raises(world: World, case: Case) -> None:
         tc.load_sharded(world.root, WORLD, step=c.step)
     assert type(ei.value) is case.exc, f"{type(ei.value).__name__}: {ei.value}"
     if case.id == "version-newer":
-        assert f"schema_version {tc.SCHEMA_VERSION + 1}" in str(ei.value) and "newer" in str(
-            ei.value
-        )
+        assert f"schema_version {SCHEMA_VERSION + 1}" in str(ei.value) and "newer" in str(ei.value)
     # the other entry points agree on the type
     with pytest.raises(case.exc):
         tc.load_shard(world.root, 0 if case.id not in RANK1_CASES else 1, WORLD, step=c.step)

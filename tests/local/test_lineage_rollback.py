@@ -19,7 +19,9 @@ import pytest
 from tiered_ckpt import NoCheckpointError, read_manifest
 from tiered_ckpt.errors import LineageError
 from tiered_ckpt.layout import MANIFEST_NAME, UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, latest_step, load_sharded, save_sharded
+from tiered_ckpt.local.catalogue import committed_steps, latest_step
+from tiered_ckpt.local.load_committed import load_sharded
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.training.manager import CheckpointManager
 
 
@@ -64,7 +66,8 @@ def test_rollback_save_survives_and_the_next_restart_loads_it(tmp_path: Path) ->
         assert mgr.attempt == 2 and mgr.latest_step() == 100
     assert latest_step(root) == 100
 
-    from tiered_ckpt.local import read_run_record, superseded_local_steps
+    from tiered_ckpt.local.catalogue import read_run_record
+    from tiered_ckpt.local.lineage import superseded_local_steps
 
     rec = read_run_record(root)
     assert rec is not None and rec.attempt == 2
@@ -94,7 +97,8 @@ def test_rollback_by_loading_an_older_step(tmp_path: Path) -> None:
         )  # the second pass through 600 commits (before: CheckpointExistsError)
         assert committed_steps(root) == [500, 600]
 
-        from tiered_ckpt.local import read_run_record, superseded_local_steps
+        from tiered_ckpt.local.catalogue import read_run_record
+        from tiered_ckpt.local.lineage import superseded_local_steps
 
         a2 = read_run_record(root).attempts[1]
         assert (a2.attempt, a2.supersedes_from, a2.resumed_from) == (2, 501, 500)
@@ -117,7 +121,8 @@ def test_no_new_attempt_without_newer_steps(tmp_path: Path) -> None:
         with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
             assert mgr.load()["step"] == 700
             assert mgr.attempt == 1
-    from tiered_ckpt.local import read_run_record, superseded_local_steps
+    from tiered_ckpt.local.catalogue import read_run_record
+    from tiered_ckpt.local.lineage import superseded_local_steps
 
     assert read_run_record(root).attempt == 1 and superseded_local_steps(root) == []
     with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
@@ -153,7 +158,7 @@ def attempts(root: Path) -> list[tuple]:
 def set_aside(root: Path) -> list[tuple]:
     """``(step, attempt saved in, superseding attempt, from step, set aside)`` of the superseded
     steps."""
-    from tiered_ckpt.local import superseded_local_steps
+    from tiered_ckpt.local.lineage import superseded_local_steps
 
     return sorted(
         (
@@ -285,7 +290,7 @@ def test_world_size_mismatch_is_checked_before_anything_is_recorded(
 
 def test_catalogue_filters_superseded_steps_still_in_place(tmp_path: Path) -> None:
     from tiered_ckpt.format.lineage import RunLineage
-    from tiered_ckpt.local import superseded_local_steps, write_run_record
+    from tiered_ckpt.local.lineage import superseded_local_steps, write_run_record
 
     root = tmp_path / "run"
     rec = RunLineage.first("r1", "2026-01-01T00:00:00Z")
@@ -315,7 +320,7 @@ def test_catalogue_filters_superseded_steps_still_in_place(tmp_path: Path) -> No
 
 def test_set_aside_is_idempotent_and_remove_goes_through_trash(tmp_path: Path) -> None:
     from tiered_ckpt.format.lineage import RunLineage
-    from tiered_ckpt.local import (
+    from tiered_ckpt.local.lineage import (
         remove_superseded,
         set_aside_superseded,
         superseded_local_steps,
@@ -354,7 +359,7 @@ def test_remove_superseded_in_place_refuses_a_reused_step_number(tmp_path: Path)
     """An entry listed in place whose directory was set aside and whose number the new attempt
     reused is put back, never deleted."""
     from tiered_ckpt.format.lineage import RunLineage
-    from tiered_ckpt.local import (
+    from tiered_ckpt.local.lineage import (
         remove_superseded,
         set_aside_superseded,
         superseded_local_steps,
@@ -377,8 +382,7 @@ def test_remove_superseded_in_place_refuses_a_reused_step_number(tmp_path: Path)
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "oversized", "malformed"])
 def test_run_record_reads_are_bounded(tmp_path: Path, kind: str) -> None:
     from tiered_ckpt.errors import ManifestError
-    from tiered_ckpt.local import read_run_record
-    from tiered_ckpt.local.catalogue import MAX_RUN_RECORD_BYTES
+    from tiered_ckpt.local.catalogue import MAX_RUN_RECORD_BYTES, read_run_record
 
     root = tmp_path / "run"
     save_sharded([state(1)], root, 1)
@@ -441,7 +445,8 @@ def test_manager_pin_and_keep_every_steps(tmp_path: Path) -> None:
 
 def test_a_run_record_only_grows(tmp_path: Path) -> None:
     from tiered_ckpt.format.lineage import RunLineage
-    from tiered_ckpt.local import read_run_record, write_run_record
+    from tiered_ckpt.local.catalogue import read_run_record
+    from tiered_ckpt.local.lineage import write_run_record
 
     root = tmp_path / "run"
     one = RunLineage.first("r1", "t0")

@@ -23,17 +23,22 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt import (
     CheckpointError,
-    CheckpointExistsError,
-    ConcurrentSaveError,
     GlobalSlice,
     ManifestError,
-    MissingShardError,
     NoCheckpointError,
     ShardCorruptedError,
+)
+from tiered_ckpt.errors import (
+    CheckpointExistsError,
+    ConcurrentSaveError,
+    MissingShardError,
     UnsupportedStateError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.local.reader import verified_header
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.verified_read import verified_header
+from tiered_ckpt.local.writer import write_shard
 
 WORLD = 4
 PART = 5  # elements of the flat parameter vector per rank
@@ -175,7 +180,7 @@ def tensor_items(state: dict[str, Any], prefix: tuple[str, ...] = ()):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], tc.ShardManifest]:
+def saved(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], ShardManifest]:
     root = tmp_path_factory.mktemp("rt") / "run"
     states = [rank_state(r) for r in range(WORLD)]
     m = tc.save_sharded(
@@ -399,7 +404,7 @@ def test_resave_committed_step_raises_exists(tmp_path) -> None:
         tc.save_sharded(small(2), root, 5)
     assert isinstance(ei.value, FileExistsError)
     with pytest.raises(CheckpointExistsError):
-        tc.write_shard(root, 5, 0, small(2)[0])
+        write_shard(root, 5, 0, small(2)[0])
 
 
 def test_resave_committed_step_and_replace(tmp_path) -> None:
@@ -410,11 +415,11 @@ def test_resave_committed_step_and_replace(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="already committed"):
         tc.save_sharded(small(2), root, 5)
     with pytest.raises(CheckpointError, match="already committed"):
-        tc.write_shard(root, 5, 0, small(2)[0])
+        write_shard(root, 5, 0, small(2)[0])
     # commit_step itself raises the right type
     recs = tc.read_manifest(root).shards
     with pytest.raises(CheckpointExistsError):
-        tc.commit_step(root, 5, 2, recs)
+        commit_step(root, 5, 2, recs)
     after = {
         p.name: p.read_bytes()
         for p in (root / "step_0000000005").iterdir()
@@ -433,30 +438,30 @@ def test_resave_committed_step_and_replace(tmp_path) -> None:
 def test_mixed_save_ids_refused(tmp_path) -> None:
     root = tmp_path / "run"
     st = small(1)
-    r0 = tc.write_shard(root, 7, 0, st[0], save_id="saveA")
-    r1 = tc.write_shard(root, 7, 1, st[1], save_id="saveB")  # same process: takes the step over
+    r0 = write_shard(root, 7, 0, st[0], save_id="saveA")
+    r1 = write_shard(root, 7, 1, st[1], save_id="saveB")  # same process: takes the step over
     assert (r0.save_id, r1.save_id) == ("saveA", "saveB")
     with pytest.raises(ConcurrentSaveError):
-        tc.commit_step(root, 7, 2, [r0, r1])
+        commit_step(root, 7, 2, [r0, r1])
     with pytest.raises(ConcurrentSaveError):
-        tc.commit_step(root, 7, 2, [r0, r1], save_id="saveA")
+        commit_step(root, 7, 2, [r0, r1], save_id="saveA")
     assert tc.committed_steps(root) == []
     # a consistent save of the step still commits, and loads
-    r0b = tc.write_shard(root, 7, 0, st[0], save_id="saveB")
-    m = tc.commit_step(root, 7, 2, [r0b, r1], extra={"k": 1})
+    r0b = write_shard(root, 7, 0, st[0], save_id="saveB")
+    m = commit_step(root, 7, 2, [r0b, r1], extra={"k": 1})
     assert m.save_id == "saveB" and tc.load_sharded(root, 2)[1]["v"] == 1
 
 
 def test_commit_with_missing_record_or_file(tmp_path) -> None:
     root = tmp_path / "run"
     st = small(1)
-    r0 = tc.write_shard(root, 8, 0, st[0], save_id="s8")
+    r0 = write_shard(root, 8, 0, st[0], save_id="s8")
     with pytest.raises(MissingShardError):
-        tc.commit_step(root, 8, 2, [r0])
-    r1 = tc.write_shard(root, 8, 1, st[1], save_id="s8")
+        commit_step(root, 8, 2, [r0])
+    r1 = write_shard(root, 8, 1, st[1], save_id="s8")
     os.unlink(root / "step_0000000008" / "rank_00001.safetensors")
     with pytest.raises(MissingShardError):
-        tc.commit_step(root, 8, 2, [r0, r1])
+        commit_step(root, 8, 2, [r0, r1])
     assert tc.committed_steps(root) == []
 
 
@@ -488,7 +493,7 @@ def test_unsupported_state(tmp_path, bad) -> None:
         tc.save_sharded([bad], tmp_path / "run", 1)
     assert isinstance(ei.value, TypeError) and isinstance(ei.value, CheckpointError)
     with pytest.raises(UnsupportedStateError):
-        tc.write_shard(tmp_path / "run", 2, 0, bad)
+        write_shard(tmp_path / "run", 2, 0, bad)
     assert tc.committed_steps(tmp_path / "run") == []
 
 

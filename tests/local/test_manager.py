@@ -21,8 +21,9 @@ from spawn import python_cmd
 import tiered_ckpt as tc
 from tiered_ckpt import CheckpointError, GlobalSlice, read_manifest
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, save_sharded
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.rotation import RotationPolicy, plan_rotation, rotate
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.training.manager import CheckpointManager
 
@@ -176,7 +177,7 @@ FAILING_CHILD = textwrap.dedent("""
         out["message"] = str(e)
         out["cause"] = type(e.__cause__).__name__ if e.__cause__ else None
     out["latest_after_failure"] = m.latest_step()
-    out["steps_after_failure"] = __import__("tiered_ckpt.local", fromlist=["x"]).committed_steps(root)
+    out["steps_after_failure"] = __import__("tiered_ckpt.local.catalogue", fromlist=["x"]).committed_steps(root)
     m.save(3, {"w": np.full(1000, 3, np.float32)})
     m.close()
     out["latest_final"] = m.latest_step()

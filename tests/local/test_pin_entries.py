@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from tiered_ckpt.layout import PINNED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, save_sharded
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.pins import has_pin, is_pinned, pinned_steps, unpin_step
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
+from tiered_ckpt.local.single_process_save import save_sharded
 
 
 def _root(tmp_path: Path) -> Path:

@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
-from tiered_ckpt import GlobalSlice, Replicated, ReshardError
+from tiered_ckpt import GlobalSlice, Replicated
 from tiered_ckpt.cli import main
+from tiered_ckpt.errors import CheckpointExistsError, ReshardError, WorldSizeMismatchError
 from tiered_ckpt.format.crc32c import DEFAULT_CHUNK_BYTES
-from tiered_ckpt.local.reader import manifest_with_tensors
+from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.local.reshard import ABSENT, even_split, reshard
+from tiered_ckpt.local.verified_read import manifest_with_tensors
 
 
-def full(root: Path, m: tc.ShardManifest | None = None) -> tc.ShardManifest:
+def full(root: Path, m: ShardManifest | None = None) -> ShardManifest:
     """The manifest of ``root`` 's step with every record's tensors (read from the verified
     headers)."""
     m = m if m is not None else tc.read_manifest(root)
@@ -244,7 +246,7 @@ def test_per_rank_state_without_rule_raises_naming_keys(tmp_path: Path) -> None:
         assert "data/cursor/epoch" in msg and "data/cursor/index" in msg and "rng" in msg
     assert not (tmp_path / "o").exists() or tc.committed_steps(tmp_path / "o") == []
     # without reshard=True a world-size change is still the WorldSizeMismatchError
-    with pytest.raises(tc.WorldSizeMismatchError):
+    with pytest.raises(WorldSizeMismatchError):
         tc.load_sharded(tmp_path / "c", 2)
     # same world size with reshard=True: a plain load (per-rank state is fine)
     assert tc.load_sharded(tmp_path / "c", 4, reshard=True)[3]["data"]["cursor"]["index"] == 103
@@ -307,7 +309,7 @@ def test_reshard_refuses_same_root_and_existing_step(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="another directory"):
         reshard(tmp_path / "x", 1, 3, tmp_path / "x")
     reshard(tmp_path / "x", 1, 3, tmp_path / "y")
-    with pytest.raises(tc.CheckpointExistsError):
+    with pytest.raises(CheckpointExistsError):
         reshard(tmp_path / "x", 1, 3, tmp_path / "y")
     reshard(tmp_path / "x", 1, 4, tmp_path / "y", replace=True)
     assert tc.read_manifest(tmp_path / "y").world_size == 4
@@ -343,7 +345,7 @@ class PreadCounter:
         monkeypatch.setattr(os, "read", read)
 
 
-def header_bytes(m: tc.ShardManifest) -> int:
+def header_bytes(m: ShardManifest) -> int:
     return sum(s.header_size_bytes for s in m.shards)  # 8 + header length of each shard
 
 

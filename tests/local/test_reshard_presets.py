@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
-from tiered_ckpt import GlobalSlice, Replicated, ReshardError
+from tiered_ckpt import GlobalSlice, Replicated
 from tiered_ckpt.cli import main
-from tiered_ckpt.local import commit_step, write_shard
+from tiered_ckpt.errors import CheckpointExistsError, ReshardError
+from tiered_ckpt.local.commit import commit_step
 from tiered_ckpt.local.reshard import NAMED_RULES, TRAINING_RULES, reshard
 from tiered_ckpt.local.reshard_plan import group_keys
+from tiered_ckpt.local.writer import write_shard
 
 
 def rng_tree(r: int) -> dict[str, Any]:
@@ -198,7 +200,7 @@ def test_existing_output_names_replace_flag(
     assert err.endswith(
         f"step 6 is already committed under {tmp_path / 'o'} (pass --replace to overwrite it)"
     )
-    with pytest.raises(tc.CheckpointExistsError, match=r"\(replace it with replace=True\)$"):
+    with pytest.raises(CheckpointExistsError, match=r"\(replace it with replace=True\)$"):
         reshard(tmp_path / "c", 6, 1, tmp_path / "o", preset="training")
     assert main(argv + ["--replace"]) == 0
 

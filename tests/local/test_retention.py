@@ -24,7 +24,8 @@ from tiered_ckpt.layout import (
     UPLOADED_MARKER_NAME,
     step_dir_name,
 )
-from tiered_ckpt.local import committed_steps, rotation, save_sharded
+from tiered_ckpt.local import rotation
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.markers import (
     has_uploaded_marker,
     manifest_sha256_of,
@@ -33,6 +34,7 @@ from tiered_ckpt.local.markers import (
 )
 from tiered_ckpt.local.pins import is_pinned, pin_step, pinned_steps, unpin_step
 from tiered_ckpt.local.rotation import RotationPolicy, is_uploaded, plan_rotation, rotate
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.locks import hold_step_lock
 
 REMOTE = "s3://bucket/run"

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt.fs import new_save_id
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.writer import write_shard
 
 #: Per-shard values that change from save to save (hashes, sizes, ids, times), replaced before
 #: comparing.
@@ -67,7 +70,7 @@ def test_ten_thousand_small_tensors_are_few_writes(
             return _real(*a)
 
         monkeypatch.setattr(os, fn, counted)
-    rec = tc.write_shard(tmp_path, 1, 0, state, save_id="s")
+    rec = write_shard(tmp_path, 1, 0, state, save_id="s")
     writes = calls["n"]
     monkeypatch.undo()
     assert 1 <= writes <= 64, writes
@@ -138,12 +141,12 @@ def test_commit_refuses_a_record_of_another_step_even_with_matching_header_bytes
     """The pre-commit check's fast path (header bytes hash to the record's header_sha256) still
     checks which rank and step the header names: records of step 1 committed for step 2 over hard
     links of step 1's files are refused, and step 2 stays uncommitted."""
-    save_id = tc.new_save_id()
+    save_id = new_save_id()
     recs = [
-        tc.write_shard(tmp_path, 1, r, {"w": np.arange(4, dtype=np.float32) + r}, save_id=save_id)
+        write_shard(tmp_path, 1, r, {"w": np.arange(4, dtype=np.float32) + r}, save_id=save_id)
         for r in range(2)
     ]
-    tc.commit_step(tmp_path, 1, 2, recs, save_id=save_id)
+    commit_step(tmp_path, 1, 2, recs, save_id=save_id)
     (tmp_path / "step_0000000002").mkdir()
     for r in range(2):
         os.link(
@@ -151,7 +154,7 @@ def test_commit_refuses_a_record_of_another_step_even_with_matching_header_bytes
             tmp_path / "step_0000000002" / f"rank_0000{r}.safetensors",
         )
     with pytest.raises(tc.ShardCorruptedError, match="header names rank 0 step 1"):
-        tc.commit_step(tmp_path, 2, 2, recs, save_id=save_id)
+        commit_step(tmp_path, 2, 2, recs, save_id=save_id)
     assert not (tmp_path / "step_0000000002" / "manifest.json").exists()
 
 

@@ -17,8 +17,10 @@ torch = pytest.importorskip("torch")
 
 from spawn import DIST_WORKERS, start_ranks, wait_ranks  # noqa: E402
 
-from tiered_ckpt import commit_step, load_shard, write_shard  # noqa: E402
+from tiered_ckpt import load_shard  # noqa: E402
 from tiered_ckpt.errors import CheckpointError  # noqa: E402
+from tiered_ckpt.local.commit import commit_step  # noqa: E402
+from tiered_ckpt.local.writer import write_shard  # noqa: E402
 from tiered_ckpt.training.data import DataPosition, ShuffledBatchSampler  # noqa: E402
 from tiered_ckpt.training.torch_state import (
     capture_rng_state,

@@ -44,7 +44,7 @@ from s3_infra import S3Location, new_bucket, sanitize_prefix  # noqa: E402
 from spawn import cli_cmd, python_cmd  # noqa: E402
 
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
-from tiered_ckpt.local import committed_steps  # noqa: E402
+from tiered_ckpt.local.catalogue import committed_steps  # noqa: E402
 from tiered_ckpt.remote.catalogue import remote_committed_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: s3_infra
 import s3_infra  # noqa: E402
 
 from tiered_ckpt.dcp import DCPCheckpointManager  # noqa: E402
-from tiered_ckpt.local import committed_steps  # noqa: E402
+from tiered_ckpt.local.catalogue import committed_steps  # noqa: E402
 
 STEPS, SAVE_EVERY, LAST_SAVE = 8, 3, 6
 

@@ -40,13 +40,8 @@ import pytest
 from crash_child import make_states
 
 import tiered_ckpt
-from tiered_ckpt import (
-    CheckpointExistsError,
-    latest_step,
-    load_sharded,
-    read_manifest,
-    save_sharded,
-)
+from tiered_ckpt import latest_step, load_sharded, read_manifest, save_sharded
+from tiered_ckpt.errors import CheckpointExistsError
 from tiered_ckpt.layout import MANIFEST_NAME, SAVE_LOCK_NAME
 from tiered_ckpt.local.scan import gc, inspect_step
 

@@ -15,7 +15,7 @@ import s3_infra
 from s3_servers import both_servers
 from spawn import cli_cmd, start_ranks, wait_ranks
 
-from tiered_ckpt.local import committed_steps, read_manifest
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
 from tiered_ckpt.remote.catalogue import read_catalogue
 from tiered_ckpt.remote.handle import StoreHandle
 

@@ -18,16 +18,12 @@ import numpy as np
 import pytest
 from crash_child import make_states
 
-from tiered_ckpt import (
-    CheckpointWriteError,
-    commit_step,
-    latest_step,
-    load_sharded,
-    save_sharded,
-    write_shard,
-)
-from tiered_ckpt.local import new_save_id
+from tiered_ckpt import latest_step, load_sharded, save_sharded
+from tiered_ckpt.errors import CheckpointWriteError
+from tiered_ckpt.fs import new_save_id
+from tiered_ckpt.local.commit import commit_step
 from tiered_ckpt.local.scan import inspect_step
+from tiered_ckpt.local.writer import write_shard
 
 MiB = 1024 * 1024
 TMPFS_BYTES = 80 * MiB  # room for a 40 MiB save plus the leftovers of a failed one

@@ -36,7 +36,7 @@ from spawn import child_env, free_port, python_cmd, start_ranks, wait_ranks  # n
 from test_resume_drill import alive, finish, kill_tree, losses  # noqa: E402
 
 import tiered_ckpt.examples  # noqa: E402
-from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 from spawn import python_cmd
 
 from tiered_ckpt import read_manifest
-from tiered_ckpt.local import committed_steps
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.training.manager import CheckpointManager
 
 CHILD = textwrap.dedent("""
@@ -87,7 +87,7 @@ def test_sigkill_during_the_decision_repeats_it(tmp_path: Path, kill_at: str) ->
     m20 = read_manifest(root, 20)
     assert (m20.attempt, m20.run_id) == (2, run_id) and m20.save_id != old20
 
-    from tiered_ckpt.local import superseded_local_steps
+    from tiered_ckpt.local.lineage import superseded_local_steps
 
     listed = superseded_local_steps(root)
     assert [

@@ -22,7 +22,7 @@ import pytest
 from spawn import child_env, python_cmd
 
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import save_sharded
+from tiered_ckpt.local.single_process_save import save_sharded
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ import pytest
 from spawn import child_env, free_port, python_cmd
 
 import tiered_ckpt as tc
+from tiered_ckpt.errors import ReshardError
 from tiered_ckpt.local.reshard import even_split, reshard
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def test_train_4_ranks_reshard_resume_at_2(tmp_path: Path) -> None:
     assert (m4.step, m4.world_size) == (STOP, 4)
 
     # per-rank state needs rules; without them the error names the keys
-    with pytest.raises(tc.ReshardError, match="rng/torch_cpu"):
+    with pytest.raises(ReshardError, match="rng/torch_cpu"):
         reshard(a, STOP, 2, b)
     rules = {
         "zero/adam_step": "take_rank0",

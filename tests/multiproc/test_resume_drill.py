@@ -27,8 +27,8 @@ pytest.importorskip("torch")
 
 from spawn import child_env, free_port, python_cmd  # noqa: E402
 
-from tiered_ckpt.local import committed_steps, read_manifest  # noqa: E402
-from tiered_ckpt.local.reader import verified_header  # noqa: E402
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest  # noqa: E402
+from tiered_ckpt.local.verified_read import verified_header  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

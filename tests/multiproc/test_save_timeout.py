@@ -17,7 +17,8 @@ from spawn import child_env, python_cmd
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from tiered_ckpt import CheckpointManager, SaveTimeoutError
+from tiered_ckpt import CheckpointManager
+from tiered_ckpt.errors import SaveTimeoutError
 root = sys.argv[1]
 out = {}
 mgr = CheckpointManager(root, save_timeout_s=0.5, keep_last=5)

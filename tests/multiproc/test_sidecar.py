@@ -20,7 +20,7 @@ from spawn import python_cmd
 
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, read_manifest
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
 
 MiB = 1024 * 1024
 

@@ -28,7 +28,7 @@ from spawn import free_port, python_cmd
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.layout import LOCK_PREFIX, UPLOADED_MARKER_NAME, save_entry_name, step_dir_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.rotation import RotationPolicy, plan_rotation
 from tiered_ckpt.retry import RetryPolicy
 

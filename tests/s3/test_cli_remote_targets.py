@@ -30,7 +30,8 @@ from spawn import free_port
 
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME, remote_save_prefix
-from tiered_ckpt.local import read_manifest, save_sharded
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.local.single_process_save import save_sharded
 
 T0 = "2026-01-01T00:00:00.000000Z"
 

@@ -30,7 +30,8 @@ from s3_infra import S3Location
 from tiered_ckpt.cli import main
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, read_manifest, read_run_record, save_sharded
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest, read_run_record
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.upload.uploader import Uploader
 from tiered_ckpt.training.manager import CheckpointManager
 

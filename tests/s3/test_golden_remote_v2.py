@@ -16,6 +16,7 @@ import pytest
 from s3_infra import S3Location, new_bucket
 
 import tiered_ckpt as tc
+from tiered_ckpt.remote.catalogue import list_remote_steps
 from tiered_ckpt.remote.inspect.verify import scan_remote
 
 V2 = Path(__file__).resolve().parent.parent / "golden" / "v2"
@@ -85,7 +86,7 @@ def frozen(request: pytest.FixtureRequest, s3_bucket: S3Location, moto_server: s
 
 def test_frozen_remote_v2_lists_and_verifies(frozen: S3Location) -> None:
     exp = rexp()
-    steps = tc.list_remote_steps(frozen.url, s3_client=frozen.client)
+    steps = list_remote_steps(frozen.url, s3_client=frozen.client)
     assert [(s.step, s.state) for s in steps] == [(exp["step"], "committed")]
     for fast in (False, True):
         rows = scan_remote(frozen.url, s3_client=frozen.client, fast=fast)

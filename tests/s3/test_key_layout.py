@@ -14,11 +14,13 @@ import pytest
 from _upload_util import list_keys, make_step, remote_bytes, save_entry, split_nodes
 from s3_infra import S3Location, make_test_client
 
-from tiered_ckpt import Uploader, UploadManifest, list_remote_steps, restore
+from tiered_ckpt import Uploader, restore
 from tiered_ckpt.cli import main
 from tiered_ckpt.errors import ManifestError, UploadError
+from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import remote_shard_key, save_shard_key, step_dir_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.remote.catalogue import list_remote_steps
 from tiered_ckpt.remote.inspect.verify import scan_remote
 from tiered_ckpt.remote.upload.uploader import StepIncompleteError, UploadPolicy
 from tiered_ckpt.retry import RetryPolicy

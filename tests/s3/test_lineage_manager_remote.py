@@ -16,7 +16,8 @@ import pytest
 from s3_infra import S3Location
 
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import committed_steps, save_sharded
+from tiered_ckpt.local.catalogue import committed_steps
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.upload.uploader import Uploader
 from tiered_ckpt.training.manager import CheckpointManager
 

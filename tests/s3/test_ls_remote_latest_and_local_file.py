@@ -19,7 +19,7 @@ from s3_infra import S3Location
 from tiered_ckpt.cli import main
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME
-from tiered_ckpt.local import save_sharded
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.upload.uploader import Uploader
 
 T0 = "2026-01-01T00:00:00.000000Z"

@@ -12,7 +12,7 @@ from _upload_util import SMALL, make_step
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_ckpt import Uploader
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.remote.upload.metrics import UploadMetrics
 from tiered_ckpt.retry import RetryPolicy
 

@@ -22,7 +22,8 @@ from spawn import python_cmd
 
 from tiered_ckpt import Uploader, UploadError, restore
 from tiered_ckpt.layout import PENDING_ABORTS_NAME, step_dir_name
-from tiered_ckpt.local import read_manifest, save_sharded
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.upload.uploader import UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store import optional_apis

@@ -17,9 +17,12 @@ from s3_servers import both_servers
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.errors import MissingShardError, NoCheckpointError, ShardCorruptedError
+from tiered_ckpt.fs import new_save_id
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
-from tiered_ckpt.local import commit_step, new_save_id, read_manifest, write_shard
-from tiered_ckpt.local.reader import ReadStats, ShardReader
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.verified_read import ReadStats, ShardReader
+from tiered_ckpt.local.writer import write_shard
 from tiered_ckpt.remote.restore.ranged_read import open_remote_step
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.base import ObjectSizeError

@@ -23,7 +23,7 @@ from spawn import python_cmd
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.errors import RemoteListError, UploadError
-from tiered_ckpt.local import save_sharded
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.upload.transfer import SentShard, TransitCorruptionError, confirm_shard
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.s3 import S3Store, make_s3_client

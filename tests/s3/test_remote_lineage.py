@@ -27,12 +27,13 @@ import s3_infra
 from _upload_util import make_step, remote_bytes, save_entry, save_prefix, split_nodes
 from restore_util import publish
 
-from tiered_ckpt import Uploader, committed_steps, list_remote_steps, restore
+from tiered_ckpt import Uploader, committed_steps, restore
 from tiered_ckpt.errors import NoCheckpointError, RunMismatchError, UploadError
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.remote.catalogue import list_remote_steps
 from tiered_ckpt.retry import RetryPolicy
 
 KiB = 1024

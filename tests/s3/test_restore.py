@@ -15,16 +15,14 @@ from s3_infra import FaultProxy, S3Location, make_test_client
 from s3_servers import both_servers
 
 from tiered_ckpt import (
-    CheckpointExistsError,
-    MissingShardError,
     NoCheckpointError,
     ShardCorruptedError,
     committed_steps,
-    list_remote_steps,
     load_shard,
     load_sharded,
     restore,
 )
+from tiered_ckpt.errors import CheckpointExistsError, MissingShardError
 from tiered_ckpt.layout import (
     MANIFEST_NAME,
     UPLOADED_MARKER_NAME,
@@ -32,6 +30,7 @@ from tiered_ckpt.layout import (
     remote_latest_key,
     step_dir_name,
 )
+from tiered_ckpt.remote.catalogue import list_remote_steps
 from tiered_ckpt.remote.restore.restorer import (
     REMOTE_COMMITTED,
     REMOTE_NO_UPLOAD_MANIFEST,

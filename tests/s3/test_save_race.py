@@ -31,7 +31,7 @@ from spawn import TESTS_DIR, child_env, python_cmd
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.remote.inspect.verify import scan_remote
 
 pytestmark = pytest.mark.slow

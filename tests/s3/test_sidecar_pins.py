@@ -10,7 +10,7 @@ from _upload_util import list_keys, make_step
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.layout import PINNED_MARKER_NAME, save_entry_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.pins import pin_step
 
 

@@ -16,8 +16,9 @@ from s3_infra import S3Location, new_bucket
 
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import remote_save_prefix, step_dir_name
-from tiered_ckpt.local import read_manifest, save_sharded
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.lineage import write_run_record
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.at_risk import commit_time
 from tiered_ckpt.remote.upload.metrics import UploadMetrics
 from tiered_ckpt.remote.upload.uploader import Uploader

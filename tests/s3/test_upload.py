@@ -20,10 +20,10 @@ from _upload_util import (
 )
 from s3_servers import both_servers, seaweedfs_only
 
-from tiered_ckpt import Uploader, UploadManifest
-from tiered_ckpt.format.upload_manifest import LatestPointer
+from tiered_ckpt import Uploader
+from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.remote.upload.uploader import StepIncompleteError, UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 

@@ -11,7 +11,7 @@ from _upload_util import SMALL, list_keys, make_step, remote_bytes, save_prefix
 
 from tiered_ckpt import ShardCorruptedError, Uploader, UploadError
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
-from tiered_ckpt.local import read_manifest
+from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.remote.upload.uploader import LocalStepGoneError
 from tiered_ckpt.retry import RetryPolicy
 

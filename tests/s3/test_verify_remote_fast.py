@@ -24,10 +24,11 @@ from restore_util import publish, save_step
 from s3_infra import S3Location
 from s3_servers import both_servers
 
-from tiered_ckpt import Uploader, UploadManifest
+from tiered_ckpt import Uploader
 from tiered_ckpt.cli import main
 from tiered_ckpt.format.records import ConfirmationRecord
-from tiered_ckpt.local import save_sharded
+from tiered_ckpt.format.upload_manifest import UploadManifest
+from tiered_ckpt.local.single_process_save import save_sharded
 from tiered_ckpt.remote.inspect.stored_checksums import ShardCheck, judge, summarize
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store.base import ObjectInfo

@@ -13,8 +13,8 @@ import tiered_ckpt as tc
 from tiered_ckpt import GlobalSlice
 from tiered_ckpt.format.crc32c import Crc32c, TensorChunkCrcs, chunk_count, crc32c_extend, crc_hex
 from tiered_ckpt.format.manifest import TensorRecord
-from tiered_ckpt.local.reader import manifest_with_tensors
 from tiered_ckpt.local.scan import inspect_step
+from tiered_ckpt.local.verified_read import manifest_with_tensors
 
 
 def g(data: bytes) -> int:

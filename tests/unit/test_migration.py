@@ -17,9 +17,11 @@ from jsonschema import Draft202012Validator
 
 import tiered_ckpt as tc
 from tiered_ckpt import GlobalSlice, ManifestError
+from tiered_ckpt.errors import ReshardError
 from tiered_ckpt.format import manifest as mf
-from tiered_ckpt.local.reader import manifest_with_tensors
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord
 from tiered_ckpt.local.reshard import even_split
+from tiered_ckpt.local.verified_read import manifest_with_tensors
 
 GOLDEN_V1 = Path(__file__).resolve().parents[1] / "golden" / "v1"
 V2_KEYS = ("crc32c", "header_sha256", "crc32c_chunk_bytes")
@@ -102,12 +104,12 @@ def test_v2_manifest_upgrades_to_attempt_1_of_no_run(tmp_path: Path) -> None:
 
 
 def test_v2_with_v3_fields_is_refused() -> None:
-    m = tc.ShardManifest(
+    m = ShardManifest(
         world_size=1,
         step=1,
         save_id="s",
         shards=(
-            tc.ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),
+            ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),
         ),
     )
     for key, value in (("run_id", "r"), ("attempt", 2)):
@@ -120,14 +122,14 @@ def test_v2_with_v3_fields_is_refused() -> None:
 
 
 def test_v3_lineage_fields_are_validated() -> None:
-    m = tc.ShardManifest(
+    m = ShardManifest(
         world_size=1,
         step=1,
         save_id="s",
         run_id="run-1",
         attempt=4,
         shards=(
-            tc.ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),
+            ShardRecord(rank=0, path="rank_00000.safetensors", sha256="ab" * 32, size_bytes=8),
         ),
     )
     assert mf.ShardManifest.from_json(m.to_json()) == m
@@ -193,18 +195,18 @@ def test_newer_manifest_is_refused_clearly(tmp_path: Path) -> None:
 
 
 def test_v2_cross_field_rules() -> None:
-    base = tc.ShardRecord(
+    base = ShardRecord(
         rank=0,
         path="rank_00000.safetensors",
         sha256="ab" * 32,
         size_bytes=100,
-        tensors=(tc.TensorRecord("t", "U8", (5000,), (0, 5000)),),
+        tensors=(TensorRecord("t", "U8", (5000,), (0, 5000)),),
     ).to_dict()
     base["size_bytes"] = 6000
     ok = dict(base, crc32c="0badf00d", header_sha256="cd" * 32, crc32c_chunk_bytes=4096)
     ok["tensors"] = [dict(base["tensors"][0], crc32c=["00000000", "11111111"])]
-    tc.ShardRecord.from_dict(ok)
-    tc.ShardRecord.from_dict(dict(ok, tensors=base["tensors"]))  # tensor checksums are optional
+    ShardRecord.from_dict(ok)
+    ShardRecord.from_dict(dict(ok, tensors=base["tensors"]))  # tensor checksums are optional
     for change, msg in [
         ({"crc32c": None}, "all set or all null"),
         ({"crc32c_chunk_bytes": 5000}, "power of two"),
@@ -214,7 +216,7 @@ def test_v2_cross_field_rules() -> None:
         ({"crc32c": None, "header_sha256": None, "crc32c_chunk_bytes": None}, "is set but"),
     ]:
         with pytest.raises(ManifestError, match=msg):
-            tc.ShardRecord.from_dict(dict(ok, **change))
+            ShardRecord.from_dict(dict(ok, **change))
 
 
 def test_v1_step_loads_fast_path_falls_back_and_reshards(tmp_path: Path) -> None:
@@ -269,7 +271,7 @@ def test_golden_v1_steps_load_verify_and_reshard(tmp_path: Path) -> None:
         shutil.copytree(zero2, tmp_path / "z")
         try:
             out = tc.load_sharded(tmp_path / "z", 3, reshard=True)
-        except tc.ReshardError as e:  # per-rank values in the golden state: named, as documented
+        except ReshardError as e:  # per-rank values in the golden state: named, as documented
             assert "without a rule" in str(e)
         else:
             assert len(out) == 3

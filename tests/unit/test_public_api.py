@@ -1,62 +1,93 @@
-"""The public line stays where users find it (issue 9 Build 5): ``import tiered_ckpt as tc`` and
-every name of its ``__all__``, the module paths the README and docs name, and ``tc.restore`` /
-``tc.reshard`` as functions that hide no submodule of the same name."""
+"""The public line: ``import tiered_ckpt as tc`` offers at most 20 names, from one mapping that
+``__all__``, ``dir()`` and the ``TYPE_CHECKING`` imports agree with; the module paths the README and
+docs name import; ``tc.restore`` / ``tc.reshard`` are functions that hide no submodule."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import tiered_ckpt as tc
 
-#: ``tc.__all__`` as of the first landing (stop 7); names may be added, never removed.
-ROUND_1_API = [
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointWriteError",
-    "ConcurrentSaveError",
-    "DistributedSaveError",
-    "ManifestError",
-    "MissingShardError",
-    "NoCheckpointError",
-    "ReshardError",
-    "ShardCorruptedError",
-    "UnsupportedStateError",
-    "UploadError",
-    "WorldSizeMismatchError",
-    "commit_step",
+PUBLIC = {
+    "CheckpointManager",
+    "DCPCheckpointManager",
+    "SaveOutcome",
+    "Uploader",
+    "restore",
+    "save_sharded",
+    "load_sharded",
+    "load_shard",
+    "read_manifest",
     "committed_steps",
     "latest_step",
-    "load_shard",
-    "load_sharded",
-    "new_save_id",
-    "read_manifest",
-    "save_sharded",
-    "write_shard",
-    "SCHEMA_VERSION",
-    "ShardManifest",
-    "ShardRecord",
-    "TensorRecord",
-    "GlobalSlice",
-    "Replicated",
     "reshard",
-    "ReshardResult",
-    "even_split",
-    "Uploader",
-    "UploadPolicy",
-    "UploadManifest",
-    "restore",
-    "list_remote_steps",
-    "CheckpointManager",
-    "SavePolicy",
-]
+    "Replicated",
+    "GlobalSlice",
+    "CheckpointError",
+    "NoCheckpointError",
+    "ManifestError",
+    "ShardCorruptedError",
+    "UploadError",
+    "LineageError",
+}
 
 
-def test_every_round_1_name_is_still_exported() -> None:
-    assert set(ROUND_1_API) <= set(tc.__all__)
-    for name in tc.__all__:
-        assert getattr(tc, name) is not None, name
+def _type_checking_imports() -> dict[str, str]:
+    """Name -> module of every import in ``tiered_ckpt/__init__.py``'s ``if TYPE_CHECKING:``."""
+    tree = ast.parse(Path(tc.__file__).read_text())
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom), ast.unparse(imp)
+                for alias in imp.names:
+                    assert alias.asname is None, alias.asname
+                    out[alias.name] = imp.module or ""
+    return out
+
+
+def test_the_face_is_small_and_exactly_the_public_names() -> None:
+    assert len(tc.__all__) <= 20
+    assert len(set(tc.__all__)) == len(tc.__all__)
+    assert set(tc.__all__) == PUBLIC
+
+
+def test_all_dir_type_checking_and_the_mapping_agree() -> None:
+    exports = tc._EXPORTS
+    assert list(tc.__all__) == list(exports)
+    assert _type_checking_imports() == exports
+    listed = set(dir(tc))
+    assert set(exports) <= listed
+    names = {n for n in listed if not n.startswith("_") and not inspect.ismodule(getattr(tc, n))}
+    extra = names - set(exports) - {"TYPE_CHECKING", "Any"}
+    assert not extra, f"public-looking names in dir(tiered_ckpt) outside the mapping: {extra}"
+
+
+def test_every_name_resolves_to_the_object_of_its_module() -> None:
+    for name, mod in tc._EXPORTS.items():
+        assert getattr(tc, name) is getattr(importlib.import_module(mod), name), name
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    for name in ("write_shard", "commit_step", "new_save_id", "even_split", "ShardManifest"):
+        assert not hasattr(tc, name), name
+
+
+def test_importing_the_package_or_the_cli_loads_no_layer() -> None:
+    code = (
+        "import sys, tiered_ckpt, tiered_ckpt.cli\n"
+        "bad = [m for m in sys.modules if m.startswith(('tiered_ckpt.training', 'tiered_ckpt.dcp',"
+        " 'torch'))]\n"
+        "print(bad)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_documented_module_paths_import() -> None:

@@ -59,12 +59,8 @@ from tiered_ckpt.cli.demo_procs import (
 )
 from tiered_ckpt.cli.demo_report import MODEL_LABELS, DemoReport, MiB, format_report, plot_curves
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
-from tiered_ckpt.local import (
-    committed_steps,
-    has_uploaded_marker,
-    read_manifest,
-    uploaded_marker_time,
-)
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
+from tiered_ckpt.local.markers import has_uploaded_marker, uploaded_marker_time
 from tiered_ckpt.training import read_job_events
 
 __all__ = ["DemoConfig", "DemoReport", "DemoError", "run_demo", "format_report", "plot_curves"]

@@ -399,8 +399,7 @@ def _steps_to_upload(args: argparse.Namespace, up: Uploader, progress: Progress)
     """``--step N`` (a :class:`CliError`, exit 1, when N is not committed locally), else the pending
     steps (newest first; only the newest with ``--skip-intermediate``); sets the progress bar's
     total."""
-    from tiered_ckpt.local import read_manifest
-    from tiered_ckpt.local.catalogue import committed_steps
+    from tiered_ckpt.local.catalogue import committed_steps, read_manifest
 
     if args.step is not None:
         if args.step not in committed_steps(up.local_root):

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from tiered_ckpt.dcp import api
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.format.lineage import RunLineage
-from tiered_ckpt.local import committed_steps
+from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.rotation import RotationPolicy
 from tiered_ckpt.training.dist import SaveCoordinator
 from tiered_ckpt.training.lineage_decision import LineageDecider

@@ -1,7 +1,7 @@
 """``TieredStorageReader``: a ``torch.distributed.checkpoint`` StorageReader for steps written by
 :class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter`, reading through the local tier's
-verified partial reads (:class:`tiered_ckpt.local.reader.ShardReader`) and, for a shard missing
 locally, ranged reads from the bucket (``tiered_ckpt.remote.restore.ranged_read``).
+verified partial reads (:class:`tiered_ckpt.local.verified_read.ShardReader`) and, for a shard missing
 
 Who calls what, in DCP's numbered lifecycle (``dcp.load``):
 
@@ -50,7 +50,7 @@ the failed items, but destination tensors may already hold part of the new bytes
 reader: load again or start fresh, never train on after the error.
 
 Bytes read are counted in :attr:`TieredStorageReader.stats` (a
-:class:`~tiered_ckpt.local.reader.ReadStats`: disk and bucket), those fetched from the bucket also
+:class:`~tiered_ckpt.local.verified_read.ReadStats`: disk and bucket), those fetched from the bucket also
 in :attr:`TieredStorageReader.remote_stats`.
 """
 
@@ -96,16 +96,16 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
-from tiered_ckpt.local import (
-    new_save_id,
+from tiered_ckpt.fs import new_save_id
+from tiered_ckpt.local.catalogue import (
     pick_step,
     read_manifest,
     read_run_record,
     resolve_root,
     step_path,
 )
-from tiered_ckpt.local.reader import ReadStats, ShardReader
 from tiered_ckpt.local.shard_io import READ_BYTES, READERS
+from tiered_ckpt.local.verified_read import ReadStats, ShardReader
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``TieredStorageWriter``: a ``torch.distributed.checkpoint`` StorageWriter whose save of step
 ``S`` is an ordinary step of the local tier (``<root>/step_XXXXXXXXXX/``: one safetensors shard per
 rank, written by :func:`tiered_ckpt.local.writer.write_shard`, then ``manifest.json`` last, by
-:func:`tiered_ckpt.local.save.commit_step`).
+:func:`tiered_ckpt.local.commit.commit_step`).
 
 Who calls what, in DCP's numbered lifecycle (``dcp.save`` / ``dcp.async_save``; with
 ``AsyncCheckpointerType.PROCESS`` all of it runs in DCP's checkpoint process, to which this writer
@@ -76,13 +76,12 @@ from tiered_ckpt.errors import (
     UnsupportedStateError,
 )
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.fs import unlink_quietly
+from tiered_ckpt.fs import new_save_id, unlink_quietly
 from tiered_ckpt.layout import parse_step_dir_name, step_dir_name
-from tiered_ckpt.local import commit_step, is_committed, new_save_id, step_path, write_shard
-from tiered_ckpt.local.commit import release_save_lock
+from tiered_ckpt.local.catalogue import is_committed, step_path
+from tiered_ckpt.local.commit import check_written_shard, commit_step, release_save_lock
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
-from tiered_ckpt.local.save import check_written_shard
-from tiered_ckpt.local.writer import check_chunk_bytes
+from tiered_ckpt.local.writer import check_chunk_bytes, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class TieredStorageWriter(StorageWriter):
     ``rotation``: applied right after the commit, in ``finish``
     (:func:`tiered_ckpt.local.rotation.rotate`; a failure is logged, the save stays committed).
     ``run_id``/``attempt``: the lineage the manifest records (default: the root's ``run.json``; see
-    :func:`~tiered_ckpt.local.save.commit_step`).
+    :func:`~tiered_ckpt.local.commit.commit_step`).
 
     Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or
     ``chunk_bytes``.
@@ -334,7 +333,7 @@ class TieredStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit the step (coordinator; see the module docstring, step 5). Fills ``metadata`` in
         place as stored. Raises :class:`CheckpointError` when the results or the metadata disagree
-        with what was written, and the errors of :func:`~tiered_ckpt.local.save.commit_step`."""
+        with what was written, and the errors of :func:`~tiered_ckpt.local.commit.commit_step`."""
         records = [
             ShardRecord.from_json(wr.storage_data)
             for rank_results in results

@@ -27,7 +27,7 @@ import json
 import os
 from pathlib import Path
 
-from tiered_ckpt.errors import ManifestError, NoCheckpointError
+from tiered_ckpt.errors import CheckpointError, ManifestError, NoCheckpointError
 from tiered_ckpt.format.lineage import MAX_ATTEMPTS, RUN_ID_RE, RunLineage, Superseded
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.fs import is_real_dir
@@ -360,6 +360,23 @@ def read_manifest(root: PathLike, step: int | None = None) -> ShardManifest:
             f"{sdir / MANIFEST_NAME} says step {m.step} but lies in the directory of step {step}"
         )
     return m
+
+
+def superseded_hint(root: Path, step: int) -> str:
+    """A sentence for an error about a committed ``step`` that the root's ``run.json`` supersedes
+    (``""`` when it does not, or the record cannot be read)."""
+    try:
+        why = superseded_in(root, step, read_run_record(root))
+    except CheckpointError:
+        return ""
+    return (
+        ""
+        if why is None
+        else (
+            f" (it is superseded by attempt {why.attempt}, from step {why.from_step}, but "
+            "not set aside yet: tiered_ckpt.local.lineage.set_aside_superseded)"
+        )
+    )
 
 
 __all__ = [

@@ -1,25 +1,26 @@
 """The local commit protocol (SPEC §2, invariants I1-I5): the one place that makes local files
-durable.
+durable, and the coordinator's :func:`commit_step`.
 
-Every durable local write goes through here (shards, manifests, downloads, ``uploaded.json``, writer
-locks, ``run.json``; the set-aside of superseded steps, SPEC §11). The recipe (POSIX): a unique temp
-name in the *same directory*, ``fsync``, ``rename(2)`` over the final name (atomic on one
-filesystem), then ``fsync`` of the directory so that the rename itself survives a power loss (torch
-DCP and orbax skip the directory fsync; we don't).
+Every durable local write goes through here (shards, manifests, downloads, ``uploaded.json``,
+``node_ranks.json``, writer locks, ``run.json``; the set-aside of superseded steps, SPEC §11): a
+unique temp name in the same directory, ``fsync``, ``rename(2)``, then ``fsync`` of the directory.
 
-Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; who calls each):
+Lifecycle of one save of step ``S`` (:class:`LocalStepCommit`; who calls each):
 
-1. every writer (each rank's ``write_shard``, the coordinator's ``commit_step``, a restore):
-   :meth:`LocalStepCommit.open` makes the step directory durably, registers the call in this process
-   (threads of one save share a ``save_id``) and, with ``claim=True``, claims or joins the on-disk
-   writer lock ``.save.lock`` (a live writer of another save -> :class:`ConcurrentSaveError`, I4).
+1. every writer (each rank's :func:`~tiered_ckpt.local.writer.write_shard`, the coordinator's
+   :func:`commit_step`, a restore): :meth:`LocalStepCommit.open` makes the step directory durably,
+   registers the call in this process (threads of one save share a ``save_id``, chosen by the
+   coordinator: :func:`tiered_ckpt.fs.new_save_id`) and, with ``claim=True``, claims or joins the
+   on-disk writer lock ``.save.lock`` (a live writer of another save: :class:`ConcurrentSaveError`).
 2. the writer: ``is_committed`` / ``uncommit`` (with ``replace``: ``manifest.json`` removed and the
-   directory fsynced *before* any file of the step changes, I2).
-3. the writer: ``write_file`` (a shard: temp, write, fsync, rename, directory fsync) or ``stage`` +
-   ``publish`` (downloads: fetched into temp names, then fsynced and renamed together).
-4. the coordinator (or the restoring process): ``commit_manifest``, ``manifest.json`` linked
-   exclusively (an existing one -> :class:`CheckpointExistsError`), then the directory fsynced: the
-   step is committed from that link on (I1). Then ``release_lock``.
+   directory fsynced before any file of the step changes, I2).
+3. the writer: ``write_file`` (a shard) or ``stage`` + ``publish`` (downloads: fetched into temp
+   names, then fsynced and renamed together).
+4. the coordinator: :func:`commit_step` checks every listed local shard (size, header's save id,
+   rank and step), records a node-local root's ranks (``node_ranks.json``), then
+   ``commit_manifest``: ``manifest.json`` linked exclusively (an existing one:
+   :class:`CheckpointExistsError`) and the directory fsynced. The step is committed from that link
+   on (I1). Then ``release_lock``. A restore calls ``commit_manifest`` itself.
 5. everyone: leave the ``with`` block (``close``): the registration ends, unpublished temps are
    removed. A failed writer calls ``abandon`` first (lock released if this open made it, an empty
    directory too).
@@ -28,14 +29,28 @@ Lifecycle of one writer's hold on a step directory (:class:`LocalStepCommit`; wh
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import logging
 import os
+import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-from tiered_ckpt.errors import CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError
+from tiered_ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointWriteError,
+    ConcurrentSaveError,
+    ManifestError,
+    MissingShardError,
+    ShardCorruptedError,
+)
+from tiered_ckpt.format import shard_file as fmt
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.fs import (
     is_real_dir,
     new_save_id,
@@ -48,6 +63,7 @@ from tiered_ckpt.fs import (
 )
 from tiered_ckpt.layout import (
     MANIFEST_NAME,
+    NODE_RANKS_NAME,
     SAVE_LOCK_NAME,
     SUPERSEDED_DIR,
     save_entry_name,
@@ -56,10 +72,13 @@ from tiered_ckpt.layout import (
 from tiered_ckpt.layout import (
     UPLOADED_MARKER_NAME as UPLOADED,
 )
-from tiered_ckpt.local.catalogue import is_committed
-from tiered_ckpt.safe_read import read_existing, read_json_record
+from tiered_ckpt.local.catalogue import is_committed, read_run_record, superseded_hint, write_root
+from tiered_ckpt.local.held_ranks import node_ranks_bytes
+from tiered_ckpt.safe_read import open_file, read_existing, read_json_record
 
 log = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike[str]
 
 
 # --- durable files
@@ -457,15 +476,235 @@ class LocalStepCommit:
         self.close()
 
 
+# --- the step's commit: manifest.json, last
+
+
+def record_node_ranks(
+    step_dir: Path, ranks: Iterable[int], world_size: int, *, dir_fsync: bool = True
+) -> None:
+    """Durably write ``node_ranks.json`` into ``step_dir`` (``dir_fsync=False`` when a later
+    directory fsync of the same directory, the manifest's, makes it durable). Raises ``OSError``,
+    ``ValueError``."""
+    durable_write_bytes(
+        step_dir / NODE_RANKS_NAME, node_ranks_bytes(ranks, world_size), dir_fsync=dir_fsync
+    )
+
+
+def clear_node_ranks(step_dir: Path) -> bool:
+    """Remove ``node_ranks.json`` (a step re-saved with every rank). Returns whether it existed.
+    Looks first (one ``lstat``), so that the common case, no file, costs no ``unlink`` and no
+    directory fsync."""
+    path = step_dir / NODE_RANKS_NAME
+    return os.path.lexists(path) and unlink_durable(path)
+
+
+def commit_step(
+    root: PathLike,
+    step: int,
+    world_size: int,
+    records: Iterable[ShardRecord],
+    extra: Mapping[str, Any] | None = None,
+    *,
+    save_id: str | None = None,
+    replace: bool = False,
+    wall_clock_seconds: float | None = None,
+    local_ranks: Iterable[int] | None = None,
+    created_at: str | None = None,
+    run_id: str | None = None,
+    attempt: int | None = None,
+) -> ShardManifest:
+    """Commit ``step``: write ``manifest.json`` last, after checking the shards (call on the
+    coordinator; with node-local disks, on each node's local rank 0 with that node's
+    ``local_ranks``).
+
+    ``records``: one :class:`ShardRecord` per rank (as returned by :func:`write_shard`, gathered).
+    ``extra``: step-level JSON metadata. ``wall_clock_seconds``: elapsed training time (seconds).
+    ``local_ranks``: the ranks whose shard files must be present in this ``root`` (default: all).
+    ``created_at``: the commit time to record (default now); every node committing one save passes
+    the same value so that all copies of the global manifest are byte-identical.
+    ``run_id``/``attempt``: the lineage to record in the manifest (SPEC §11); each defaults to the
+    root's ``run.json`` (its run id and current attempt; ``None`` and 1 without a record). Recorded
+    as given: this call never supersedes anything (only ``CheckpointManager`` and ``restore`` decide
+    lineage). With ``replace``, the old step's ``uploaded.json`` is removed (durably, before its
+    manifest) by the un-commit: the re-saved step is uploaded again.
+
+    Raises :class:`MissingShardError` (a rank missing, duplicated, or its file absent),
+    :class:`ShardCorruptedError` (a file's size or header disagrees with its record),
+    :class:`ConcurrentSaveError` (records or files of another save, I4),
+    :class:`CheckpointExistsError` (already committed and not ``replace``),
+    :class:`CheckpointWriteError` (I/O), :class:`ManifestError` (a malformed ``run.json`` when the
+    lineage is defaulted), ``ValueError`` (a bad ``run_id``/``attempt``).
+    """
+    r = write_root(root)
+    run_id, attempt = default_lineage(r, run_id, attempt)
+    records = sorted(records, key=lambda rec: rec.rank)
+    ids = {rec.save_id for rec in records}
+    if save_id is None:
+        if len(ids) != 1:
+            raise ConcurrentSaveError(f"step {step}: records come from {len(ids)} different saves")
+        save_id = ids.pop()
+    elif ids != {save_id}:
+        raise ConcurrentSaveError(
+            f"step {step}: records of save(s) {sorted(ids)[:4]} do not belong to save {save_id}"
+        )
+    sdir = r / step_dir_name(step)
+    if not is_real_dir(sdir):
+        raise MissingShardError(f"step {step}: {sdir} does not exist")
+    manifest = ShardManifest(
+        world_size=world_size,
+        step=step,
+        shards=tuple(records),
+        save_id=save_id,
+        wall_clock_seconds=float(wall_clock_seconds or 0.0),
+        created_at=created_at or utc_now(),
+        extra=dict(extra) if extra is not None else None,
+        run_id=run_id,
+        attempt=attempt,
+    )
+    # Registered as save_id's: no other thread of this process can rename a shard of another save
+    # between the checks and the manifest link.
+    present = set(range(world_size)) if local_ranks is None else set(local_ranks)
+    if not present <= set(range(world_size)):
+        raise ValueError(
+            f"step {step}: local_ranks {sorted(present)[:8]} are not ranks of world size {world_size}"
+        )
+    with LocalStepCommit.open(r, step, save_id, claim=False, create=False) as hold:
+        hold.check_lock()
+        for rec in manifest.shards:
+            if rec.rank in present:
+                check_written_shard(sdir, rec, step, save_id)
+        if hold.is_committed():
+            if not replace:
+                raise CheckpointExistsError(
+                    f"step {step} is already committed under {r}{superseded_hint(r, step)}"
+                )
+            hold.uncommit()
+        try:  # node-local: say which ranks this root holds (verify); durable with the manifest's dir fsync
+            if present and present != set(range(world_size)):
+                record_node_ranks(sdir, present, world_size, dir_fsync=False)
+            else:
+                clear_node_ranks(sdir)
+        except OSError as e:
+            raise CheckpointWriteError.from_os_error(
+                e, f"step {step}: cannot record the node's ranks"
+            ) from e
+        hold.commit_manifest(manifest.to_json().encode())
+        hold.release_lock()
+    log.info(
+        "step %d: committed %d shard(s), %d bytes, save %s, run %s attempt %d",
+        step,
+        world_size,
+        manifest.total_bytes,
+        save_id,
+        run_id,
+        attempt,
+    )
+    return manifest
+
+
+def default_lineage(root: Path, run_id: str | None, attempt: int | None) -> tuple[str | None, int]:
+    """``(run_id, attempt)`` to record for a save into ``root`` (SPEC §11): what is given, the rest
+    from the root's ``run.json`` (a given ``run_id`` of another run takes attempt 1), else ``(None,
+    1)``. Raises :class:`ManifestError` for a malformed ``run.json`` (only read when something is
+    missing), :class:`CheckpointWriteError` when reading it fails with an I/O error."""
+    if run_id is not None and attempt is not None:
+        return run_id, attempt
+    try:
+        rec = read_run_record(root)
+    except (
+        ManifestError
+    ) as e:  # an I/O error of the read is the save's I/O error (CheckpointWriteError)
+        cause = e.__cause__
+        if isinstance(cause, OSError) and cause.errno != errno.ELOOP:
+            raise CheckpointWriteError.from_os_error(
+                cause, f"reading {root}/run.json failed"
+            ) from cause
+        raise
+    if rec is not None and run_id in (None, rec.run_id):
+        return rec.run_id, rec.attempt if attempt is None else attempt
+    return run_id, 1 if attempt is None else attempt
+
+
+def header_digest(prefix: bytes, raw: bytes) -> str:
+    """sha256 (hex) of a shard's length prefix plus JSON header (the manifest's
+    ``header_sha256``)."""
+    h = hashlib.sha256(prefix)
+    h.update(raw)
+    return h.hexdigest()
+
+
+def check_written_shard(sdir: Path, rec: ShardRecord, step: int, save_id: str) -> None:
+    """Cheap pre-commit check: file present, size right, header names this save, rank and step: the
+    header bytes hash to the record's ``header_sha256`` (the writer of this record wrote them for
+    this save) and open with this rank and step (no parse), else the header is parsed to say why.
+    Raises MissingShardError, ShardCorruptedError (also a symlink, FIFO, device or directory there),
+    ConcurrentSaveError (another save's file, I4), CheckpointWriteError (the open failed on I/O)."""
+    path = sdir / rec.path
+    where = f"step {step} rank {rec.rank} ({rec.path})"
+    try:  # never through a symlink, never blocking on a FIFO, regular files only
+        fd = open_file(path, error=ShardCorruptedError, io_error=CheckpointWriteError)
+    except FileNotFoundError:
+        raise MissingShardError(f"{where}: shard file is missing") from None
+    except CheckpointError as e:
+        if isinstance(e.__cause__, OSError):
+            raise CheckpointWriteError.from_os_error(
+                e.__cause__, f"{where}: cannot open"
+            ) from e.__cause__
+        raise ShardCorruptedError(f"{where}: {e}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != rec.size_bytes:
+            raise ShardCorruptedError(
+                f"{where}: {size} bytes on disk, record says {rec.size_bytes}"
+            )
+        n = fmt.parse_header_length(os.pread(fd, 8, 0), size, where)
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    if (
+        rec.header_sha256 is not None
+        and rec.save_id == save_id
+        and _names_itself(raw, rec.rank, step)
+        and header_digest(struct.pack("<Q", n), raw) == rec.header_sha256
+    ):
+        return  # the bytes the record's writer wrote, for this save, rank and step
+    meta = fmt.parse_header(raw, size, where).metadata
+    if meta.get("save_id") != save_id:
+        raise ConcurrentSaveError(
+            f"{where}: file belongs to save {meta.get('save_id')!r}, not {save_id} "
+            "(another writer replaced it; I4)"
+        )
+    if meta.get("rank") != rec.rank or meta.get("step") != step:
+        raise ShardCorruptedError(
+            f"{where}: header names rank {meta.get('rank')} step {meta.get('step')}"
+        )
+
+
+def _names_itself(raw: bytes, rank: int, step: int) -> bool:
+    """Whether a header this package's writer wrote (its metadata opens with format, rank and step,
+    in that order) names ``rank`` and ``step``: a comparison of its first bytes, no parse. ``False``
+    for any other layout (the caller then parses it all)."""
+    inner = '{"format":%d,"rank":%d,"step":%d,' % (fmt.FORMAT_VERSION, rank, step)
+    return raw.startswith(
+        b'{"__metadata__":{"%s":%s' % (fmt.METADATA_KEY.encode(), json.dumps(inner)[:-1].encode())
+    )
+
+
 __all__ = [
     "LocalStepCommit",
+    "check_written_shard",
     "claim_save_lock",
+    "clear_node_ranks",
+    "commit_step",
+    "default_lineage",
     "durable_write",
     "durable_write_bytes",
     "ensure_step_dir",
     "fsync_dir",
     "fsync_file",
+    "header_digest",
     "lock_holder",
+    "record_node_ranks",
     "release_save_lock",
     "set_aside_step",
     "unlink_durable",

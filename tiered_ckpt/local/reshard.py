@@ -92,7 +92,7 @@ from tiered_ckpt.format.manifest import ShardManifest, numel
 from tiered_ckpt.fs import new_save_id
 from tiered_ckpt.layout import MAX_WORLD_SIZE, parse_step_dir_name, step_dir_name
 from tiered_ckpt.local.catalogue import is_committed, pick_step, read_manifest, write_root
-from tiered_ckpt.local.reader import ReadLock, ReadStats, ShardReader, copy_value
+from tiered_ckpt.local.commit import commit_step
 from tiered_ckpt.local.reshard_plan import (
     ABSENT,
     NAMED_RULES,
@@ -108,7 +108,7 @@ from tiered_ckpt.local.reshard_plan import (
     apply_named_rule,
     even_split,
 )
-from tiered_ckpt.local.save import commit_step
+from tiered_ckpt.local.verified_read import ReadLock, ReadStats, ShardReader, copy_value
 from tiered_ckpt.local.writer import write_shard
 from tiered_ckpt.state import GlobalSlice, Replicated
 
@@ -370,7 +370,7 @@ def reshard(
     """Write ``step`` of ``root`` (newest committed when ``None``) as a committed
     ``new_world_size``-rank checkpoint of the same step number under ``out_root`` (another run
     directory, taken as given whatever its name looks like), through
-    :func:`~tiered_ckpt.local.write_shard` and :func:`~tiered_ckpt.local.commit_step` (same
+    :func:`~tiered_ckpt.local.writer.write_shard` and :func:`~tiered_ckpt.local.commit.commit_step` (same
     durability and commit protocol). ``extra`` and ``wall_clock_seconds`` are copied. New ranks are
     built and written one at a time (memory: about one new shard). See the module docstring for the
     split rule, ``rules`` and ``preset``. ``ranks_per_node``: Replicated values are stored in new
@@ -381,7 +381,7 @@ def reshard(
     ``ValueError`` if ``new_world_size`` is not in ``[1, MAX_WORLD_SIZE]`` (before anything is
     read), ``out_root`` is ``root`` or one of its step directories, ``ranks_per_node < 1``, an
     unknown ``preset`` or a malformed rule; otherwise the errors of the loaders and of
-    :func:`~tiered_ckpt.local.write_shard` / :func:`~tiered_ckpt.local.commit_step` (e.g.
+    :func:`~tiered_ckpt.local.writer.write_shard` / :func:`~tiered_ckpt.local.commit.commit_step` (e.g.
     :class:`CheckpointExistsError` if the step is committed in ``out_root`` and not ``replace``).
     """
     if not 1 <= new_world_size <= MAX_WORLD_SIZE:  # before anything is read or written

@@ -18,7 +18,7 @@ from tiered_ckpt.errors import ManifestError, ReshardError, ShardCorruptedError
 from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices, numel
 from tiered_ckpt.format.shard_file import ParsedHeader
 from tiered_ckpt.format.validate import first_overlap
-from tiered_ckpt.local.reader import copy_value
+from tiered_ckpt.local.verified_read import copy_value
 
 #: Deepest state tree a plan walks (as :func:`tiered_ckpt.format.shard_file.decode_state` refuses
 #: deeper).
@@ -253,7 +253,7 @@ def node_kind(node: Any, where: str) -> str:
 
 class Planner:
     """The plan of a reshard from every old rank's verified header (``headers[r]``: its state tree
-    and tensor records, :func:`tiered_ckpt.local.reader.verified_header`). Checks the slices of each
+    and tensor records, :func:`tiered_ckpt.local.verified_read.verified_header`). Checks the slices of each
     global tensor across ranks first (agree on shape and dtype, do not overlap: ManifestError), as
     the manifest reader did when manifests listed every tensor. ``rules``: the caller's (each must
     name a key of the step, or a prefix of one); ``defaults``: a preset's (applied to per-rank

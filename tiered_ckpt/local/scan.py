@@ -4,7 +4,7 @@ committed is exactly one that loads.
 
 Node-local roots: with node-local disks a root holds the global manifest of each
 step and only its node's shards. With ``require_all=False`` a step is checked for *the ranks this
-root holds*: those its ``node_ranks.json`` names (:mod:`tiered_ckpt.local.node_ranks`: written by a
+root holds*: those its ``node_ranks.json`` names (:mod:`tiered_ckpt.local.held_ranks`: written by a
 node-local commit and by a partial restore), so that a lost shard is still found; a schema-3 step
 without that file holds every rank; only for steps of earlier releases is the set guessed from the
 root's other steps (a shard present in any committed step of that world size). A step of a root that
@@ -20,7 +20,7 @@ Leftovers: every row counts the bytes of temp files of dead writers in its step 
 (``leftover_bytes``: a killed save's temps, a killed restore's downloads), and ``gc``
 (:mod:`tiered_ckpt.local.sweep`, re-exported here) removes those files by the owner token in their
 names (:mod:`tiered_ckpt.local.leftovers`), also in the root itself, and reports what it left alone.
-The ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held`.
+The ranks a node-local root holds are worked out in :mod:`tiered_ckpt.local.held_ranks`.
 """
 
 from __future__ import annotations
@@ -43,13 +43,19 @@ from tiered_ckpt.local.catalogue import (
     resolve_root,
     symlinked_step_entries,
 )
-from tiered_ckpt.local.held import LazyHeld, format_ranks, held_ranks, present_ranks, ranks_held
+from tiered_ckpt.local.held_ranks import (
+    LazyHeld,
+    format_ranks,
+    held_ranks,
+    present_ranks,
+    ranks_held,
+)
 from tiered_ckpt.local.leftovers import leftover_bytes
 from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
-from tiered_ckpt.local.reader import stream_verified_header
 from tiered_ckpt.local.rotation import superseded_entries
 from tiered_ckpt.local.sweep import GcReport, gc, gc_report, gc_superseded
+from tiered_ckpt.local.verified_read import stream_verified_header
 from tiered_ckpt.safe_read import kind_of, list_dir, regular_files
 
 log = logging.getLogger(__name__)

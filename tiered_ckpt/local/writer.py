@@ -16,7 +16,6 @@ import logging
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
@@ -37,7 +36,7 @@ from tiered_ckpt.format.tensor_index import (
 )
 from tiered_ckpt.fs import hostname
 from tiered_ckpt.layout import shard_file_name, step_dir_name
-from tiered_ckpt.local.catalogue import read_run_record, superseded_in, write_root
+from tiered_ckpt.local.catalogue import superseded_hint, write_root
 from tiered_ckpt.local.commit import LocalStepCommit
 from tiered_ckpt.local.shard_io import write_stream
 
@@ -91,7 +90,7 @@ def write_shard(
     12). ``save_id``: shared by every rank of one save (``None``: adopt the one this process is
     already writing for ``step``, or start a new one). ``chunk_bytes``: the chunk size (bytes, a
     power of two in ``[4096, 2**30]``) of the tensor index's per-chunk CRC32Cs, so the granularity
-    of a verified partial read (:class:`~tiered_ckpt.local.reader.ShardReader` reads at most ``2 *
+    of a verified partial read (:class:`~tiered_ckpt.local.verified_read.ShardReader` reads at most ``2 *
     chunk_bytes`` more than asked for per range); default 1 MiB, the DCP backend uses 16 KiB.
     ``ValueError`` for another value.
 
@@ -155,23 +154,6 @@ def _prepare(hold: LocalStepCommit, rank: int, replace: bool) -> None:
         raise CheckpointWriteError.from_os_error(
             e, f"rank {rank} step {hold.step}: cannot prepare {hold.root}"
         ) from e
-
-
-def superseded_hint(root: Path, step: int) -> str:
-    """A sentence for an error about a committed ``step`` that the root's ``run.json`` supersedes
-    (``""`` when it does not, or the record cannot be read)."""
-    try:
-        why = superseded_in(root, step, read_run_record(root))
-    except CheckpointError:
-        return ""
-    return (
-        ""
-        if why is None
-        else (
-            f" (it is superseded by attempt {why.attempt}, from step {why.from_step}, but "
-            "not set aside yet: tiered_ckpt.local.lineage.set_aside_superseded)"
-        )
-    )
 
 
 #: Above this many bytes the chunk-CRC pre-pass runs on two threads (ctypes releases the GIL).
@@ -271,4 +253,4 @@ def _write_claimed(
     )
 
 
-__all__ = ["check_chunk_bytes", "chunk_crcs", "infer_param_shard", "superseded_hint", "write_shard"]
+__all__ = ["check_chunk_bytes", "chunk_crcs", "infer_param_shard", "write_shard"]

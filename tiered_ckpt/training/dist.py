@@ -59,7 +59,9 @@ import torch.distributed as dist
 
 from tiered_ckpt.errors import CheckpointError, DistributedSaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.local import commit_step, new_save_id, utc_now, write_shard
+from tiered_ckpt.fs import new_save_id, utc_now
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.writer import write_shard
 from tiered_ckpt.locks import node_token_present, remove_node_token, write_node_token
 from tiered_ckpt.training.replicated import combined_digest, mismatch_error, replicated_digests
 

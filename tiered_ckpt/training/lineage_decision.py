@@ -64,13 +64,8 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import utc_now
-from tiered_ckpt.local import (
-    new_run_id,
-    read_manifest,
-    read_run_record,
-    set_aside_superseded,
-    write_run_record,
-)
+from tiered_ckpt.local.catalogue import read_manifest, read_run_record
+from tiered_ckpt.local.lineage import new_run_id, set_aside_superseded, write_run_record
 from tiered_ckpt.training.resume import (
     RemoteView,
     current_local_steps,

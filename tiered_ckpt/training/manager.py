@@ -44,9 +44,13 @@ from typing import TYPE_CHECKING, Any
 
 from tiered_ckpt.errors import CheckpointError, SaveTimeoutError
 from tiered_ckpt.format.lineage import RunLineage
-from tiered_ckpt.local import commit_step, committed_steps, load_shard, new_save_id, write_shard
+from tiered_ckpt.fs import new_save_id
+from tiered_ckpt.local.catalogue import committed_steps
+from tiered_ckpt.local.commit import commit_step
+from tiered_ckpt.local.load_committed import load_shard
 from tiered_ckpt.local.pins import pin_step
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
+from tiered_ckpt.local.writer import write_shard
 from tiered_ckpt.training.lineage_decision import LineageDecider
 from tiered_ckpt.training.outcomes import SaveOutcome, SavePolicy
 from tiered_ckpt.training.staging import Stager, copy_json

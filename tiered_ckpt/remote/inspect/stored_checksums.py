@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.format.records import ConfirmationRecord
-from tiered_ckpt.local.held import format_ranks
+from tiered_ckpt.local.held_ranks import format_ranks
 from tiered_ckpt.remote.catalogue import RemoteSave
 from tiered_ckpt.remote.handle import get_or_none, object_url
 from tiered_ckpt.remote.limits import MAX_CONFIRMATION_BYTES

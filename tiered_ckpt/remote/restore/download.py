@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tiered_ckpt.errors import MissingShardError, ShardCorruptedError
 from tiered_ckpt.format.shard_file import decode_state
-from tiered_ckpt.local.reader import check_header_bytes, read_header_bytes
+from tiered_ckpt.local.verified_read import check_header_bytes, read_header_bytes
 from tiered_ckpt.remote.handle import object_url
 from tiered_ckpt.remote.restore.plan import RemoteObject, RestorePlan
 from tiered_ckpt.safe_read import opened

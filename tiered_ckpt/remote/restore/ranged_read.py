@@ -15,12 +15,12 @@ Lifecycle (who calls what):
    fails at its first read.
 2. :meth:`RemoteSaveReader.shard_reader` (one per rank read, per thread): a :class:`RemoteShardReader` on
    the rank's shard object, at the key the upload manifest's ``key_layout`` gives it.
-3. :class:`RemoteShardReader` has :class:`tiered_ckpt.local.reader.ShardReader`'s interface and
+3. :class:`RemoteShardReader` has :class:`tiered_ckpt.local.verified_read.ShardReader`'s interface and
    checks:
 
    - :meth:`~RemoteShardReader.header`: one ranged GET of the record's ``header_size_bytes`` (a
      record without it: 8 bytes, then the header length they give), verified and parsed by
-     :func:`~tiered_ckpt.local.reader.check_header_bytes` (sha256 against ``header_sha256`` before
+     :func:`~tiered_ckpt.local.verified_read.check_header_bytes` (sha256 against ``header_sha256`` before
      parsing, length, then the header's rank, step, save and tensors against the manifest);
    - :meth:`~RemoteShardReader.read_range` ``(name, a, b)``: the chunk-aligned span ``[a - a % C,
      min(ceil(b / C) * C, nbytes))`` of the tensor (``C``: the record's ``crc32c_chunk_bytes``), GET
@@ -33,7 +33,7 @@ Lifecycle (who calls what):
    Every GET is :meth:`ObjectStore.read_range_into`: the store's retries, per-request deadline and
    stall timeout, never more bytes than asked for, another total size or range (or HTTP 416) an
    :class:`~tiered_ckpt.store.base.ObjectSizeError` before any byte is read. The bytes of successful
-   GETs are counted in the caller's :class:`~tiered_ckpt.local.reader.ReadStats` (``bytes_read``,
+   GETs are counted in the caller's :class:`~tiered_ckpt.local.verified_read.ReadStats` (``bytes_read``,
    ``calls``).
 4. :meth:`RemoteSaveReader.close` (or ``with``): closes the store if :func:`open_remote_step` built it.
 
@@ -59,7 +59,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
 from tiered_ckpt.format.tensor_index import MAX_HEADER_BYTES
 from tiered_ckpt.format.upload_manifest import UploadManifest
-from tiered_ckpt.local.reader import ReadStats, check_header_bytes
+from tiered_ckpt.local.verified_read import ReadStats, check_header_bytes
 from tiered_ckpt.remote.catalogue import RemoteSave, SaveFault, read_catalogue
 from tiered_ckpt.remote.handle import StoreHandle, object_url
 from tiered_ckpt.remote.restore.download import transfer_of
@@ -172,7 +172,7 @@ def check_chunks(
 
 class RemoteShardReader:
     """Verified partial reads of one rank's shard object (the interface of
-    :class:`tiered_ckpt.local.reader.ShardReader`; see the module docstring). Not thread-safe: one
+    :class:`tiered_ckpt.local.verified_read.ShardReader`; see the module docstring). Not thread-safe: one
     per thread. Use as a context manager or call :meth:`close`."""
 
     def __init__(

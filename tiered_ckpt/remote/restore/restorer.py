@@ -81,11 +81,10 @@ from tiered_ckpt.local.catalogue import (
     read_manifest_bytes,
     read_run_record,
 )
-from tiered_ckpt.local.commit import LocalStepCommit, fsync_dir
+from tiered_ckpt.local.commit import LocalStepCommit, fsync_dir, record_node_ranks
 from tiered_ckpt.local.leftovers import placed_identity, remove_dead_temps, remove_placed
 from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.local.markers import write_uploaded_marker
-from tiered_ckpt.local.node_ranks import record_node_ranks
 from tiered_ckpt.remote.catalogue import (
     REMOTE_BAD_UPLOAD_MANIFEST,
     REMOTE_COMMITTED,

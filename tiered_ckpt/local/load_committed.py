@@ -25,9 +25,9 @@ from tiered_ckpt.format.manifest import (
     check_global_slices,
 )
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import reader as sr
+from tiered_ckpt.local import verified_read as sr
 from tiered_ckpt.local.catalogue import pick_step, read_manifest
-from tiered_ckpt.local.node_ranks import read_node_ranks
+from tiered_ckpt.local.held_ranks import read_node_ranks
 from tiered_ckpt.local.reshard import Rule, reshard_states
 from tiered_ckpt.local.shard_io import Digest, read_verified
 
