@@ -72,9 +72,7 @@ def upload(root: Path, url: str, client, steps: list[int], nodes: list[int], ran
 def superseded(root: Path) -> list[list]:
     try:
         from tiered_ckpt.local import superseded_local_steps
-    except (
-        ImportError
-    ):  # the code before issue 10 (the test reproduces its failure): nothing to list
+    except ImportError:  # code without lineage (the test reproduces its failure): nothing to list
         return []
     return [
         [

@@ -57,9 +57,7 @@ def test_golden_loads_exactly(name: str) -> None:
         assert hashlib.sha256((sdir / fname).read_bytes()).hexdigest() == sha, fname
     assert tc.committed_steps(root) == [exp["step"]]
     on_disk = json.loads((sdir / "manifest.json").read_text())
-    assert (
-        on_disk["schema_version"] == 1
-    )  # frozen v1 files; read through the named migration
+    assert on_disk["schema_version"] == 1  # frozen v1 files; read through the named migration
     m = tc.read_manifest(root)
     assert (m.schema_version, m.step, m.world_size, m.save_id) == (
         tc.SCHEMA_VERSION,
