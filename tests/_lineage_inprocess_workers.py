@@ -1,4 +1,4 @@
-"""Rank processes of the in-process rollback test (issue 10 review, case 1): real torch.distributed
+"""Rank processes of the in-process rollback test (a rollback inside a running manager): real torch.distributed
 gloo, one OS process per rank, node-local roots ``OUT/node<rank>``, no remote.
 
 ``python tests/_lineage_inprocess_workers.py OUT_DIR`` with RANK, WORLD_SIZE=2, MASTER_ADDR and

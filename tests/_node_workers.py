@@ -1,5 +1,5 @@
-"""Rank processes for the "nodes by shared disk" tests (issue 10, Why case 5;
-tests/multiproc/test_disk_groups.py).
+"""Rank processes for the "nodes by shared disk" tests
+(tests/multiproc/test_disk_groups.py).
 
 Run as ``python tests/_node_workers.py ROOT OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set (real torch.distributed gloo, one OS process per rank). The test starts each rank

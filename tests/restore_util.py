@@ -75,7 +75,7 @@ def publish(
     schema: int = 1,
 ) -> UploadManifest | None:
     """Upload ``step`` of ``root``: shards, the manifest's exact bytes, then (optionally) the upload
-    manifest and the latest pointer. ``schema=1``: the round-1 layout (``<prefix>/step_X/``, upload
+    manifest and the latest pointer. ``schema=1``: the layout before per-save prefixes (``<prefix>/step_X/``, upload
     manifest schema 1); ``schema=2``: one prefix per save (``<prefix>/step_X.<save_id>/``, schema 2
     with the lineage and each shard's ETag)."""
     sdir = Path(root) / step_dir_name(step)

@@ -1,46 +1,26 @@
 """Names of steps, shards and markers, locally and remotely. Pure: no I/O.
 
-Local layout (SPEC §2)::
+Local layout (SPEC §2, §11)::
 
     <root>/step_0000001234/rank_00000.safetensors   one file per rank, written by that rank
     <root>/step_0000001234/manifest.json            the commit point, written last
+    <root>/step_0000001234/{uploaded,pinned,node_ranks,adopted}.json   markers
+    <root>/run.json                                 run id and lineage
+    <root>/superseded/step_0000001234.<save_id>/    a step set aside by a newer attempt
+    <root>/.node.<token>                            node discovery token of a live rank
 
-    <root>/step_0000001234/uploaded.json            the sidecar's marker (after the remote commit)
-    <root>/step_0000001234/pinned.json              pin: rotation never removes the step
-    <root>/step_0000001234/node_ranks.json          the ranks a node-local step holds (SPEC §11)
-    <root>/step_0000001234/adopted.json             another run's step restored here: the root's attempt
-    <root>/run.json                                 run id and lineage (format/lineage.py, SPEC §11)
-    <root>/superseded/step_0000001234.<save_id>/    a step set aside by a newer attempt (SPEC §11)
-    <root>/.node.<token>                            node discovery token of a live rank (SPEC §11)
+Remote layout (SPEC §4, §11): one key prefix per save::
 
-Remote layout, schema 3 (SPEC §4, §11): one key prefix per *save*, so two saves of one step (a
-rollback,
-an old sidecar, a replace) never share an object::
+    <prefix>/run.json                                        run claim + lineage
+    <prefix>/latest                                          newest current step
+    <prefix>/step_0000001234.<save_id>/{rank_00000.safetensors, manifest.json,
+        .confirm/rank_00000.json, upload_manifest.json, pinned.json}
 
-    <prefix>/run.json                                        run claim + lineage (If-None-Match / If-Match)
-    <prefix>/latest                                          newest current step, ordered by (attempt, step)
-    <prefix>/step_0000001234.<save_id>/rank_00000.safetensors
-    <prefix>/step_0000001234.<save_id>/manifest.json         copy of the local manifest
-    <prefix>/step_0000001234.<save_id>/.confirm/rank_00000.json
-    <prefix>/step_0000001234.<save_id>/upload_manifest.json  remote commit point, written last
-    <prefix>/step_0000001234.<save_id>/pinned.json           pin mirrored by the sidecar
-
-Key layouts of a save's shard objects (:data:`KEY_LAYOUTS`; the upload manifest records it as
-``key_layout``, SPEC §4). ``flat`` (the default) is the tree above. ``hashed`` moves only the shard
-objects, the big and numerous ones, out to 256 spread prefixes (S3 scales request rates per
-prefix)::
-
-    <prefix>/shards/<hh>/step_0000001234.<save_id>/rank_00000.safetensors
-
-``<hh>`` (:func:`spread_prefix`) is the first two hex digits of the sha256 of the key the flat
-layout gives the shard (``step_0000001234.<save_id>/rank_00000.safetensors``): the ranks of one
-step, and one rank over its steps, land on different prefixes. Everything else of the save
-(``manifest.json``, ``.confirm/``, ``upload_manifest.json``, ``pinned.json``) stays in its save
-prefix.
-
-Round-1 prefixes (upload manifest schema 1) have one save per step at ``<prefix>/step_0000001234/``;
-they are read as they are (:func:`parse_remote_step_entry` returns ``save_id=None`` for them).
-
+Key layout ``hashed`` (:data:`KEY_LAYOUTS`) moves only the shard objects to
+``<prefix>/shards/<hh>/step_0000001234.<save_id>/rank_00000.safetensors``, ``<hh>``
+(:func:`spread_prefix`) the first two hex digits of the sha256 of the flat key relative to the
+prefix. Prefixes written before per-save prefixes (upload manifest schema 1) hold
+``<prefix>/step_0000001234/``; :func:`parse_remote_step_entry` returns ``save_id=None`` for them.
 Step numbers are zero-padded to 10 digits so that lexical order is numeric order.
 """
 

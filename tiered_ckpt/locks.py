@@ -1,19 +1,15 @@
-"""Advisory step locks shared by readers, the uploader sidecar and rotation.
-
-Protocol (one file per holder, no flock so that it works the same on NFS-like shared filesystems):
+"""Advisory step locks shared by readers, the uploader sidecar and rotation; and node tokens.
 
 1. A holder (a loader reading a step, the sidecar uploading it) creates
    ``<step_dir>/.lock.<kind>.<host>.<pid>.<starttime>.<rand>`` with ``O_CREAT|O_EXCL`` and removes
-   it when done (:func:`hold_step_lock`).
+   it when done (:func:`hold_step_lock`). ``kind``: ``read``, ``upload`` or ``stalled``.
 2. Rotation and gc (:func:`live_locks`) treat a step as locked while any such file names a live
-   owner; files of dead owners on this host are stale and ignored (and removed by gc).
-3. To delete a step, rotation first renames the step directory to a trash name (atomic), then checks
-   the locks again inside it: a holder that raced in is seen and the directory is renamed back.
+   owner; files of dead owners on this host are stale (gc removes them).
+3. To delete a step, rotation renames it to a trash name, then checks the locks again inside it and
+   renames it back if a holder raced in.
 
-``kind`` is a short word: ``read``, ``upload`` or ``stalled`` (the sidecar keeps a step whose other
-nodes never confirmed; see :mod:`tiered_ckpt.remote.upload.uploader`).
-
-Node tokens (the end of this module) are the other kind of presence file: which ranks share a root.
+Node tokens (the end of this module) are presence files of another kind: which ranks share a root.
+Why files and not flock: docs/design.md, "Step locks".
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Keeping secrets out of every line the product prints or logs (SPEC: "no secret in any log at any
-level").
+level"). Pure text functions and one :class:`logging.Filter`; no I/O, imports nothing of the package.
 
-Pure text functions and one :class:`logging.Filter`; no I/O, imports nothing of the package (base
-layer).
-
-* :func:`redact_url`: the user info of a URL (``http://user:password@host`` -> ``http://***@host``)
-  and the secret query parameters of a presigned URL (``X-Amz-Signature``, ``X-Amz-Credential``,
-  ``X-Amz-Security-Token``, ``AWSAccessKeyId``, ``Signature``) replaced by ``***``.
+* :func:`redact_url`: a URL's user info and a presigned URL's secret query parameters -> ``***``.
 * :func:`redact_urls`: every URL inside a free text through :func:`redact_url`, nothing else.
-* :func:`redact_text`: every URL inside a free text through :func:`redact_url`, plus the credential
-  fragments botocore's wire logging prints (``Authorization: AWS4-HMAC-SHA256 Credential=...,
-  Signature=...`` and its ``'Authorization': b'...'`` form in ``Sending http request:
-  <AWSPreparedRequest
-  ... headers={...}>``; ``x-amz-security-token:...`` in ``CanonicalRequest:``; the bare hex after
-  ``Signature:``; the SSE-C key headers; ``aws_secret_access_key=...`` of config files; the
-  ``SecretAccessKey`` / ``SessionToken`` / ``AccessKeyId`` / ``Token`` fields of STS and
-  instance-metadata responses, XML or JSON) and any literal secret value registered with
-  :func:`register_secret`, raw or percent-encoded (the CLI registers the ``AWS_*`` credentials it
-  finds in the environment and the user info of an endpoint URL, so that a secret echoed in some
-  library's message is caught as well).
-* :class:`RedactingFilter`: a handler filter that renders each record's message (and exception text)
-  and passes it through :func:`redact_text`. The CLI attaches it to its handler; library code
-  configures no handler at all.
+* :func:`redact_text`: :func:`redact_urls` plus the credential fragments botocore's wire logging and
+  STS / instance-metadata responses print, and every literal value registered with
+  :func:`register_secret`, raw or percent-encoded.
+* :class:`RedactingFilter`: renders each record's message and exception text through
+  :func:`redact_text`. The CLI attaches it to its handler; library code configures no handler.
 
-Source: AWS Signature Version 4 (``Authorization`` header, presigned query parameters, canonical
-request), botocore's DEBUG output (``botocore.auth``, ``botocore.endpoint``, ``botocore.parsers``),
-RFC 3986 §3.2.1 (user information in a URI: everything before the last ``@`` of the authority).
+What is matched, and the sources: docs/design.md, "Redaction".
 """
 
 from __future__ import annotations

@@ -1,72 +1,22 @@
 """Whole-operation retries for remote (S3) calls. The only module that imports tenacity.
 
-How the retry layers stack (read this before tuning any of them):
+Contract of :func:`call_with_retries` (one store operation: a whole upload or download, one small
+PUT, one call of a self-driven multipart upload):
 
-1. **botocore** retries each single HTTP call. The client is built with
-   ``Config(retries={"mode": "standard", "total_max_attempts": B})`` (see ``store/client.py``
-   ``make_s3_client``; note botocore's plain ``"max_attempts"`` key counts retries, i.e. ``B - 1``):
-   a throttled, 5xx or dropped ``UploadPart`` is sent up to ``B`` times in total,
-   with botocore's own jittered backoff (up to 1 s, 2 s, ... capped at 20 s) and a client-wide retry
-   quota. botocore knows nothing about the operation the call belongs to.
-2. **This module** (:func:`call_with_retries`) retries the *whole operation* of one store method:
-   one PUT of a small object, one ranged GET into the caller's buffer, and each single call of a
-   multipart upload the uploader drives itself (create, one part, complete, abort;
-   ``remote/upload/transfer.py``). It is what recovers when botocore gave up on one call, when the server
-   reported a checksum that differs from what was sent
-   (:class:`~tiered_ckpt.errors.ShardCorruptedError`).
+- botocore retries each HTTP call; this layer retries the whole operation, at most
+  ``RetryPolicy.max_attempts`` times, waits bounded by ``max_wait_s``; it stops by attempt count or
+  the stop event, never by elapsed time (each request is bounded by ``store/deadline.py``).
+- A set stop event prevents the next attempt and cuts a wait short:
+  :class:`OperationInterruptedError`.
+- One WARNING per operation at its first failure, later attempts at DEBUG, a success after retries
+  at INFO.
+- Failures that outlast the policy, or are not retryable, raise
+  :class:`~tiered_ckpt.errors.RemoteAccessError` when the bucket cannot be used at all
+  (:mod:`tiered_ckpt.access`), else the caller's ``error`` class with ``last_exception`` set; an
+  ``UploadError`` raised by the operation itself passes through unchanged.
 
-Worst case, one HTTP request is sent ``B x RetryPolicy.max_attempts`` times, and the wall time is
-bounded by roughly ``max_attempts x (transfer time + botocore backoff) + sum of our waits`` where
-our waits are at most ``max_wait_s`` each. Keep ``max_attempts`` small (the default is 6): the
-fine-grained retrying belongs to botocore.
-
-Timeouts and deadlines (innermost first; each bounds what the one before cannot):
-
-* **Per socket operation, botocore**: ``connect_timeout_s`` (default 10 s) to open a connection and
-  ``read_timeout_s`` (default 60 s) as the socket timeout of each read (``make_s3_client`` ->
-  botocore ``Config(connect_timeout=, read_timeout=)``). Per read, not per request: a server that
-  sends one byte every 20 s never trips it. A timeout raises ``ConnectTimeoutError`` /
-  ``ReadTimeoutError``, which botocore's standard mode retries (layer 1) and this module treats as
-  retryable (layer 2).
-* **Per request, the store** (``store/deadline.py``,
-  :class:`~tiered_ckpt.store.settings.DeadlineSettings`): every single HTTP request of a store (each
-  GET, HEAD, PUT, part, LIST, ranged GET) must finish within
-  ``deadline_base_s + bytes / min_rate_bytes_per_s`` (default 60 s + bytes at 256 KiB/s;
-  CompleteMultipartUpload 10 x the base) and must not *stall*: no body chunk (for GET/HEAD, no
-  response either) for ``stall_timeout_s`` (default 60 s). A watchdog thread shuts the request's
-  socket down when either passes, so the blocked read returns at once, and botocore's remaining
-  attempts of that request are not sent (its ``before-send`` hook). The request raises
-  ``RequestDeadlineError`` ("deadline of N s passed" / "stalled: no bytes for N s"): not retried by
-  botocore, retried here as a whole operation (layer 2), which starts a fresh
-  request with a fresh deadline. With the retries exhausted the caller gets an ``UploadError`` whose
-  message names the deadline or stall and its seconds.
-* **This module**: stops by attempt count (``stop_after_attempt``) or the stop event, never by
-  elapsed time. Waits between attempts are bounded (``max_wait_s`` each).
-* **Above the store**: the uploader retries a whole shard on top of the store's per-call retries (a
-  damaged or vanished upload), with the same policy; the stop event ends it early.
-
-So one store call is bounded in wall time by about ``max_attempts x (request deadline + botocore's
-first backoff, <= 2 s) + sum of our waits``: with the defaults a GET of ``latest`` from a server
-that trickles or stays silent gives up after about 6 x 60 s = 6 min (the stall; botocore's own
-read-timeout retries happen inside each request's deadline), a 64 MiB part after about 6 x 316 s.
-Callers that need a tighter bound lower ``DeadlineSettings`` and ``max_attempts``, or set the stop
-event, which prevents the next attempt, cuts a backoff short and ends a ranged GET or
-a read-back between chunks (a single request already in flight runs to its deadline).
-
-Logging (``logging.getLogger(__name__)``): one WARNING per operation, at its first failure, with the
-attempt count; the later attempts at DEBUG; a success after retries at INFO. A ``threading.Event``
-(the daemon's stop event) cuts a wait short: no further attempt is made once it is set, and
-:class:`OperationInterruptedError` is raised. Failures that outlast the policy, or are not
-retryable, are raised as :class:`~tiered_ckpt.errors.RemoteAccessError` when the bucket cannot be
-used at all (missing bucket, credentials, denied, endpoint unreachable: :mod:`tiered_ckpt.access`),
-else as the caller's ``error`` class (:class:`~tiered_ckpt.errors.UploadError`; ``RemoteListError``
-for a listing), with ``last_exception`` set (an ``UploadError`` raised by the operation itself, e.g.
-a typed ``PreconditionFailedError``, passes through unchanged).
-
-Source: tenacity (``Retrying``, ``stop_after_attempt``, ``stop_when_event_set``; the wait is our own
-:meth:`RetryPolicy.wait_s`, the shape of tenacity's ``wait_exponential_jitter`` but capped after the
-jitter and stable across tenacity versions); botocore "Retries" guide; AWS S3 error responses
-(https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html).
+How the retry layers and timeouts stack, and the resulting worst-case bounds: docs/design.md,
+"Retries and deadlines".
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """The one way the product opens a file inside a checkpoint directory for reading.
 
-A checkpoint directory (a run root) holds step directories, ``superseded/<entry>/`` directories and
-files in them that other processes, operators or an attacker with write access to the disk may
-replace with a symlink, a FIFO, a device node or a directory. Opening such a name with ``open(2)``
-follows the symlink (out of the root), blocks forever on a FIFO without a writer, and opens a
-device. Here:
+1. The root is opened with ``O_DIRECTORY``, following symlinks (resolved once per read).
+2. Every component below it is reached with ``openat(2)`` relative to its parent's fd and
+   ``O_NOFOLLOW``; a file must be a regular file by ``fstatat(AT_SYMLINK_NOFOLLOW)`` before it is
+   opened (non-blocking) and by ``fstat`` after.
+3. Reads into memory are capped (:func:`read_in_root`).
 
-1. The root is opened with ``O_DIRECTORY``, following symlinks: it is resolved once per read, as a
-   ``/nvme -> /mnt/disk0`` root must be.
-2. Every component below it is reached relative to its parent's fd (``openat(2)``, POSIX.1-2008)
-   with ``O_NOFOLLOW``: each directory (the step directory, ``superseded/``, its entry) with
-   ``O_DIRECTORY | O_NOFOLLOW`` (a symlink or a non-directory there fails without being opened), the
-   file after an ``fstatat(AT_SYMLINK_NOFOLLOW)`` that must say "regular file" (a FIFO or device is
-   never opened at all), with ``O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``; then ``fstat`` on
-   the fd must say "regular file" again (an entry swapped in between is refused, and being
-   non-blocking it cannot hang the open).
-3. Reads into memory are capped (:func:`read_in_root`): ``fstat`` size over the cap, or more bytes
-   than the cap while reading (a file that grows), is an error.
+A symlink, FIFO, socket, device or directory where a file should be (or a symlink or non-directory
+where a directory should be) raises the caller's ``error`` (default
+:class:`~tiered_ckpt.errors.ManifestError`); an ``OSError`` of the open or read raises ``io_error``
+(default: ``error``) from it. An absent file raises ``FileNotFoundError`` from :func:`open_in_root`
+and returns ``None`` from :func:`read_in_root`; error classes passed in must therefore not derive
+from ``FileNotFoundError``. :func:`locate` turns a path into ``(root, relpath)`` by names alone.
 
-A symlink, FIFO, socket, device or directory where a file should be, or a symlink or non-directory
-where a directory should be, raises the caller's typed error (``error``, by default
-:class:`~tiered_ckpt.errors.ManifestError`) naming the path; an ``OSError`` of the open or read
-(EACCES, EIO) raises ``io_error`` (default: ``error``) with the ``OSError`` as ``__cause__``. An
-absent file (or an absent directory on the way, or a root that does not exist or is not a directory)
-raises ``FileNotFoundError`` from :func:`open_in_root` and returns ``None`` from
-:func:`read_in_root`.
-
-Callers that hold a path rather than ``(root, relpath)`` use :func:`locate`: a file of
-``<root>/step_XXXXXXXXXX/`` (or of a trash or temp directory beside it) has that directory's parent
-as its root; one of ``<root>/superseded/<entry>/`` has ``<root>`` (so that ``superseded`` is not
-followed either). Only names decide, so a root that is itself named ``superseded`` must be a real
-directory. Error classes passed as ``error``/``io_error`` must not derive from ``FileNotFoundError``
-(that means "absent" here).
+Why: docs/design.md, "Safe reads".
 """
 
 from __future__ import annotations

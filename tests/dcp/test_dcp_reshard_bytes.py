@@ -1,4 +1,4 @@
-"""Issue 13, Show "Resharding": bytes read per rank when DCP reshards a 4-rank FSDP2 checkpoint
+"""Resharding reads: bytes read per rank when DCP reshards a 4-rank FSDP2 checkpoint
 (tensors of 4 MiB) onto 3 ranks, and a 2-rank one onto 4 (byte-equal reassembled): every rank reads
 at most 5% more than the bytes it needs (its DTensor local shards, the replicated plain tensors and
 byte items), metadata and headers included, and what it reads is the right slice

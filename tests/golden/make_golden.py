@@ -197,7 +197,7 @@ def write_checkpoint(out: Path, name: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_golden_v2 import (
         records_with_tensors,
-    )  # code since issue 12 writes records without tensors
+    )  # current code writes records without tensors
 
     records = records_with_tensors(root / f"step_{step:010d}", step, save_id, records)
     m = ShardManifest(

@@ -27,7 +27,7 @@ part is reproducible.
 - ``corrupt_zero2``: ``zero2`` with one byte of rank 1's tensor data flipped (sha256 and CRC32C both
   fail).
 
-Remote part (``--remote``): the objects the v2 uploader (round-1 remote layout: shards, mirrored
+Remote part (``--remote``): the objects the v2 uploader (the remote layout before per-save prefixes: shards, mirrored
 ``manifest.json``, ``.confirm`` records, ``upload_manifest.json``, ``latest``) writes for the
 committed step of ``zero2`` under the prefix :data:`REMOTE_PREFIX`, produced by running
 ``Uploader.upload_step`` against a real moto server process and downloading every object of the

@@ -4,7 +4,7 @@ tests/golden/v3/.
     python tests/golden/make_golden_v3.py [OUT_DIR]     # default: tests/golden/v3 next to this file
 
 The committed files were written by the code of commit 6ed0115 (the last one whose manifest lists
-every tensor of every shard, before issue 12 moved the tensor index into each shard's own header),
+every tensor of every shard, before the tensor index moved into each shard's own header),
 from a worktree of that commit, with that commit's ``tiered_ckpt`` first on ``PYTHONPATH``.
 
 The checkpoints are those of make_golden_v2.py (``zero2``, ``dtypes``, ``extras``,

@@ -1,6 +1,6 @@
 """Golden schema-v3 checkpoints whose manifest lists every tensor (tests/golden/v3, made by
-tests/golden/make_golden_v3.py with the code of commit 6ed0115, before issue 12 moved the tensor
-index into the shard headers) load with the current code to exactly the recorded values, verify and
+tests/golden/make_golden_v3.py with the code of commit 6ed0115, before the tensor index moved
+into the shard headers) load with the current code to exactly the recorded values, verify and
 reshard; the per-tensor manifest records are cross-checked against the (format 1) shard headers."""
 
 from __future__ import annotations

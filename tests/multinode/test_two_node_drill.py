@@ -1,4 +1,4 @@
-"""The two-node drill of issue 10: ``torchrun --nnodes=2 --nproc_per_node=2`` of
+"""The two-node drill: ``torchrun --nnodes=2 --nproc_per_node=2`` of
 ``tiered_ckpt.examples.train_zero`` on two "machines" (Linux namespaces, see :mod:`netns`), each
 with its own disk, host name and pid space, one ``tiered-ckpt upload --watch`` sidecar per node, and
 a moto S3 server both nodes reach.

@@ -1,5 +1,4 @@
-"""Crash and fault-injection matrix of the local commit protocol (SPEC §2, I1-I5; issue 2 "Crash
-matrix").
+"""Crash and fault-injection matrix of the local commit protocol (SPEC §2, I1-I5).
 
 A child process (tests/crash_child.py) saves a 4-rank step with the public API; strace, attached to
 it from outside once it is ready, either SIGKILLs it on entering the N-th call of a syscall or makes

@@ -1,4 +1,4 @@
-"""Issue 13, Show "Cluster loss with FSDP2": a 2-rank FSDP2 run checkpointed through
+"""Cluster loss with FSDP2: a 2-rank FSDP2 run checkpointed through
 DCPCheckpointManager (async saves, rotation and upload gating at the commit), uploaded by the real
 sidecar, its local tier deleted; the restart restores from the bucket and resumes with the
 uninterrupted run's losses exactly. On moto and on SeaweedFS."""

@@ -1,4 +1,4 @@
-"""Disk full for real (SPEC §2 I5; issue 2 "Disk full"): a small tmpfs mounted by the test, a
+"""Disk full for real (SPEC §2 I5): a small tmpfs mounted by the test, a
 committed step, then saves that do not fit. Every failure must be a ``CheckpointWriteError`` whose
 ``__cause__`` is the ``OSError`` with errno ENOSPC; the attempt's temp files are gone; the previous
 step is intact and still the newest committed one; once space is freed the next save succeeds.

@@ -1,4 +1,4 @@
-"""Nodes by shared disk, not host name (issue 10, Why case 5 and Build 3; SPEC §11 "Nodes").
+"""Nodes by shared disk, not host name (SPEC §11 "Nodes").
 
 Real gloo rank processes (tests/_node_workers.py), each started inside its own mount and UTS
 namespace (``unshare --mount --uts``) so that a rank's root can be one path on every rank backed by

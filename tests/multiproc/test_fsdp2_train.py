@@ -1,5 +1,5 @@
 """The FSDP2 example (:mod:`tiered_ckpt.examples.train_fsdp2`) on real gloo ranks, checkpointing
-through DCP into the local tier with ``tiered_ckpt.dcp`` (issue 13, slow: one process per rank).
+through DCP into the local tier with ``tiered_ckpt.dcp`` (slow: one process per rank).
 
 1. SIGKILL drill: 4 ranks (torchrun) killed, the whole process tree at once, at a random step after
    at least two committed async saves; restarted (the tests' own launcher: one process per rank):

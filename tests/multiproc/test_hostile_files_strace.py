@@ -1,6 +1,6 @@
 """``strace -f -y -e trace=open,openat,openat2`` of the real ``tiered-ckpt verify ROOT``, ``ls
-ROOT`` and ``upload --once`` (against the moto server) on a root full of hostile entries (issue 11,
-Why 4 / Build 3): FIFOs, symlinks to files outside the root and to ``/dev/zero``, character devices
+ROOT`` and ``upload --once`` (against the moto server) on a root full of hostile entries: FIFOs,
+symlinks to files outside the root and to ``/dev/zero``, character devices
 and directories in place of ``manifest.json``, ``uploaded.json``, ``pinned.json``, ``adopted.json``,
 ``node_ranks.json`` and shards; a step directory and ``superseded/`` that are symlinks to a copy
 outside.

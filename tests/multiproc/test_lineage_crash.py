@@ -1,4 +1,4 @@
-"""Issue 10, Build 1: a crash in the middle of a lineage decision repeats the same decision on
+"""A crash in the middle of a lineage decision repeats the same decision on
 restart.
 
 A real child process runs ``CheckpointManager.load(10)`` on a root holding steps 10, 20, 30 (a
@@ -67,7 +67,7 @@ def test_sigkill_during_the_decision_repeats_it(tmp_path: Path, kill_at: str) ->
     with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
         for s in (10, 20, 30):
             mgr.save(s, {"w": np.full(4, float(s)), "step": s})
-        run_id = getattr(mgr, "run_id", None)  # (the code before issue 10 has none: fails below)
+        run_id = getattr(mgr, "run_id", None)  # (code without lineage has none: fails below)
     old20 = read_manifest(root, 20).save_id
 
     crashed = run_child(root, kill_at)

@@ -1,4 +1,4 @@
-"""Issue 10 review, case 1, on 2 real gloo ranks with node-local roots: a load of an older step in a
+"""Rollback inside a running manager, on 2 real gloo ranks with node-local roots: a load of an older step in a
 manager that already saved (and a load() whose newest common step is older after one node lost its
 copy) starts a new attempt, records it in every root and sets the newer steps aside before it
 returns. Before the fix only the manager's first load or save decided: ``load(500)`` kept attempt 1

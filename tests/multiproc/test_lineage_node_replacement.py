@@ -1,9 +1,9 @@
-"""Issue 10, Why case 2: the crash loop after a node replacement, on 4 real gloo ranks (two
+"""The crash loop after a node replacement, on 4 real gloo ranks (two
 simulated nodes x two ranks, node-local roots) and a real S3 server (moto, over HTTP).
 
 Both nodes commit step 40 locally; node 1's upload of 40 is still running when the job dies; node 1
-is replaced (its disk is gone). The newest step every rank can get is 30 (from the bucket). Before
-issue 10 the job resumed from 30, reached 40 again and died with ``CheckpointExistsError: step 40 is
+is replaced (its disk is gone). The newest step every rank can get is 30 (from the bucket). Without
+lineage the job resumed from 30, reached 40 again and died with ``CheckpointExistsError: step 40 is
 already committed under .../node0`` inside ``DistributedSaveError``, on every restart. Now the
 resume starts attempt 2, node 0's step 40 is set aside, the second pass through 40 commits, and the
 job trains to the end with exactly the loss curve of an uninterrupted run."""
@@ -45,7 +45,7 @@ def test_node_replacement_resumes_past_the_lost_step(s3_bucket: S3Location, tmp_
 
     resumed = run_mode(
         "resume", tmp_path, s3_bucket
-    )  # before issue 10: DistributedSaveError at step 40
+    )  # without lineage: DistributedSaveError at step 40
     for rank, res in enumerate(resumed):
         assert res["loaded"] == 30, rank
         assert (res["run_id"], res["attempt"]) == (run_id, 2)

@@ -1,5 +1,4 @@
-"""Requests a waiting sidecar costs, counted at a proxy (issue 10, Show "Request counting"; SPEC
-§10, §11).
+"""Requests a waiting sidecar costs, counted at a proxy (SPEC §10, §11).
 
 A real ``tiered-ckpt upload --watch`` process for one node (2 local ranks) of a step with 4, 16 and
 64 simulated ranks, talking to the moto server through :class:`s3_infra.FaultProxy`, which records
@@ -8,7 +7,7 @@ polls (``tiered_ckpt_upload_waiting_polls_total``, scraped between polls) delimi
 counts are exact:
 
 - the first pass (upload of the local shards, then the first wait),
-- each later poll while waiting: must not grow with world size (before issue 10: ``2 + 2 x local
+- each later poll while waiting: must not grow with world size (before per-node polling: ``2 + 2 x local
   ranks + world_size``: 10, 22 and 70),
 - the poll that finds every rank confirmed (the other node committed): O(world size) once per step.
 

@@ -1,5 +1,5 @@
 """The 4-rank ZeRO-1 training example resumed at world size 2 from a resharded 4-rank checkpoint
-(issue 6, slow: two torchrun launches).
+(slow: two torchrun launches).
 
 What is byte-equal after ``reshard`` 4 -> 2: the global fp32 master, exp_avg and exp_avg_sq vectors
 (reassembled from the new partitions), the Adam step, the step counter, the loss history and the

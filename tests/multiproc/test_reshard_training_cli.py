@@ -1,4 +1,4 @@
-"""Resharding a real training state from the command line (issue 14, Show 5; slow: real processes).
+"""Resharding a real training state from the command line (slow: real processes).
 
 - The ZeRO-1 example's own 4-rank checkpoint: ``tiered-ckpt reshard`` without rules fails naming the
   per-rank keys grouped (RNG streams only: the example claims what every rank holds alike as

@@ -1,11 +1,11 @@
-"""Leftovers of a restore that dies or fails (issue 11, Why 6 / Build 5), on real ``tiered-ckpt
+"""Leftovers of a restore that dies or fails, on real ``tiered-ckpt
 restore`` processes against the moto server:
 
 - SIGKILLed at random moments of the download (ten times, into the same root, twice with a rerun
   that completes in between, so that later kills hit a committed step): after each kill ``ls``
   reports exactly the bytes of the temp files left in the step directory, ``gc`` removes every one
   of them, and a final restore commits a step that verifies and equals the source byte for byte.
-- the same with every other kill during a restore with 4 ranged GETs in flight (issue 12's window);
+- the same with every other kill during a restore with 4 ranged GETs in flight (the shared download window);
 - two restores of one step into one root at once: both succeed (or one refuses), the step verifies;
 - ENOSPC at the commit point (strace makes the ``link`` of ``manifest.json`` fail with ENOSPC): the
   failed restore leaves no shard and no temp file behind, and the retry succeeds; also on a small
@@ -122,7 +122,7 @@ def test_gc_after_ten_sigkills_of_restore_leaves_nothing(
     cmd = _restore_cmd(s3_bucket, dest)
     wide = _restore_cmd(
         s3_bucket, dest, concurrency=4
-    )  # every other kill: 4 parts in flight (issue 12 window)
+    )  # every other kill: 4 parts in flight (shared window)
     seed = int(os.environ.get("TC_LEFTOVER_SEED", "0")) or random.randrange(1, 2**31)
     rng = random.Random(seed)
     with capsys.disabled():

@@ -1,7 +1,7 @@
 """A background save on a hung disk: ``CheckpointManager.wait`` (and ``save``/``close``) gives up
 after ``save_timeout_s`` with :class:`SaveTimeoutError` instead of blocking for ever, keeps the save
-in flight (no second save beside it), and the save still commits once the disk answers (issue 11,
-Build 2: every wait in the product has a deadline). The disk is made to hang for real: strace delays
+in flight (no second save beside it), and the save still commits once the disk answers (every
+wait in the product has a deadline). The disk is made to hang for real: strace delays
 every ``fsync`` by 1 s."""
 
 from __future__ import annotations

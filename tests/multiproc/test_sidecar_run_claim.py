@@ -1,5 +1,5 @@
-"""The sidecar on a prefix claimed by another run (issue 10, Build 2 fencing, seen from the CLI and
-the daemon; SPEC §11): ``tiered-ckpt upload`` as a real process against the moto server.
+"""The sidecar on a prefix claimed by another run (fencing, seen from the CLI and the
+daemon; SPEC §11): ``tiered-ckpt upload`` as a real process against the moto server.
 
 Without ``--adopt-prefix`` both modes end with one error line and exit 1 and upload nothing (the
 ``--watch`` sidecar stops by itself: it must not keep uploading into another run's prefix); with it

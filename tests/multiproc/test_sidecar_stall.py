@@ -1,5 +1,5 @@
-"""A sidecar waiting on a step whose other nodes never confirm (issue 10, Why case 6; SPEC §11
-"Sidecar at scale"): a real ``tiered-ckpt upload --watch`` process against the moto server through
+"""A sidecar waiting on a step whose other nodes never confirm (SPEC §11 "Sidecar at
+scale"): a real ``tiered-ckpt upload --watch`` process against the moto server through
 the counting proxy.
 
 Before: the sidecar polled such a step forever, every ``poll_interval_s``, with no deadline, and

@@ -1,4 +1,4 @@
-"""A root without ``run.json`` (written by ``save_sharded``, or by a tiered_ckpt before issue 10)
+"""A root without ``run.json`` (written by ``save_sharded``, or by a tiered_ckpt before lineage records)
 and a prefix claimed by a run (SPEC §11 fencing), seen from ``tiered-ckpt upload --once`` as a real
 process against the moto server.
 
@@ -118,4 +118,4 @@ def test_root_without_record_on_an_unclaimed_prefix_uploads_as_before(
     )
     assert (
         _upload(root, loc, "--once").returncode == 0
-    )  # round 2 on the same (still unclaimed) prefix
+    )  # a second upload on the same (still unclaimed) prefix

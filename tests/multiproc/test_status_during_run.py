@@ -1,4 +1,4 @@
-"""``tiered-ckpt status --json --watch``, polled during a real run (issue 14, Show): a writer
+"""``tiered-ckpt status --json --watch``, polled during a real run: a writer
 process saving 64 MiB steps with the CheckpointManager, the real sidecar (``tiered-ckpt upload
 --watch``) against moto. A step goes from local-only to uploading to committed; the time at risk
 drops, when a step is committed remotely, to at most its upload latency plus the poll interval; it

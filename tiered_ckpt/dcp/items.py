@@ -1,21 +1,15 @@
 """What one DCP write item becomes in a rank's shard: its tensor name, its bytes, its dtype.
 
-- **Names.** Every ``WriteItem`` is one tensor of the rank's safetensors shard, named after its
-  ``MetadataIndex``: ``"<fqn>@<o0>,<o1>,..."`` for a tensor chunk at offsets ``(o0, o1, ...)`` (a
-  0-d tensor: ``"<fqn>@"``) and ``"<fqn>@b"`` for a byte item. The part after the last ``@`` never
-  holds an ``@``, so two items never share a name; the DCP metadata tensor, :data:`METADATA_TENSOR`,
-  holds no ``@`` and so never meets an item's name. In the file, ``%`` and ``/`` are escaped
-  (``%25``, ``%2F``) as :func:`tiered_ckpt.format.shard_file.flatten_state` does for every top-level
-  key (:func:`stored_name`); a key that is not valid Unicode (a lone surrogate) is refused.
-- **Bytes.** A non-tensor value (DCP's ``BYTE_IO`` item) is stored as a 1-D ``uint8`` tensor: the
-  tag ``b"J"`` + UTF-8 JSON for a JSON-able value (``None``, ``bool``, ``int``, ``float`` (NaN and
-  infinities as Python's ``json`` writes them), ``str``, lists, tuples, dicts with ``str`` keys;
-  **tuples come back as lists**), or ``b"B"`` + the raw bytes for ``bytes``/``bytearray`` (handed
-  back as ``bytes``, never unpickled). Anything else raises :class:`UnsupportedStateError` naming
-  the key. Never pickle, in either direction.
-- **Dtypes.** :data:`STORABLE_DTYPES`: the torch dtypes whose bytes a shard can hold (safetensors
-  code), their names in the JSON metadata, and the bit-exact conversion of a tensor to a numpy array
-  for :func:`tiered_ckpt.local.writer.write_shard` (:func:`tensor_array`).
+- **Names.** ``"<fqn>@<o0>,<o1>,..."`` for a tensor chunk at those offsets (0-d: ``"<fqn>@"``),
+  ``"<fqn>@b"`` for a byte item; the part after the last ``@`` holds no ``@``, so names never
+  collide, nor meet :data:`METADATA_TENSOR`. Escaped in the file as
+  :func:`tiered_ckpt.format.shard_file.flatten_state` does (:func:`stored_name`); a key that is not
+  valid Unicode is refused.
+- **Bytes.** A ``BYTE_IO`` value is a 1-D ``uint8`` tensor: ``b"J"`` + UTF-8 JSON for a JSON-able
+  value (**tuples come back as lists**) or ``b"B"`` + raw bytes for ``bytes``/``bytearray``.
+  Anything else raises :class:`UnsupportedStateError` naming the key. Never pickle.
+- **Dtypes.** :data:`STORABLE_DTYPES` and the bit-exact tensor -> numpy conversion
+  (:func:`tensor_array`) for :func:`tiered_ckpt.local.writer.write_shard`.
 """
 
 from __future__ import annotations

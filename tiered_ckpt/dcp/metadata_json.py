@@ -1,10 +1,6 @@
 """DCP's global ``Metadata`` as JSON (never pickle): :func:`encode` and a strict, bounded
-:func:`decode`.
-
-DCP's ``FileSystemWriter`` pickles its ``.metadata`` and ``FileSystemReader`` loads it with
-``pickle.load``; here the metadata is JSON, stored as a uint8 tensor in the coordinator's shard
-(covered
-by that shard's sha256 and per-chunk CRC32Cs). Format 1::
+:func:`decode`. Stored as a uint8 tensor in the coordinator's shard (covered by its sha256 and
+per-chunk CRC32Cs). Format 1::
 
     {"format": 1, "version": "1.0.0" | null,
      "state_dict_metadata": {fqn: {"kind": "bytes", "rank": r}
@@ -17,17 +13,13 @@ by that shard's sha256 and per-chunk CRC32Cs). Format 1::
      "storage_meta": null | {"checkpoint_id": str | null, "save_id": str | null, "load_id": str | null,
                              "modules": [str, ...]}}
 
-``Metadata.storage_data`` (``MetadataIndex`` -> ``ItemLocation``) is not spelled out: an item's
-tensor name follows from its index, so each chunk and byte item records only the rank whose shard
-holds it, and :func:`decode` hands back a :class:`~tiered_ckpt.dcp.placement.Placement`. About 25
-bytes per tensor x chunk (DCP's pickled ``.metadata``: about 90), decoded several times faster than
-DCP unpickles its own (``bench/scale.py``). (``TensorProperties.layout`` is always
-``torch.strided``.)
+``Metadata.storage_data`` is not stored: an item's tensor name follows from its index, so each item
+records only its rank, and :func:`decode` returns a :class:`~tiered_ckpt.dcp.placement.Placement`.
+``TensorProperties.layout`` is always ``torch.strided``.
 
-:func:`decode` checks every field's type and range, every chunk inside its tensor, the chunks tiling
-it exactly (no overlap, no gap, no offsets twice), every rank below the manifest's ``world_size``;
-the input is capped at :data:`MAX_METADATA_BYTES`. Every failure raises
-:class:`~tiered_ckpt.errors.DcpMetadataError` (never ``KeyError``/``TypeError``).
+:func:`decode` checks every field's type and range, the chunks tiling each tensor exactly, every rank
+below the manifest's ``world_size``; input capped at :data:`MAX_METADATA_BYTES`. Every failure
+raises :class:`~tiered_ckpt.errors.DcpMetadataError`.
 """
 
 from __future__ import annotations

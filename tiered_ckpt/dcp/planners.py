@@ -1,18 +1,14 @@
 """The DCP planners of the tiered backend: DCP's default planners with pickle taken out.
 
-DCP's ``DefaultSavePlanner.transform_object`` stores a non-tensor value with ``torch.save`` (pickle)
-and ``DefaultLoadPlanner.load_bytes`` reads it back with ``torch.load(weights_only=False)``:
-unpickling bytes read from storage. :class:`TieredSavePlanner` stores such values as JSON or raw
-bytes (:func:`tiered_ckpt.dcp.items.encode_value`) and refuses anything else in
-``create_local_plan``, before anything is written; :class:`TieredLoadPlanner` decodes
-``b"J"``/``b"B"`` only. The storage writer and reader (:mod:`tiered_ckpt.dcp.storage_writer`,
-:mod:`tiered_ckpt.dcp.storage_reader`) accept no other planner
-(:class:`~tiered_ckpt.errors.UnsupportedPlannerError`).
+- :class:`TieredSavePlanner` stores non-tensor values as JSON or raw bytes
+  (:func:`tiered_ckpt.dcp.items.encode_value`) and refuses anything else in ``create_local_plan``,
+  before anything is written.
+- :class:`TieredLoadPlanner` decodes ``b"J"``/``b"B"`` only.
+- The storage writer and reader accept no other planner
+  (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`).
 
-Everything else is DCP's: flattening of nested dicts and lists (``flatten_state_dict``),
-deduplication of replicated items (a plain tensor, or a DTensor chunk, that several ranks hold is
-written by one of them only), resharding on load (read items computed from the saved chunks and the
-loading ranks' chunks).
+Flattening, deduplication of replicated items and resharding on load are DCP's. What DCP's default
+planners do instead: docs/design.md, "DCP backend".
 """
 
 from __future__ import annotations

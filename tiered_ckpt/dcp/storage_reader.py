@@ -1,57 +1,27 @@
-"""``TieredStorageReader``: a ``torch.distributed.checkpoint`` StorageReader for steps written by
+"""``TieredStorageReader``: a DCP StorageReader for steps written by
 :class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter`, reading through the local tier's
-locally, ranged reads from the bucket (``tiered_ckpt.remote.restore.ranged_read``).
-verified partial reads (:class:`tiered_ckpt.local.verified_read.ShardReader`) and, for a shard missing
+verified partial reads and, for shards not on disk, ranged reads from the bucket.
 
-Who calls what, in DCP's numbered lifecycle (``dcp.load``):
+DCP's lifecycle (``dcp.load``):
 
-0. (all ranks) ``reset(checkpoint_id)`` when DCP is given a ``checkpoint_id`` (a step directory
-   ``<root>/step_XXXXXXXXXX``): root and step are taken from it; cached metadata is dropped.
-1. (all ranks) ``read_metadata()``: finds the step (the given one, or the newest committed step of
-   the root's lineage), reads ``manifest.json``, its ``extra["dcp"]`` and the metadata tensor of the
-   shard it names (verified: header sha256, per-chunk CRC32Cs), decodes the JSON strictly
-   (:func:`tiered_ckpt.dcp.metadata_json.decode`). Never unpickles anything. A typed error is kept
-   in :attr:`TieredStorageReader.metadata_error` too (DCP replaces it by an ``AssertionError``).
-2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator)``: the placement of every item.
-3. (all ranks) ``prepare_local_plan(plan)``: tags the plan with the step and save id this rank read.
-4. (coordinator) ``prepare_global_plan(plans)``: every rank must have read the same save
-   (:class:`~tiered_ckpt.errors.DcpMetadataError` otherwise: e.g. a step committed between two
-   ranks' ``read_metadata`` with ``step=None``).
-5. (all ranks) ``read_data(plan, planner)``: refuses a planner that is not
-   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner`
-   (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`) before reading anything; then, per
-   ``ReadItem``, reads only the bytes it needs (:func:`~tiered_ckpt.dcp.items.byte_range`: whole
-   rows along dim 0 exactly, any other box through the smallest contiguous range that covers it),
-   verified chunk by chunk, through one shard reader per rank, opened once per call and closed
-   after; copies into ``planner.resolve_tensor`` and calls ``commit_tensor``; byte items go to
-   ``planner.load_bytes`` as they were stored.
+0. (all) ``reset(checkpoint_id)``: root and step from a ``<root>/step_XXXXXXXXXX`` id.
+1. (all) ``read_metadata()``: the given step or the newest current one; the metadata tensor read
+   verified and decoded strictly (never unpickled). A typed error is also kept in
+   :attr:`TieredStorageReader.metadata_error` (DCP replaces it by an ``AssertionError``).
+2. (all) ``set_up_storage_reader``: the placement of every item.
+3. (all) ``prepare_local_plan``: tags the plan with the step and save id read.
+4. (coordinator) ``prepare_global_plan``: every rank read the same save, else
+   :class:`~tiered_ckpt.errors.DcpMetadataError`.
+5. (all) ``read_data``: refuses any planner but
+   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner` before reading; reads only the bytes each
+   ``ReadItem`` needs (:func:`~tiered_ckpt.dcp.items.byte_range`), verified chunk by chunk.
 
-Where the bytes come from (``remote_url`` given; ``tiered_ckpt.remote.restore.ranged_read``, imported only
-then):
-
-- the root holds the step (its ``manifest.json``): every rank's shard from disk; a rank whose shard
-  file is missing (another node's, a partial restore, deleted) is read from the bucket's copy of the
-  same save (the bucket's current save of the step must carry the local manifest's save id and the
-  same record of that shard, :class:`~tiered_ckpt.errors.DcpMetadataError` otherwise). Without
-  ``remote_url``: :class:`~tiered_ckpt.errors.MissingShardError` naming the shard.
-- the root lacks the step (or, ``step=None``, holds no committed step at all): the manifest, the
-  metadata and every rank's ranges from the bucket: the given step's current save, or for
-  ``step=None`` the prefix's newest current step, as ``tiered-ckpt restore`` picks them (the root's
-  ``run.json`` merged in, when it names the bucket's run). Nothing is written locally.
-
-Bucket reads are ranged GETs of the chunk-aligned spans the ranges need, every chunk checked against
-the CRC32C in the shard's verified header (a shard without chunk checksums is fetched whole and
-checked against its sha256). The bucket's copy is opened once per load (catalogue LIST, upload
-manifest and manifest GETs) and closed at the end of ``read_data``, by
-:meth:`~TieredStorageReader.close` or ``reset``.
-
-A load that fails (a chunk failing its CRC32C, a missing shard) raises before ``commit_tensor`` of
-the failed items, but destination tensors may already hold part of the new bytes, as with DCP's own
-reader: load again or start fresh, never train on after the error.
-
-Bytes read are counted in :attr:`TieredStorageReader.stats` (a
-:class:`~tiered_ckpt.local.verified_read.ReadStats`: disk and bucket), those fetched from the bucket also
-in :attr:`TieredStorageReader.remote_stats`.
+With ``remote_url``, a shard missing on disk is read from the bucket's copy of the same save (same
+save id and shard record, else ``DcpMetadataError``), and a step absent from the root entirely
+comes from the bucket; without it, a missing shard is
+:class:`~tiered_ckpt.errors.MissingShardError`. Nothing is written locally. A failed load may leave
+destination tensors partly overwritten (as with DCP's reader): never train on after the error.
+Bytes read: :attr:`TieredStorageReader.stats`, :attr:`TieredStorageReader.remote_stats`.
 """
 
 from __future__ import annotations

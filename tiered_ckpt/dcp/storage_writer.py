@@ -1,44 +1,28 @@
-"""``TieredStorageWriter``: a ``torch.distributed.checkpoint`` StorageWriter whose save of step
-``S`` is an ordinary step of the local tier (``<root>/step_XXXXXXXXXX/``: one safetensors shard per
-rank, written by :func:`tiered_ckpt.local.writer.write_shard`, then ``manifest.json`` last, by
+"""``TieredStorageWriter``: a DCP StorageWriter whose save of step ``S`` is an ordinary step of the
+local tier (shards by :func:`tiered_ckpt.local.writer.write_shard`, then ``manifest.json`` by
 :func:`tiered_ckpt.local.commit.commit_step`).
 
-Who calls what, in DCP's numbered lifecycle (``dcp.save`` / ``dcp.async_save``; with
-``AsyncCheckpointerType.PROCESS`` all of it runs in DCP's checkpoint process, to which this writer
-and the planner are pickled, in its own gloo process group):
+DCP's lifecycle (``dcp.save`` / ``dcp.async_save``; in process mode all of it runs in DCP's
+checkpoint process):
 
-0. (all ranks) ``reset(checkpoint_id)`` when DCP is given a ``checkpoint_id`` (a step directory
-   ``<root>/step_XXXXXXXXXX``, see :meth:`validate_checkpoint_id`): root and step are taken from it.
-   ``storage_meta()`` (all ranks): the step directory and, once chosen, the save id.
-1. (all ranks) ``set_up_storage_writer(is_coordinator, rank=...)``: the rank's role; DCP's
-   experimental ``use_collectives=False`` is refused (every rank would commit a world of one).
-2. (all ranks) ``prepare_local_plan(plan)``: tags the plan with this rank's step (checked by 3).
-3. (coordinator) ``prepare_global_plan(plans)``: checks every rank saves the same step and that the
-   step is not committed (unless ``replace``), chooses the save id (one for all ranks), places every
-   item (``MetadataIndex`` -> :class:`~tiered_ckpt.dcp.items.ItemLocation`: rank, tensor name) and
-   sends each rank a :class:`ShardPlan` in its ``SavePlan.storage_data``. Nothing is written before
-   this.
-4. (all ranks) ``write_data(plan, planner)``: refuses a planner that is not
-   :class:`~tiered_ckpt.dcp.planners.TieredSavePlanner` before writing anything; every item becomes
-   one tensor of the rank's shard (:mod:`tiered_ckpt.dcp.items`); the coordinator adds the DCP
-   metadata as a JSON uint8 tensor (:mod:`tiered_ckpt.dcp.metadata_json`: the planner's global
-   metadata, the placement of 3, the storage meta). ``write_shard`` makes the shard durable (temp
-   name, fsync, rename, directory fsync). Returns one ``WriteResult`` per item plus one (fqn
-   :data:`~tiered_ckpt.dcp.items.SHARD_RESULT_FQN`) carrying the rank's ``ShardRecord`` as JSON.
-5. (coordinator) ``finish(metadata, results)``: fills ``metadata`` as stored, checks it is what 4
-   wrote, then commits the step: ``commit_step`` checks every shard and links ``manifest.json`` with
-   the save id and ``extra["dcp"] = {"format": 1, "metadata_rank", "metadata_tensor",
-   "metadata_bytes"}``. The step is committed from then on, and ``tiered-ckpt ls/verify/gc``,
-   rotation, upload and restore treat it as any other.
+0. (all) ``reset(checkpoint_id)``: root and step from a ``<root>/step_XXXXXXXXXX`` id
+   (:meth:`validate_checkpoint_id`).
+1. (all) ``set_up_storage_writer``: the rank's role; ``use_collectives=False`` is refused.
+2. (all) ``prepare_local_plan``: tags the plan with this rank's step.
+3. (coordinator) ``prepare_global_plan``: same step everywhere, not committed (unless
+   ``replace``); one save id; every item placed; a :class:`ShardPlan` per rank. Nothing is
+   written before this.
+4. (all) ``write_data``: refuses any planner but
+   :class:`~tiered_ckpt.dcp.planners.TieredSavePlanner`; writes the rank's shard durably (the
+   coordinator's with the JSON metadata); returns the item results plus one
+   (:data:`~tiered_ckpt.dcp.items.SHARD_RESULT_FQN`) carrying the ``ShardRecord``.
+5. (coordinator) ``finish``: checks the metadata against 4, then ``commit_step`` with
+   ``extra["dcp"]``. From then on the step is like any other.
 
-A save killed before 5 leaves an uncommitted step directory (its shards and writer lock): readers
-never see it and ``tiered-ckpt gc`` sweeps it, as for any other save. DCP's lifecycle has no call
-for a save that failed on some rank; :func:`tiered_ckpt.dcp.save` (and a thread-mode ``async_save``)
-call :meth:`abort` on every rank then, which removes the rank's shard of that save and lets go of
-the writer lock, so that the step can be saved again at once.
-
-Assumes every rank writes into the same ``root`` (one shared file system, or one node): the
-coordinator commits every rank's shard.
+A save killed before 5 leaves an uncommitted directory that readers never see and ``gc`` sweeps.
+On a failed save :func:`tiered_ckpt.dcp.save` (and thread-mode ``async_save``) call :meth:`abort`
+on every rank, so the step can be saved again at once. Assumes every rank writes into the same
+``root``: the coordinator commits every rank's shard.
 """
 
 from __future__ import annotations

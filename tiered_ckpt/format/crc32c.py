@@ -1,21 +1,13 @@
-"""CRC32C (Castagnoli) checksums over any buffer, without copies, and the per-tensor chunk checksums
-of manifest schema v2.
+"""CRC32C (Castagnoli) checksums over any buffer without copies, and per-tensor chunk checksums.
 
-The CRC comes from ``google_crc32c`` (Google's hardware-accelerated C library). Its Python entry
-points accept only ``bytes`` (``PyArg_ParseTuple("y#")``), so feeding them views of numpy arrays or
-of a read buffer would copy every chunk; we call the same library's ``crc32c_extend(crc, ptr, len)``
-through ctypes instead (zero-copy, and ctypes releases the GIL so that hashing overlaps I/O on
-another core). If the library cannot be reached that way, the pure ``google_crc32c.extend`` path
-with a ``bytes`` copy is used.
+- :func:`crc32c_extend` and :class:`Crc32c` call ``google_crc32c``'s C ``crc32c_extend`` through
+  ctypes (zero-copy, GIL released); if unreachable, the ``bytes``-copy path of ``google_crc32c.extend`` is used.
+- :class:`TensorChunkCrcs`: a tensor's bytes cut into ``chunk_bytes`` chunks (the last one shorter,
+  none for a zero-size tensor), chunk ``k`` covering ``[k * chunk_bytes, min((k + 1) * chunk_bytes,
+  nbytes))``, each CRC32C as 8 lower-case hex digits; a partial read verifies exactly the chunks it
+  read.
 
-Per-tensor chunk checksums (schema v2, :class:`TensorChunkCrcs`): the bytes of every tensor are cut
-into chunks of ``chunk_bytes`` (the last one shorter; none for a zero-size tensor), chunk ``k``
-covering tensor bytes ``[k * chunk_bytes, min((k + 1) * chunk_bytes, nbytes))``, and the CRC32C of
-each is recorded as 8 lower-case hex digits. A partial read of ``[a, b)`` of a tensor then reads the
-chunk-aligned range around it and verifies exactly those chunks (resharding; see
-the local tier's verified reads).
-
-Pure apart from loading the shared library; no file I/O.
+Pure apart from loading the shared library; no file I/O. Why ctypes: docs/design.md, "CRC32C".
 """
 
 from __future__ import annotations

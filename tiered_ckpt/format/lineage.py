@@ -1,21 +1,13 @@
 """Run identity and step lineage (SPEC §11): ``run.json`` in a root and in a bucket prefix. Pure: no
 I/O.
 
-A **run** is one training job's history, named by a ``run_id`` chosen when the job first starts in
-an empty root. An **attempt** is one unbroken stretch of that history: attempt 1 starts the run;
-every later attempt starts when a :class:`~tiered_ckpt.training.manager.CheckpointManager` (or
-``restore``) resumes from a step older than the newest committed one (a rollback, a node replacement
-that lost the newest step), or saves into a root holding newer steps without loading. Each attempt
-records the first step number it *supersedes*: every step of an earlier attempt with a number at or
-above it is abandoned history.
-
-A step saved in attempt ``a`` with number ``s`` is **current** iff no later attempt ``k > a``
-supersedes it (``s < supersedes_from`` of every such ``k``). Superseded steps are never loaded,
-restored or uploaded as the newest; they are set aside, not deleted (SPEC §11).
-
-The same record is the run's claim on a bucket prefix (``<prefix>/run.json``, first written with
-``If-None-Match: *``, later moved with ``If-Match``): a sidecar whose root names another run is
-refused.
+- A run (``run_id``) is a list of attempts numbered 1, 2, 3... without gaps, each
+  ``{attempt, supersedes_from, resumed_from, started_at}`` (``resumed_from``: the step it loaded,
+  ``null``: none).
+- A step saved in attempt ``a`` with number ``s`` is current iff every later attempt ``k > a`` has
+  ``s < supersedes_from``; superseded steps are never loaded, restored or uploaded as the newest.
+- In a bucket the record is the run's claim on the prefix (first write ``If-None-Match: *``, later
+  ``If-Match``).
 
 JSON (sorted keys)::
 
@@ -23,10 +15,9 @@ JSON (sorted keys)::
         {"attempt": 1, "supersedes_from": null, "resumed_from": null, "started_at": "2026-...Z"},
         {"attempt": 2, "supersedes_from": 31, "resumed_from": 30, "started_at": "2026-...Z"}]}
 
-``resumed_from``: the step the attempt loaded (``null``: it started without loading). Attempts are
-numbered 1, 2, 3... without gaps. Validation failures raise
-:class:`~tiered_ckpt.errors.ManifestError`; two records of one run that disagree about an attempt
-raise :class:`~tiered_ckpt.errors.LineageError`.
+Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`; two records of one run that
+disagree about an attempt raise :class:`~tiered_ckpt.errors.LineageError`. What starts an attempt:
+docs/design.md, "Lineage".
 """
 
 from __future__ import annotations

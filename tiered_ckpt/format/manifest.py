@@ -1,39 +1,22 @@
-"""The step manifest (schema version 3): who owns what in a committed step.
+"""The step manifest (schema version 3): who owns what in a committed step (SPEC §2).
 
-Pure module: frozen dataclasses, JSON (de)serialisation, strict validation. No I/O, threads or S3.
-Field names of the seed lesson are kept (``schema_version``, ``world_size``, ``step``,
-``wall_clock_seconds``, ``shards[].rank/path/sha256/param_shard_offset/param_shard_numel``); SPEC §2
-adds per-shard ``size_bytes`` and per-tensor dtype/shape (and, for slices of a global tensor, the
-global shape and the slice's offset). The JSON Schema in ``schemas/manifest.v3.schema.json``
-documents the format (``manifest.v1``/``v2.schema.json`` the previous ones); the checks here are
-stricter (cross-field rules the schema cannot express).
+Pure: frozen dataclasses, JSON (de)serialisation, strict validation (stricter than
+``schemas/manifest.v3.schema.json``: cross-field rules). No I/O, threads or S3.
 
-Version 2 adds checksums for fast and partial verification, all nullable (``null``:
-unknown, as in a manifest migrated from version 1, whose verification falls back to the whole-file
-sha256):
-
-- per shard: ``crc32c`` (8 hex digits, CRC32C of the whole file, the ``verify="crc32c"`` fast path),
-  ``header_sha256`` (sha256 of the file's first ``8 + header length`` bytes: the safetensors length
-  prefix and JSON header, state tree included) and ``crc32c_chunk_bytes`` (power of two);
-- per tensor: ``crc32c``, the CRC32C of each ``crc32c_chunk_bytes`` chunk of the tensor's bytes (see
-  :mod:`tiered_ckpt.format.crc32c`), so that a partial read (resharding) verifies exactly the chunks it read.
-
-Version 3 adds the step's lineage (SPEC §11, :mod:`tiered_ckpt.format.lineage`): ``run_id`` (the run
-that saved it; ``null``: unknown, a migrated or low-level save outside any run) and ``attempt`` (the
-attempt of that run, >= 1; a migrated manifest is attempt 1). The performance and DCP issues extend
-version 3 with optional keys; there is one migration per version.
-
-Since header format 2 (still version 3: optional keys, no migration) the manifest is O(ranks): a shard
-record written now omits ``tensors`` (:attr:`ShardRecord.tensors` is ``None``) and gives
-``header_size_bytes``; the per-tensor detail is the tensor index in the shard's own header (header
-format 2, :mod:`tiered_ckpt.format.tensor_index`), verified through ``header_sha256`` (then
-required). Records that list tensors (v1, v2, v3 written before) are read and validated as before.
-
-Older manifests are upgraded on read through :data:`MIGRATIONS`
-(:mod:`tiered_ckpt.format.migration`).
+- Per shard: ``rank``, ``path``, ``size_bytes``, ``sha256``, ``param_shard_offset/numel``, and the
+  nullable checksums ``crc32c``, ``header_sha256``, ``crc32c_chunk_bytes`` (``null``: unknown, whole
+  file sha256 is the fallback).
+- Per step: lineage ``run_id`` (``null``: unknown) and ``attempt`` (>= 1).
+- A record written now omits ``tensors`` (:attr:`ShardRecord.tensors` is ``None``) and gives
+  ``header_size_bytes``: the tensor index is in the shard's header
+  (:mod:`tiered_ckpt.format.tensor_index`), verified through ``header_sha256``. Records that list
+  tensors are read and validated as before.
+- Older versions are upgraded on read through :data:`MIGRATIONS`; optional keys extend version 3
+  without a migration.
 
 Every validation failure raises :class:`~tiered_ckpt.errors.ManifestError`, except a missing or
-duplicate rank, which raises :class:`~tiered_ckpt.errors.MissingShardError` (SPEC §2 failure table).
+duplicate rank: :class:`~tiered_ckpt.errors.MissingShardError` (SPEC §2 failure table). History of
+the versions: docs/design.md, "Manifest".
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """The two small JSON records of the upload tier (SPEC §4). Pure: no I/O.
 
 - :class:`ConfirmationRecord`: ``<prefix>/step_XXXXXXXXXX.<save_id>/.confirm/rank_XXXXX.json``, PUT
-  by the sidecar that sent and confirmed one shard, read (GET, never LIST) by whoever gathers the
-  step's confirmations before writing the upload manifest. Written and read only by
-  :mod:`tiered_ckpt.remote.upload.commit`.
-- :class:`UploadedMarker`: ``<step_dir>/uploaded.json`` on local disk: the step is in the bucket
-  named by ``remote`` (uploaded, restored from it, or released unsent by ``skip_intermediate``).
-  Written and read only by :mod:`tiered_ckpt.local.markers`.
+  by the sidecar that sent and confirmed one shard, read (GET, never LIST) by
+  :mod:`tiered_ckpt.remote.upload.commit` before it writes the upload manifest. Bytes:
+  ``json.dumps(sort_keys=True)`` plus a newline.
+- :class:`UploadedMarker`: ``<step_dir>/uploaded.json``: the step is in the bucket named by
+  ``remote`` (uploaded, restored from it, or released unsent by ``skip_intermediate``); written and
+  read by :mod:`tiered_ckpt.local.markers`. Bytes: ``json.dumps(indent=1, sort_keys=True)`` plus a
+  newline, optional fields omitted when unset.
 
-Both serialise to exactly the bytes earlier releases wrote (existing buckets and run directories
-stay readable), and both readers ignore keys they do not know (a newer sidecar's, on a node not yet
-upgraded), as the readers before these dataclasses did: the confirmation record as
-``json.dumps(sort_keys=True)`` plus a newline, the marker as ``json.dumps(indent=1,
-sort_keys=True)`` plus a newline, optional marker fields omitted when unset. Validation failures
-raise :class:`~tiered_ckpt.errors.ManifestError`.
+Both byte formats are frozen (existing buckets and roots stay readable); readers ignore unknown
+keys. Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`.
 """
 
 from __future__ import annotations

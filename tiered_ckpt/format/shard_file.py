@@ -1,20 +1,17 @@
-"""Shard file format: safetensors (8-byte little-endian header length, JSON header, raw
-little-endian tensor bytes), written and read by us so that bfloat16 and float8 work with numpy
-(safetensors 0.8's numpy loader refuses them) and so that writing streams from the caller's arrays
-without a whole-state copy. Pure encoding/decoding: no I/O, no threads, no knowledge of steps,
-manifests on disk or S3 (the streaming writer and verified reader are
-:mod:`tiered_ckpt.local.shard_io`).
+"""Shard file format: safetensors (8-byte little-endian header length, JSON header, raw little-endian
+tensor bytes), encoded and decoded here. Pure: no I/O, threads, steps, manifests or S3 (the
+streaming writer and verified reader are :mod:`tiered_ckpt.local.shard_io`).
 
-The nested state is kept in the header's ``__metadata__["tiered_ckpt"]`` as JSON: a tree whose nodes
-are ``{"d": {key: node}}`` (a dict), ``{"t": name}`` (a tensor in this file), ``{"v": value}`` (a
-JSON value) or ``{"r": node | null}`` (a :class:`~tiered_ckpt.state.Replicated` value: stored once,
-as ``node``, in the file of each node's first rank, rank 0 always among them; every other rank's
-file holds ``{"r": null}``, a reference to an identical copy at the same key path; manifest schema
-v2). Nothing is ever pickled. Tensor names are the key path joined by ``/`` (``%`` and ``/`` inside
-keys escaped as ``%25`` and ``%2F``), so plain safetensors tools see readable names.
+- The nested state is ``__metadata__["tiered_ckpt"]``: a JSON tree of ``{"d": {key: node}}``,
+  ``{"t": name}`` (a tensor of this file), ``{"v": value}`` or ``{"r": node | null}`` (a
+  :class:`~tiered_ckpt.state.Replicated` value, stored in the file of each node's first rank;
+  ``null`` elsewhere). Nothing is ever pickled.
+- Tensor names are the key path joined by ``/`` (``%`` and ``/`` in keys escaped as ``%25``,
+  ``%2F``), readable by plain safetensors tools.
+- Decoding follows safetensors' validation rules (header size cap, offsets that cover the data
+  without holes or overlap).
 
-Source: safetensors format (huggingface/safetensors README and ``safetensors/src/tensor.rs``
-validation rules: header size cap, offsets that cover the data without holes or overlap).
+Why our own codec: docs/design.md, "Shard files".
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""A rank's tensor index: what each tensor of a shard file is (dtype, shape, byte range, global
-slice, per-chunk CRC32Cs), and the cross-rank rules the tensors of a step obey. Pure: no I/O, no
-threads.
+"""A rank's tensor index: what each tensor of a shard file is (dtype, shape, byte range, global slice,
+per-chunk CRC32Cs), and the cross-rank rules the tensors of a step obey. Pure: no I/O, no threads.
 
-Where the index lives: a step saved with header format 2 keeps it in each shard's own
-safetensors header (header format 2, :mod:`tiered_ckpt.format.shard_file`), verified through the
-manifest's ``header_sha256``, so that ``manifest.json`` holds one small record per rank, whatever
-the number of tensors. Earlier steps list every tensor in the manifest
-(:meth:`TensorRecord.to_dict`, schema v1-v3); those still load. The header's index encoding
-(``crc32c_chunk_bytes``, ``crc32c``, ``slices`` in the ``tiered_ckpt`` metadata block) is
-:func:`encode_index` / :func:`apply_index`.
+- Steps saved now keep the index in each shard's header (:func:`encode_index` /
+  :func:`apply_index`), verified through the manifest's ``header_sha256``; older steps list every
+  tensor in the manifest (:meth:`TensorRecord.to_dict`) and still load.
+- Manifest-side failures raise :class:`~tiered_ckpt.errors.ManifestError`; header-side functions
+  take the caller's error factory.
 
-Every validation failure of a manifest's records raises :class:`~tiered_ckpt.errors.ManifestError`;
-the header-side functions take the caller's error factory (the shard errors).
+Why the index moved out of the manifest: docs/design.md, "Tensor index".
 """
 
 from __future__ import annotations

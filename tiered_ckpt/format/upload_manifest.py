@@ -1,27 +1,16 @@
-"""The upload manifest: the remote commit point of a step (SPEC §4). Pure: no I/O, no S3.
+"""The upload manifest: the remote commit point of a save (SPEC §4). Pure: no I/O, no S3.
 
-``<prefix>/step_XXXXXXXXXX.<save_id>/upload_manifest.json`` (schema 2; schema 1, one save per step, lives at
-``<prefix>/step_XXXXXXXXXX/upload_manifest.json``, one save per step) is written only after every
-shard of the save is confirmed remotely and re-checked (ETag and size of every object, sha256 of
-``manifest.json``). It lists, per rank, the remote key, size, sha256 and how the shard was
-confirmed, plus the sha256 of the local ``manifest.json`` it mirrors (uploaded next to it). Its
-content is deterministic (no per-writer timestamps or host names), so two sidecars that race to
-write it produce identical bytes. A step without it does not exist for restore.
-
-Schema 2 adds the lineage (``run_id``, ``attempt``: SPEC §11), the local manifest's ``created_at``
-and, per shard, the ``etag`` the commit re-checked. Schema 1 is still read (``run_id`` ``None``,
-``attempt`` 1, ``etag`` ``None``).
-
-``key_layout`` (optional in schema 2, no bump: absent means ``flat``, the only layout before it;
-written only when not ``flat``, so a flat save's bytes are what they always were) names the key
-scheme of the shard objects (:data:`~tiered_ckpt.layout.KEY_LAYOUTS`,
-:func:`~tiered_ckpt.layout.remote_shard_key`). Every shard key must be exactly the key that layout
-gives its rank: never a key outside the save's (flat) or the run's spread (``hashed``) prefix. A
-reader older than ``key_layout`` refuses a hashed manifest (an unknown key is a ``ManifestError``)
-rather than look for its shards in the wrong place.
-
-``<prefix>/latest`` (see :class:`LatestPointer`) names the newest current remotely committed save,
-ordered by ``(attempt, step)``.
+- ``<prefix>/step_XXXXXXXXXX.<save_id>/upload_manifest.json`` (schema 2; schema 1 at
+  ``<prefix>/step_XXXXXXXXXX/`` is still read as ``run_id`` ``None``, ``attempt`` 1, ``etag``
+  ``None``), written only after every shard is confirmed and re-checked (ETag and size of every
+  object, sha256 of ``manifest.json``). A step without it does not exist for restore.
+- Per rank: key, size, sha256, how it was confirmed, ``etag``; plus the local manifest's sha256 and
+  ``created_at``, ``run_id``, ``attempt``. Content is deterministic: racing writers write identical
+  bytes.
+- ``key_layout`` (optional, absent: ``flat``, written only when not flat): every shard key must be
+  exactly the key that layout gives its rank (:func:`~tiered_ckpt.layout.remote_shard_key`).
+- :class:`LatestPointer`: ``<prefix>/latest``, the newest current committed save by
+  ``(attempt, step)``.
 
 Validation failures raise :class:`~tiered_ckpt.errors.ManifestError`.
 """
