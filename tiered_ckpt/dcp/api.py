@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from tiered_ckpt.dcp.planners import TieredLoadPlanner, TieredSavePlanner
@@ -159,7 +160,7 @@ def async_save(
 class WholeStepLoadPlanner(TieredLoadPlanner):
     """:class:`TieredLoadPlanner` into an empty state dict that it first fills from the step's
     metadata (as DCP's ``_EmptyStateDictLoadPlanner``): an empty CPU tensor of the saved global
-    shape and dtype per tensor, placed at its nested path; byte items are then decoded into place."""
+    shape and dtype per tensor at its nested path; byte items are then decoded into place."""
 
     def set_up_planner(
         self,
@@ -171,11 +172,9 @@ class WholeStepLoadPlanner(TieredLoadPlanner):
             raise CheckpointError("a whole-step load needs an empty state dict and the metadata")
         paths = metadata.planner_data or {}
         for fqn, md in metadata.state_dict_metadata.items():
-            value = (
-                torch.empty(md.size, dtype=md.properties.dtype)
-                if isinstance(md, TensorStorageMetadata)
-                else None
-            )
+            value = md
+            if isinstance(md, TensorStorageMetadata):
+                value = torch.empty(md.size, dtype=md.properties.dtype)
             if fqn in paths:
                 set_element(state_dict, paths[fqn], value)
             else:
@@ -211,7 +210,9 @@ def load(
     )
     try:
         with typed_errors(reader):
-            dcp.load(
+            # dcp.load hands the planner a copy of the top-level dict: a whole-step load, whose
+            # planner adds the keys, calls DCP's inner load (as _load_state_dict_from_keys does).
+            (_load_state_dict if whole_step else dcp.load)(
                 state_dict,
                 storage_reader=reader,
                 planner=WholeStepLoadPlanner() if whole_step else TieredLoadPlanner(),
