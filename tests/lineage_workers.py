@@ -95,7 +95,7 @@ def main() -> None:
     base = out / "straight" if mode == "straight" else out
     root = base / f"node{rank // 2}"
     client = make_s3_client(endpoint_url=endpoint, path_style=True, region_name="us-east-1")
-    remote = {} if mode == "straight" else {"remote_url": url, "remote_s3_client": client}
+    remote = {} if mode == "straight" else {"remote_url": url, "s3_client": client}
     mgr = CheckpointManager(
         root,
         rank=rank,

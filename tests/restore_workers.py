@@ -50,7 +50,7 @@ def main() -> None:
         async_save=False,
         keep_last=5,
         remote_url=url,
-        remote_s3_client=client,
+        s3_client=client,
         collective_timeout_s=60,
     )
     for step in (2, 4):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 #: is its one line, not an import's traceback (and ``DCPCheckpointManager`` alone needs torch).
 _EXPORTS: dict[str, str] = {
     "CheckpointManager": "tiered_ckpt.training.manager",
-    "SaveOutcome": "tiered_ckpt.training.manager",
+    "SaveOutcome": "tiered_ckpt.training.core",
     "DCPCheckpointManager": "tiered_ckpt.dcp.manager",
     "Uploader": "tiered_ckpt.remote.upload.uploader",
     "restore": "tiered_ckpt.remote.restore.restorer",
@@ -55,7 +55,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names (a test kee
     from tiered_ckpt.remote.restore.restorer import restore
     from tiered_ckpt.remote.upload.uploader import Uploader
     from tiered_ckpt.state import GlobalSlice, Replicated
-    from tiered_ckpt.training.manager import CheckpointManager, SaveOutcome
+    from tiered_ckpt.training.core import SaveOutcome
+    from tiered_ckpt.training.manager import CheckpointManager
 
 
 def __getattr__(name: str) -> Any:

@@ -72,14 +72,15 @@ def main() -> None:
         keep_last=1,
         upload_gated=True,
         remote_url=url,
-        remote_s3_client=s3_infra.make_test_client(endpoint),
+        s3_client=s3_infra.make_test_client(endpoint),
         async_mode="thread",
     )
     res: dict = {"losses": {}, "loaded": None}
     start = 0
     if mode == "resume":
         state = dcp_state(model, opt, 0)
-        res["loaded"] = mgr.load(into=state)
+        mgr.load(into=state)
+        res["loaded"] = mgr.loaded_step
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = state["extra"]["step"]
     for step in range(start + 1, STEPS + 1):

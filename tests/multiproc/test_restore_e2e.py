@@ -48,9 +48,7 @@ def test_manager_restores_a_lost_step_before_loading(s3_bucket: S3Location, tmp_
     with Uploader(root, s3_bucket.url, s3_client=s3_bucket.client) as up:
         up.upload_step(7)
     shutil.rmtree(root)
-    with CheckpointManager(
-        root, remote_url=s3_bucket.url, remote_s3_client=s3_bucket.client
-    ) as mgr:
+    with CheckpointManager(root, remote_url=s3_bucket.url, s3_client=s3_bucket.client) as mgr:
         got = mgr.load()
         assert mgr.latest_step() == 7
     assert got["progress"] == {"step": 7} and got["w"].tobytes() == state["w"].tobytes()

@@ -34,7 +34,7 @@ def upload(root: Path, loc: S3Location, *steps: int) -> None:
 
 def manager(root: Path, loc: S3Location) -> CheckpointManager:
     return CheckpointManager(
-        root, keep_last=3, async_save=False, remote_url=loc.url, remote_s3_client=loc.client
+        root, keep_last=3, async_save=False, remote_url=loc.url, s3_client=loc.client
     )
 
 
@@ -145,7 +145,7 @@ def test_outage_at_load_supersedes_what_the_bucket_may_hold(
         keep_last=3,
         async_save=False,
         remote_url=s3_bucket.url,
-        remote_s3_client=dead_client(),
+        s3_client=dead_client(),
     ) as mgr:
         assert mgr.load()["step"] == 500
         assert mgr.attempt == 2  # before the fix: 1
@@ -189,7 +189,7 @@ def test_outage_at_the_first_save_supersedes_what_the_bucket_may_hold(
         keep_last=3,
         async_save=False,
         remote_url=s3_bucket.url,
-        remote_s3_client=dead_client(),
+        s3_client=dead_client(),
     ) as mgr:
         mgr.save(550, state(550))
         assert mgr.attempt == 2  # before the fix: 1
@@ -215,7 +215,7 @@ def test_outage_at_load_into_an_empty_root_is_not_a_fresh_start(
     upload(src, s3_bucket, 5)
     root = tmp_path / "run"
     with CheckpointManager(
-        root, async_save=False, remote_url=s3_bucket.url, remote_s3_client=dead_client()
+        root, async_save=False, remote_url=s3_bucket.url, s3_client=dead_client()
     ) as mgr:
         with pytest.raises(UploadError) as info:
             mgr.load()

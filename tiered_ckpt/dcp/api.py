@@ -18,10 +18,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from tiered_ckpt.dcp.planners import TieredLoadPlanner, TieredSavePlanner
@@ -154,6 +157,31 @@ def async_save(
     return _typed_future(res, writer)
 
 
+class WholeStepLoadPlanner(TieredLoadPlanner):
+    """:class:`TieredLoadPlanner` into an empty state dict that it first fills from the step's
+    metadata (as DCP's ``_EmptyStateDictLoadPlanner``): an empty CPU tensor of the saved global
+    shape and dtype per tensor at its nested path; byte items are then decoded into place."""
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if state_dict or metadata is None:
+            raise CheckpointError("a whole-step load needs an empty state dict and the metadata")
+        paths = metadata.planner_data or {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            value = md
+            if isinstance(md, TensorStorageMetadata):
+                value = torch.empty(md.size, dtype=md.properties.dtype)
+            if fqn in paths:
+                set_element(state_dict, paths[fqn], value)
+            else:
+                state_dict[fqn] = value
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
 def load(
     state_dict: dict[str, Any],
     root: PathLike,
@@ -163,6 +191,7 @@ def load(
     remote_url: str | None = None,
     endpoint_url: str | None = None,
     s3_client: Any = None,
+    whole_step: bool = False,
 ) -> int:
     """``dcp.load`` into ``state_dict`` (in place, as DCP does; tensors are copied into, non-tensor
     values replaced: tuples come back as lists) from step ``step`` of ``root`` (``None``: the newest
@@ -171,16 +200,22 @@ def load(
     :class:`TieredStorageReader`). Returns the step loaded. Raises the typed error of the lowest
     failing rank (``NoCheckpointError``, ``DcpMetadataError``, ``ShardCorruptedError``, ...; a
     ``CheckpointError`` with DCP's reason for a state whose keys or shapes the checkpoint lacks).
-    Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16 tensor, cast."""
+    Tensors are copied as DCP copies them: a saved float32 loads into a bfloat16 tensor, cast.
+    ``whole_step``: ``state_dict`` must be empty; it is filled with every item of the step as saved
+    (plain CPU tensors of the global shape, built from the step's metadata)."""
+    if whole_step and state_dict:
+        raise ValueError("whole_step=True needs an empty state_dict")
     reader = TieredStorageReader(
         root, step, remote_url=remote_url, endpoint_url=endpoint_url, s3_client=s3_client
     )
     try:
         with typed_errors(reader):
-            dcp.load(
+            # dcp.load hands the planner a copy of the top-level dict: a whole-step load, whose
+            # planner adds the keys, calls DCP's inner load (as _load_state_dict_from_keys does).
+            (_load_state_dict if whole_step else dcp.load)(
                 state_dict,
                 storage_reader=reader,
-                planner=TieredLoadPlanner(),
+                planner=WholeStepLoadPlanner() if whole_step else TieredLoadPlanner(),
                 process_group=process_group,
                 no_dist=_no_dist(),
             )
@@ -191,4 +226,4 @@ def load(
     return reader.step
 
 
-__all__ = ["async_save", "load", "save", "typed_error", "typed_errors"]
+__all__ = ["WholeStepLoadPlanner", "async_save", "load", "save", "typed_error", "typed_errors"]

@@ -222,14 +222,15 @@ def resume(
     rank: int,
 ) -> int:
     """``mgr.load(into=...)`` of the newest step (restored from the bucket first if only it has it)
-    into the model, the optimizer, the sampler and the RNG streams; returns it (0: nothing to load,
+    into the model, the optimizer, the sampler and the RNG streams; returns the step (0: nothing to load,
     a fresh start, and nothing is touched)."""
     # get_state_dict of a fresh optimizer initializes its state (an AdamW step with zero gradients
     # and lr 0: the parameters stay as they are, the step count becomes 1); the load overwrites all
     # of it, and a fresh start drops it again, so that its first real step is step 1.
     state = dcp_state(model, opt, 0, DataPosition(), [])
     try:
-        step = mgr.load(into=state)
+        mgr.load(into=state)
+        step = mgr.loaded_step
     except tc.NoCheckpointError:
         opt.state.clear()
         return 0
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_last=args.keep_last,
         upload_gated=args.upload_gated,
         remote_url=args.remote_url,
-        async_mode=None if args.sync_save else "thread",
+        async_save=not args.sync_save,
         collective_timeout_s=120.0,
         on_save_outcome=events.save if events is not None else None,
     )

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CoordinatedSave:
     """Result of one committed multi-rank save on this rank (the manager turns it into its
-    :class:`~tiered_ckpt.training.manager.SaveOutcome`). ``manifest``: the committed manifest where
+    :class:`~tiered_ckpt.training.core.SaveOutcome`). ``manifest``: the committed manifest where
     this rank committed (``committed_here``), else ``None``."""
 
     step: int

@@ -4,7 +4,7 @@ logs).
 One record per line, a flat JSON object with an ``"event"`` key:
 
 - ``{"event": "save", **SaveOutcome.to_json()}``: one
-  :class:`~tiered_ckpt.training.manager.SaveOutcome` (step, rank, seconds of the background write +
+  :class:`~tiered_ckpt.training.core.SaveOutcome` (step, rank, seconds of the background write +
   hash + commit, stage_seconds, committed_here, error);
 - ``{"event": "resumed", "step": N}``: the job resumed from committed step ``N``.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tiered_ckpt.training.manager import SaveOutcome
+from tiered_ckpt.training.core import SaveOutcome
 
 __all__ = ["JobEventLog", "JobEvents", "read_job_events"]
 
