@@ -330,8 +330,9 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
 def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
     """Coordinator: 4 fresh rank processes build their states and wait; the clock starts when they
     are told the save id and stops when commit_step has returned."""
-    import tiered_ckpt
     from tiered_ckpt.format.manifest import ShardRecord
+    from tiered_ckpt.fs import new_save_id
+    from tiered_ckpt.local.commit import commit_step
 
     ranks = CASES[task["case"]][1]
     procs = []
@@ -350,7 +351,7 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
             line = p.stdout.readline()
             if line.strip() != "READY":
                 raise RuntimeError(f"rank worker failed to start: {line!r}")
-        sid = tiered_ckpt.new_save_id()
+        sid = new_save_id()
         with C.CpuTimer() as t:
             for p in procs:
                 p.stdin.write(sid + "\n")
@@ -362,7 +363,7 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
                     raise RuntimeError(f"rank worker failed: {line!r}")
                 outs.append(json.loads(line[len(C.RESULT_PREFIX) :]))
             recs = [ShardRecord.from_dict(o["record"]) for o in outs]
-            tiered_ckpt.commit_step(task["path"], STEP, ranks, recs, save_id=sid)
+            commit_step(task["path"], STEP, ranks, recs, save_id=sid)
         for p in procs:
             p.wait(timeout=60)
     finally:
@@ -382,13 +383,13 @@ def _save_multiprocess(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank_worker(task: dict[str, Any]) -> None:
-    import tiered_ckpt
+    from tiered_ckpt.local.writer import write_shard
 
     state = build_state(state_spec(task["rank_bytes"]), seed=task["rank"])
     print("READY", flush=True)
     sid = sys.stdin.readline().strip()
     with C.PeakRss() as m, C.CpuTimer() as t:
-        rec = tiered_ckpt.write_shard(task["path"], STEP, task["rank"], state, save_id=sid)
+        rec = write_shard(task["path"], STEP, task["rank"], state, save_id=sid)
     C.emit_result({"record": rec.to_dict(), **t.as_dict(), **m.as_dict()})
 
 
