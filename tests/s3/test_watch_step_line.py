@@ -63,7 +63,7 @@ def test_watch_logs_one_line_per_step_at_the_default_level(
     step_lines = [ln for ln in err.splitlines() if "step 3" in ln]
     assert len(step_lines) == 1, err  # one line for the step, not one per shard
     assert re.fullmatch(
-        r"\S+ \S+ INFO tiered_ckpt\.remote\.daemon: step 3: committed remotely: 2 shard\(s\), "
+        r"\S+ \S+ INFO tiered_ckpt\.remote\.upload\.daemon: step 3: committed remotely: 2 shard\(s\), "
         r"1\.0 MiB, confirmed by read-back in \d+\.\d\d s \(1\.0 MiB sent by this node\)",
         step_lines[0],
     ), step_lines[0]

@@ -115,9 +115,6 @@ PathLike = str | os.PathLike[str]
 ProgressCallback = Callable[[int], None]
 
 
-log = logging.getLogger(__name__)
-
-
 class Placed:
     """The files one restore renamed (or is about to rename) into its step directory, by name, with
     their ``(st_dev, st_ino)``. Filled from the download threads (one dict assignment per shard)."""
