@@ -127,7 +127,7 @@ def run_ours(
         max_concurrency=concurrency,
     ) as up:
         up.server_validates_checksums()  # probe outside the timing
-        up._server_validates = (
+        up.session.checksum_validation = (
             not readback
         )  # read-back forced on a validating server too (SeaweedFS): the A/B
         t = time.monotonic()

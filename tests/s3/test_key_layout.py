@@ -62,7 +62,7 @@ def test_hashed_upload_restores_byte_equal_and_lists_as_flat(
     root, flat, hashed = _flat_and_hashed(tmp_path, s3_bucket)
     for loc, layout in ((flat, "flat"), (hashed, "hashed")):
         with _uploader(root, loc, layout) as up:
-            up._server_validates = False  # moto: no probe needed (read-back)
+            up.session.checksum_validation = False  # moto: no probe needed (read-back)
             up.upload_step(1)
     sp = f"{hashed.prefix}/{save_entry(root, 1)}"
     spread = _shard_keys_of(hashed, root, 1, "hashed")
@@ -278,7 +278,7 @@ def test_request_counts_per_step_are_the_documented_formula_in_both_layouts(
             with Uploader(
                 root, loc.url, s3_client=client, retry=FAST_RETRY, key_layout=layout
             ) as up:
-                up._server_validates = False  # moto: read-back (r = 1), no probe requests
+                up.session.checksum_validation = False  # moto: read-back (r = 1), no probe requests
                 try:
                     up.upload_step(1)
                 except StepIncompleteError:

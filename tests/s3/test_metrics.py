@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.remote.upload.daemon import UploadLoop
 from tiered_ckpt.remote.upload.metrics import UploadMetrics
 from tiered_ckpt.retry import RetryPolicy
 
@@ -44,7 +45,7 @@ def test_metrics_endpoint(
             m0 = _scrape(port)
             assert m0["tiered_ckpt_upload_bytes_total"] == 0
             assert math.isnan(m0["tiered_ckpt_upload_seconds_since_newest_remote"])
-            up.run(once=True, poll_interval_s=0.01)
+            UploadLoop(up, poll_interval_s=0.01).run(once=True)
             m1 = _scrape(port)
             total = sum(read_manifest(root, s).total_bytes for s in (1, 2))
             assert m1["tiered_ckpt_upload_bytes_total"] == total
@@ -55,7 +56,7 @@ def test_metrics_endpoint(
             # A new step that cannot be uploaded: queue depth 1, one failure.
             make_step(root, 3, shard_bytes=3 * 1024 * 1024)
             fault_proxy.fail_all(status=500, code="InternalError")
-            up.run(once=True, poll_interval_s=0.01)
+            UploadLoop(up, poll_interval_s=0.01).run(once=True)
             m2 = _scrape(port)
             assert m2["tiered_ckpt_upload_failures_total"] == 1
             assert m2["tiered_ckpt_upload_queue_depth"] == 1

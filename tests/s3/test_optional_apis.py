@@ -24,6 +24,7 @@ from tiered_ckpt import Uploader, UploadError, restore
 from tiered_ckpt.layout import PENDING_ABORTS_NAME, step_dir_name
 from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.single_process_save import save_sharded
+from tiered_ckpt.remote.upload.daemon import UploadLoop
 from tiered_ckpt.remote.upload.uploader import UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 from tiered_ckpt.store import optional_apis
@@ -229,7 +230,7 @@ def test_expired_credentials_mid_upload_record_the_open_upload_then_the_sidecar_
         # Credentials renewed; the server still lists nothing: only the record can find the upload.
         fault_proxy.clear_rules()
         fault_proxy.fail_first(None, s3_infra.is_list_multipart_uploads, **NOT_IMPLEMENTED)
-        assert up.run(once=True) == [1]  # the sidecar: sweep at start, then the step
+        assert UploadLoop(up).run(once=True) == [1]  # the sidecar: sweep at start, then the step
     assert _open_uploads(s3_bucket) == []
     assert _record(root) == []
 

@@ -34,6 +34,7 @@ from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
 from tiered_ckpt.layout import MANIFEST_NAME, RUN_RECORD_NAME, UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.remote.catalogue import list_remote_steps
+from tiered_ckpt.remote.upload.daemon import UploadLoop
 from tiered_ckpt.retry import RetryPolicy
 
 KiB = 1024
@@ -110,9 +111,6 @@ def test_second_run_on_a_claimed_prefix_is_refused(
 def test_adopt_prefix_replaces_the_claim(
     tmp_path: Path, s3_bucket: s3_infra.S3Location, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tiered_ckpt.remote.upload.shard_upload import StepStats
-    from tiered_ckpt.remote.upload.step_upload import upload_step
-
     a, b = tmp_path / "runA", tmp_path / "runB"
     new_run(a, RUN_A)
     lin_b = new_run(b, RUN_B)
@@ -121,19 +119,10 @@ def test_adopt_prefix_replaces_the_claim(
     with uploader(a, s3_bucket) as up:
         up.upload_step(10)
     with (
-        uploader(b, s3_bucket) as up,
+        uploader(b, s3_bucket, adopt_prefix=True) as up,
         caplog.at_level(logging.WARNING, logger="tiered_ckpt.remote.lineage"),
     ):
-        upload_step(
-            up._sender,
-            up._shard_executor,
-            up.prefix,
-            up.local_root,
-            20,
-            b / step_dir_name(20),
-            StepStats(),
-            adopt_prefix=True,
-        )
+        up.upload_step(20)
     assert any("adopting it for run " + RUN_B in r.getMessage() for r in caplog.records)
     assert remote_record(s3_bucket) == lin_b
     assert marker(b, 20) is not None
@@ -199,7 +188,7 @@ def test_rollback_on_the_remote_tier(tmp_path: Path, s3_bucket: s3_infra.S3Locat
     for s in (500, 600, 700):
         step(root, s)
     with uploader(root, s3_bucket) as up:
-        assert up.run(once=True, poll_interval_s=0.01) == [700, 600, 500]
+        assert UploadLoop(up, poll_interval_s=0.01).run(once=True) == [700, 600, 500]
     old_cluster = tmp_path / "old_cluster"  # the abandoned branch's root, its sidecar still alive
     shutil.copytree(root, old_cluster)
     step(old_cluster, 800)  # attempt 1 keeps going there
@@ -267,7 +256,8 @@ def _commit_without_lineage_check(root: Path, loc: s3_infra.S3Location, s: int) 
     """The remote commit protocol of ``root``'s step ``s`` alone (what a sidecar does after its
     lineage check passed): shards, records, fence, upload manifest, ``latest``."""
     from tiered_ckpt.remote.upload.commit import RemoteStepCommit
-    from tiered_ckpt.remote.upload.shard_upload import StepStats, upload_shard
+    from tiered_ckpt.remote.upload.session import StepStats
+    from tiered_ckpt.remote.upload.shard_upload import upload_shard
     from tiered_ckpt.remote.upload.step_upload import read_local_manifest
 
     sdir = root / step_dir_name(s)
@@ -276,7 +266,7 @@ def _commit_without_lineage_check(root: Path, loc: s3_infra.S3Location, s: int) 
         commit = RemoteStepCommit(up.store, up.prefix, s, mbytes, m)
         commit.put_manifest()
         for rec in m.shards:
-            upload_shard(up._sender, commit, sdir, rec, StepStats())
+            upload_shard(up.session, commit, sdir, rec, StepStats())
         commit.move_latest(commit.write_upload_manifest(commit.gather()))
 
 
@@ -370,7 +360,8 @@ def test_changed_remote_manifest_is_never_committed(
     """manifest.json changed after this node mirrored it, before its commit: the fence's sha256
     check refuses the commit; the next pass mirrors the manifest again and commits."""
     from tiered_ckpt.remote.upload.commit import RemoteStepCommit
-    from tiered_ckpt.remote.upload.shard_upload import StepStats, upload_shard
+    from tiered_ckpt.remote.upload.session import StepStats
+    from tiered_ckpt.remote.upload.shard_upload import upload_shard
     from tiered_ckpt.remote.upload.step_upload import read_local_manifest
     from tiered_ckpt.remote.upload.uploader import StepIncompleteError
 
@@ -386,7 +377,7 @@ def test_changed_remote_manifest_is_never_committed(
         commit = RemoteStepCommit(up.store, up.prefix, 8, mbytes, m)
         commit.put_manifest()
         for rec in m.shards[2:]:
-            upload_shard(up._sender, commit, sdir, rec, StepStats())
+            upload_shard(up.session, commit, sdir, rec, StepStats())
         um = commit.gather()
         s3_bucket.client.put_object(
             Bucket=s3_bucket.bucket, Key=mkey, Body=mbytes.replace(b'"step"', b'"step" ')

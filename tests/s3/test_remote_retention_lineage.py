@@ -14,7 +14,7 @@ from s3_servers import both_servers
 
 from tiered_ckpt import Uploader, restore
 from tiered_ckpt.format.lineage import RunLineage
-from tiered_ckpt.layout import PINNED_MARKER_NAME, RUN_RECORD_NAME, step_dir_name
+from tiered_ckpt.layout import PINNED_MARKER_NAME, RUN_RECORD_NAME
 from tiered_ckpt.local.pins import pin_step
 from tiered_ckpt.remote.catalogue import read_catalogue, remote_committed_steps
 from tiered_ckpt.remote.upload.uploader import UploadPolicy
@@ -173,7 +173,6 @@ def test_a_poll_while_other_nodes_confirm_is_one_list(
     one LIST of the save's .confirm/ prefix: no re-read of the run record, the upload manifest, the
     local shards' records or the mirrored manifest, and no re-PUT of anything. Once the other node's
     records are listed they are GET once, then the fence and the commit."""
-    from tiered_ckpt.remote.upload.shard_upload import StepStats
     from tiered_ckpt.remote.upload.step_upload import upload_step
     from tiered_ckpt.remote.upload.uploader import StepIncompleteError
 
@@ -188,13 +187,8 @@ def test_a_poll_while_other_nodes_confirm_is_one_list(
 
         def poll(resume):
             return upload_step(
-                up._sender,
-                up._shard_executor,
-                up.prefix,
-                up.local_root,
+                up.session,
                 9,
-                a / step_dir_name(9),
-                StepStats(),
                 resume=resume,
             )
 
@@ -212,7 +206,7 @@ def test_a_poll_while_other_nodes_confirm_is_one_list(
         with uploader(b, s3_bucket) as up_b:  # node B confirms ranks 2-3 (and commits the save)
             up_b.upload_step(9)
         n0 = len(fault_proxy.requests)
-        um, _ = poll(commit)
+        um, _, _ = poll(commit)
         names = [(r.method, r.key.rsplit("/", 1)[-1]) for r in fault_proxy.requests[n0:]]
         assert names[:3] == [("GET", ""), ("GET", "rank_00002.json"), ("GET", "rank_00003.json")]
         assert ("PUT", "upload_manifest.json") not in names  # B committed first: seen by one GET

@@ -12,6 +12,7 @@ from tiered_ckpt import Uploader
 from tiered_ckpt.layout import PINNED_MARKER_NAME, save_entry_name
 from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.pins import pin_step
+from tiered_ckpt.remote.upload.daemon import UploadLoop
 
 
 def test_a_pin_made_after_the_upload_reaches_the_bucket(
@@ -21,13 +22,13 @@ def test_a_pin_made_after_the_upload_reaches_the_bucket(
     make_step(root, 1, world_size=2, shard_bytes=16 * 1024)
     key = f"{s3_bucket.prefix}/{save_entry_name(1, read_manifest(root, 1).save_id)}/{PINNED_MARKER_NAME}"
     with Uploader(root, s3_bucket.url, s3_client=s3_infra.make_test_client(fault_proxy.url)) as up:
-        assert up.run(once=True, poll_interval_s=0.01) == [1]
+        assert UploadLoop(up, poll_interval_s=0.01).run(once=True) == [1]
         assert key not in list_keys(s3_bucket)
         pin_step(root, 1)
-        assert up.run(once=True, poll_interval_s=0.01) == []
+        assert UploadLoop(up, poll_interval_s=0.01).run(once=True) == []
         assert key in list_keys(s3_bucket)
         n = len(fault_proxy.requests)
-        up.run(once=True, poll_interval_s=0.01)
+        UploadLoop(up, poll_interval_s=0.01).run(once=True)
         # Later passes: no pin request (remembered); only the start's sweep of abandoned uploads.
         assert [r.method for r in fault_proxy.requests[n:] if PINNED_MARKER_NAME in r.target] == []
 
@@ -51,7 +52,7 @@ def test_a_fifo_or_symlink_pin_is_mirrored_without_opening_it(
     with Uploader(
         root, s3_bucket.url, s3_client=s3_infra.make_test_client(s3_bucket.endpoint_url)
     ) as up:
-        assert sorted(up.run(once=True, poll_interval_s=0.01)) == [1, 2]
+        assert sorted(UploadLoop(up, poll_interval_s=0.01).run(once=True)) == [1, 2]
     client = s3_infra.make_test_client(s3_bucket.endpoint_url)
     for step in (1, 2):
         key = f"{s3_bucket.prefix}/{save_entry_name(step, read_manifest(root, step).save_id)}/{PINNED_MARKER_NAME}"

@@ -24,6 +24,7 @@ from tiered_ckpt import Uploader
 from tiered_ckpt.format.upload_manifest import LatestPointer, UploadManifest
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.local.catalogue import read_manifest
+from tiered_ckpt.remote.upload.daemon import UploadLoop
 from tiered_ckpt.remote.upload.uploader import StepIncompleteError, UploadPolicy
 from tiered_ckpt.retry import RetryPolicy
 
@@ -53,7 +54,7 @@ def test_three_multipart_steps_commit_last(
     client = s3_infra.make_test_client(fault_proxy.url)
     with _uploader(root, s3_bucket, client) as up:
         assert up.pending_steps() == [30, 20, 10]  # newest first
-        done = up.run(once=True, poll_interval_s=0.05)
+        done = UploadLoop(up, poll_interval_s=0.05).run(once=True)
         assert done == [30, 20, 10]
         assert up.pending_steps() == []
     reqs = fault_proxy.requests
@@ -127,7 +128,7 @@ def test_server_checksum_confirmation_compares_composite_crc32c(
     make_step(root, 2)
     client = s3_infra.make_test_client(fault_proxy.url)
     with _uploader(root, s3_bucket, client) as up:
-        up._server_validates = True  # as a validating server (S3, MinIO) would be probed
+        up.session.checksum_validation = True  # as a validating server (S3, MinIO) would be probed
         um = up.upload_step(1)
         assert {s.confirmed_by for s in um.shards} == {"server-checksum"}
         sp = save_prefix(s3_bucket, root, 1)
@@ -268,7 +269,9 @@ def test_two_nodes_racing(tmp_path: Path, s3_bucket: s3_infra.S3Location) -> Non
         stop = threading.Event()
         results[name] = []
         for _ in range(200):
-            results[name] += up.run(stop, once=True, poll_interval_s=0.05, failure_backoff_s=0)
+            results[name] += UploadLoop(up, poll_interval_s=0.05, failure_backoff_s=0).run(
+                stop, once=True
+            )
             if not up.pending_steps():
                 return
             stop.wait(0.05)
@@ -300,7 +303,7 @@ def test_skip_intermediate_and_remote_retention(
     with _uploader(
         root, s3_bucket, policy=UploadPolicy(skip_intermediate=True, keep_remote_last=2)
     ) as up:
-        assert up.run(once=True, poll_interval_s=0.01) == [3]
+        assert UploadLoop(up, poll_interval_s=0.01).run(once=True) == [3]
         for s in (1, 2):  # released for rotation, never uploaded
             assert (
                 json.loads((root / step_dir_name(s) / UPLOADED_MARKER_NAME).read_text())["skipped"]
@@ -308,7 +311,7 @@ def test_skip_intermediate_and_remote_retention(
             )
         for s in (4, 5, 6):
             make_step(root, s, shard_bytes=small)
-            assert up.run(once=True, poll_interval_s=0.01) == [s]
+            assert UploadLoop(up, poll_interval_s=0.01).run(once=True) == [s]
         assert up.remote_committed_steps() == [5, 6]
     keys = list_keys(s3_bucket)
     assert not any(
@@ -327,7 +330,7 @@ def test_upload_manifest_deleted_first_on_retention(
     with _uploader(root, s3_bucket, policy=UploadPolicy(keep_remote_last=1)) as up:
         real = up.store.delete
         up.store.delete = lambda keys: (calls.append(list(keys)), real(calls[-1]))[1]  # type: ignore[method-assign]
-        up.run(once=True, poll_interval_s=0.01)
+        UploadLoop(up, poll_interval_s=0.01).run(once=True)
     d1 = save_entry(root, 1)
     calls = [c for c in calls if any(k.startswith("step_") for k in c)]
     assert calls[0] == [f"{d1}/upload_manifest.json"]  # un-committed before anything else goes
@@ -368,11 +371,11 @@ def test_runs_with_an_external_stop_event_leave_no_thread_behind(
     make_step(root, 1, world_size=1, shard_bytes=4096)
     external = threading.Event()
     with _uploader(root, s3_bucket) as up:
-        up.run(external, once=True)  # starts the executors' and the watchdog's threads
+        UploadLoop(up).run(external, once=True)  # starts the executors' and the watchdog's threads
         threading.Event().wait(0.5)
         before = threading.active_count()
         for _ in range(5):
-            up.run(external, once=True)
+            UploadLoop(up).run(external, once=True)
         assert not up.stop_event.is_set()
         deadline = threading.Event()
         deadline.wait(0.5)  # a relay notices the end of its run within 0.2 s

@@ -13,6 +13,7 @@ from s3_infra import S3Location
 from tiered_ckpt import Uploader, restore
 from tiered_ckpt.layout import UPLOADED_MARKER_NAME, step_dir_name
 from tiered_ckpt.remote.restore.restorer import remote_committed_steps
+from tiered_ckpt.remote.upload.daemon import UploadLoop
 from tiered_ckpt.retry import RetryPolicy
 
 FAST = RetryPolicy(max_attempts=3, initial_wait_s=0.05, max_wait_s=0.2)
@@ -32,7 +33,7 @@ def test_marker_of_another_remote_leaves_the_step_pending(
     url_b = f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}-other"
     with _uploader(root, url_a, s3_bucket) as up:
         assert up.pending_steps() == [2, 1]
-        up.run(once=True)
+        UploadLoop(up).run(once=True)
         assert up.pending_steps() == []
     marker = json.loads((root / step_dir_name(2) / UPLOADED_MARKER_NAME).read_bytes())
     assert marker["remote"] == url_a
@@ -40,7 +41,7 @@ def test_marker_of_another_remote_leaves_the_step_pending(
     # Re-pointed at another prefix: both steps are pending there and get uploaded.
     with _uploader(root, url_b, s3_bucket) as up:
         assert up.pending_steps() == [2, 1]
-        up.run(once=True)
+        UploadLoop(up).run(once=True)
         assert up.pending_steps() == []
     assert remote_committed_steps(url_b, s3_client=s3_bucket.client) == [1, 2]
 

@@ -57,7 +57,7 @@ def _upload(tmp_path: Path, loc: S3Location, validates: bool) -> UploadManifest:
     ]
     save_sharded(states, root, 10)
     with Uploader(root, loc.url, s3_client=loc.client, **SETTINGS) as up:
-        up._server_validates = validates  # known per server: no probe
+        up.session.checksum_validation = validates  # known per server: no probe
         up.upload_step(10)
     return UploadManifest.from_json(
         remote_bytes(loc, f"{save_prefix(loc, root, 10)}/upload_manifest.json")

@@ -40,11 +40,18 @@ class FakeUploader:
         self.error: BaseException | None = None
         self.abort_sweeps = 0
         self.sweep_error: BaseException | None = None
+        self.last_timing = None
         for s in pending:
             (root / step_dir_name(s)).mkdir(parents=True)
 
     def select_pending(self) -> list[int]:
         return sorted(self.pending, reverse=True)
+
+    def learn_newest_remote(self) -> None:
+        pass
+
+    def abort_abandoned_uploads(self) -> int:
+        return 0
 
     def upload_step(self, step: int) -> None:
         self.calls.append(step)
@@ -68,9 +75,13 @@ class FakeUploader:
 
 
 def _loop(up: FakeUploader, poll: float = 0.1, cap: float = 0.8) -> UploadLoop:
-    loop = UploadLoop(up, rng=random.Random(1))  # type: ignore[arg-type]
-    loop.configure(poll_interval_s=poll, max_poll_interval_s=cap, failure_backoff_s=10.0)
-    return loop
+    return UploadLoop(
+        up,  # type: ignore[arg-type]
+        poll_interval_s=poll,
+        max_poll_interval_s=cap,
+        failure_backoff_s=10.0,
+        rng=random.Random(1),
+    )
 
 
 def _stall_locks(up: FakeUploader, step: int) -> list[str]:

@@ -55,6 +55,7 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from tiered_ckpt.errors import ShardCorruptedError, UploadError
+from tiered_ckpt.store.settings import TransferSettings
 
 #: ``on_progress(delta_bytes)``: called from transfer threads (must be thread-safe); ``delta_bytes``
 #: may be negative when a failed attempt's bytes are taken back before a retry.
@@ -171,6 +172,11 @@ class ObjectStore(Protocol):
     def prefix(self) -> str:
         """The key prefix every key is relative to (``""`` for a whole bucket), as in
         :attr:`url`."""
+        ...
+
+    @property
+    def transfer_settings(self) -> TransferSettings:
+        """Part sizes and concurrency of this store's multipart uploads and ranged downloads."""
         ...
 
     # --- small objects

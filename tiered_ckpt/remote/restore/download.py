@@ -44,7 +44,6 @@ from tiered_ckpt.remote.handle import object_url
 from tiered_ckpt.remote.restore.plan import RemoteObject, RestorePlan
 from tiered_ckpt.safe_read import opened
 from tiered_ckpt.store.base import ObjectStore, RemoteNotFoundError
-from tiered_ckpt.store.settings import TransferSettings
 
 ProgressCallback = Callable[[int], None]
 
@@ -253,12 +252,6 @@ def _worker(
             return
 
 
-def transfer_of(store: ObjectStore) -> TransferSettings:
-    """The store's transfer settings (its ``transfer_settings``), else the defaults."""
-    t = getattr(store, "transfer_settings", None)
-    return t if isinstance(t, TransferSettings) else TransferSettings()
-
-
 def fetch_shards(
     store: ObjectStore,
     plan: RestorePlan,
@@ -284,7 +277,7 @@ def fetch_shards(
     ``ShardCorruptedError`` (size, sha256 or header differs; a size other than planned answered,
     before that part's bytes), ``UploadError`` (the bucket cannot be read), ``OSError`` (local
     disk). On a failure the files are left for the caller to remove (restore stages them)."""
-    t = transfer_of(store)
+    t = store.transfer_settings
     part = part_size_bytes or t.download_part_size_bytes
     conc = concurrency or t.download_max_concurrency
     shards = []
@@ -341,4 +334,4 @@ def fetch_shard(
     fetch_shards(store, plan, [obj], {obj.rank: dest}, on_progress=on_progress, cancel=cancel)
 
 
-__all__ = ["fetch_shard", "fetch_shards", "transfer_of"]
+__all__ = ["fetch_shard", "fetch_shards"]

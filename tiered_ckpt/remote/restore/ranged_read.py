@@ -62,7 +62,6 @@ from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.local.verified_read import ReadStats, check_header_bytes
 from tiered_ckpt.remote.catalogue import RemoteSave, SaveFault, read_catalogue
 from tiered_ckpt.remote.handle import StoreHandle, object_url
-from tiered_ckpt.remote.restore.download import transfer_of
 from tiered_ckpt.remote.restore.plan import candidates, read_mirrored_manifest
 from tiered_ckpt.store.base import ObjectSizeError, ObjectStore, RemoteNotFoundError
 
@@ -189,7 +188,7 @@ class RemoteShardReader:
         self.where = f"step {manifest.step} rank {rank} ({object_url(store, key)})"
         self.stats = stats
         self._store: ObjectStore | None = store
-        self._part = transfer_of(store).download_part_size_bytes
+        self._part = store.transfer_settings.download_part_size_bytes
         self._header: fmt.ParsedHeader | None = None
         self._whole: bytearray | None = (
             None  # the whole object, verified against the record's sha256

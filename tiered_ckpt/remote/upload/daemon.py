@@ -6,7 +6,7 @@ Lifecycle (one process per training node):
 1. The CLI builds ONE S3 client and ONE :class:`~tiered_ckpt.remote.upload.uploader.Uploader` and calls
    :func:`run_sidecar`.
 2. :func:`run_sidecar` installs SIGTERM/SIGINT handlers that only set the stop event, optionally
-   serves Prometheus metrics, and runs ``Uploader.run`` (:class:`UploadLoop`) in a worker thread
+   serves Prometheus metrics, and runs an :class:`UploadLoop` over the uploader in a worker thread
    (the main thread waits on signals).
 3. On a signal: the stop event is set; retries stop, backoffs are cut short, and an in-flight
    multipart upload stops reading, lets its in-flight parts finish and is aborted (no object is
@@ -47,17 +47,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from tiered_ckpt.errors import CheckpointError, NoCheckpointError, RunMismatchError, UploadError
 from tiered_ckpt.local.catalogue import step_path
 from tiered_ckpt.locks import acquire_step_lock, release_step_lock
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
+from tiered_ckpt.remote.upload.uploader import Uploader
 from tiered_ckpt.retry import OperationInterruptedError
-
-if TYPE_CHECKING:
-    from tiered_ckpt.remote.upload.metrics import UploadMetrics
-    from tiered_ckpt.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -78,39 +75,6 @@ def ranks_text(ranks: Iterable[int]) -> str:
         out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
         i = j + 1
     return ",".join(out)
-
-
-class Uploader(Protocol):
-    """What the loop and :func:`run_sidecar` use of :class:`tiered_ckpt.remote.upload.uploader.Uploader`
-    (which imports this module, so it is named here by its shape)."""
-
-    local_root: Path
-    store: ObjectStore
-    policy: Any  # UploadPolicy: ``stall_deadline_s``
-    metrics: UploadMetrics | None
-    stop_event: threading.Event
-
-    def select_pending(self) -> list[int]: ...
-
-    def upload_step(self, step: int) -> Any: ...
-
-    def apply_remote_retention(self) -> list[int]: ...
-
-    def mirror_pins(self) -> list[int]: ...
-
-    def sweep_pending_aborts(self) -> int: ...
-
-    def run(
-        self,
-        stop_event: threading.Event | None = None,
-        *,
-        poll_interval_s: float = 2.0,
-        once: bool = False,
-        failure_backoff_s: float = 10.0,
-        max_poll_interval_s: float = 60.0,
-    ) -> list[int]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -160,36 +124,65 @@ _CONFIRMED_BY = {"server-checksum": "server checksum", "read-back": "read-back"}
 
 
 class UploadLoop:
-    """The sidecar loop of one :class:`~tiered_ckpt.remote.upload.uploader.Uploader` (module docstring).
-    State (waiting steps, failure backoffs) lives here across :meth:`run` calls; one thread at a
-    time."""
+    """The sidecar loop; it owns one :class:`~tiered_ckpt.remote.upload.uploader.Uploader`
+    (module docstring). State (waiting steps, failure backoffs) lives here across :meth:`run`
+    calls; one thread at a time. Timings in seconds (``max_poll_interval_s`` below
+    ``poll_interval_s`` is raised to it). Raises ``ValueError`` for a poll interval that is not
+    positive."""
 
-    def __init__(self, uploader: Uploader, *, rng: random.Random | None = None) -> None:
-        self.up = uploader
-        self.poll_interval_s = 2.0
-        self.max_poll_interval_s = 60.0
-        self.failure_backoff_s = 10.0
-        self.waiting: dict[int, WaitingStep] = {}
-        self._failed_at: dict[int, float] = {}
-        self._rng = rng if rng is not None else random.Random()
-
-    def configure(
-        self, *, poll_interval_s: float, max_poll_interval_s: float, failure_backoff_s: float
+    def __init__(
+        self,
+        uploader: Uploader,
+        *,
+        poll_interval_s: float = 2.0,
+        max_poll_interval_s: float = 60.0,
+        failure_backoff_s: float = 10.0,
+        rng: random.Random | None = None,
     ) -> None:
-        """Set the timings (seconds; ``max_poll_interval_s`` below ``poll_interval_s`` is raised to
-        it). Raises ``ValueError`` for a poll interval that is not positive."""
         if not poll_interval_s > 0 or not max_poll_interval_s > 0:
             raise ValueError(
                 f"poll intervals must be > 0, got {poll_interval_s} and {max_poll_interval_s}"
             )
+        self.up = uploader
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(max_poll_interval_s, poll_interval_s)
         self.failure_backoff_s = failure_backoff_s
+        self.waiting: dict[int, WaitingStep] = {}
+        self._failed_at: dict[int, float] = {}
+        self._rng = rng if rng is not None else random.Random()
 
-    def run(self, stop: threading.Event, *, once: bool = False) -> list[int]:
-        """Passes until ``stop`` is set (``once``: until a pass commits nothing; backoffs are then
-        not waited for: each pass polls every waiting step). Returns the steps committed. Raises
-        ``RunMismatchError`` (the prefix belongs to another run)."""
+    def run(self, stop_event: threading.Event | None = None, *, once: bool = False) -> list[int]:
+        """Abort abandoned multipart uploads, then pass over the backlog (pending steps newest
+        first) until ``stop_event`` (default: the uploader's) is set; with ``once``, until a pass
+        commits nothing (backoffs are then not waited for: each pass polls every waiting step).
+        Returns the steps committed. Raises ``RunMismatchError`` (the prefix belongs to another
+        run: the loop stops)."""
+        up = self.up
+        stop = stop_event if stop_event is not None else up.stop_event
+        finished = threading.Event()
+        if stop is not up.stop_event:
+            # Propagate an external stop event to the uploader's (which cuts retries and transfers
+            # short), until this run returns: the relay thread ends with it.
+            def relay() -> None:
+                while not finished.is_set():
+                    if stop.wait(0.2):
+                        up.stop_event.set()
+                        return
+
+            threading.Thread(target=relay, name="tc-stop-relay", daemon=True).start()
+        try:
+            up.learn_newest_remote()
+            try:
+                up.abort_abandoned_uploads()
+            except UploadError as e:
+                log.error(
+                    "could not sweep abandoned multipart uploads under %s: %s", up.store.url, e
+                )
+            return self._passes(stop, once)
+        finally:
+            finished.set()
+
+    def _passes(self, stop: threading.Event, once: bool) -> list[int]:
         done: list[int] = []
         while not stop.is_set():
             step = self.pass_once(stop, honour_backoff=not once)
@@ -200,6 +193,11 @@ class UploadLoop:
             else:
                 stop.wait(self._idle_s())
         return done
+
+    @property
+    def stalled_steps(self) -> list[int]:
+        """Steps reported stalled and still kept (ascending)."""
+        return sorted(s for s, w in self.waiting.items() if w.stalled)
 
     def _idle_s(self) -> float:
         """Seconds until the next pass: the poll interval (new local steps), or sooner when a
@@ -280,7 +278,7 @@ class UploadLoop:
             self._failed_at[step] = time.monotonic()
             return False
         self._failed_at.pop(step, None)
-        _log_committed(step, um, getattr(self.up, "last_timing", None))
+        _log_committed(step, um, self.up.last_timing)
         if w is not None and w.stalled:
             log.info(
                 "step %d: committed remotely after %.0f s stalled; released",
@@ -400,15 +398,13 @@ def run_sidecar(
         max_poll_interval_s,
     )
     error: list[BaseException] = []
+    loop = UploadLoop(
+        uploader, poll_interval_s=poll_interval_s, max_poll_interval_s=max_poll_interval_s
+    )
 
     def work() -> None:
         try:
-            uploader.run(
-                stop,
-                poll_interval_s=poll_interval_s,
-                once=once,
-                max_poll_interval_s=max_poll_interval_s,
-            )
+            loop.run(stop, once=once)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             error.append(e)
 
@@ -432,6 +428,7 @@ def run_sidecar(
         if uploader.metrics is not None:
             uploader.metrics.close()
     try:
+        loop.close()
         uploader.close()
     except Exception as e:  # noqa: BLE001 - shutting down
         log.warning("sidecar: close failed: %s", e)

@@ -23,11 +23,7 @@ Called by :mod:`tiered_ckpt.remote.upload.step_upload` on the shard executor, on
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_ckpt.errors import UploadError
@@ -35,6 +31,7 @@ from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.locks import live_locks
 from tiered_ckpt.remote.errors import LocalStepGoneError
 from tiered_ckpt.remote.upload.commit import RemoteStepCommit
+from tiered_ckpt.remote.upload.session import StepStats, UploadSession
 from tiered_ckpt.remote.upload.transfer import (
     LocalShardError,
     SentShard,
@@ -45,50 +42,13 @@ from tiered_ckpt.remote.upload.transfer import (
 )
 from tiered_ckpt.retry import (
     OperationInterruptedError,
-    RetryPolicy,
     call_with_retries,
     is_retryable_s3_error,
     s3_error_code_and_status,
 )
-from tiered_ckpt.store.base import ObjectStore
 from tiered_ckpt.store.optional_apis import OperationNotSupportedError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """Figures of one step's upload on this node, summed over its shards (thread-safe through
-    ``lock``): ``read_back_s`` (seconds of read-back confirmation), ``bytes_sent``."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    read_back_s: float = 0.0
-    bytes_sent: int = 0
-
-
-@dataclass(frozen=True)
-class ShardSender:
-    """What every shard upload of one uploader shares: the store, the part executor and the
-    semaphore bounding the parts in memory (all shards together), the retry policy,
-    ``server_validates`` (a cached probe), ``force_read_back`` (``UploadPolicy.verify``), the stop
-    event, ``on_progress(delta_bytes)`` the ``on_sent(bytes)`` metrics hook, ``on_abort_failed(key,
-    upload_id, exc)`` for a multipart upload that could not be aborted (the uploader records it:
-    :mod:`tiered_ckpt.remote.upload.pending_aborts`), ``key_layout`` (``flat``, ``hashed``: where new
-    saves' shard objects go; :mod:`tiered_ckpt.layout`), and ``cancel()`` (sets the stop event and
-    cuts the requests in flight: Ctrl-C of a one-shot upload)."""
-
-    store: ObjectStore
-    part_executor: ThreadPoolExecutor
-    part_slots: threading.Semaphore
-    retry: RetryPolicy
-    server_validates: Callable[[], bool]
-    force_read_back: bool
-    stop_event: threading.Event
-    on_progress: Callable[[int], None] | None = None
-    on_sent: Callable[[int], None] | None = None
-    on_abort_failed: Callable[[str, str, BaseException], None] | None = None
-    key_layout: str = "flat"
-    cancel: Callable[[], None] | None = None
 
 
 def _retryable(e: BaseException) -> bool:
@@ -99,10 +59,10 @@ def _retryable(e: BaseException) -> bool:
     return s3_error_code_and_status(e)[0] == "NoSuchUpload" or is_retryable_s3_error(e)
 
 
-def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
+def _abort_leftovers(session: UploadSession, key: str, what: str) -> None:
     """Step 2 of the module docstring. Raises ``OperationInterruptedError`` (stop); other remote
     failures are logged (and a leftover that cannot be aborted is recorded), never raised."""
-    store = sender.store
+    store = session.store
     try:
         leftovers = [mpu for mpu in store.list_multipart_uploads(key) if mpu.key == key]
     except OperationNotSupportedError:
@@ -118,8 +78,7 @@ def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
         try:
             store.abort_multipart_upload(mpu.key, mpu.upload_id)
         except OperationNotSupportedError as e:
-            if sender.on_abort_failed is not None:
-                sender.on_abort_failed(mpu.key, mpu.upload_id, e)
+            session.record_failed_abort(mpu.key, mpu.upload_id, e)
             return
         except OperationInterruptedError:
             raise
@@ -127,20 +86,19 @@ def _abort_leftovers(sender: ShardSender, key: str, what: str) -> None:
             log.warning(
                 "%s: could not abort leftover multipart upload %s: %s", what, mpu.upload_id, e
             )
-            if sender.on_abort_failed is not None:
-                sender.on_abort_failed(mpu.key, mpu.upload_id, e)
+            session.record_failed_abort(mpu.key, mpu.upload_id, e)
             continue
         log.info("%s: aborted leftover multipart upload %s", what, mpu.upload_id)
 
 
 def upload_shard(
-    sender: ShardSender, commit: RemoteStepCommit, sdir: Path, rec: ShardRecord, stats: StepStats
+    session: UploadSession, commit: RemoteStepCommit, sdir: Path, rec: ShardRecord, stats: StepStats
 ) -> None:
     """Steps 1-4 of the module docstring for ``rec``'s shard in ``sdir``. Raises
     :class:`LocalStepGoneError` (file gone), ``LocalShardError`` (local rot), ``UploadError`` (after
     retries; ``OperationInterruptedError`` on stop)."""
-    step, store = commit.step, sender.store
-    if sender.stop_event.is_set():  # a shard taken up after a stop: not a request more
+    step, store = commit.step, session.store
+    if session.stop_event.is_set():  # a shard taken up after a stop: not a request more
         raise OperationInterruptedError(f"step {step} rank {rec.rank}: stopped before its upload")
     key = commit.shard_key(rec.rank)  # in the commit's key layout (flat or hashed)
     done = commit.confirmed(rec)
@@ -162,8 +120,8 @@ def upload_shard(
             rec.rank,
         )
     else:
-        _abort_leftovers(sender, key, f"step {step} rank {rec.rank}")
-    validates = sender.server_validates()
+        _abort_leftovers(session, key, f"step {step} rank {rec.rank}")
+    validates = session.server_validates_checksums()
 
     def attempt() -> tuple[SentShard, ShardConfirmation]:
         try:
@@ -173,11 +131,11 @@ def upload_shard(
                 sdir / rec.path,
                 expected_size=rec.size_bytes,
                 expected_sha256=rec.sha256,
-                part_executor=sender.part_executor,
-                part_slots=sender.part_slots,
-                stop_event=sender.stop_event,
-                on_progress=sender.on_progress,
-                on_abort_failed=sender.on_abort_failed,
+                part_executor=session.part_executor,
+                part_slots=session.part_slots,
+                stop_event=session.stop_event,
+                on_progress=session.on_progress,
+                on_abort_failed=session.record_failed_abort,
             )
         except FileNotFoundError as e:
             raise LocalStepGoneError(
@@ -190,12 +148,11 @@ def upload_shard(
             sent,
             server_validates=validates,
             expected_sha256=rec.sha256,
-            force_read_back=sender.force_read_back,
-            stop_event=sender.stop_event,
+            force_read_back=session.force_read_back,
+            stop_event=session.stop_event,
         )
         if how.confirmed_by == "read-back":
-            with stats.lock:
-                stats.read_back_s += time.monotonic() - t
+            stats.add(read_back_s=time.monotonic() - t)
         return sent, how
 
     log.debug(
@@ -210,8 +167,8 @@ def upload_shard(
         sent, how = call_with_retries(
             f"step {step} rank {rec.rank}: upload {store.url}/{key}",
             attempt,
-            policy=sender.retry,
-            stop_event=sender.stop_event,
+            policy=session.retry,
+            stop_event=session.stop_event,
             is_retryable=_retryable,
         )
     except UploadError as e:
@@ -227,13 +184,11 @@ def upload_shard(
         checksum=sent.checksum_b64,
         etag=how.etag,
     )
-    with stats.lock:
-        stats.bytes_sent += sent.size_bytes
-    if sender.on_sent is not None:
-        sender.on_sent(sent.size_bytes)
+    stats.add(bytes_sent=sent.size_bytes)
+    session.count_sent(sent.size_bytes)
     log.debug(
         "step %d rank %d: confirmed (%s, ETag %s)", step, rec.rank, how.confirmed_by, how.etag
     )
 
 
-__all__ = ["ShardSender", "StepStats", "upload_shard"]
+__all__ = ["upload_shard"]

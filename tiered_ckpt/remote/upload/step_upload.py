@@ -1,11 +1,12 @@
 """Uploading one step from this node: the local half around the remote commit protocol (SPEC §4,
 §11).
 
-:func:`upload_step` is what :meth:`tiered_ckpt.remote.upload.uploader.Uploader.upload_step` runs for step
-``S`` (every node's sidecar, for the shards on its own disk):
+:func:`upload_step` is what :meth:`tiered_ckpt.remote.upload.uploader.Uploader.upload_step` runs
+for step ``S`` (every node's sidecar, for the shards on its own disk), with the uploader's
+:class:`~tiered_ckpt.remote.upload.session.UploadSession`:
 
-1. Hold ``hold_step_lock(step_dir, "upload")`` (rotation skips the step) and read ``manifest.json``.
-   A step directory that is gone raises :class:`~tiered_ckpt.remote.errors.LocalStepGoneError`
+1. Hold an ``upload`` step lock (:mod:`tiered_ckpt.locks`: rotation skips the step) and read
+   ``manifest.json``. A step directory that is gone raises :class:`~tiered_ckpt.remote.errors.LocalStepGoneError`
    (nothing committed remotely); a step without a manifest is not committed locally
    (``NoCheckpointError``).
 2. **Lineage** (once per step, not per poll): the root's ``run.json`` and the bucket's are
@@ -30,11 +31,9 @@ mirrored yet).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tiered_ckpt.errors import CheckpointError, ManifestError, NoCheckpointError
@@ -53,12 +52,13 @@ from tiered_ckpt.local.catalogue import (
 )
 from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marker
 from tiered_ckpt.local.pins import MAX_PIN_BYTES, has_pin, pin_bytes
-from tiered_ckpt.locks import hold_step_lock
+from tiered_ckpt.locks import acquire_step_lock, release_step_lock
 from tiered_ckpt.remote.catalogue import save_key
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
 from tiered_ckpt.remote.lineage import claim_or_check
 from tiered_ckpt.remote.upload.commit import RemoteStepCommit
-from tiered_ckpt.remote.upload.shard_upload import ShardSender, StepStats, upload_shard
+from tiered_ckpt.remote.upload.session import StepStats, UploadSession
+from tiered_ckpt.remote.upload.shard_upload import upload_shard
 from tiered_ckpt.retry import OperationInterruptedError
 from tiered_ckpt.safe_read import is_regular_file
 from tiered_ckpt.store.base import ObjectStore
@@ -100,15 +100,11 @@ def check_lineage(
 
 
 def _upload_local_shards(
-    sender: ShardSender,
-    executor: ThreadPoolExecutor,
-    commit: RemoteStepCommit,
-    sdir: Path,
-    stats: StepStats,
+    session: UploadSession, commit: RemoteStepCommit, sdir: Path, stats: StepStats
 ) -> None:
     """Step 3 of the commit protocol for every shard of the step present in ``sdir``; raises the
     first failure after every transfer has ended (the others are logged). An interrupt of this
-    thread (Ctrl-C, SIGTERM) cancels the transfers (``sender.cancel``: requests in flight cut,
+    thread (Ctrl-C, SIGTERM) cancels the transfers (``session.cancel``: requests in flight cut,
     multipart uploads aborted) and propagates once they have ended."""
     step, m = commit.step, commit.manifest
     # any entry counts (send_shard refuses a symlink, FIFO or directory loudly); absent: another
@@ -123,7 +119,10 @@ def _upload_local_shards(
         m.world_size,
         sum(r.size_bytes for r in local),
     )
-    futures = [executor.submit(upload_shard, sender, commit, sdir, rec, stats) for rec in local]
+    futures = [
+        session.shard_executor.submit(upload_shard, session, commit, sdir, rec, stats)
+        for rec in local
+    ]
     try:
         errors = [
             e for e in (f.exception() for f in futures) if e is not None
@@ -131,7 +130,7 @@ def _upload_local_shards(
     except (
         BaseException
     ):  # an interrupt of this thread: cut the transfers rather than wait them out
-        (sender.cancel or sender.stop_event.set)()
+        session.cancel()
         for f in futures:
             f.cancel()
         concurrent.futures.wait(futures)  # each shard ends within a tick or two, its upload aborted
@@ -206,30 +205,26 @@ def mirror_pins(
 
 
 def _commit_locked(
-    sender: ShardSender,
-    executor: ThreadPoolExecutor,
-    prefix: str,
-    local_root: Path,
+    session: UploadSession,
     step: int,
     sdir: Path,
     stats: StepStats,
-    adopt_prefix: bool,
     resume: RemoteStepCommit | None,
 ) -> tuple[UploadManifest, ShardManifest]:
+    local_root, store = session.local_root, session.store
     mbytes, m = read_local_manifest(local_root, step, sdir)
-    store = sender.store
     commit = resume if resume is not None and resume.matches(step, mbytes) else None
     done = None
     if commit is None:
-        check_lineage(store, local_root, m, adopt_prefix=adopt_prefix)
-        commit = RemoteStepCommit(store, prefix, step, mbytes, m, sender.key_layout)
+        check_lineage(store, local_root, m, adopt_prefix=session.adopt_prefix)
+        commit = RemoteStepCommit(store, store.prefix, step, mbytes, m, session.key_layout)
         done = commit.committed()
     if done is not None:
         log.info("step %d: already committed remotely", step)
         um, body = done
     else:
         commit.put_manifest()
-        _upload_local_shards(sender, executor, commit, sdir, stats)
+        _upload_local_shards(session, commit, sdir, stats)
         try:
             um = commit.gather()
         except StepIncompleteError as e:
@@ -266,34 +261,27 @@ def _commit_locked(
 
 
 def upload_step(
-    sender: ShardSender,
-    executor: ThreadPoolExecutor,
-    prefix: str,
-    local_root: Path,
-    step: int,
-    sdir: Path,
-    stats: StepStats,
-    *,
-    adopt_prefix: bool = False,
-    resume: RemoteStepCommit | None = None,
-) -> tuple[UploadManifest, ShardManifest]:
-    """Steps 1-4 of the module docstring. Returns the committed upload manifest and the local
-    manifest. ``adopt_prefix``: take over a prefix claimed by another run (``--adopt-prefix``).
-    ``resume``: the commit object of an earlier ``StepIncompleteError`` for this step (used when the
-    local manifest is still the same bytes). Errors: see
-    :meth:`tiered_ckpt.remote.upload.uploader.Uploader.upload_step`, plus :class:`StepSupersededError`,
-    ``RunMismatchError``, ``LineageError`` and :class:`~tiered_ckpt.remote.errors.FencingError` (an
-    object changed since it was confirmed; nothing committed, no marker)."""
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(hold_step_lock(sdir, "upload"))
-        except FileNotFoundError as e:
-            raise LocalStepGoneError(
-                f"step {step}: {sdir} does not exist", last_exception=e
-            ) from None
-        return _commit_locked(
-            sender, executor, prefix, local_root, step, sdir, stats, adopt_prefix, resume
-        )
+    session: UploadSession, step: int, *, resume: RemoteStepCommit | None = None
+) -> tuple[UploadManifest, ShardManifest, StepStats]:
+    """Steps 1-4 of the module docstring for ``step`` of ``session.local_root``. Returns the
+    committed upload manifest, the local manifest and this node's figures. ``resume``: the commit
+    object of an earlier ``StepIncompleteError`` for this step (used when the local manifest is
+    still the same bytes). Errors: see
+    :meth:`tiered_ckpt.remote.upload.uploader.Uploader.upload_step`, plus
+    :class:`StepSupersededError`, ``RunMismatchError``, ``LineageError`` and
+    :class:`~tiered_ckpt.remote.errors.FencingError` (an object changed since it was confirmed;
+    nothing committed, no marker)."""
+    sdir = step_path(session.local_root, step)
+    stats = StepStats()
+    try:
+        lock = acquire_step_lock(sdir, "upload")  # rotation skips a step being uploaded
+    except FileNotFoundError as e:
+        raise LocalStepGoneError(f"step {step}: {sdir} does not exist", last_exception=e) from None
+    try:
+        um, m = _commit_locked(session, step, sdir, stats, resume)
+    finally:
+        release_step_lock(lock)
+    return um, m, stats
 
 
 __all__ = [

@@ -1,19 +1,12 @@
 """The upload tier's driver: push committed local steps to an S3-compatible bucket (SPEC §4).
 
-:class:`Uploader` is the sidecar's one object: the backlog (which local steps still need this
-remote), the daemon loop (:meth:`Uploader.run`) and the public methods the CLI, the tests and the
-benches call. :class:`UploadPolicy` says what to upload, what to keep remotely, how to confirm and
-when a waiting step is stalled; :class:`StepTiming` is the seconds spent on one step. The work is
-done by one module per job:
-
-- :mod:`tiered_ckpt.remote.upload.step_upload` - one step from this node (local lock, manifest, marker);
-- :mod:`tiered_ckpt.remote.upload.commit` - THE remote commit protocol of one step (confirmations, upload
-  manifest with ``If-None-Match``, ``latest``), with its numbered lifecycle;
-- :mod:`tiered_ckpt.remote.upload.shard_upload` - one shard (skip if confirmed, send, confirm, retries);
-- :mod:`tiered_ckpt.remote.upload.retention` - remote rotation and the abandoned-multipart sweep;
-- :mod:`tiered_ckpt.remote.catalogue` - what the bucket holds (one meaning of "committed");
-- :mod:`tiered_ckpt.remote.upload.daemon` - the loop's timing: backoff of waiting steps, the stall
-  deadline.
+:class:`Uploader` uploads one step at a time (:meth:`Uploader.upload_step`) and knows the backlog
+(which local steps still need this remote), the pins to mirror and the remote retention; the
+sidecar loop (:class:`tiered_ckpt.remote.upload.daemon.UploadLoop`) owns one and drives it.
+:class:`UploadPolicy` says what to upload, what to keep remotely, how to confirm and when a waiting
+step is stalled; :class:`StepTiming` is the seconds spent on one step. What every step upload
+shares (store, executors, events, probe, metrics) is its
+:class:`~tiered_ckpt.remote.upload.session.UploadSession`.
 
 Memory stays bounded: no file is buffered whole (single PUTs are below the multipart threshold), at
 most ``max_concurrency + max_concurrent_shards`` parts are in memory, and the backlog is a sorted
@@ -28,11 +21,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered_ckpt.errors import CheckpointError, UploadError
+from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.layout import KEY_LAYOUTS
@@ -41,9 +33,8 @@ from tiered_ckpt.local.markers import read_uploaded_marker, write_uploaded_marke
 from tiered_ckpt.remote.catalogue import committed_step_candidates
 from tiered_ckpt.remote.errors import LocalStepGoneError, StepIncompleteError, StepSupersededError
 from tiered_ckpt.remote.upload import pending_aborts, retention
-from tiered_ckpt.remote.upload.daemon import UploadLoop
 from tiered_ckpt.remote.upload.retention import DEFAULT_STALE_MULTIPART_AGE_S
-from tiered_ckpt.remote.upload.shard_upload import ShardSender, StepStats
+from tiered_ckpt.remote.upload.session import UploadSession
 from tiered_ckpt.remote.upload.step_upload import mirror_pins, read_local_manifest, upload_step
 from tiered_ckpt.retry import OperationInterruptedError, RetryPolicy
 from tiered_ckpt.store.base import ObjectStore, parse_s3_url
@@ -203,41 +194,27 @@ class Uploader:
             stop_event=self.stop_event,
             cancel_event=self.cancel_event,
         )
-        self._part_executor = ThreadPoolExecutor(
-            max_concurrency, thread_name_prefix="tc-upload-part"
-        )
-        self._shard_executor = ThreadPoolExecutor(
-            max_concurrent_shards, thread_name_prefix="tc-upload-shard"
-        )
-        self._sender = ShardSender(
-            store=self.store,
-            part_executor=self._part_executor,
-            part_slots=threading.BoundedSemaphore(max_concurrency),
+        self.session = UploadSession(
+            self.store,
+            self.local_root,
             retry=self.retry,
-            server_validates=self.server_validates_checksums,
-            force_read_back=self.policy.verify == "read-back",
             stop_event=self.stop_event,
-            on_progress=on_progress,
-            on_sent=self._count_sent,
-            on_abort_failed=self._record_failed_abort,
+            cancel_event=self.cancel_event,
+            max_concurrency=max_concurrency,
+            max_concurrent_shards=max_concurrent_shards,
+            force_read_back=self.policy.verify == "read-back",
+            adopt_prefix=adopt_prefix,
             key_layout=key_layout,
-            cancel=self.cancel,
+            metrics=metrics,
+            on_progress=on_progress,
         )
-        #: The probe's cached answer; tests and benches set it to act as a validating server would.
-        self._server_validates: bool | None = None
-        self._probe_lock = threading.Lock()
         #: step -> the commit object of its last StepIncompleteError (the next poll is one LIST).
         self._resume: dict[int, RemoteStepCommit] = {}
-        self._loop: UploadLoop | None = None
         self._pins_mirrored: set[tuple[int, str]] = set()  # (step, save_id) pinned remotely already
         self.last_timing: StepTiming | None = None
         self.newest_remote_commit: tuple[int, float] | None = (
             None  # (step, local commit epoch seconds)
         )
-
-    def _count_sent(self, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.bytes.inc(nbytes)
 
     # --- backlog
 
@@ -284,10 +261,7 @@ class Uploader:
 
     def server_validates_checksums(self) -> bool:
         """Whether the bucket's server validates SHA-256 checksums (probed once, cached)."""
-        with self._probe_lock:
-            if self._server_validates is None:
-                self._server_validates = bool(self.store.server_validates_checksums())
-            return self._server_validates
+        return self.session.server_validates_checksums()
 
     def upload_step(self, step: int) -> UploadManifest:
         """Upload this node's shards of ``step`` and commit it remotely when every shard is
@@ -302,19 +276,8 @@ class Uploader:
         (remote failures after retries; ``OperationInterruptedError`` on stop).
         """
         t0 = time.monotonic()
-        stats = StepStats()
         try:
-            um, m = upload_step(
-                self._sender,
-                self._shard_executor,
-                self.prefix,
-                self.local_root,
-                step,
-                step_path(self.local_root, step),
-                stats,
-                adopt_prefix=self.adopt_prefix,
-                resume=self._resume.pop(step, None),
-            )
+            um, m, stats = upload_step(self.session, step, resume=self._resume.pop(step, None))
         except StepIncompleteError as e:
             if e.commit is not None:
                 self._resume[step] = e.commit
@@ -350,8 +313,9 @@ class Uploader:
             if self.metrics is not None:
                 self.metrics.set_newest_remote(step, commit_t)
 
-    def _learn_newest_remote(self) -> None:
-        """At start: the newest local step carrying the marker feeds the time-at-risk gauge."""
+    def learn_newest_remote(self) -> None:
+        """At the sidecar's start: the newest local step carrying this remote's marker feeds the
+        time-at-risk gauge."""
         for s in reversed(committed_steps(self.local_root)):
             if self._marked_for_this_remote(s):
                 try:
@@ -361,83 +325,15 @@ class Uploader:
                 self._note_remote_commit(s, m.created_at)
                 return
 
-    # --- loop
-
-    def run(
-        self,
-        stop_event: threading.Event | None = None,
-        *,
-        poll_interval_s: float = 2.0,
-        once: bool = False,
-        failure_backoff_s: float = 10.0,
-        max_poll_interval_s: float = 60.0,
-    ) -> list[int]:
-        """The sidecar loop (:class:`tiered_ckpt.remote.upload.daemon.UploadLoop`): abort abandoned
-        multipart uploads, then repeatedly upload pending steps (newest first) until ``stop_event``
-        is set (or, with ``once``, until nothing is left that can be done now). Steps waiting for
-        other nodes back off from ``poll_interval_s`` to ``max_poll_interval_s`` (seconds, jittered)
-        and stall after ``policy.stall_deadline_s``; failed steps are retried after
-        ``failure_backoff_s``. Returns the steps committed. Raises ``RunMismatchError`` (the prefix
-        belongs to another run: the loop stops)."""
-        stop = stop_event if stop_event is not None else self.stop_event
-        finished = threading.Event()
-        if stop is not self.stop_event:
-            # Propagate an external stop event to the store's (which cuts retries and transfers
-            # short), until this run returns: the relay thread ends with it (no thread left waiting
-            # per run).
-            def relay() -> None:
-                while not finished.is_set():
-                    if stop.wait(0.2):
-                        self.stop_event.set()
-                        return
-
-            threading.Thread(target=relay, name="tc-stop-relay", daemon=True).start()
-        try:
-            return self._run(stop, once, poll_interval_s, max_poll_interval_s, failure_backoff_s)
-        finally:
-            finished.set()
-
-    def _run(
-        self,
-        stop: threading.Event,
-        once: bool,
-        poll_interval_s: float,
-        max_poll_interval_s: float,
-        failure_backoff_s: float,
-    ) -> list[int]:
-        if self._loop is None:
-            self._loop = UploadLoop(self)
-        self._loop.configure(
-            poll_interval_s=poll_interval_s,
-            max_poll_interval_s=max_poll_interval_s,
-            failure_backoff_s=failure_backoff_s,
-        )
-        self._learn_newest_remote()
-        try:
-            self.abort_abandoned_uploads()
-        except UploadError as e:
-            log.error("could not sweep abandoned multipart uploads under %s: %s", self.store.url, e)
-        return self._loop.run(stop, once=once)
-
-    @property
-    def stalled_steps(self) -> list[int]:
-        """Steps the loop reported stalled and still keeps (ascending)."""
-        return sorted(s for s, w in (self._loop.waiting.items() if self._loop else ()) if w.stalled)
-
     def cancel(self) -> None:
         """Stop now (Ctrl-C or SIGTERM of ``upload --once``): the stop event, and every request in
         flight cut, parts too (a sidecar's stop lets those finish); the multipart uploads started
         are aborted."""
-        self.cancel_event.set()
-        self.stop_event.set()
+        self.session.cancel()
 
     def close(self) -> None:
-        """Release the loop's stalled locks, stop the executors, close the store."""
-        if self._loop is not None:
-            self._loop.close()
-        self._shard_executor.shutdown(wait=True, cancel_futures=True)
-        self._part_executor.shutdown(wait=True, cancel_futures=True)
-        self.store.close()
+        """Stop the executors and close the store."""
+        self.session.close()
 
     def __enter__(self) -> Uploader:
         return self
@@ -455,9 +351,6 @@ class Uploader:
         return retention.abort_abandoned_uploads(
             self.store, self.local_root, self.stale_multipart_age_s
         )
-
-    def _record_failed_abort(self, key: str, upload_id: str, exc: BaseException) -> None:
-        pending_aborts.record_failed_abort(self.local_root, self.store.url, key, upload_id, exc)
 
     def sweep_pending_aborts(self) -> int:
         """Abort (a bounded number of) the uploads this root recorded as not abortable
