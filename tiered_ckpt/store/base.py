@@ -311,15 +311,39 @@ def validate_key(key: str) -> str:
     return key
 
 
+def _unsafe(ch: str) -> bool:
+    """C0 controls, DEL, C1 controls (U+0080-U+009F), lone surrogates (not encodable as UTF-8) and
+    the noncharacters U+FFFE/U+FFFF: what AWS's object key guidelines say to avoid and what no
+    prefix of a checkpoint needs."""
+    o = ord(ch)
+    return o < 32 or 127 <= o <= 159 or 0xD800 <= o <= 0xDFFF or o in (0xFFFE, 0xFFFF)
+
+
+def check_url_characters(url: str) -> None:
+    """Refuse the first character of ``url`` that an S3 key cannot carry safely (see
+    :func:`_unsafe`). Raises ``ValueError`` naming it (``U+000A``, escaped) and its 0-based
+    position."""
+    for i, ch in enumerate(url):
+        if _unsafe(ch):
+            raise ValueError(
+                f"S3 URL has the character U+{ord(ch):04X} ({ch!r}) at position {i}, which an "
+                f"object key cannot carry safely: {url!r}"
+            )
+
+
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``"s3://bucket/some/prefix"`` -> ``("bucket", "some/prefix")``; ``"s3://bucket"`` -> ``("bucket", "")``.
 
     A trailing ``/`` is dropped. Raises ``ValueError`` for another scheme, a missing or invalid bucket
     name (S3 rules: 3-63 characters of ``a-z0-9.-``, starting and ending with a letter or digit, not an IP
-    address), credentials, a port, a query or fragment, or empty / ``.`` / ``..`` prefix segments.
+    address), credentials, a port, a query or fragment, empty / ``.`` / ``..`` prefix segments, or a
+    character an S3 key cannot carry safely (:func:`check_url_characters`), checked before parsing:
+    :func:`urllib.parse.urlsplit` silently drops tab, CR and LF (WHATWG URL rules), which would name
+    another prefix than the one typed.
     """
     if not isinstance(url, str):
         raise ValueError(f"S3 URL must be a string, got {type(url).__name__}")
+    check_url_characters(url)
     parts = urlsplit(url)
     if parts.scheme != "s3":
         raise ValueError(f"not an s3:// URL: {url!r}")

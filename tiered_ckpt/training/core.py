@@ -41,6 +41,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.pins import pin_step, unpin_step
 from tiered_ckpt.local.rotation import RotationPolicy
+from tiered_ckpt.store.base import parse_s3_url
 from tiered_ckpt.training.lineage_decision import LineageDecider
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class ManagerCore:
     ) -> None:
         if save_timeout_s is not None and not save_timeout_s > 0:
             raise ValueError(f"save_timeout_s must be > 0 or None, got {save_timeout_s!r}")
+        if remote_url is not None:
+            parse_s3_url(remote_url)  # a bad URL fails here, not at the first load or upload
         self.root = Path(root).absolute()
         self.rank, self.world_size = rank, world_size
         self.policy = SavePolicy(save_every_steps, save_every_seconds)
