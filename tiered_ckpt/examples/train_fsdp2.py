@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         args.root,
         save_every_steps=args.ckpt_every,
         keep_last=args.keep_last,
-        upload_gated=args.upload_gated,
+        upload_gated=args.upload_gated or None,  # None: gated when a remote is set
         remote_url=args.remote_url,
         async_save=not args.sync_save,
         collective_timeout_s=120.0,

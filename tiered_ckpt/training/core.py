@@ -138,7 +138,11 @@ class ManagerCore:
 
     ``coord``: the engine's :class:`~tiered_ckpt.training.dist.SaveCoordinator` (``None``: one
     process). ``keep_last``, ``upload_gated``, ``max_pending_uploads``, ``keep_every_steps``: the
-    :class:`RotationPolicy` applied after each commit. ``async_save=False`` saves inside ``save``.
+    :class:`RotationPolicy` applied after each commit; ``upload_gated=None`` (the managers' default)
+    means gated when ``remote_url`` is given: rotation then keeps every step the sidecar has not
+    uploaded yet, at most ``max_pending_uploads`` of them beyond ``keep_last`` (past that the
+    oldest is deleted with an ERROR log rather than filling the disk); ``False`` rotates by count
+    alone. ``async_save=False`` saves inside ``save``.
     ``save_timeout_s``: how long any call waits for the in-flight save (``None``: for ever).
     ``handle_sigterm``: :meth:`install_sigterm_handler`. ``remote_url``/``s3_client``: the bucket
     a load restores from (default client: boto3's chain). ``on_save_outcome``: called with each
@@ -157,7 +161,7 @@ class ManagerCore:
         save_timeout_s: float | None,
         handle_sigterm: bool,
         keep_last: int,
-        upload_gated: bool,
+        upload_gated: bool | None,
         max_pending_uploads: int,
         keep_every_steps: int | None,
         save_every_steps: int | None,
@@ -174,6 +178,8 @@ class ManagerCore:
         self.root = Path(root).absolute()
         self.rank, self.world_size = rank, world_size
         self.policy = SavePolicy(save_every_steps, save_every_seconds)
+        if upload_gated is None:
+            upload_gated = remote_url is not None
         self.rotation = RotationPolicy(
             keep_last, upload_gated, max_pending_uploads, keep_every_steps=keep_every_steps
         )

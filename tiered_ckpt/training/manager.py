@@ -61,7 +61,7 @@ class CheckpointManager(ManagerCore):
         save_timeout_s: float | None = 3600.0,
         handle_sigterm: bool = False,
         keep_last: int = 3,
-        upload_gated: bool = False,
+        upload_gated: bool | None = None,
         max_pending_uploads: int = 8,
         keep_every_steps: int | None = None,
         save_every_steps: int | None = None,
