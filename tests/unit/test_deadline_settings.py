@@ -10,15 +10,16 @@ from tiered_ckpt.store.deadline import RequestDeadlineError
 from tiered_ckpt.store.settings import DeadlineSettings
 
 
-def test_defaults_let_a_multi_gib_part_through_a_slow_link() -> None:
+def test_defaults_fit_small_objects_and_let_a_multi_gib_part_through_a_slow_link() -> None:
     d = DeadlineSettings()
     assert (d.stall_timeout_s, d.deadline_base_s, d.min_rate_bytes_per_s) == (
         60.0,
-        60.0,
+        15.0,
         256 * 1024,
     )
-    assert d.deadline_s(0) == 60.0
-    assert d.deadline_s(5 * 1024**3) == 60.0 + 20480.0  # 5 GiB at 256 KiB/s
+    assert d.deadline_s(300) == pytest.approx(15.0 + 300 / (256 * 1024))  # a latest pointer
+    assert d.deadline_s(64 * 1024**2) == 15.0 + 256.0  # a 64 MiB part
+    assert d.deadline_s(5 * 1024**3) == 15.0 + 20480.0  # 5 GiB at 256 KiB/s
 
 
 @pytest.mark.parametrize("field", ["stall_timeout_s", "deadline_base_s", "min_rate_bytes_per_s"])

@@ -84,14 +84,16 @@ class DeadlineSettings:
     KiB/s: 32 s). CompleteMultipartUpload (which S3 may work on for minutes) gets 10 x
     ``deadline_base_s``.
 
-    The defaults (stall 60 s, base 60 s, 256 KiB/s) let a 64 MiB part through in 5.3 min and a 5 GiB
-    one in 5.7 h: a safety net against a server that never finishes (an endless or trickling body:
-    one byte every 20 s never trips botocore's 60 s per-read timeout), not a throughput check.
+    The defaults (stall 60 s, base 15 s, 256 KiB/s) give a pointer or manifest of a few hundred
+    bytes 15 s, a 64 MiB part 4.5 min and a 5 GiB one 5.7 h: a safety net against a server that
+    never finishes (an endless or trickling body: one byte every 20 s never trips botocore's 60 s
+    per-read timeout), not a throughput check. With the default :class:`~tiered_ckpt.retry.RetryPolicy`
+    (6 attempts) a small object on a trickling server fails after about 6 x 15 s plus the backoffs.
     Raises ``ValueError`` on values that are not finite numbers > 0.
     """
 
     stall_timeout_s: float = 60.0
-    deadline_base_s: float = 60.0
+    deadline_base_s: float = 15.0
     min_rate_bytes_per_s: float = 256 * 1024
 
     def __post_init__(self) -> None:
