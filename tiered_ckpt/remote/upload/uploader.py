@@ -168,9 +168,6 @@ class Uploader:
         self.cancel_event = threading.Event()  # set by cancel(): every request in flight is cut
         self.metrics = metrics
         self.stale_multipart_age_s = stale_multipart_age_s
-        self.on_progress = on_progress
-        self.adopt_prefix = adopt_prefix
-        self.key_layout = key_layout
         transfer = TransferSettings(
             multipart_threshold_bytes=multipart_threshold_bytes,
             part_size_bytes=part_size_bytes,
