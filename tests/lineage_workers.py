@@ -115,6 +115,7 @@ def main() -> None:
         start = int(state["step"]) + 1
         result["loaded"] = int(state["step"])
         result["superseded_after_load"] = superseded(root)
+        result["committed_after_load"] = committed_steps(root)
     last = 40 if mode == "first" else END
     for step in range(start, last + 1):
         result["losses"][step] = train_step(state, step, rank)

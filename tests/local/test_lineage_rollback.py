@@ -184,9 +184,11 @@ def test_in_process_rollback_starts_a_new_attempt_at_every_load(tmp_path: Path) 
         assert mgr.attempt == 1
         assert mgr.load(500)["step"] == 500
         assert mgr.attempt == 2  # before the fix: 1
+        assert attempts(root) == [(1, None, None)]  # decided; the next save records it
+        assert set_aside(root) == []
+        mgr.save(600, state(600))  # before the fix: CheckpointExistsError
         assert attempts(root) == [(1, None, None), (2, 501, 500)]
         assert set_aside(root) == [(600, 1, 2, 501, True), (700, 1, 2, 501, True)]
-        mgr.save(600, state(600))  # before the fix: CheckpointExistsError
         mgr.save(510, state(510))
         assert [(read_manifest(root, s).attempt) for s in (500, 510, 600)] == [1, 2, 2]
         assert (
@@ -195,8 +197,8 @@ def test_in_process_rollback_starts_a_new_attempt_at_every_load(tmp_path: Path) 
         assert mgr.load(600)["step"] == 600 and mgr.attempt == 2
         # Rollback twice in one manager.
         assert mgr.load(510)["step"] == 510 and mgr.attempt == 3
-        assert attempts(root) == [(1, None, None), (2, 501, 500), (3, 511, 510)]
         mgr.save(520, state(520))
+        assert attempts(root) == [(1, None, None), (2, 501, 500), (3, 511, 510)]
         assert committed_steps(root) == [500, 510, 520]
         assert set_aside(root) == [
             (600, 1, 2, 501, True),
@@ -223,9 +225,9 @@ def test_in_process_load_of_an_older_newest_common_step(tmp_path: Path) -> None:
         assert (
             mgr.attempt == 2
         )  # before the fix: 1 (and the next save of 30 raised CheckpointExistsError)
+        mgr.save(30, state(30))
         assert attempts(root) == [(1, None, None), (2, 21, 20)]
         assert set_aside(root) == [(30, 1, 2, 21, True)]
-        mgr.save(30, state(30))
         assert committed_steps(root) == [10, 20, 30] and read_manifest(root, 30).attempt == 2
     with CheckpointManager(root, keep_last=5, async_save=False) as mgr:
         assert mgr.load()["step"] == 30 and mgr.attempt == 2

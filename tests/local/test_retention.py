@@ -273,6 +273,26 @@ def test_dropped_pending_still_capped(tmp_path: Path, caplog: pytest.LogCaptureF
     assert sum("not uploaded" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_pending_steps_warn_before_the_bound_then_the_oldest_goes_with_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    policy = RotationPolicy(keep_last=1, upload_gated=True, max_pending_uploads=2)
+    commit(tmp_path, 1)
+    commit(tmp_path, 2)
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.local.rotation"):
+        assert rotate(tmp_path, policy) == []  # 1 pending: half the bound, a warning
+        commit(tmp_path, 3)
+        assert rotate(tmp_path, policy) == []  # 1, 2 pending: the bound, a warning
+        commit(tmp_path, 4)
+        assert rotate(tmp_path, policy) == [1]  # past it: 1 deleted, an error
+    assert committed_steps(tmp_path) == [2, 3, 4]
+    msgs = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [lvl for lvl, _ in msgs] == ["WARNING", "WARNING", "ERROR"]
+    assert "1 step(s) kept" in msgs[0][1] and "[1]" in msgs[0][1]
+    assert "2 step(s) kept" in msgs[1][1] and "[1, 2]" in msgs[1][1]
+    assert "step 1: deleting a step the sidecar has not uploaded" in msgs[2][1]
+
+
 # --- superseded steps
 
 

@@ -50,10 +50,12 @@ def test_node_replacement_resumes_past_the_lost_step(s3_bucket: S3Location, tmp_
         assert res["loaded"] == 30, rank
         assert (res["run_id"], res["attempt"]) == (run_id, 2)
         assert res["committed"] == [30, 40, 50]
-    # Node 0's old step 40 was set aside by the load (attempt 1, superseded by attempt 2 from step
-    # 31), not deleted and not loaded; node 1's new disk never had it. Rotation removed it once
-    # keep_last=3 current steps existed (30, 40, 50).
-    assert [r["superseded_after_load"] for r in resumed] == [[[40, 1, 2, 31, True]]] * 2 + [[]] * 2
+    # The load decided attempt 2 (from step 31) and changed no lineage: node 0's old step 40 was
+    # still in place and current until the save of 40 recorded the decision and set it aside (not
+    # deleted, never loaded); node 1's new disk never had it (its shard of 30 restored). Rotation
+    # removed it once keep_last=3 current steps existed (30, 40, 50).
+    assert [r["superseded_after_load"] for r in resumed] == [[]] * WORLD
+    assert [r["committed_after_load"] for r in resumed] == [[20, 30, 40]] * 2 + [[30]] * 2
     assert [r["superseded"] for r in resumed] == [[]] * WORLD
     # The loss curve is the uninterrupted one, bit for bit.
     ref = {int(k): v for k, v in straight[0]["losses"].items()}

@@ -111,6 +111,7 @@ def test_restored_step_of_a_later_attempt_is_superseded_by_the_roots_rollback(
         got = m.load(step=10)
         assert got["step"] == 10 and got["w"].tolist() == [10.5] * 8
         assert m.attempt == 2
+        m.record_lineage()  # a load decides only: recorded here instead of by a save
     # A's 700 entered B in B's attempt 1: attempt 2 (from 11) supersedes it like 710 and 720.
     assert committed_steps(b) == [10]  # before the fix: [10, 700]
     assert set_aside_steps(b) == [step_dir_name(s) for s in (700, 710, 720)]
@@ -134,6 +135,7 @@ def test_restored_step_of_an_earlier_attempt_is_current_in_the_roots_newer_attem
     with manager(b) as m:  # run B, attempt 2 from 11
         m.load(10)
         assert m.attempt == 2
+        m.record_lineage()  # a load decides only: recorded here instead of by a save
         run_b = m.run_id
     assert cli_restore(s3_bucket, b) == 0
     assert read_manifest(b, 700).attempt == 1 and read_manifest(b, 700).run_id == run_a

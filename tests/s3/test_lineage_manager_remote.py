@@ -149,8 +149,8 @@ def test_outage_at_load_supersedes_what_the_bucket_may_hold(
     ) as mgr:
         assert mgr.load()["step"] == 500
         assert mgr.attempt == 2  # before the fix: 1
-        assert local_attempts(root) == [(1, None, None), (2, 501, 500)]
         mgr.save(600, {"w": np.full(8, -600.0, dtype=np.float32), "step": 600})
+        assert local_attempts(root) == [(1, None, None), (2, 501, 500)]  # recorded by the save
         mgr.save(650, state(650))
     assert [a["attempt"] for a in remote_run_record(s3_bucket)["attempts"]] == [
         1

@@ -14,8 +14,9 @@ ones are filtered by the catalogue, SPEC §11), ordered by step number (never by
 6. With ``upload_gated=True``, an older step without an ``uploaded.json`` that counts (one written
    for the step's current ``manifest.json`` bytes:
    :func:`tiered_ckpt.local.markers.has_uploaded_marker`) is *pending* and kept, but at most
-   ``max_pending_uploads`` pending steps are kept beyond the others: past that, the oldest pending
-   ones are deleted with an ERROR log (a dead sidecar must not fill the disk). A root therefore
+   ``max_pending_uploads`` pending steps are kept beyond the others: from half that bound on each
+   rotation logs a WARNING (the sidecar is falling behind), past it the oldest pending ones are
+   deleted with an ERROR log (a dead sidecar must not fill the disk). A root therefore
    holds at most ``keep_last + max_pending_uploads`` unlocked, unpinned steps besides the
    ``keep_every_steps`` multiples and the one just committed.
 7. Everything else older is deleted.
@@ -243,10 +244,21 @@ def rotate(
 ) -> list[int]:
     """Plan and delete; returns the current steps actually deleted (superseded ones removed are
     logged, not returned). ``just_committed``: the step the caller has just committed, never
-    deleted. ERROR-logs each pending step dropped because of ``max_pending_uploads``. Raises
+    deleted. WARNING-logs pending steps kept from half of ``max_pending_uploads`` on, ERROR-logs
+    each pending step dropped because of it. Raises
     ``OSError`` from :func:`delete_step` or the removal of a superseded step.
     """
     plan = plan_rotation(root, policy, just_committed=just_committed)
+    pending = len(plan.kept_pending)
+    if not plan.dropped_pending and pending and 2 * pending >= policy.max_pending_uploads:
+        log.warning(
+            "rank %d: %d step(s) kept because the sidecar has not uploaded them (%s), of at most "
+            "max_pending_uploads=%d; past that the oldest is deleted (is the uploader running?)",
+            rank,
+            pending,
+            list(plan.kept_pending),
+            policy.max_pending_uploads,
+        )
     deleted = []
     for s in plan.delete:
         if s in plan.dropped_pending:

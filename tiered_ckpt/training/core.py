@@ -4,6 +4,7 @@ Lifecycle (every rank, the same calls in the same order)::
 
     mgr = CheckpointManager(root, save_every_steps=100)   # or DCPCheckpointManager: 1. a collective
     state = mgr.load()                  # 2. resume (NoCheckpointError: fresh start); mgr.loaded_step
+                                        #    (decides the lineage; the first save records it)
     for step in ...:
         train_step()
         if mgr.should_save(step):       # 3. every step (same answer on every rank)
@@ -42,7 +43,7 @@ from tiered_ckpt.local.catalogue import committed_steps
 from tiered_ckpt.local.pins import pin_step, unpin_step
 from tiered_ckpt.local.rotation import RotationPolicy
 from tiered_ckpt.store.base import parse_s3_url
-from tiered_ckpt.training.lineage_decision import LineageDecider
+from tiered_ckpt.training.lineage_decision import Decision, LineageDecider
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,8 @@ class ManagerCore:
             s3_client=s3_client,
             world_size=world_size,
         )
-        self._lineage: RunLineage | None = None
+        self._lineage: RunLineage | None = None  # recorded in every root
+        self._decided: Decision | None = None  # decided by the last load, not recorded yet
         self.loaded_step: int | None = None
         self._future: Future[Any] | None = None
         self._pending_step: int | None = None
@@ -268,11 +270,15 @@ class ManagerCore:
         """Save ``state`` as step ``step`` (every rank, same ``step``; ``extra``: step-level JSON
         for the manifest, the coordinator's is used). Async: returns once the state is staged; the
         caller may then change every tensor. First waits for the previous save and raises its
-        failure instead of starting this one; a synchronous save raises its own error."""
+        failure instead of starting this one; then records the lineage the last :meth:`load`
+        decided, or decides it if there was none (a collective; ``LineageError``, nothing of
+        the save written); a synchronous save raises its own error."""
         if self._closed:
             raise CheckpointError(f"{type(self).__name__} is closed")
         self.wait()
-        if self._lineage is None:  # the first save without a load decides (a collective)
+        if self._decided is not None:  # the last load's decision: recorded before any write
+            self._record_decided()
+        elif self._lineage is None:  # the first save without a load decides (a collective)
             self._lineage = self._decider.at_first_save(step)
         if self.async_save and not self._preempt_agreed:
             self._future, _ = self._save_async(step, state, extra)
@@ -368,27 +374,65 @@ class ManagerCore:
         ``remote_url`` the bucket's too, restored first) and return the state; :attr:`loaded_step`
         is the step loaded. ``into``: load in place into it (tensors and arrays of matching shape
         and dtype are copied into, other values replaced) and return it. A collective; waits for an
-        in-flight save first; decides the lineage (loading a step older than a visible current
-        one starts a new attempt and sets the newer ones aside). Raises ``NoCheckpointError``,
-        ``UploadError``, ``WorldSizeMismatchError`` (native), ``ManifestError``, ``LineageError``
-        and the loaders' errors, on every rank alike."""
+        in-flight save first.
+
+        A load changes no lineage: it decides, in memory, which lineage the next :meth:`save`
+        continues (loading a step older than a visible current one means a new attempt that
+        supersedes the newer ones), and that save records it before it writes anything (every
+        root's ``run.json``, the superseded steps set aside under ``superseded/``, the bucket's
+        record); :meth:`record_lineage` does it without a save. Until then steps can be loaded one
+        after another, in any order, and the last load's decision is the one a save continues;
+        :attr:`attempt` and :attr:`run_id` tell what it will record. The one write a load makes:
+        a shard missing locally is restored from the bucket (with the run's record, when this root
+        lags it). Raises ``NoCheckpointError``, ``UploadError``, ``WorldSizeMismatchError``
+        (native), ``ManifestError``, ``LineageError`` and the loaders' errors, on every rank
+        alike."""
         self.wait()
-        step, self._lineage = self._decider.at_load(
+        step, decided = self._decider.at_load(
             step, known=self._lineage, resharding=self._resharding
         )
         state = self._load(step, into)
+        self._decided = decided
         self.loaded_step = step
         return state
 
+    def record_lineage(self) -> RunLineage | None:
+        """Record the last load's decision now instead of at the next save (every rank, a
+        collective): ``run.json`` into every root, the steps it supersedes set aside under
+        ``<root>/superseded/`` (no longer loadable), the record published to the bucket with
+        ``remote_url``. Returns the recorded lineage, ``None`` when no load decided anything since
+        the last record. Waits for an in-flight save first (raising its failure). Raises
+        :class:`~tiered_ckpt.errors.LineageError` (a root whose record it does not extend, or a
+        failed write, on every rank alike), ``CheckpointError`` once closed."""
+        if self._closed:
+            raise CheckpointError(f"{type(self).__name__} is closed")
+        self.wait()
+        if self._decided is None:
+            return None
+        return self._record_decided()
+
+    def _record_decided(self) -> RunLineage:
+        assert self._decided is not None
+        self._lineage = self._decider.record(self._decided)
+        self._decided = None
+        return self._lineage
+
+    @property
+    def _next_lineage(self) -> RunLineage | None:
+        return self._decided.lineage if self._decided is not None else self._lineage
+
     @property
     def run_id(self) -> str | None:
-        """The run every save records (``None`` until :meth:`load` or the first save)."""
-        return self._lineage.run_id if self._lineage else None
+        """The run the next save records (``None`` until :meth:`load` or the first save)."""
+        lin = self._next_lineage
+        return lin.run_id if lin else None
 
     @property
     def attempt(self) -> int | None:
-        """The attempt every save records (``None`` until :meth:`load` or the first save)."""
-        return self._lineage.attempt if self._lineage else None
+        """The attempt the next save records: after a :meth:`load` the one it decided, recorded or
+        not (``None`` until :meth:`load` or the first save)."""
+        lin = self._next_lineage
+        return lin.attempt if lin else None
 
     def pin(self, step: int) -> None:
         """Pin the committed ``step`` in this rank's root (every rank): rotation never removes it;

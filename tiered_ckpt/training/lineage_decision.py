@@ -1,5 +1,5 @@
-"""The manager's lineage decision (SPEC §11): at :meth:`CheckpointManager.load` and at its first
-save.
+"""The manager's lineage decision (SPEC §11): made at :meth:`CheckpointManager.load` (in memory,
+recorded by the next save) and at a first save without a load (recorded at once).
 
 The rule (``N``: the newest attempt any visible record names; visible: every rank's root and, with a
 ``remote_url``, the bucket):
@@ -36,11 +36,20 @@ group):
    of the outcomes is the barrier (any failure raises on every rank). Only then may the new attempt
    save.
 
+A load (:meth:`LineageDecider.at_load`) runs phases 1-2 and returns the decision unrecorded (a
+:class:`Decision`): loading has no side effect on the lineage, so steps can be loaded one after
+another to inspect or compare them. Phase 3 (:meth:`LineageDecider.record`) runs at the next save,
+before anything of that save is written (the record must be in every root before the new attempt's
+first manifest commits, and a superseded step's number must be free for it), or when the user asks
+(``record_lineage()``). The one write a load makes is bringing a root whose record lags the run's
+own (the bucket's, another node's) up to it, before a shard is restored: no new attempt.
+
 A crash anywhere repeats the decision on restart: once a root holds the record, its superseded steps
 are filtered by every catalogue read, so the same step is loaded and no newer current step is seen
-(no third attempt). ``run_id`` and ``attempt`` of the decided record go into every manifest the
-manager commits. An error on one rank in phases 1-2 is raised on every rank with its own type
-(``ManifestError`` for an unreadable ``run.json``, local or the bucket's).
+(no third attempt); a crash before the record leaves the root as the load found it. ``run_id`` and
+``attempt`` of the decided record go into every manifest the manager commits. An error on one rank
+in phases 1-2 is raised on every rank with its own type (``ManifestError`` for an unreadable
+``run.json``, local or the bucket's).
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.fs import utc_now
-from tiered_ckpt.local.catalogue import read_manifest, read_run_record
+from tiered_ckpt.local.catalogue import all_committed_steps, read_manifest, read_run_record
 from tiered_ckpt.local.lineage import new_run_id, set_aside_superseded, write_run_record
 from tiered_ckpt.training.resume import (
     RemoteView,
@@ -141,6 +150,15 @@ class Survey:
     def remote_unknown(self) -> bool:
         """The manager has a bucket and it could not be read: it may hold newer current steps."""
         return self.remote is not None and not self.remote.readable
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A load's decision, not recorded yet: the :class:`Survey` it was made from and the record the
+    next save continues in (:meth:`LineageDecider.record` writes it)."""
+
+    survey: Survey
+    lineage: RunLineage
 
 
 def decide(
@@ -264,9 +282,10 @@ class LineageDecider:
         visible = set(sv.remote_current).union(*(g["current"] for g in got))
         return visible, [set(g["offer"]) for g in got] if offers else []
 
-    def _record(self, sv: Survey, lineage: RunLineage) -> None:
-        """Phase 3: write the record, set superseded steps aside, publish; the outcome gather is the
-        barrier. Raises :class:`LineageError` if any rank failed."""
+    def _record(self, sv: Survey, lineage: RunLineage, *, publish: bool = True) -> None:
+        """Phase 3: write the record, set superseded steps aside, publish (unless ``publish`` is
+        false); the outcome gather is the barrier. Raises :class:`LineageError` if any rank
+        failed."""
         failure: BaseException | None = None
         mine: dict[str, Any] = {"rank": self.rank}
         try:
@@ -275,7 +294,8 @@ class LineageDecider:
         except (CheckpointError, OSError) as exc:
             failure, mine["error"] = exc, f"{type(exc).__name__}: {exc}"
         if (
-            self.rank == 0
+            publish
+            and self.rank == 0
             and failure is None
             and self.remote_url is not None
             and sv.remote_ours
@@ -306,23 +326,29 @@ class LineageDecider:
                 exc,
             )
 
-    def _announce(self, sv: Survey, lineage: RunLineage, visible: set[int]) -> None:
-        if sv.merged is None:
+    def _announce(
+        self, sv: Survey, lineage: RunLineage, visible: set[int], *, deferred: bool = False
+    ) -> None:
+        if sv.merged is None and not deferred:
             log.info("rank %d: run %s starts in %s", self.rank, lineage.run_id, self.root)
         if lineage.attempt > (sv.merged.attempt if sv.merged is not None else 1):
             a = lineage.attempts[-1]
             newer = sorted(
                 s for s in visible if a.supersedes_from is not None and s >= a.supersedes_from
             )
-            log.warning(
+            log.log(
+                logging.INFO if deferred else logging.WARNING,
                 "rank %d: run %s attempt %d (resumed from %s) supersedes steps >= %s of earlier "
-                "attempts: %s are set aside, not loaded",
+                "attempts: %s %s",
                 self.rank,
                 lineage.run_id,
                 a.attempt,
                 a.resumed_from,
                 a.supersedes_from,
                 newer,
+                "will be set aside by the next save (none is yet)"
+                if deferred
+                else "are set aside, not loaded",
             )
 
     # --- decisions
@@ -414,32 +440,47 @@ class LineageDecider:
 
     def at_load(
         self, step: int | None, *, known: RunLineage | None = None, resharding: bool = False
-    ) -> tuple[int, RunLineage]:
-        """The step to load (``None``: the newest current step every rank can load) and the record
-        the run continues in, recorded everywhere; this rank's shard of the step is made local from
-        the bucket if missing. Every load decides, the manager's first and any later one (``known``:
-        the record the manager runs in so far): loading a step older than a visible current step
-        starts a new attempt. ``resharding`` (:class:`tiered_ckpt.dcp.DCPCheckpointManager`: DCP
+    ) -> tuple[int, Decision]:
+        """The step to load (``None``: the newest current step every rank can load) and the
+        :class:`Decision` the run continues in, **not recorded**: :meth:`record` writes it (the
+        manager's next save, or ``record_lineage()``), so a load sets nothing aside and a later
+        load may choose any current step again. This rank's shard of the step is made local from the
+        bucket if missing (a root whose record lags the run's is brought up to it first, without a
+        new attempt). Every load decides, the manager's first and any later one (``known``: the
+        record the manager has recorded so far, never an unrecorded decision): loading a step older
+        than a visible current step decides a new attempt. ``resharding`` (:class:`tiered_ckpt.dcp.DCPCheckpointManager`: DCP
         reshards through its planner, and any rank may read any shard): a step saved by another
         world size may be loaded (no :class:`WorldSizeMismatchError`), a step counts as local only
         with every rank's shard present, and rank 0 restores the whole step (the ranks share one
         root). Raises :class:`NoCheckpointError` (nothing, or not that step, is committed and
         current), :class:`MissingShardError` (it is, but not every rank can load it),
         ``UploadError`` (either, with a bucket that could not be read),
-        :class:`WorldSizeMismatchError` (nothing is decided or downloaded then), ``ManifestError``, :class:`LineageError`, restore's errors."""
+        :class:`WorldSizeMismatchError` (nothing is decided or downloaded then), ``ManifestError``,
+        :class:`LineageError`, restore's errors."""
         sv = self.survey(known)
         visible, offers = self._steps(sv, offers=True, whole=resharding)
         step = self._choose(sv, step, visible, offers)
         if not resharding:
             self._check_world_size(sv, step)
         lineage = decide(sv, visible, loaded=step)
-        self._announce(sv, lineage, visible)
-        self._record(sv, lineage)
+        self._announce(sv, lineage, visible, deferred=True)
+        if sv.merged is not None:  # catch a lagging root up (idempotent; before any restore)
+            self._record(sv, sv.merged, publish=False)
         if self.remote_url is not None and resharding:
             self._restore_whole(sv, step)
         elif self.remote_url is not None:
             self._restore_own(step)
-        return step, lineage
+        return step, Decision(sv, lineage)
+
+    def record(self, decision: Decision) -> RunLineage:
+        """Phase 3 for a load's ``decision`` (every rank, before the new lineage's first save writes
+        anything): the record into every root, the steps it supersedes set aside, rank 0 publishes
+        it to the bucket. Returns the recorded lineage. Raises :class:`LineageError` (on every rank
+        when any failed; a root whose record it does not extend)."""
+        sv, lineage = decision.survey, decision.lineage
+        self._announce(sv, lineage, set(sv.remote_current) | set(all_committed_steps(self.root)))
+        self._record(sv, lineage)
+        return lineage
 
     def _restore_own(self, step: int) -> None:
         """Every rank makes its own shard of ``step`` local, restoring it from the bucket if missing; the
@@ -470,4 +511,4 @@ class LineageDecider:
         return lineage
 
 
-__all__ = ["LineageDecider", "Survey", "decide"]
+__all__ = ["Decision", "LineageDecider", "Survey", "decide"]
