@@ -4,8 +4,11 @@ Contract of :func:`call_with_retries` (one store operation: a whole upload or do
 PUT, one call of a self-driven multipart upload):
 
 - botocore retries each HTTP call; this layer retries the whole operation, at most
-  ``RetryPolicy.max_attempts`` times, waits bounded by ``max_wait_s``; it stops by attempt count or
-  the stop event, never by elapsed time (each request is bounded by ``store/deadline.py``).
+  ``RetryPolicy.max_attempts`` times, waits bounded by ``max_wait_s``; it stops by attempt count,
+  the stop event, or the operation's time budget when the caller gives one (``budget``: the store
+  passes the :class:`~tiered_ckpt.store.deadline.OperationBudget` of the operation, so that no
+  attempt starts that the budget cannot wait for; each request is bounded by ``store/deadline.py``,
+  the last one cut when the budget is spent).
 - A set stop event prevents the next attempt and cuts a wait short:
   :class:`OperationInterruptedError`.
 - One WARNING per operation at its first failure, later attempts at DEBUG, a success after retries
@@ -26,7 +29,7 @@ import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import tenacity
 
@@ -205,6 +208,17 @@ class RetryPolicy:
         return min(self.max_wait_s, base + random.uniform(0.0, self.initial_wait_s))
 
 
+class TimeBudget(Protocol):
+    """What :func:`call_with_retries` asks of an operation's time budget (the store's
+    :class:`~tiered_ckpt.store.deadline.OperationBudget`): its limit and what is left of it, in
+    seconds."""
+
+    @property
+    def limit_s(self) -> float: ...
+
+    def left_s(self) -> float: ...
+
+
 class OperationInterruptedError(UploadError):
     """The stop event was set while waiting to retry; ``last_exception`` is the failure being
     retried."""
@@ -237,6 +251,7 @@ def call_with_retries(
     passthrough: tuple[type[BaseException], ...] = (),
     target: str | None = None,
     error: type[UploadError] = UploadError,
+    budget: TimeBudget | None = None,
 ) -> T:
     """Run ``fn()`` and retry it per ``policy`` while ``is_retryable(exc)`` holds; return its result.
 
@@ -247,12 +262,15 @@ def call_with_retries(
     ``passthrough``: exception types that, when not retryable, are re-raised unchanged instead of
     wrapped (the store passes ``OSError`` so that a full local disk stays an ``OSError``). ``target``: the
     ``s3://bucket/prefix`` the operation works on, named by a ``RemoteAccessError`` (default: the URL in
-    ``op_name``). ``error``: the class of the other final failures.
+    ``op_name``). ``error``: the class of the other final failures. ``budget``: the operation's time
+    budget (seconds, :class:`TimeBudget`): no retry is started when what is left of it does not
+    exceed the wait before it.
 
     Raises:
         RemoteAccessError: the bucket cannot be used at all (module docstring).
-        UploadError: (``error``) the last failure was not retryable, or ``policy.max_attempts`` attempts
-            failed; ``last_exception`` holds it (an ``UploadError`` raised by ``fn`` itself is re-raised as is).
+        UploadError: (``error``) the last failure was not retryable, or ``policy.max_attempts``
+            attempts failed, or the ``budget`` was spent; ``last_exception`` holds it (an
+            ``UploadError`` raised by ``fn`` itself is re-raised as is).
         OperationInterruptedError: ``stop_event`` was set before a retry.
         BaseException: a ``KeyboardInterrupt``/``SystemExit`` from ``fn`` propagates untouched.
     """
@@ -280,13 +298,26 @@ def call_with_retries(
         elif stop_event.wait(seconds):
             raise _StopRequested()
 
+    waits: dict[int, float] = {}  # one draw per attempt, whether tenacity asks stop or wait first
+
+    def _wait(state: tenacity.RetryCallState) -> float:
+        return waits.setdefault(state.attempt_number, policy.wait_s(state.attempt_number))
+
+    spent = {"budget": False}
+
+    def _budget_spent(state: tenacity.RetryCallState) -> bool:
+        spent["budget"] = budget is not None and budget.left_s() <= _wait(state)
+        return spent["budget"]
+
     stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
     if stop_event is not None:
         stop = stop | tenacity.stop_when_event_set(stop_event)
+    if budget is not None:
+        stop = stop | _budget_spent
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(is_retryable),
         stop=stop,
-        wait=lambda state: policy.wait_s(state.attempt_number),
+        wait=_wait,
         sleep=_sleep,
         before_sleep=_before_sleep,
         reraise=True,
@@ -314,8 +345,13 @@ def call_with_retries(
                 ) from exc
         elif passthrough and isinstance(exc, passthrough):
             raise
+        within = (
+            f" (its time budget of {budget.limit_s:.1f} s spent)"
+            if spent["budget"] and budget
+            else ""
+        )
         raise _final_error(
-            exc, op_name, target, error, attempts, retried=is_retryable(exc)
+            exc, op_name, target, error, attempts, retried=is_retryable(exc), within=within
         ) from exc
 
 
@@ -327,6 +363,7 @@ def _final_error(
     attempts: int,
     *,
     retried: bool,
+    within: str = "",
 ) -> UploadError:
     """What :func:`call_with_retries` raises for its last failure ``exc``: a ``RemoteAccessError`` when the
     bucket cannot be used at all (:func:`tiered_ckpt.access.access_error`), else ``error``."""
@@ -342,13 +379,14 @@ def _final_error(
     )
     if access is not None:
         return access
-    how = f"after {attempts} attempt(s)" if retried else "(not retryable)"
+    how = f"after {attempts} attempt(s){within}" if retried else "(not retryable)"
     return error(f"{op_name} failed {how}: {_describe(exc)}", last_exception=exc)
 
 
 __all__ = [
     "RetryPolicy",
     "OperationInterruptedError",
+    "TimeBudget",
     "call_with_retries",
     "is_retryable_s3_error",
     "s3_error_code_and_status",

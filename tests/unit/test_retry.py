@@ -323,3 +323,49 @@ def test_client_timeouts_and_botocore_attempts_as_documented() -> None:
     )
     assert (custom.meta.config.connect_timeout, custom.meta.config.read_timeout) == (1.5, 2.5)
     assert custom.meta.config.retries["total_max_attempts"] == 1
+
+
+class _Budget:
+    """A stand-in time budget whose clock is the number of attempts made (one second each)."""
+
+    def __init__(self, limit_s: float, calls: list[int]) -> None:
+        self.limit_s, self._calls = limit_s, calls
+
+    def left_s(self) -> float:
+        return self.limit_s - len(self._calls)
+
+
+def test_no_attempt_starts_that_the_budget_cannot_wait_for() -> None:
+    calls: list[int] = []
+    policy = RetryPolicy(max_attempts=6, initial_wait_s=0.0, max_wait_s=0.0)
+
+    def fn() -> None:
+        calls.append(1)
+        raise client_error("SlowDown", 503)
+
+    with pytest.raises(UploadError) as info:
+        call_with_retries("op", fn, policy=policy, budget=_Budget(2.5, calls))
+    assert len(calls) == 3  # 2.5 - 2 s left after two, none after three
+    assert str(info.value) == (
+        "op failed after 3 attempt(s) (its time budget of 2.5 s spent): SlowDown (HTTP 503)"
+    )
+    calls.clear()
+    with pytest.raises(UploadError) as info:  # a budget never spent: the attempt count decides
+        call_with_retries("op", fn, policy=policy, budget=_Budget(100.0, calls))
+    assert (
+        len(calls) == 6 and str(info.value) == "op failed after 6 attempt(s): SlowDown (HTTP 503)"
+    )
+
+
+def test_a_wait_longer_than_the_budget_left_is_not_waited() -> None:
+    calls: list[int] = []
+    policy = RetryPolicy(max_attempts=6, initial_wait_s=5.0, max_wait_s=5.0)  # 5 to 10 s each
+
+    def fn() -> None:
+        calls.append(1)
+        raise client_error("SlowDown", 503)
+
+    t0 = time.monotonic()
+    with pytest.raises(UploadError, match="time budget of 4.0 s spent"):
+        call_with_retries("op", fn, policy=policy, budget=_Budget(4.0, calls))
+    assert len(calls) == 1 and time.monotonic() - t0 < 1.0

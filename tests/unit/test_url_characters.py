@@ -51,6 +51,8 @@ def test_every_entry_point_refuses_before_touching_anything(tmp_path: Path) -> N
         ["verify", "--remote", "s3://bkt-a/new\nline"],
         ["restore", "--remote", "s3://bkt-a/new\nline", "--local", "{root}"],
         ["upload", "--local", "{root}", "--remote", "s3://bkt-a/new\nline"],
+        ["upload", "--watch", "--local", "{root}", "--remote", "s3://bkt-a/new\nline"],
+        ["status", "--local", "{root}", "--remote", "s3://bkt-a/new\nline"],
     ],
 )
 def test_the_cli_exits_2_with_one_line(

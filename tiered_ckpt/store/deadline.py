@@ -1,5 +1,5 @@
-"""Deadlines per S3 request: a stall timeout and a deadline scaled by bytes
-(:class:`DeadlineSettings`).
+"""Deadlines per S3 request (a stall timeout and a deadline scaled by bytes) and a time budget per
+store operation across its retries (:class:`DeadlineSettings`).
 
 botocore's ``read_timeout`` bounds each socket read, not a request: a server that answers 200 and
 then sends one byte every 20 s keeps a GET alive for ever (seed lesson: ``restore`` still running
@@ -24,10 +24,20 @@ after 150 s on one GET of ``latest``). Here every API call of the store's client
   ``store/client.py`` installs in the client's pools (:func:`attach_connection`, from the request's
   own thread), and the ``before-send`` hook it registers (:func:`veto_expired_request`) stops
   botocore's own retries of an expired request before they are sent.
+* One store operation (``S3Store._call``: every attempt of its retries) runs inside
+  :func:`operation_budget`: an :class:`OperationBudget` of ``operation_budget_factor`` x the
+  deadline of its largest request, which every guard sent from that thread meanwhile shares. Its
+  guards report the bytes they are known to move (the body sent; once the headers are in, the
+  ``Content-Length`` or the bytes received), the budget grows with them, and a request still
+  running when the budget is spent is cut (``"operation budget of 15.0 s spent"``);
+  :func:`tiered_ckpt.retry.call_with_retries` starts no attempt the budget cannot wait for. So a
+  200-byte pointer on a server that trickles fails after about 15 s (the defaults), not after 6
+  whole attempts, and a 64 MiB part still has minutes.
 * An expired request raises :class:`RequestDeadlineError` (``"deadline of 12.0 s passed"``,
-  ``"stalled: no bytes for 60.0 s"``), which :func:`tiered_ckpt.retry.is_retryable_s3_error` retries
-  as a whole operation; s3transfer does NOT retry it itself (it is none of its retryable download
-  errors), so one ranged GET never outlives its deadline times s3transfer's five attempts.
+  ``"stalled: no bytes for 60.0 s"``, ``"operation budget of 15.0 s spent"``), which
+  :func:`tiered_ckpt.retry.is_retryable_s3_error` retries as a whole operation; s3transfer does
+  NOT retry it itself (it is none of its retryable download errors), so one ranged GET never
+  outlives its deadline times s3transfer's five attempts.
 
 No boto import (the hook side lives in ``store/client.py``). Source: Python ``socket.shutdown``
 (POSIX ``shutdown(2)``: a blocked ``recv`` returns 0), botocore events (``before-send``), urllib3
@@ -57,7 +67,8 @@ _RANGE_RE = re.compile(r"^bytes=(\d+)-(\d+)$")
 #: Calls whose server side may take long without sending a byte back: their base deadline is
 #: multiplied (S3 CompleteMultipartUpload "could take several minutes"; AWS sends whitespace
 #: meanwhile).
-BASE_FACTORS = {"complete_multipart_upload": 10.0, "copy_object": 10.0, "upload_part_copy": 10.0}
+#: 30 x the default 5 s base: 2.5 min.
+BASE_FACTORS = {"complete_multipart_upload": 30.0, "copy_object": 30.0, "upload_part_copy": 30.0}
 #: Calls with nothing for the server to work on: no response within the stall timeout is a stall.
 STALL_FROM_START = frozenset({"get_object", "head_object", "head_bucket"})
 
@@ -72,9 +83,39 @@ class RequestDeadlineError(Exception):
         self.seconds = seconds
 
 
+class OperationBudget:
+    """The time budget of one store operation, all its attempts and waits (thread-safe: its guards
+    report to it from the watchdog thread). It starts at ``operation_budget_s(planned_bytes)``
+    seconds and grows to ``operation_budget_factor`` x the largest deadline a request of the
+    operation was known to need (:meth:`note`)."""
+
+    def __init__(self, settings: DeadlineSettings, planned_bytes: int = 0) -> None:
+        self._factor = settings.operation_budget_factor
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self._largest_s = settings.deadline_s(planned_bytes)
+
+    @property
+    def limit_s(self) -> float:
+        """Seconds the operation may take in all, as known now."""
+        with self._lock:
+            return self._factor * self._largest_s
+
+    def note(self, request_deadline_s: float) -> None:
+        """A request of the operation needs ``request_deadline_s`` seconds: the budget covers
+        ``operation_budget_factor`` times that."""
+        with self._lock:
+            self._largest_s = max(self._largest_s, request_deadline_s)
+
+    def left_s(self, now: float | None = None) -> float:
+        """Seconds left of the budget (negative once spent)."""
+        now = time.monotonic() if now is None else now
+        return self.started + self.limit_s - now
+
+
 class RequestGuard:
     """The deadline and stall clock of one request (thread-safe; armed in the watchdog until
-    finished)."""
+    finished), and its share of the operation's ``budget`` when it has one."""
 
     def __init__(
         self,
@@ -87,7 +128,9 @@ class RequestGuard:
         base_factor: float = 1.0,
         streamed: bool = False,
         cancel: tuple[threading.Event | None, ...] = (),
+        budget: OperationBudget | None = None,
     ) -> None:
+        self._budget, self._headers_in = budget, False
         self.what, self._cancel = (
             what,
             [e for e in cancel if e is not None and not e.is_set()],
@@ -119,7 +162,7 @@ class RequestGuard:
         runs."""
         with self._lock:
             self._expect_bytes = content_length
-            self._stall = True
+            self._stall = self._headers_in = True
             self._progress_at = time.monotonic()
 
     def progress(self, n_bytes: int) -> None:
@@ -150,8 +193,16 @@ class RequestGuard:
             if self.reason is None:
                 moved = self._request_bytes + max(self._expect_bytes, self._received)
                 deadline_s = self._extra_s + self._settings.deadline_s(moved * self._peak_in_flight)
+                if self._budget is not None:  # a Range asked for is no knowledge of the size
+                    known = self._request_bytes + (moved if self._headers_in else self._received)
+                    self._budget.note(
+                        self._extra_s + self._settings.deadline_s(known * self._peak_in_flight)
+                    )
                 if now - self._started > deadline_s:
                     self.reason, self.limit_s = f"deadline of {deadline_s:.1f} s passed", deadline_s
+                elif self._budget is not None and self._budget.left_s(now) < 0:
+                    limit = self._budget.limit_s
+                    self.reason, self.limit_s = f"operation budget of {limit:.1f} s spent", limit
                 elif self._stall and now - self._progress_at > self._settings.stall_timeout_s:
                     limit = self._settings.stall_timeout_s
                     self.reason, self.limit_s = f"stalled: no bytes for {limit:.1f} s", limit
@@ -225,6 +276,23 @@ _WATCHDOG = _Watchdog()
 _current = threading.local()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
+
+
+@contextlib.contextmanager
+def operation_budget(
+    settings: DeadlineSettings, planned_bytes: int = 0
+) -> Iterator[OperationBudget]:
+    """While inside: every request this thread sends through a :class:`GuardedClient` shares one
+    :class:`OperationBudget` (``planned_bytes``: what the operation is known to move, 0 when
+    unknown). An operation inside another gets its own budget; the outer one's comes back after
+    it."""
+    budget = OperationBudget(settings, planned_bytes)
+    previous = getattr(_current, "budget", None)
+    _current.budget = budget
+    try:
+        yield budget
+    finally:
+        _current.budget = previous
 
 
 def current_guard() -> RequestGuard | None:
@@ -425,6 +493,7 @@ class GuardedClient:
             base_factor=BASE_FACTORS.get(name, 1.0),
             streamed=name == "get_object",
             cancel=(stop, cut),
+            budget=getattr(_current, "budget", None),
         )
         _WATCHDOG.arm(guard)
         previous = getattr(_current, "guard", None)
@@ -457,11 +526,13 @@ __all__ = [
     "BASE_FACTORS",
     "GuardedBody",
     "GuardedClient",
+    "OperationBudget",
     "RequestDeadlineError",
     "RequestGuard",
     "STALL_FROM_START",
     "TICK_S",
     "attach_connection",
     "current_guard",
+    "operation_budget",
     "veto_expired_request",
 ]

@@ -41,7 +41,7 @@ from tiered_ckpt.store.checksums import (
     sha256_b64,
 )
 from tiered_ckpt.store.client import install_request_hooks, make_s3_client
-from tiered_ckpt.store.deadline import GuardedClient
+from tiered_ckpt.store.deadline import GuardedClient, operation_budget
 from tiered_ckpt.store.keys import PrefixKeys
 from tiered_ckpt.store.probe import PROBE_KEY_PREFIX, probe_checksum_validation, probe_once
 from tiered_ckpt.store.settings import DeadlineSettings, TransferSettings, WriteSettings
@@ -68,7 +68,7 @@ class S3Store:
     raising :class:`~tiered_ckpt.retry.OperationInterruptedError`. ``cancel_event`` (set with
     ``stop_event``): every request in flight is cut, uploads too. ``deadlines``: the stall timeout
     and byte-scaled deadline of every single request (:mod:`tiered_ckpt.store.deadline`; a hit is
-    retried like a timeout).
+    retried like a timeout) and the time budget of each operation, all its attempts together.
 
     Every method is thread-safe and wrapped once in :func:`~tiered_ckpt.retry.call_with_retries`;
     errors that outlast the retries are :class:`~tiered_ckpt.errors.UploadError` with
@@ -173,19 +173,25 @@ class S3Store:
         is_retryable: Callable[[BaseException], bool] = is_retryable_s3_error,
         passthrough: tuple[type[BaseException], ...] = (),
         error: type[UploadError] = UploadError,
+        planned_bytes: int = 0,
     ) -> T:
+        """``fn`` under the store's retries and one time budget for all its attempts
+        (:func:`~tiered_ckpt.store.deadline.operation_budget`; ``planned_bytes``: the bytes the
+        operation is known to move, 0 when unknown)."""
         if self._closed:
             raise UploadError(f"{op_name}: store is closed")
-        return call_with_retries(  # local I/O (source file gone, disk full) stays an OSError, not an UploadError
-            op_name,
-            fn,
-            policy=self._retry,
-            stop_event=self._stop_event,
-            is_retryable=is_retryable,
-            passthrough=(OSError, *passthrough),
-            target=self.url,
-            error=error,
-        )
+        with operation_budget(self._deadlines, planned_bytes) as budget:
+            return call_with_retries(  # local I/O (source file gone, disk full) stays an OSError
+                op_name,
+                fn,
+                policy=self._retry,
+                stop_event=self._stop_event,
+                is_retryable=is_retryable,
+                passthrough=(OSError, *passthrough),
+                target=self.url,
+                error=error,
+                budget=budget,
+            )
 
     # --- small objects
 
@@ -242,6 +248,7 @@ class S3Store:
                 if_none_match=if_none_match,
                 if_match=if_match,
             ),
+            planned_bytes=len(payload),
         )
 
     def get_bytes(
@@ -273,7 +280,7 @@ class S3Store:
             f"get {what}",
             lambda: objects.get_object(self._client, request, what, max_bytes),
             passthrough=(ManifestError,),
-        )
+        )  # no planned bytes: a Range and max_bytes are caps; the budget follows Content-Length
 
     def read_sha256(
         self, key: str, *, stop_event: threading.Event | None = None, max_bytes: int | None = None
@@ -289,6 +296,7 @@ class S3Store:
             lambda: objects.read_sha256(
                 self._client, self._bucket, full_key, what, events, max_bytes
             ),
+            planned_bytes=max_bytes or 0,
         )
 
     # --- ranged reads
@@ -315,6 +323,7 @@ class S3Store:
             ),
             passthrough=(ObjectSizeError,),
             is_retryable=objects.download_retryable,
+            planned_bytes=len(out),
         )
 
     # --- multipart uploads
@@ -370,6 +379,7 @@ class S3Store:
                 checksum_b64=checksum_b64,
                 what=what,
             ),
+            planned_bytes=len(data),
         )
 
     def complete_multipart_upload(

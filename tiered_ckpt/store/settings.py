@@ -3,7 +3,8 @@ item 8). Pure: no boto3 import, so callers can build settings without loading th
 
 * :class:`TransferSettings`: part sizes and concurrency of uploads and downloads.
 * :class:`WriteSettings`: server-side encryption and storage class applied to every object written.
-* :class:`DeadlineSettings`: the stall timeout and the byte-scaled deadline of every single request.
+* :class:`DeadlineSettings`: the stall timeout and the byte-scaled deadline of every single request,
+  and the time budget of one operation across its retries.
 
 Source: S3 API reference (multipart limits: parts of 5 MiB .. 5 GiB, at most 10,000 parts, single
 PUT up to 5 GiB; PutObject / CreateMultipartUpload ``ServerSideEncryption``, ``SSEKMSKeyId``,
@@ -72,7 +73,8 @@ class TransferSettings:
 
 @dataclass(frozen=True)
 class DeadlineSettings:
-    """Deadlines of each single S3 request (enforced by :mod:`tiered_ckpt.store.deadline`).
+    """Deadlines of each single S3 request and the time budget of one store operation (enforced by
+    :mod:`tiered_ckpt.store.deadline`).
 
     A request fails (retryably, :class:`~tiered_ckpt.store.deadline.RequestDeadlineError`) when it
     runs past ``deadline_base_s + bytes / min_rate_bytes_per_s`` seconds from its start, where
@@ -81,23 +83,36 @@ class DeadlineSettings:
     the response body arrived for ``stall_timeout_s`` seconds (for a GET or HEAD, also no response
     headers). A chunk is 64 KiB for small objects, 256 KiB for s3transfer's downloads and 8 MiB for
     a read-back, so the stall timeout must cover one chunk at the slowest rate allowed (8 MiB at 256
-    KiB/s: 32 s). CompleteMultipartUpload (which S3 may work on for minutes) gets 10 x
+    KiB/s: 32 s). CompleteMultipartUpload (which S3 may work on for minutes) gets 30 x
     ``deadline_base_s``.
 
-    The defaults (stall 60 s, base 15 s, 256 KiB/s) give a pointer or manifest of a few hundred
-    bytes 15 s, a 64 MiB part 4.5 min and a 5 GiB one 5.7 h: a safety net against a server that
-    never finishes (an endless or trickling body: one byte every 20 s never trips botocore's 60 s
-    per-read timeout), not a throughput check. With the default :class:`~tiered_ckpt.retry.RetryPolicy`
-    (6 attempts) a small object on a trickling server fails after about 6 x 15 s plus the backoffs.
-    Raises ``ValueError`` on values that are not finite numbers > 0.
+    One *operation* of the store (a GET, a PUT, one part: every attempt of
+    :func:`~tiered_ckpt.retry.call_with_retries` and the waits between them) has a budget of
+    ``operation_budget_factor`` x the deadline of its largest request (of its planned bytes, or of
+    the bytes its requests were known to move: a body sent, a ``Content-Length`` received, not a
+    Range asked for): a request still running when the budget is spent is cut like one past its
+    deadline, and no attempt starts that the budget cannot wait for.
+
+    The defaults (stall 60 s, base 5 s, 256 KiB/s, budget 3 x) give a pointer or manifest of a few
+    hundred bytes 5 s per request and 15 s per operation, a 64 MiB part 4.4 min per request and 13
+    min in all, a 5 GiB one 5.7 h: a safety net against a server that never finishes (an endless or
+    trickling body: one byte every 20 s never trips botocore's 60 s per-read timeout), not a
+    throughput check. Measured worst cases on a trickling server: docs/sidecar.md, "Timeouts".
+    Raises ``ValueError`` on values that are not finite numbers > 0, or a budget factor below 1.
     """
 
     stall_timeout_s: float = 60.0
-    deadline_base_s: float = 15.0
+    deadline_base_s: float = 5.0
     min_rate_bytes_per_s: float = 256 * 1024
+    operation_budget_factor: float = 3.0
 
     def __post_init__(self) -> None:
-        for name in ("stall_timeout_s", "deadline_base_s", "min_rate_bytes_per_s"):
+        for name in (
+            "stall_timeout_s",
+            "deadline_base_s",
+            "min_rate_bytes_per_s",
+            "operation_budget_factor",
+        ):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -105,11 +120,21 @@ class DeadlineSettings:
                 or not 0 < value < float("inf")
             ):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.operation_budget_factor < 1:
+            raise ValueError(
+                "operation_budget_factor must be >= 1 (one whole request), "
+                f"got {self.operation_budget_factor!r}"
+            )
 
     def deadline_s(self, n_bytes: int) -> float:
         """Seconds a request moving ``n_bytes`` (body sent plus body expected back) may take in
         all."""
         return self.deadline_base_s + max(n_bytes, 0) / self.min_rate_bytes_per_s
+
+    def operation_budget_s(self, n_bytes: int) -> float:
+        """Seconds one operation whose largest request moves ``n_bytes`` may take, every attempt
+        and wait of its retries together."""
+        return self.operation_budget_factor * self.deadline_s(n_bytes)
 
 
 _SSE_VALUES = frozenset({"AES256", "aws:kms", "aws:kms:dsse"})
