@@ -209,10 +209,47 @@ class _GuardedHTTPSConnectionPool(AWSHTTPSConnectionPool):
 
 _HOOKED_ATTR = "_tiered_ckpt_request_hooks"
 
+#: What the store's own requests run with, whatever the client says: botocore adds no checksum the
+#: store did not ask for and validates no response body (every byte the store reads is verified
+#: against the SHA-256 / CRC32C recorded at save; botocore's validation would read the body a
+#: second time, or, as the store reads bodies with ``readinto`` past botocore's wrapper, validate
+#: zero bytes and fail).
+_OWN_CHECKSUM_SETTINGS = Config(
+    request_checksum_calculation="when_required", response_checksum_validation="when_required"
+)
+
+
+def _own_checksum_settings(client: botocore.client.BaseClient) -> tuple[Any, Any]:
+    """The two botocore handlers that give the store's own requests (those sent inside a
+    :class:`~tiered_ckpt.store.deadline.GuardedClient` call, :func:`current_guard` set) the
+    checksum settings of :data:`_OWN_CHECKSUM_SETTINGS`. A caller's client is left as it is for the
+    caller's own requests: each handler does nothing outside a guarded call.
+
+    ``provide-client-params``: the request's context gets the client's config merged with those
+    settings (botocore reads ``context["client_config"]`` to decide whether to add
+    ``ChecksumMode=ENABLED`` and a request checksum). ``before-call``: the response algorithms
+    botocore resolved are dropped (a ``ChecksumMode=ENABLED`` the store sends itself, to read the
+    stored checksum of a HEAD, then asks for the header without a validating wrapper). Source:
+    botocore ``client._make_api_call``, ``handlers._handle_request_validation_mode_member``,
+    ``httpchecksum.resolve_checksum_context`` / ``handle_checksum_body``."""
+    own = client.meta.config.merge(_OWN_CHECKSUM_SETTINGS)
+
+    def provide_params(context: dict[str, Any] | None = None, **_: Any) -> None:
+        if context is not None and current_guard() is not None:
+            context["client_config"] = own
+
+    def before_call(context: dict[str, Any] | None = None, **_: Any) -> None:
+        if context is not None and current_guard() is not None:
+            context.get("checksum", {}).pop("response_algorithms", None)
+
+    return provide_params, before_call
+
 
 def install_request_hooks(client: botocore.client.BaseClient) -> bool:
-    """Give ``client`` what the per-request deadlines need (idempotent; the store calls it for every
-    client, also an injected one): the ``before-send`` hook
+    """Give ``client`` what the store's requests need (idempotent; the store calls it for every
+    client, also an injected one): the checksum settings of the store's own requests
+    (:func:`_own_checksum_settings`, whatever the client's), and for the per-request deadlines the
+    ``before-send`` hook
     :func:`~tiered_ckpt.store.deadline.veto_expired_request`, and connection pools whose connections
     attach to the sending thread's guard, so that an expired request's socket can be shut down. The
     pools are swapped in botocore's ``URLLib3Session`` (its ``_pool_classes_by_scheme``, the one
@@ -223,6 +260,13 @@ def install_request_hooks(client: botocore.client.BaseClient) -> bool:
         return bool(getattr(client, _HOOKED_ATTR))
     client.meta.events.register(
         "before-send.s3", veto_expired_request, unique_id="tiered-ckpt-deadline"
+    )
+    provide_params, before_call = _own_checksum_settings(client)
+    client.meta.events.register(
+        "provide-client-params.s3", provide_params, unique_id="tiered-ckpt-checksum-settings"
+    )
+    client.meta.events.register(
+        "before-call.s3", before_call, unique_id="tiered-ckpt-checksum-validation"
     )
     session = getattr(getattr(client, "_endpoint", None), "http_session", None)
     classes = getattr(session, "_pool_classes_by_scheme", None)
