@@ -894,3 +894,42 @@ class FaultProxy:
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         wfile.write(head + (b"" if req.method == "HEAD" else body))
         wfile.flush()
+
+
+_RANGE_RE = re.compile(r"bytes=(\d+)-(\d*)$")
+_CONTENT_RANGE_TOTAL_RE = re.compile(r"bytes \d+-\d+/(\d+)$")
+
+
+class StrictRangeProxy(FaultProxy):
+    """A :class:`FaultProxy` that answers like the strict S3 servers: a GetObject whose ``Range``
+    ends past the object's last byte gets 400 ``InvalidArgument`` ("invalid byte range 0-N for size
+    N"), where RFC 9110 (and moto) would serve the bytes that exist. ``refused`` lists the Range
+    headers refused."""
+
+    def __init__(self, upstream_url: str) -> None:
+        super().__init__(upstream_url)
+        self.refused: list[str] = []
+
+    def _respond(  # type: ignore[override]
+        self,
+        wfile,
+        req: Request,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+    ) -> None:
+        asked = req.header("Range") if req.method == "GET" else None
+        m = _RANGE_RE.match(asked or "")
+        size = None
+        if m is not None and m.group(2) and status in (200, 206):
+            content_range = next((v for k, v in headers if k.lower() == "content-range"), "")
+            total = _CONTENT_RANGE_TOTAL_RE.match(content_range)
+            size = int(total.group(1)) if total else len(body) if status == 200 else None
+        if size is not None and m is not None and int(m.group(2)) >= size:
+            with self._lock:
+                self.refused.append(asked or "")
+            msg = f"invalid byte range {m.group(1)}-{m.group(2)} for size {size}"
+            status, reason, body = 400, "Bad Request", _s3_error_body("InvalidArgument", msg)
+            headers = [("Content-Type", "application/xml")]
+        FaultProxy._respond(wfile, req, status, reason, headers, body)

@@ -32,8 +32,7 @@ from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.layout import RUN_RECORD_NAME
 from tiered_ckpt.local.catalogue import MAX_RUN_RECORD_BYTES
 from tiered_ckpt.remote.handle import get_or_none, object_url
-from tiered_ckpt.retry import s3_error_code_and_status
-from tiered_ckpt.store.base import ObjectStore, PreconditionFailedError, RemoteNotFoundError
+from tiered_ckpt.store.base import ObjectStore, PreconditionFailedError
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +56,9 @@ def read_remote_record(store: ObjectStore) -> RunLineage | None:
     """The prefix's run record, or ``None`` when there is none (an unclaimed or round-1 prefix). One
     GET of at most :data:`~tiered_ckpt.local.catalogue.MAX_RUN_RECORD_BYTES` + 1 bytes. Raises
     ``ManifestError`` (too large, malformed) and ``UploadError`` (the bucket cannot be read)."""
-    try:
-        raw = store.get_bytes(
-            RUN_RECORD_NAME,
-            byte_range=(0, MAX_RUN_RECORD_BYTES + 1),
-            max_bytes=MAX_RUN_RECORD_BYTES + 1,
-        )  # one over: _parse names the cap
-    except RemoteNotFoundError:
-        return None
-    except UploadError as exc:  # 416 InvalidRange: an empty object (a range needs one byte)
-        if exc.last_exception is None or s3_error_code_and_status(exc.last_exception)[1] != 416:
-            raise
-        raw = b""
-    return _parse(store, raw)
+    # one byte over the cap, so that _parse names the cap of a record past it
+    raw = get_or_none(store, RUN_RECORD_NAME, max_bytes=MAX_RUN_RECORD_BYTES + 1)
+    return _parse(store, raw) if raw is not None else None
 
 
 def _read_raw_versioned(store: ObjectStore) -> tuple[bytes | None, str | None]:

@@ -194,11 +194,9 @@ class ObjectStore(Protocol):
         condition."""
         ...
 
-    def get_bytes(
-        self, key: str, *, max_bytes: int = ..., byte_range: tuple[int, int] | None = None
-    ) -> bytes:
-        """The object's bytes, or ``[start, stop)`` of them, at most ``max_bytes`` (the cap of the
-        object's kind, ``tiered_ckpt.remote.limits``): a longer body is refused as it passes the cap
+    def get_bytes(self, key: str, *, max_bytes: int = ...) -> bytes:
+        """The object's bytes, at most ``max_bytes`` (the cap of the object's kind,
+        ``tiered_ckpt.remote.limits``): a longer body is refused as it passes the cap
         (:class:`~tiered_ckpt.errors.ManifestError` naming the object and the cap, not retried).
         Raises ``RemoteNotFoundError``."""
         ...

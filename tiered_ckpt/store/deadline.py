@@ -456,7 +456,7 @@ class GuardedClient:
     @contextlib.contextmanager
     def planned_size(self, bucket: str, key: str, size: int) -> Iterator[None]:
         """While inside: a GetObject of ``bucket``/``key`` expects at most ``size`` bytes (+1),
-        whatever Range it asks for (s3transfer asks for a whole download part) or length the server
+        whatever Range it asks for (none, for a read-back of the whole object) or length the server
         announces."""
         with self._planned_lock:
             self._planned[(bucket, key)] = size

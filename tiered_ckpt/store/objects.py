@@ -145,21 +145,17 @@ def put_object(
 
 
 def get_object(client: BaseClient, request: Mapping[str, str], what: str, max_bytes: int) -> bytes:
-    """GetObject with the prepared ``request`` (Bucket, Key, optional Range): the body, read in
+    """GetObject with the prepared ``request`` (Bucket, Key; no Range: a Range past an object's end
+    is refused by strict servers, and the cap is enforced on the answer instead): the body, read in
     :data:`GET_CHUNK_BYTES` chunks and refused with :class:`~tiered_ckpt.errors.ManifestError`
-    naming ``what`` and the cap as soon as it passes ``max_bytes`` (or announces more), so an
-    endless body costs at most one chunk over the cap in memory. Without a Range in ``request`` it
-    asks for ``bytes=0-<max_bytes>`` (one byte over the cap, to tell "at the cap" from "over it"; a
-    server may ignore the Range, the count still holds); an empty object (416 ``InvalidRange`` for
-    that range) is fetched again without one. Raises :class:`RemoteNotFoundError` on 404."""
-    ranged = dict(request) if "Range" in request else {**request, "Range": f"bytes=0-{max_bytes}"}
+    naming ``what`` and the cap as soon as it announces more than ``max_bytes`` + 1 or passes
+    ``max_bytes`` while read, so an endless body costs at most one chunk over the cap in memory.
+    Raises :class:`RemoteNotFoundError` on 404."""
     try:
-        resp = client.get_object(**ranged)
+        resp = client.get_object(**request)
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
-        if "Range" not in request and s3_error_code_and_status(exc)[1] == 416:
-            return _read_capped(client.get_object(**request), what, max_bytes)
         raise
     return _read_capped(resp, what, max_bytes)
 
@@ -195,23 +191,18 @@ def read_sha256(
     stop_events: tuple[threading.Event, ...],
     max_bytes: int | None = None,
 ) -> tuple[int, str]:
-    """GetObject streamed in :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the
-    body. With ``max_bytes`` it asks for ``bytes=0-<max_bytes>`` (so the request's deadline follows
-    the planned size, not a length the server announces) and stops reading once more than
-    ``max_bytes`` arrived: the size returned is then over ``max_bytes`` (the hash of what was read),
-    never an endless read; an empty object (416 for that Range) is fetched again without one. Raises
+    """GetObject of the whole object (no Range: one past the planned end is refused by strict
+    servers, and an exact one cannot tell a shorter object there either) streamed in
+    :data:`READ_CHUNK_BYTES` chunks: ``(size_bytes, sha256_hex)`` of the body. With ``max_bytes``
+    (the planned size) an object announced longer (``Content-Length``) is not read: its announced
+    size comes back with the hash of nothing; a body that keeps coming past ``max_bytes`` is
+    stopped one chunk past it. Either way the size is over ``max_bytes``, never an endless read
+    (the caller bounds the request's deadline by ``max_bytes`` too:
+    :meth:`~tiered_ckpt.store.deadline.GuardedClient.planned_size`). Raises
     :class:`RemoteNotFoundError` (404), :class:`OperationInterruptedError` once any of
     ``stop_events`` is set (checked after each chunk)."""
-    request = {"Bucket": bucket, "Key": full_key}
     try:
-        try:
-            resp = client.get_object(
-                **request, **({} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"})
-            )
-        except Exception as exc:
-            if max_bytes is None or s3_error_code_and_status(exc)[1] != 416:
-                raise
-            resp = client.get_object(**request)
+        resp = client.get_object(Bucket=bucket, Key=full_key)
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
@@ -220,6 +211,9 @@ def read_sha256(
     h = hashlib.sha256()
     n = 0
     try:
+        announced = resp.get("ContentLength")
+        if max_bytes is not None and announced is not None and int(announced) > max_bytes:
+            return int(announced), h.hexdigest()
         for chunk in body.iter_chunks(READ_CHUNK_BYTES):
             h.update(chunk)
             n += len(chunk)

@@ -19,6 +19,7 @@ multipart calls, conditional writes with If-None-Match / If-Match).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -251,53 +252,45 @@ class S3Store:
             planned_bytes=len(payload),
         )
 
-    def get_bytes(
-        self,
-        key: str,
-        *,
-        max_bytes: int = DEFAULT_GET_MAX_BYTES,
-        byte_range: tuple[int, int] | None = None,
-    ) -> bytes:
-        """GetObject of at most ``max_bytes`` bytes (the cap of the object's kind): a ranged GET
-        (``bytes=0-<max_bytes>``, or ``byte_range=(start, stop)`` for ``[start, stop)``, truncated
-        by the server at the end) whose body is counted in 64 KiB chunks, so an endless body is
+    def get_bytes(self, key: str, *, max_bytes: int = DEFAULT_GET_MAX_BYTES) -> bytes:
+        """GetObject of at most ``max_bytes`` bytes (the cap of the object's kind), without a Range
+        (none past the end of an object: strict servers refuse one): a body announced over the cap
+        is refused before it is read, and one that keeps coming is counted in 64 KiB chunks and
         refused as soon as it passes the cap. Raises :class:`~tiered_ckpt.errors.ManifestError`
-        naming the object and the cap (not retried), ``RemoteNotFoundError`` on 404, ``UploadError``
-        otherwise (416 ``InvalidRange`` for a ``byte_range`` starting past the end; a deadline or
-        stall after retries)."""
+        naming the object and the cap (not retried), ``RemoteNotFoundError`` on 404,
+        ``UploadError`` otherwise (a deadline or stall after retries)."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         request: dict[str, str] = {"Bucket": self._bucket, "Key": self._keys.full_key(key)}
-        if byte_range is not None:
-            start, stop = byte_range
-            if not 0 <= start < stop:
-                raise ValueError(
-                    f"byte_range must be (start, stop) with 0 <= start < stop, got {byte_range!r}"
-                )
-            request["Range"] = f"bytes={start}-{stop - 1}"
         what = self._describe(key)
         return self._call(
             f"get {what}",
             lambda: objects.get_object(self._client, request, what, max_bytes),
             passthrough=(ManifestError,),
-        )  # no planned bytes: a Range and max_bytes are caps; the budget follows Content-Length
+        )  # no planned bytes: max_bytes is a cap; the budget follows Content-Length
 
     def read_sha256(
         self, key: str, *, stop_event: threading.Event | None = None, max_bytes: int | None = None
     ) -> tuple[int, str]:
-        """Stream the object back (one GetObject per attempt, 8 MiB chunks): ``(size_bytes,
-        sha256_hex)``; with ``max_bytes`` (the planned size) it stops past it (a size over
-        ``max_bytes`` returned). Raises ``RemoteNotFoundError``, ``OperationInterruptedError`` (a
+        """Stream the object back (one GetObject of the whole object per attempt, 8 MiB chunks):
+        ``(size_bytes, sha256_hex)``; with ``max_bytes`` (the planned size) it stops past it, or
+        reads nothing of an object announced longer (a size over ``max_bytes`` returned). Raises ``RemoteNotFoundError``, ``OperationInterruptedError`` (a
         stop event set between chunks), ``UploadError``."""
         full_key, what = self._keys.full_key(key), self._describe(key)
         events = tuple(e for e in (stop_event, self._stop_event) if e is not None)
-        return self._call(
-            f"read back {what}",
-            lambda: objects.read_sha256(
-                self._client, self._bucket, full_key, what, events, max_bytes
-            ),
-            planned_bytes=max_bytes or 0,
-        )
+        planned = (
+            self._client.planned_size(self._bucket, full_key, max_bytes)
+            if max_bytes is not None
+            else contextlib.nullcontext()
+        )  # the request's deadline follows the planned size, not a length the server announces
+        with planned:
+            return self._call(
+                f"read back {what}",
+                lambda: objects.read_sha256(
+                    self._client, self._bucket, full_key, what, events, max_bytes
+                ),
+                planned_bytes=max_bytes or 0,
+            )
 
     # --- ranged reads
 
