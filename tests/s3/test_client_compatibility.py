@@ -1,7 +1,7 @@
 """The product with the caller's own boto3 client: every remote read and write works whatever the
 client's checksum settings.
 
-``default``: ``boto3.client("s3", endpoint_url=...)`` exactly as a user builds it, botocore's
+``default``: a client as ``boto3.client("s3", endpoint_url=...)`` builds it, botocore's
 defaults (``request_checksum_calculation`` and ``response_checksum_validation`` both
 ``when_supported`` since botocore 1.36: every GetObject asks for ``ChecksumMode=ENABLED`` and
 botocore wraps the body to validate it). ``when_required``: the settings the product's own client
@@ -51,12 +51,14 @@ CLIENTS = ("default", "when_required")
 
 def user_client(kind: str, loc: S3Location) -> Any:
     """The caller's client: botocore's defaults, or ``when_required`` for both checksum settings.
-    Path-style addressing as the test servers need; nothing else set."""
+    Path-style addressing as the test servers need; nothing else set. A new boto3 session reads
+    the environment now (boto3's default session keeps what it read first: a session token the
+    SeaweedFS tests remove)."""
     if kind == "default":
-        return boto3.client(
+        return boto3.session.Session().client(
             "s3", endpoint_url=loc.endpoint_url, config=Config(s3={"addressing_style": "path"})
         )
-    return boto3.client(
+    return boto3.session.Session().client(
         "s3",
         endpoint_url=loc.endpoint_url,
         config=Config(

@@ -6,6 +6,7 @@ responses botocore reads whole: LIST pages and error bodies).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import subprocess
@@ -71,15 +72,22 @@ def test_read_back_of_an_endless_body_stops_near_the_sent_size() -> None:
 
 @pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_read_back_of_a_trickle_announcing_a_huge_length_meets_its_deadline() -> None:
-    """The server HEADs 4 KiB, then answers the read-back's GET with ``Content-Length: 10**12`` and
-    one byte every 0.2 s (never a stall): the GET's deadline must follow the sent size, not the
-    length the server announces (before: 1 s + 10**12 B / 256 KiB/s, i.e. no deadline)."""
+    """The server HEADs 4 KiB, then answers the read-back's GET with one byte every 0.2 s (never a
+    stall). Announcing ``Content-Length: 10**12``: nothing is read, the announced size comes back
+    at once (a mismatch the upload then fails on). Announcing the planned 4 KiB: the GET's deadline
+    follows the planned size (before: 1 s + the announced length / 256 KiB/s, i.e. no
+    deadline)."""
     settings = DeadlineSettings(stall_timeout_s=30.0, deadline_base_s=1.0)
     with (
         HostileS3() as srv,
         _store(srv.endpoint_url, deadlines=settings, retry=RetryPolicy(max_attempts=1)) as store,
     ):
         srv.set(f"{PREFIX}/{KEY}", Behaviour("trickle", size=10**12, interval_s=0.2))
+        t0 = time.monotonic()
+        result = run_bounded(lambda: store.read_sha256(KEY, max_bytes=4096), 15)
+        assert result == (10**12, hashlib.sha256(b"").hexdigest()), result
+        assert time.monotonic() - t0 < 2.0
+        srv.set(f"{PREFIX}/{KEY}", Behaviour("trickle", size=4096, interval_s=0.2))
         t0 = time.monotonic()
         result = run_bounded(lambda: store.read_sha256(KEY, max_bytes=4096), 15)
         assert type(result) is UploadError, result

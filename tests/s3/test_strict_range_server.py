@@ -44,7 +44,9 @@ def strict(s3_server: S3Server) -> Iterator[StrictRangeProxy]:
 def client_for(kind: str, url: str) -> Any:
     if kind == "product":
         return make_s3_client(endpoint_url=url, path_style=True, botocore_max_attempts=1)
-    return boto3.client("s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"}))
+    return boto3.session.Session().client(
+        "s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"})
+    )
 
 
 def test_the_proxy_refuses_a_range_past_the_end(
