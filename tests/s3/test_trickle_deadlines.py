@@ -108,6 +108,7 @@ def _restore_api(url: str, endpoint_url: str, local: Path) -> tuple[BaseExceptio
     )
 
 
+@pytest.mark.slow  # about 16 s: the operation budget with the default settings, spent twice
 def test_ls_remote_and_restore_fail_within_seconds_on_a_trickling_server(
     uploaded: S3Location, tmp_path: Path
 ) -> None:
