@@ -274,8 +274,9 @@ class S3Store:
     ) -> tuple[int, str]:
         """Stream the object back (one GetObject of the whole object per attempt, 8 MiB chunks):
         ``(size_bytes, sha256_hex)``; with ``max_bytes`` (the planned size) it stops past it, or
-        reads nothing of an object announced longer (a size over ``max_bytes`` returned). Raises ``RemoteNotFoundError``, ``OperationInterruptedError`` (a
-        stop event set between chunks), ``UploadError``."""
+        reads nothing of an object announced longer (a size over ``max_bytes`` returned). Raises
+        ``RemoteNotFoundError``, ``OperationInterruptedError`` (a stop event set between chunks),
+        ``UploadError``."""
         full_key, what = self._keys.full_key(key), self._describe(key)
         events = tuple(e for e in (stop_event, self._stop_event) if e is not None)
         planned = (
