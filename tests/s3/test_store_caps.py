@@ -42,3 +42,15 @@ def test_an_oversized_latest_is_a_manifest_error_for_readers_and_replaced_by_the
         read_latest_pointer(store)
     pointer, etag = read_latest_pointer_versioned(store)  # the sidecar moves it with If-Match
     assert pointer is None and etag == store.head(LATEST_POINTER_NAME).etag
+
+
+def test_an_oversized_run_record_names_its_cap(store: S3Store) -> None:
+    """A ``run.json`` two bytes over the cap: refused naming the cap itself (not the cap + 1 the
+    reader once asked for)."""
+    from tiered_ckpt.layout import RUN_RECORD_NAME
+    from tiered_ckpt.local.catalogue import MAX_RUN_RECORD_BYTES
+    from tiered_ckpt.remote.lineage import read_remote_record
+
+    store.put_bytes(RUN_RECORD_NAME, b" " * (MAX_RUN_RECORD_BYTES + 2))
+    with pytest.raises(ManifestError, match=rf"than the {MAX_RUN_RECORD_BYTES}-byte cap"):
+        read_remote_record(store)

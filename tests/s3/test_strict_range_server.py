@@ -27,6 +27,7 @@ from tiered_ckpt.remote.handle import StoreHandle
 from tiered_ckpt.remote.inspect.run_status import read_status
 from tiered_ckpt.remote.inspect.verify import scan_remote
 from tiered_ckpt.retry import RetryPolicy
+from tiered_ckpt.store.base import ObjectSizeError
 from tiered_ckpt.store.s3 import S3Store, make_s3_client
 
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_wait_s=0.05, max_wait_s=0.1)
@@ -134,4 +135,24 @@ def test_read_back_tells_a_longer_or_shorter_object_from_the_headers(
     assert store.get_bytes("obj", max_bytes=len(data)) == data
     assert store.get_bytes("empty", max_bytes=10) == b""
     assert strict.refused == []
+    store.close()
+
+
+def test_a_shard_shorter_than_planned_is_a_size_error_on_a_strict_server(
+    strict: StrictRangeProxy, s3_bucket: S3Location
+) -> None:
+    """A ranged read planned inside an object that has since been replaced by a shorter one: the
+    strict server's 400 is the same :class:`ObjectSizeError` as another server's 416 (so a restore
+    with ``fallback`` moves on to an older step)."""
+    store = S3Store(
+        client_for("product", strict.url),
+        s3_bucket.bucket,
+        f"{s3_bucket.prefix}/short",
+        retry=FAST_RETRY,
+    )
+    store.put_bytes("obj", b"x" * 6000)
+    out = memoryview(bytearray(4000))
+    with pytest.raises(ObjectSizeError, match=r"refuses bytes 4000-7999 \(InvalidArgument 400\)"):
+        store.read_range_into("obj", 4000, out, object_size=10_000)
+    assert strict.refused == ["bytes=4000-7999"]
     store.close()

@@ -89,3 +89,30 @@ def test_cli_verify_remote(tmp_path: Path, s3_bucket: S3Location) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert [(r["step"], r["state"]) for r in json.loads(proc.stdout)] == [(10, "committed")]
+
+
+@pytest.mark.parametrize(("fault", "fast"), [("head", False), ("head", True), ("get", False)])
+def test_a_bucket_that_cannot_be_read_is_an_error_not_a_corrupt_step(
+    tmp_path: Path, s3_bucket: S3Location, fault_proxy, fast: bool, fault: str
+) -> None:
+    """Shard requests answered 503 until the retries are spent (a throttling or slow server): the
+    step is not called corrupt (an operator would delete a good step); the scan raises
+    ``UploadError`` as for any bucket it cannot read, as restore does."""
+    from s3_infra import all_of, is_get_object, is_head_object, make_test_client
+
+    from tiered_ckpt.errors import UploadError
+    from tiered_ckpt.retry import RetryPolicy
+    from tiered_ckpt.store.s3 import S3Store
+
+    _remote_root(tmp_path, s3_bucket)
+    is_shard = lambda r: r.key.endswith(".safetensors")  # noqa: E731
+    match = is_head_object if fault == "head" else is_get_object
+    fault_proxy.fail_first(None, all_of(match, is_shard))
+    store = S3Store(
+        make_test_client(fault_proxy.url, botocore_max_attempts=1),
+        s3_bucket.bucket,
+        s3_bucket.prefix,
+        retry=RetryPolicy(max_attempts=2, initial_wait_s=0.01, max_wait_s=0.02),
+    )
+    with pytest.raises(UploadError, match="SlowDown|503"):
+        scan_remote(s3_bucket.url, fast=fast, store=store)

@@ -54,10 +54,10 @@ def _parse(store: ObjectStore, raw: bytes) -> RunLineage:
 
 def read_remote_record(store: ObjectStore) -> RunLineage | None:
     """The prefix's run record, or ``None`` when there is none (an unclaimed or round-1 prefix). One
-    GET of at most :data:`~tiered_ckpt.local.catalogue.MAX_RUN_RECORD_BYTES` + 1 bytes. Raises
+    GET of at most :data:`~tiered_ckpt.local.catalogue.MAX_RUN_RECORD_BYTES` bytes (a larger one
+    is refused naming that cap). Raises
     ``ManifestError`` (too large, malformed) and ``UploadError`` (the bucket cannot be read)."""
-    # one byte over the cap, so that _parse names the cap of a record past it
-    raw = get_or_none(store, RUN_RECORD_NAME, max_bytes=MAX_RUN_RECORD_BYTES + 1)
+    raw = get_or_none(store, RUN_RECORD_NAME, max_bytes=MAX_RUN_RECORD_BYTES)
     return _parse(store, raw) if raw is not None else None
 
 
@@ -69,7 +69,7 @@ def _read_raw_versioned(store: ObjectStore) -> tuple[bytes | None, str | None]:
         return b"\0" * (
             MAX_RUN_RECORD_BYTES + 1
         ), info.etag  # _parse refuses it; adopt may replace it
-    raw = get_or_none(store, RUN_RECORD_NAME, max_bytes=MAX_RUN_RECORD_BYTES + 1)
+    raw = get_or_none(store, RUN_RECORD_NAME, max_bytes=MAX_RUN_RECORD_BYTES)
     return (raw, info.etag) if raw is not None else (None, None)
 
 

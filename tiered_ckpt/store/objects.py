@@ -392,12 +392,14 @@ def read_range_attempt(
     except Exception as exc:
         if is_not_found(exc):
             raise RemoteNotFoundError(f"{what} does not exist", last_exception=exc) from exc
-        if (
-            s3_error_code_and_status(exc)[1] == 416
-        ):  # InvalidRange: shorter than planned now (replaced)
+        code, status = s3_error_code_and_status(exc)
+        if status == 416 or code == "InvalidRange" or (status == 400 and code == "InvalidArgument"):
+            # a range inside the planned size refused (416; 400 from strict servers): the object
+            # is shorter than planned now (replaced)
             raise ObjectSizeError(
-                f"{what}: the server refuses bytes {offset}-{offset + n - 1} (HTTP 416); it is "
-                f"shorter than the planned {object_size} bytes (replaced after the plan?)"
+                f"{what}: the server refuses bytes {offset}-{offset + n - 1} ({code or 'HTTP'} "
+                f"{status}); it is shorter than the planned {object_size} bytes (replaced after "
+                "the plan?)"
             ) from exc
         raise
     body = resp["Body"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt.errors import CheckpointError, MissingShardError, NoCheckpointError
+from tiered_ckpt.errors import CheckpointError, MissingShardError, NoCheckpointError, UploadError
 from tiered_ckpt.local.scan import COMMITTED, CORRUPT, INCOMPLETE, UNCOMMITTED, StepStatus
 from tiered_ckpt.remote.catalogue import (
     CURRENT,
@@ -46,7 +46,7 @@ from tiered_ckpt.remote.handle import StoreHandle
 from tiered_ckpt.remote.inspect.stored_checksums import check_stored_checksums, summarize
 from tiered_ckpt.remote.restore.download import fetch_shard
 from tiered_ckpt.remote.restore.plan import plan_step
-from tiered_ckpt.store.base import ObjectStore
+from tiered_ckpt.store.base import ObjectStore, RemoteNotFoundError
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,10 @@ def _check_save(
     step = save.step
     try:
         plan = plan_step(store, save, None, from_pointer=latest)
-    except (MissingShardError, NoCheckpointError) as exc:
+    except (MissingShardError, NoCheckpointError, RemoteNotFoundError) as exc:
         return RemoteStepStatus(step, INCOMPLETE, str(exc), save_id=save.save_id)
+    except UploadError:
+        raise  # the bucket cannot be read (throttled, slow, denied): no verdict on the step
     except CheckpointError as exc:
         return RemoteStepStatus(step, CORRUPT, str(exc), save_id=save.save_id)
     m = plan.manifest
@@ -155,10 +157,12 @@ def _check_save(
             path = Path(tmp) / f"rank_{obj.rank}.part"
             try:
                 fetch_shard(store, plan, obj, path, None, cancel)
-            except MissingShardError as exc:
+            except (MissingShardError, RemoteNotFoundError) as exc:
                 return RemoteStepStatus(
                     step, INCOMPLETE, str(exc), m.world_size, plan.total_bytes, m.save_id
                 )
+            except UploadError:
+                raise
             except CheckpointError as exc:
                 return RemoteStepStatus(
                     step, CORRUPT, str(exc), m.world_size, plan.total_bytes, m.save_id
