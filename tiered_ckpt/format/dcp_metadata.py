@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from tiered_ckpt.errors import DcpMetadataError, ManifestError
+from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
 from tiered_ckpt.format.validate import (
     MAX_NDIM,
@@ -51,6 +52,10 @@ from tiered_ckpt.format.validate import (
 from tiered_ckpt.layout import MAX_WORLD_SIZE
 
 FORMAT = 1
+#: ``manifest.extra`` key of the DCP backend, and its format (the writer's
+#: :data:`tiered_ckpt.dcp.storage_writer.EXTRA_KEY` and ``EXTRA_FORMAT``).
+EXTRA_KEY = "dcp"
+EXTRA_FORMAT = 1
 #: Largest metadata accepted (bytes of JSON); a larger one is refused before it is read.
 MAX_METADATA_BYTES = 1 << 28
 #: Most keys of ``state_dict_metadata`` (tensors and byte items).
@@ -136,20 +141,20 @@ class MetadataTable:
     planner_data: dict[str, tuple[str | int, ...]] | None
     storage_meta: dict[str, Any] | None
 
-    def items(self) -> Iterator[tuple[str, int, str, tuple[int, ...] | None]]:
-        """``(fqn, rank, name, shape)`` of every item: ``name`` the tensor holding it in that
-        rank's shard (:func:`item_name`, escaped as the shard escapes keys), ``shape`` its chunk's
-        sizes (``None``: a byte item, a 1-D uint8 tensor). Chunks with no element are not stored and
-        are not listed."""
+    def items(self) -> Iterator[tuple[int, str, str, tuple[int, ...] | None]]:
+        """``(rank, name, code, shape)`` of every item: the tensor ``name`` holding it in rank
+        ``rank`` 's shard (:func:`item_name`, escaped as the shard escapes keys), its safetensors
+        dtype ``code`` and its chunk's sizes (``None``: a byte item, a 1-D ``"U8"`` tensor of any
+        length). Chunks with no element are not stored and are not listed."""
         for fqn, e in self.entries.items():
             if isinstance(e, BytesEntry):
-                yield fqn, e.rank, stored_name(item_name(fqn, None)), None
+                yield e.rank, stored_name(item_name(fqn, None)), "U8", None
                 continue
-            nd = len(e.size)
+            nd, code = len(e.size), DTYPE_CODES[e.dtype]
             for row in e.chunks.tolist():
                 sizes = tuple(row[1 + nd :])
                 if 0 not in sizes:
-                    yield fqn, row[0], stored_name(item_name(fqn, tuple(row[1 : 1 + nd]))), sizes
+                    yield row[0], stored_name(item_name(fqn, tuple(row[1 : 1 + nd]))), code, sizes
 
 
 def item_name(fqn: str, offsets: tuple[int, ...] | None) -> str:
@@ -164,6 +169,46 @@ def stored_name(key: str) -> str:
     """The tensor name a shard gives the top-level key ``key`` (``%`` -> ``%25``, ``/`` ->
     ``%2F``, as :func:`tiered_ckpt.format.shard_file.flatten_state` escapes keys)."""
     return key.replace("%", "%25").replace("/", "%2F")
+
+
+@dataclass(frozen=True)
+class DcpStepInfo:
+    """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its
+    name and its size (bytes)."""
+
+    metadata_rank: int
+    metadata_tensor: str
+    metadata_bytes: int
+
+
+def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
+    """``m.extra["dcp"]``, validated against ``m``. Raises :class:`DcpMetadataError` (also for a
+    step not written through the DCP backend)."""
+    where = f"step {m.step}"
+    info = (m.extra or {}).get(EXTRA_KEY)
+    if not isinstance(info, dict):
+        raise DcpMetadataError(
+            f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)"
+        )
+    if (
+        set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
+        or info["format"] != EXTRA_FORMAT
+    ):
+        raise DcpMetadataError(f"{where}: extra.dcp is malformed or of an unknown format")
+    rank, name, n = info["metadata_rank"], info["metadata_tensor"], info["metadata_bytes"]
+    if (
+        type(rank) is not int
+        or not 0 <= rank < m.world_size
+        or type(name) is not str
+        or not 0 < len(name) <= MAX_NAME_LEN
+        or type(n) is not int
+        or not 0 < n <= MAX_METADATA_BYTES
+    ):
+        raise DcpMetadataError(
+            f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
+            "out of range"
+        )
+    return DcpStepInfo(rank, name, n)
 
 
 # --- the scan
@@ -466,6 +511,8 @@ def parse(raw: bytes, world_size: int, where: str = "DCP metadata") -> MetadataT
 
 __all__ = [
     "DTYPE_CODES",
+    "EXTRA_FORMAT",
+    "EXTRA_KEY",
     "FORMAT",
     "MAX_CHUNKS",
     "MAX_CHUNKS_PER_TENSOR",
@@ -474,9 +521,11 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MEMORY_FORMATS",
     "BytesEntry",
+    "DcpStepInfo",
     "MetadataTable",
     "TensorEntry",
     "check_tiling",
+    "dcp_step_info",
     "item_name",
     "parse",
     "stored_name",
