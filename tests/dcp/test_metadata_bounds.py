@@ -133,6 +133,21 @@ def test_gaps_and_overlaps_are_refused(size: list[int], chunks: list[list[int]])
         _check(size, chunks)
 
 
+def test_the_checks_and_the_backend_agree_on_names() -> None:
+    """The torch-free tables of :mod:`tiered_ckpt.format.dcp_metadata` are the DCP backend's."""
+    from tiered_ckpt.dcp import storage_writer
+    from tiered_ckpt.dcp.items import DTYPE_BY_NAME, STORABLE_DTYPES
+
+    assert {n: STORABLE_DTYPES[dt] for n, dt in DTYPE_BY_NAME.items()} == {
+        n: c for n, c in dcp_metadata.DTYPE_CODES.items() if n in DTYPE_BY_NAME
+    }
+    assert set(dcp_metadata.DTYPE_CODES) - set(DTYPE_BY_NAME) <= {"float8_e8m0fnu"}
+    assert (storage_writer.EXTRA_KEY, storage_writer.EXTRA_FORMAT) == (
+        dcp_metadata.EXTRA_KEY,
+        dcp_metadata.EXTRA_FORMAT,
+    )
+
+
 # --- caps
 
 

@@ -11,6 +11,10 @@ root's other steps (a shard present in any committed step of that world size). A
 holds no shard of it at all is ``incomplete``. With ``require_all=True`` (the
 API default, ``verify --require-all``) every rank's shard must be here.
 
+A step saved through the DCP backend (``manifest.extra["dcp"]``) is also checked, when verified, for
+its DCP metadata (:func:`check_dcp_metadata`): under the rules a load reads it by, and against the
+tensors its checked shards hold.
+
 Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside
 under ``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and
 step that superseded them; they are not verified and are never a fault. ``gc(superseded=True)``
