@@ -184,14 +184,15 @@ def _tensor(e: TensorEntry) -> tuple[TensorStorageMetadata, dict[Any, int]]:
     """DCP's metadata of one tensor, and its chunks' ``{offsets: rank}``."""
     nd, n = len(e.size), len(e.chunks)
     cols = e.chunks.T.tolist()  # a few long lists: no object per chunk before the chunk's own
-    offsets = list(zip(*cols[1 : 1 + nd])) if nd else [()] * n
-    chunks, sizes = [], {}
+    chunks, sizes, offsets = [], {}, []
     new, tsize = ChunkStorageMetadata, torch.Size
-    for o, s in zip(offsets, zip(*cols[1 + nd :]) if nd else [()] * n):
+    offs = zip(*cols[1 : 1 + nd]) if nd else [()] * n
+    for o, s in zip(offs, zip(*cols[1 + nd :]) if nd else [()] * n):
         ts = sizes.get(s)
         if ts is None:  # chunks of one tensor mostly share a shape: one torch.Size each
             ts = sizes[s] = tsize(s)
-        chunks.append(new(offsets=tsize(o), sizes=ts))
+        offsets.append(to := tsize(o))  # also the placement's key (a tuple: same hash, equal)
+        chunks.append(new(offsets=to, sizes=ts))
     props = TensorProperties(
         dtype=DTYPE_BY_NAME[e.dtype],
         layout=torch.strided,

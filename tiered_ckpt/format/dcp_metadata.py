@@ -67,6 +67,8 @@ MAX_CHUNKS = 1 << 22
 #: Most corners the tiling check of one tensor sorts (``chunks x 2**dims split``): a tensor split
 #: along more than a handful of dimensions into many chunks, which DCP never writes, is refused.
 MAX_CORNERS = 1 << 22
+#: Most dimensions along which the chunks of one tensor may split it (DCP splits along one or two).
+MAX_SPLIT_DIMS = 13
 #: Longest flatten path of one key (DCP's nesting of dicts and lists), and the longest short string.
 MAX_PATH_ITEMS = 256
 MAX_SHORT_STR = 4096
@@ -296,7 +298,9 @@ def check_tiling(off: np.ndarray, sz: np.ndarray, size: tuple[int, ...], what: s
     the corners at ``v``), and such a sum is zero everywhere only if every ``c_v`` is (the least
     ``v`` with ``c_v != 0`` would count ``c_v`` at ``x = v``). So the boxes tile the tensor iff their
     corner sums equal the tensor's own: +-1 at its corners, 0 everywhere else. One sort of the
-    ``n * 2**k`` corners (``k``: the dimensions some box does not span whole): ``O(n log n)``.
+    ``n * 2**k`` corners (``k``: the dimensions some box does not span whole, at most
+    :data:`MAX_SPLIT_DIMS`; corners capped at :data:`MAX_CORNERS`), each packed into one int64:
+    ``O(n log n)`` time, ``24 * n * 2**k`` bytes.
     """
     dims = np.array(size, dtype=np.int64)
     keep = (sz > 0).all(axis=1) if sz.shape[1] else np.ones(len(sz), dtype=bool)
@@ -313,28 +317,39 @@ def check_tiling(off: np.ndarray, sz: np.ndarray, size: tuple[int, ...], what: s
     split = [d for d in range(len(size)) if not ((off[:, d] == 0) & (sz[:, d] == dims[d])).all()]
     if not split:
         return  # one box: the whole tensor (the volumes add up)
-    k = len(split)
-    if len(off) << k > MAX_CORNERS:
+    k, n = len(split), len(off)
+    if k > MAX_SPLIT_DIMS or n << k > MAX_CORNERS:
         raise fail(
-            f"{what}: {len(off)} chunks split the tensor along {k} dimensions (more than "
-            f"{MAX_CORNERS} corners to check)"
+            f"{what}: {n} chunks split the tensor along {k} dimensions (at most {MAX_SPLIT_DIMS} "
+            f"and {MAX_CORNERS} corners are checked)"
         )
-    lo, hi = off[:, split], off[:, split] + sz[:, split]
-    masks = (np.arange(1 << k)[:, None] >> np.arange(k)[None, :]) & 1  # (2**k, k): upper sides
-    corners = np.where(masks[:, None, :] == 1, hi[None], lo[None]).reshape(-1, k)
-    signs = np.repeat(1 - 2 * (masks.sum(axis=1) & 1), len(off))
-    order = np.lexsort(corners.T[::-1])
-    corners, signs = corners[order], signs[order]
-    new = np.ones(len(corners), dtype=bool)
-    new[1:] = (corners[1:] != corners[:-1]).any(axis=1)
+    # a corner as one integer: mixed radix (size + 1 per dimension: at most 2**(48 + k) in all),
+    # shifted left once for the sign bit (set: an odd number of upper sides)
+    ext = [size[d] + 1 for d in split]
+    strides = np.array([math.prod(ext[:i]) for i in range(k)], dtype=np.int64)
+    base = off[:, split] @ strides
+    step = sz[:, split] * strides
+    keys = np.empty(n << k, dtype=np.int64)
+    want = {}
+    for mask in range(1 << k):
+        upper = [i for i in range(k) if mask >> i & 1]
+        part = keys[mask * n : (mask + 1) * n]
+        np.add(base, step[:, upper].sum(axis=1), out=part)
+        part <<= 1
+        part |= len(upper) & 1
+        want[sum(size[split[i]] * int(strides[i]) for i in upper)] = 1 - 2 * (len(upper) & 1)
+    keys.sort()
+    corner = keys >> 1
+    new = np.empty(len(keys), dtype=bool)
+    new[0] = True
+    np.not_equal(corner[1:], corner[:-1], out=new[1:])
     starts = np.flatnonzero(new)
-    sums = np.add.reduceat(signs, starts)
-    nonzero = sums != 0
-    want = np.where(masks == 1, dims[split][None], 0)  # the tensor's corners, in the same order
-    want_signs = 1 - 2 * (masks.sum(axis=1) & 1)
-    got = corners[starts[nonzero]]
-    wo = np.lexsort(want.T[::-1])
-    if len(got) != len(want) or (got != want[wo]).any() or (sums[nonzero] != want_signs[wo]).any():
+    sums = np.add.reduceat(1 - 2 * (keys & 1).astype(np.int32), starts)
+    nonzero = np.flatnonzero(sums)
+    if (
+        len(nonzero) != len(want)
+        or dict(zip(corner[starts[nonzero]].tolist(), sums[nonzero].tolist())) != want
+    ):
         raise fail(gap)
 
 
@@ -519,6 +534,7 @@ __all__ = [
     "MAX_CORNERS",
     "MAX_ENTRIES",
     "MAX_METADATA_BYTES",
+    "MAX_SPLIT_DIMS",
     "MEMORY_FORMATS",
     "BytesEntry",
     "DcpStepInfo",
