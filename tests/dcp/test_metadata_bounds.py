@@ -148,6 +148,81 @@ def test_the_checks_and_the_backend_agree_on_names() -> None:
     )
 
 
+def _guillotine(rng: np.random.Generator, off: list[int], size: list[int], depth: int) -> list[Any]:
+    """A random exact tiling of the box ``off + [0, size)`` by recursive cuts (not a grid)."""
+    d = int(rng.integers(len(size)))
+    if depth == 0 or size[d] < 2:
+        return [[*off, *size]]
+    cut = int(rng.integers(1, size[d]))
+    a_size, b_off, b_size = list(size), list(off), list(size)
+    a_size[d], b_off[d], b_size[d] = cut, off[d] + cut, size[d] - cut
+    return _guillotine(rng, off, a_size, depth - 1) + _guillotine(rng, b_off, b_size, depth - 1)
+
+
+def _tiles(size: list[int], chunks: list[list[int]]) -> bool:
+    """Brute force: every element covered exactly once."""
+    nd = len(size)
+    count = np.zeros(size, np.int64)
+    for c in chunks:
+        count[tuple(slice(o, o + n) for o, n in zip(c[:nd], c[nd:]))] += 1
+    return bool((count == 1).all())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tiling_check_agrees_with_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    size = [int(x) for x in rng.integers(1, 7, size=int(rng.integers(1, 4)))]
+    chunks = _guillotine(rng, [0] * len(size), size, 6)
+    _check(size, chunks)
+    nd = len(size)
+    for _ in range(5):  # one chunk moved or resized by one, kept inside the tensor
+        bad = [list(c) for c in chunks]
+        c, d = bad[int(rng.integers(len(bad)))], int(rng.integers(nd))
+        if rng.integers(2):
+            c[d] = min(max(c[d] + int(rng.choice([-1, 1])), 0), size[d] - c[nd + d])
+        else:
+            c[nd + d] = min(max(c[nd + d] + int(rng.choice([-1, 1])), 1), size[d] - c[d])
+        if len({tuple(x[:nd]) for x in bad}) < len(bad):
+            continue  # two chunks at the same offsets: refused for that alone
+        try:
+            _check(size, bad)
+            ok = True
+        except DcpMetadataError:
+            ok = False
+        assert ok == _tiles(size, bad), (size, bad)
+
+
+@pytest.mark.parametrize(
+    "edit,ok",
+    [
+        (
+            lambda t: t.replace('"planner_data":{', '"planner_data":{"k[' + "1," * 40 + '1]":[1],'),
+            True,
+        ),
+        (lambda t: t.replace('"version":"1.0.0"', '"version":"' + "[1," * 30 + '"'), True),
+        (lambda t: t.replace('"version":"1.0.0"', '"version":"\\u0000"'), False),
+        (lambda t: t.replace('"chunks":[', '"chunks":[ \n'), True),
+        (lambda t: t.replace('"chunks":[0', '"chunks":[00'), False),
+        (lambda t: t.replace('"chunks":[0', '"chunks":[-0'), True),
+        (lambda t: t.replace('"chunks":[0', '"chunks":[0,'), False),
+        (lambda t: t.replace('"chunks":[0', '"chunks":[' + "9" * 19), False),
+        (lambda t: t.replace('"chunks":[0', '"chunks":[0.0'), False),
+        (lambda t: t.replace('"size":[', '"size":"\u0000'), False),
+        (lambda t: t.replace('"size":[', '"size":[' + "1," * 70), False),
+    ],
+)
+def test_integer_arrays_outside_strings_only_are_cut_out(edit: Any, ok: bool) -> None:
+    size, chunks = crossed(40)
+    before = metadata({"w": (size, chunks)}).decode()
+    text = edit(before)
+    assert text != before
+    if ok:
+        metadata_json.decode(text.encode(), 1)
+    else:
+        with pytest.raises(DcpMetadataError):
+            metadata_json.decode(text.encode(), 1)
+
+
 # --- caps
 
 
