@@ -21,7 +21,7 @@ from tiered_ckpt import dcp as tdcp
 from tiered_ckpt.cli import main
 from tiered_ckpt.dcp import metadata_json
 from tiered_ckpt.dcp.items import METADATA_TENSOR
-from tiered_ckpt.errors import DcpMetadataError
+from tiered_ckpt.errors import DcpMetadataError, UnsupportedStateError
 from tiered_ckpt.format import dcp_metadata
 from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.commit import commit_step
@@ -257,6 +257,16 @@ def test_total_chunk_and_entry_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dcp_metadata, "MAX_ENTRIES", 49)
     with pytest.raises(DcpMetadataError, match="entries"):
         metadata_json.decode(metadata(many), 1)
+
+
+def test_save_past_a_cap_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a load would refuse is not saved: the caps are checked when the metadata is encoded."""
+    monkeypatch.setattr(dcp_metadata, "MAX_ENTRIES", 2)
+    with pytest.raises(UnsupportedStateError, match="cap"):
+        tdcp.save({"a": torch.ones(2), "b": torch.ones(2), "c": torch.ones(2)}, tmp_path, STEP)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_oversized_metadata_is_refused_unread() -> None:

@@ -139,7 +139,8 @@ def encode(md: Metadata) -> bytes:
     ``state_dict_metadata`` (and nothing else) to its :class:`~tiered_ckpt.dcp.items.ItemLocation`
     (what the writer records; a :class:`Placement` or a dict). Raises :class:`UnsupportedStateError`
     for anything the format cannot hold (another planner's ``planner_data``, a non-strided tensor,
-    an item not placed or placed under another name)."""
+    an item not placed or placed under another name) or a load would refuse for its size (the caps
+    of :mod:`tiered_ckpt.format.dcp_metadata`: bytes, keys, chunks per tensor and in all)."""
     if not isinstance(md.storage_data, (dict, Placement)):
         raise _refuse(f"storage_data of type {type(md.storage_data).__name__}")
     try:
@@ -153,6 +154,7 @@ def encode(md: Metadata) -> bytes:
     )
     if items != len(placement):
         raise _refuse(f"storage_data places {len(placement)} items, the metadata describes {items}")
+    _check_caps(md)
     obj = {
         "format": FORMAT,
         "version": md.version,
@@ -160,7 +162,28 @@ def encode(md: Metadata) -> bytes:
         "planner_data": _enc_planner(md.planner_data),
         "storage_meta": _enc_meta(md.storage_meta),
     }
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    if len(raw) > MAX_METADATA_BYTES:
+        raise _refuse(f"{len(raw)} bytes of JSON, over the {MAX_METADATA_BYTES}-byte cap")
+    return raw
+
+
+def _check_caps(md: Metadata) -> None:
+    """What a load would refuse past :mod:`~tiered_ckpt.format.dcp_metadata` 's caps is refused
+    before the save writes anything."""
+    n = len(md.state_dict_metadata)
+    if n > dcp_metadata.MAX_ENTRIES:
+        raise _refuse(f"{n} keys, over the cap of {dcp_metadata.MAX_ENTRIES}")
+    total = 0
+    for fqn, v in md.state_dict_metadata.items():
+        n = len(getattr(v, "chunks", ()))
+        if n > dcp_metadata.MAX_CHUNKS_PER_TENSOR:
+            raise _refuse(
+                f"{fqn[:80]!r} has {n} chunks, over the cap of {dcp_metadata.MAX_CHUNKS_PER_TENSOR}"
+            )
+        total += n
+    if total > dcp_metadata.MAX_CHUNKS:
+        raise _refuse(f"{total} chunks in all, over the cap of {dcp_metadata.MAX_CHUNKS}")
 
 
 # --- decode
