@@ -248,6 +248,28 @@ def test_million_chunk_tensor_is_refused_before_allocating() -> None:
     assert secs < 1.0, secs
 
 
+def test_chunks_in_all_past_the_cap_are_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors each under the per-tensor cap, together over the total one: refused on counts."""
+    monkeypatch.setattr(dcp_metadata, "MAX_CHUNKS", 100_000)
+    one = _one_tensor_of(40_000).decode()
+    sdm = one[one.index('"v":{') : one.index("}}") + 1]
+    many = {f'"v{i}":{sdm[4:]}' for i in range(3)}
+    raw = one.replace(sdm, ",".join(sorted(many))).replace(
+        '"planner_data":{"v":["v"]}', '"planner_data":null'
+    )
+    raw_b = raw.encode()
+    tracemalloc.start()
+    try:
+        secs, err = timed(metadata_json.decode, raw_b, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(err, DcpMetadataError) and "in all" in str(err), err
+    assert peak < len(raw_b) // 2, (peak, len(raw_b))
+
+
 def test_total_chunk_and_entry_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     many = {f"t{i}": ([4], [[0, 2], [2, 2]]) for i in range(50)}
     metadata_json.decode(metadata(many), 1)

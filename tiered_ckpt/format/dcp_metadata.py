@@ -444,10 +444,31 @@ class _Parser:
         check_tiling(off, sz, size, f"{what}.chunks")
         return a
 
+    def count_chunks(self, obj: dict[str, Any]) -> None:
+        """The chunk caps, checked on counts alone before any chunk array is parsed (an entry
+        malformed here is refused when it is parsed)."""
+        total = 0
+        for v in obj.values():
+            if not isinstance(v, dict) or v.get("kind") != "tensor":
+                continue
+            size = v.get("size")
+            if self.arrays.count(size) is not None:  # a long size: parsed (a few numbers)
+                if self.arrays.count(size) > MAX_NDIM:
+                    continue
+                size = self.arrays.parse(size, "a size").tolist()
+            nd = len(size) if type(size) is list else 0
+            n = self.arrays.count(v.get("chunks"))
+            if n is None:
+                n = len(v["chunks"]) if type(v.get("chunks")) is list else 0
+            total += n // (1 + 2 * nd)
+            if total > MAX_CHUNKS:
+                raise fail(f"more than {MAX_CHUNKS} chunks in all (the cap)")
+
     def state(self, obj: Any) -> dict[str, TensorEntry | BytesEntry]:
         check_keys(obj, "state_dict_metadata", set(), ignore_unknown=True)
         if len(obj) > MAX_ENTRIES:
             raise fail(f"state_dict_metadata has {len(obj)} entries, over the cap of {MAX_ENTRIES}")
+        self.count_chunks(obj)
         out: dict[str, TensorEntry | BytesEntry] = {}
         for fqn, v in obj.items():
             what = f"state_dict_metadata[{fqn[:80]!r}]"
