@@ -270,6 +270,22 @@ def test_chunks_in_all_past_the_cap_are_refused_before_allocating(
     assert peak < len(raw_b) // 2, (peak, len(raw_b))
 
 
+def test_many_small_json_values_are_refused_before_decoding() -> None:
+    """Values outside the chunk arrays (here a planner path of 5M items, 20 MB) are counted before
+    ``json.loads`` builds them."""
+    raw = metadata({"w": ([4], [[0, 4]])}).replace(
+        b'"planner_data":{"w":["w"]}', b'"planner_data":{"w":[' + b'"a",' * 5_000_000 + b'"w"]}'
+    )
+    tracemalloc.start()
+    try:
+        secs, err = timed(metadata_json.decode, raw, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(err, DcpMetadataError) and "JSON values" in str(err), err
+    assert peak < 3 * len(raw) and secs < 1.0, (peak, secs)
+
+
 def test_total_chunk_and_entry_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     many = {f"t{i}": ([4], [[0, 2], [2, 2]]) for i in range(50)}
     metadata_json.decode(metadata(many), 1)

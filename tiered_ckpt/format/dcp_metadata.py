@@ -9,8 +9,10 @@ failure raises :class:`~tiered_ckpt.errors.DcpMetadataError`.
 split along dim 0 over the ranks) stores ~1.1M chunks, at most 512 per tensor, in ~30 MB of JSON.
 
 - :data:`MAX_METADATA_BYTES` (256 MiB): 8x that job's metadata; a larger one is not read.
-- :data:`MAX_ENTRIES` (262,144 keys): >100x its tensors; a mixture-of-experts model with a tensor per
-  expert and layer stays below too.
+- :data:`MAX_ENTRIES` (131,072 keys): ~60x its tensors; a mixture-of-experts model with a tensor per
+  expert and layer stays below too. :data:`MAX_JSON_VALUES` (32 per entry): JSON values besides the
+  chunk arrays, bounded from counts of quotes and brackets before the scan below and of commas
+  before ``json.loads`` runs.
 - :data:`MAX_CHUNKS_PER_TENSOR` (65,536): 128x its chunks per tensor; DCP writes at most one chunk
   of a DTensor per rank, so a job of 65,536 ranks fits.
 - :data:`MAX_CHUNKS` (4,194,304 in all): ~4x its chunks. Decoded into DCP's objects a chunk keeps
@@ -25,8 +27,8 @@ small, goes to ``json.loads``. So a file past a chunk cap is refused having allo
 chunk (1.5M chunks in 16 MB: refused in 0.05 s, under 1 MiB allocated), and an accepted one costs
 8 bytes per integer kept plus ~250 bytes per chunk of one tensor while its tiling is checked
 (:func:`check_tiling`: ``O(n log n)`` for ``n`` chunks whatever their layout; 50,000 chunks
-crossing a 2-D tensor: 0.06 s). What is left unbounded by a chunk cap is ``json.loads`` of the rest:
-a few dozen bytes per JSON value there, under the byte cap.
+crossing a 2-D tensor: 0.06 s). ``json.loads`` of the rest costs a few dozen bytes per JSON value
+there: at most ~250 MiB under :data:`MAX_JSON_VALUES`.
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ EXTRA_FORMAT = 1
 #: Largest metadata accepted (bytes of JSON); a larger one is refused before it is read.
 MAX_METADATA_BYTES = 1 << 28
 #: Most keys of ``state_dict_metadata`` (tensors and byte items).
-MAX_ENTRIES = 1 << 18
+MAX_ENTRIES = 1 << 17
+#: Most JSON values outside the integer arrays cut out (module docstring): ~20 per entry in real
+#: metadata (its fields, its size, its planner path).
+MAX_JSON_VALUES = 32 * MAX_ENTRIES
 #: Most chunks of one tensor.
 MAX_CHUNKS_PER_TENSOR = 1 << 16
 #: Most chunks of all tensors together.
@@ -103,8 +108,21 @@ _TENSOR_KEYS = {"kind", "dtype", "size", "requires_grad", "pin_memory", "memory_
 _META_KEYS = {"checkpoint_id", "save_id", "load_id", "modules"}
 #: Arrays of integers this long (bytes) or longer are parsed apart (module docstring).
 _OUT_OF_LINE = 64
-#: A JSON string, or an array of nothing but digits, signs, commas and whitespace.
-_TOKEN = re.compile(rb'"(?:[^"\\]++|\\.)*+"|\[[0-9, \t\n\r-]*+\]', re.DOTALL)
+_INTS = rb"[0-9, \t\n\r-]"  # what an array of integers holds
+#: From where it starts, everything up to the next array of integers of :data:`_OUT_OF_LINE` bytes
+#: or more outside strings (skipped in the regular expression engine: other characters, whole
+#: strings, shorter arrays of integers, other brackets), and that array (group 1; ``None`` at the
+#: end, or where the input stops being JSON). Every repetition is possessive: no backtracking.
+_SCAN = re.compile(
+    rb'(?:[^"\[]++|"(?:[^"\\]++|\\.)*+"|\['
+    + _INTS
+    + b"{0,%d}+\\]|\\[(?!" % (_OUT_OF_LINE - 3)
+    + _INTS
+    + rb"*+\]))*+(\["
+    + _INTS
+    + rb"*+\])?",
+    re.DOTALL,
+)
 #: An array of JSON integers, exactly.
 _INT_ARRAY = re.compile(
     rb"\[_*+(?:-?+(?:0|[1-9][0-9]*+)_*+(?:,_*+-?+(?:0|[1-9][0-9]*+)_*+)*+)?+\]".replace(
@@ -261,16 +279,15 @@ class _Arrays:
 def _skeleton(raw: bytes) -> tuple[bytes, _Arrays]:
     """``raw`` with each array of integers of :data:`_OUT_OF_LINE` bytes or more (outside strings)
     replaced by a string naming it, and those arrays. Input holding ``\\u0000`` is refused (the
-    replacement strings are the only ones that hold NUL)."""
+    replacement strings are the only ones that hold NUL). Arrays past a point where the input is
+    not JSON are left in place (``json.loads`` then refuses it)."""
     if b"\\u0000" in raw:
         raise fail("a string holds a NUL character")
     parts: list[bytes] = []
     spans: list[int] = []
     pos = 0
-    for m in _TOKEN.finditer(raw):
-        a, b = m.span()
-        if raw[a] != 0x5B or b - a < _OUT_OF_LINE:  # a string, or a short array: left in place
-            continue
+    while (m := _SCAN.match(raw, pos)).group(1) is not None:
+        a, b = m.span(1)
         parts += [raw[pos:a], b'"\\u0000%d"' % (len(spans) // 2)]
         spans += [a, b]
         pos = b
@@ -532,7 +549,18 @@ def parse(raw: bytes, world_size: int, where: str = "DCP metadata") -> MetadataT
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise DcpMetadataError(f"{where}: world size {world_size} out of range")
     try:
+        # strings, arrays and objects first (each a JSON value; quotes and brackets in strings only
+        # add to the bound): they bound the scan's steps too
+        values = raw.count(b'"') // 2 + raw.count(b"[") + raw.count(b"{")
+        if values > MAX_JSON_VALUES:
+            raise fail(f"up to {values} JSON values, over the cap of {MAX_JSON_VALUES}")
         skeleton, arrays = _skeleton(raw)
+        # values <= 1 + commas + containers (commas and brackets in strings only add to the bound)
+        values = 1 + sum(skeleton.count(c) for c in (b",", b"[", b"{"))
+        if values > MAX_JSON_VALUES:
+            raise fail(
+                f"up to {values} JSON values besides the chunks, over the cap of {MAX_JSON_VALUES}"
+            )
         obj = check_keys(_loads(skeleton), "the metadata", _TOP_KEYS)
         if type(obj["format"]) is not int or obj["format"] != FORMAT:
             raise fail(f"format {str(obj['format'])[:20]!r} is not {FORMAT}")
@@ -558,6 +586,7 @@ __all__ = [
     "MAX_CHUNKS_PER_TENSOR",
     "MAX_CORNERS",
     "MAX_ENTRIES",
+    "MAX_JSON_VALUES",
     "MAX_METADATA_BYTES",
     "MAX_SPLIT_DIMS",
     "MEMORY_FORMATS",
