@@ -270,6 +270,15 @@ def test_chunks_in_all_past_the_cap_are_refused_before_allocating(
     assert peak < len(raw_b) // 2, (peak, len(raw_b))
 
 
+def test_a_long_empty_array_is_empty() -> None:
+    """An array of whitespace only, long enough to be parsed apart, holds no number."""
+    spaces = '"chunks":[' + " " * 100 + "]"
+    raw = metadata({"e": ([0, 5], [])}).replace(b'"chunks":[]', spaces.encode())
+    assert metadata_json.decode(raw, 1).state_dict_metadata["e"].chunks == []
+    with pytest.raises(DcpMetadataError, match="tile"):
+        metadata_json.decode(raw.replace(b"[0,5]", b"[1,5]"), 1)
+
+
 def test_many_small_json_values_are_refused_before_decoding() -> None:
     """Values outside the chunk arrays (here a planner path of 5M items, 20 MB) are counted before
     ``json.loads`` builds them."""

@@ -268,7 +268,12 @@ class _Arrays:
             raise fail(f"{what} must be a list of integers")
         if _HUGE_INT.search(text):
             raise fail(f"{what} hold an integer out of range")
-        return np.fromstring(text[1:-1], dtype=np.int64, sep=",")
+        if not any(c in text for c in b"0123456789"):
+            return np.empty(0, dtype=np.int64)  # numpy reads no number as [0]
+        a = np.fromstring(text[1:-1], dtype=np.int64, sep=",")
+        if len(a) != text.count(b",") + 1:
+            raise fail(f"{what} must be a list of integers")
+        return a
 
     def _index(self, v: Any) -> int | None:
         if type(v) is str and v.startswith(_MARK):
