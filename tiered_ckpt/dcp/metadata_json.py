@@ -209,8 +209,8 @@ def _tensor(e: TensorEntry) -> tuple[TensorStorageMetadata, dict[Any, int]]:
     cols = e.chunks.T.tolist()  # a few long lists: no object per chunk before the chunk's own
     chunks, sizes, offsets = [], {}, []
     new, tsize = ChunkStorageMetadata, torch.Size
-    offs = zip(*cols[1 : 1 + nd]) if nd else [()] * n
-    for o, s in zip(offs, zip(*cols[1 + nd :]) if nd else [()] * n):
+    pairs = zip(zip(*cols[1 : 1 + nd]), zip(*cols[1 + nd :])) if nd else [((), ())] * n
+    for o, s in pairs:
         ts = sizes.get(s)
         if ts is None:  # chunks of one tensor mostly share a shape: one torch.Size each
             ts = sizes[s] = tsize(s)
