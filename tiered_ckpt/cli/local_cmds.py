@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(node-local: ranks 2-3 of 4)', exit 0 when those verify; --require-all "
         "wants every rank's shard here. Superseded steps (a newer attempt started "
         "below them) are listed, never verified, never a fault. With --ranks: "
-        "only those ranks' shards are checked.",
+        "only those ranks' shards are checked. A step saved through tiered_ckpt.dcp also has "
+        "its DCP metadata checked as a load reads it, and against the tensors its shards hold.",
     )
     p.add_argument(
         "root", type=Path, nargs="?", default=None, help="run directory (omit with --remote)"

@@ -50,12 +50,7 @@ from tiered_ckpt.dcp import metadata_json
 from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
 from tiered_ckpt.dcp.placement import Placement
 from tiered_ckpt.dcp.planners import TieredLoadPlanner
-from tiered_ckpt.dcp.storage_writer import (
-    EXTRA_FORMAT,
-    EXTRA_KEY,
-    is_step_checkpoint_id,
-    step_of_checkpoint_id,
-)
+from tiered_ckpt.dcp.storage_writer import is_step_checkpoint_id, step_of_checkpoint_id
 from tiered_ckpt.errors import (
     CheckpointError,
     DcpMetadataError,
@@ -64,8 +59,8 @@ from tiered_ckpt.errors import (
     ShardCorruptedError,
     UnsupportedPlannerError,
 )
+from tiered_ckpt.format.dcp_metadata import DcpStepInfo, dcp_step_info
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
 from tiered_ckpt.fs import new_save_id
 from tiered_ckpt.local.catalogue import (
     pick_step,
@@ -76,46 +71,6 @@ from tiered_ckpt.local.catalogue import (
 )
 from tiered_ckpt.local.shard_io import READ_BYTES, READERS
 from tiered_ckpt.local.verified_read import ReadStats, ShardReader
-
-
-@dataclass(frozen=True)
-class DcpStepInfo:
-    """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its
-    name and its size (bytes)."""
-
-    metadata_rank: int
-    metadata_tensor: str
-    metadata_bytes: int
-
-
-def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
-    """``m.extra["dcp"]``, validated against ``m``. Raises :class:`DcpMetadataError` (also for a
-    step not written through the DCP backend)."""
-    where = f"step {m.step}"
-    info = (m.extra or {}).get(EXTRA_KEY)
-    if not isinstance(info, dict):
-        raise DcpMetadataError(
-            f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)"
-        )
-    if (
-        set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
-        or info["format"] != EXTRA_FORMAT
-    ):
-        raise DcpMetadataError(f"{where}: extra.dcp is malformed or of an unknown format")
-    rank, name, n = info["metadata_rank"], info["metadata_tensor"], info["metadata_bytes"]
-    if (
-        type(rank) is not int
-        or not 0 <= rank < m.world_size
-        or type(name) is not str
-        or not 0 < len(name) <= MAX_NAME_LEN
-        or type(n) is not int
-        or not 0 < n <= metadata_json.MAX_METADATA_BYTES
-    ):
-        raise DcpMetadataError(
-            f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
-            "out of range"
-        )
-    return DcpStepInfo(rank, name, n)
 
 
 @dataclass

@@ -11,6 +11,10 @@ root's other steps (a shard present in any committed step of that world size). A
 holds no shard of it at all is ``incomplete``. With ``require_all=True`` (the
 API default, ``verify --require-all``) every rank's shard must be here.
 
+A step saved through the DCP backend (``manifest.extra["dcp"]``) is also checked, when verified, for
+its DCP metadata (:func:`check_dcp_metadata`): under the rules a load reads it by, and against the
+tensors its checked shards hold.
+
 Superseded steps (SPEC §11, :func:`tiered_ckpt.local.lineage.superseded_local_steps`), set aside
 under ``superseded/`` or still in place, are listed with state ``superseded`` and the attempt and
 step that superseded them; they are not verified and are never a fault. ``gc(superseded=True)``
@@ -32,7 +36,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from tiered_ckpt.errors import CheckpointError, ManifestError, MissingShardError, NoCheckpointError
+from tiered_ckpt.errors import (
+    CheckpointError,
+    DcpMetadataError,
+    ManifestError,
+    MissingShardError,
+    NoCheckpointError,
+)
+from tiered_ckpt.format.dcp_metadata import EXTRA_KEY, dcp_step_info, parse
 from tiered_ckpt.format.manifest import ShardManifest, TensorRecord, check_global_slices
 from tiered_ckpt.fs import is_real_dir
 from tiered_ckpt.layout import step_dir_name
@@ -55,7 +66,7 @@ from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import superseded_entries
 from tiered_ckpt.local.sweep import GcReport, gc, gc_report, gc_superseded
-from tiered_ckpt.local.verified_read import stream_verified_header
+from tiered_ckpt.local.verified_read import ShardReader, stream_verified_header
 from tiered_ckpt.safe_read import kind_of, list_dir, regular_files
 
 log = logging.getLogger(__name__)
@@ -295,11 +306,56 @@ def _check_shards(
                     f"disk, manifest says {rec.size_bytes}"
                 )
         check_global_slices(step, indexes)  # across the ranks checked: slices of one tensor agree
+        if verify and EXTRA_KEY in (m.extra or {}):
+            check_dcp_metadata(sdir, m, dict(indexes))
     except MissingShardError as e:
         return INCOMPLETE, str(e)
     except CheckpointError as e:
         return CORRUPT, str(e)
     return COMMITTED, ""
+
+
+def check_dcp_metadata(
+    sdir: Path, m: ShardManifest, headers: Mapping[int, Iterable[TensorRecord]]
+) -> None:
+    """A DCP step's metadata (:mod:`tiered_ckpt.format.dcp_metadata`) holds under the rules a load
+    reads it by (:func:`~tiered_ckpt.format.dcp_metadata.parse`: the same function), and every
+    item it places in a shard of ``headers`` (``{rank: tensors of its verified header}``: the
+    ranks checked) is a tensor of that shard of the dtype and shape the metadata gives: a load
+    would otherwise fail, or read other bytes than the metadata describes. Items placed in ranks
+    not checked (a node-local root) are not looked at; nor is the metadata when the rank holding it
+    is not checked. Raises :class:`~tiered_ckpt.errors.DcpMetadataError` and the shard reader's
+    errors."""
+    info = dcp_step_info(m)
+    if info.metadata_rank not in headers:
+        return
+    where = f"step {m.step}: DCP metadata"
+    with ShardReader(sdir, m, info.metadata_rank) as rd:
+        rec = rd.tensor_record(info.metadata_tensor)
+        if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
+            raise DcpMetadataError(
+                f"{where}: the tensor is {rec.dtype} {rec.shape}, the manifest says U8 "
+                f"({info.metadata_bytes},)"
+            )
+        raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
+    table = parse(raw, m.world_size, where)
+    by_name: dict[int, dict[str, TensorRecord]] = {}
+    for rank, name, code, shape in table.items():
+        if rank not in headers:
+            continue
+        tensors = by_name.get(rank)
+        if tensors is None:
+            tensors = by_name[rank] = {t.name: t for t in headers[rank]}
+        t = tensors.get(name)
+        if t is None:
+            raise DcpMetadataError(
+                f"{where} places {name[:80]!r} in rank {rank}'s shard, which lacks it"
+            )
+        if t.dtype != code or (t.shape != shape if shape is not None else len(t.shape) != 1):
+            raise DcpMetadataError(
+                f"{where}: {name[:80]!r} of rank {rank}'s shard is {t.dtype} {list(t.shape)[:8]}, "
+                f"the metadata says {code} {list(shape)[:8] if shape is not None else '1-D'}"
+            )
 
 
 def _superseded_status(entry: SupersededStep) -> StepStatus:
@@ -378,6 +434,7 @@ __all__ = [
     "UNCOMMITTED",
     "GcReport",
     "StepStatus",
+    "check_dcp_metadata",
     "format_ranks",
     "gc",
     "gc_report",
