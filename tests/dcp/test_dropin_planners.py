@@ -67,7 +67,7 @@ def make_state(fill: bool, k: int = 0) -> dict[str, Any]:
             "step": 7 + k if fill else 0,
             "lr": 0.25 * (k + 1) if fill else 0.0,
             "name": f"run-{k}" if fill else "",
-            "cfg": {"betas": [0.9, 0.99], "k": k, "nested": {"a": [1, 2]}} if fill else {},
+            "cfg": {"betas": [0.9, 0.99] if fill else None, "k": k if fill else 0, "nested": {"a": [1, 2] if fill else None}},
             "hist": [1, 2.5, "x", None, True, k] if fill else [],
             "blob": BLOB + bytes([k]) if fill else b"",
         },

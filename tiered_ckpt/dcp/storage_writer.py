@@ -8,14 +8,30 @@ checkpoint process):
 0. (all) ``reset(checkpoint_id)``: root and step from a ``<root>/step_XXXXXXXXXX`` id
    (:meth:`validate_checkpoint_id`).
 1. (all) ``set_up_storage_writer``: the rank's role; ``use_collectives=False`` is refused.
-2. (all) ``prepare_local_plan``: tags the plan with this rank's step.
+2. (all) ``prepare_local_plan``: refuses an item a shard cannot hold (dtype, name:
+   :func:`~tiered_ckpt.dcp.items.check_item`); tags the plan with this rank's step and a fresh
+   nonce of this save.
 3. (coordinator) ``prepare_global_plan``: same step everywhere, not committed (unless
-   ``replace``); one save id; every item placed; a :class:`ShardPlan` per rank. Nothing is
-   written before this.
-4. (all) ``write_data``: refuses any planner but
-   :class:`~tiered_ckpt.dcp.planners.TieredSavePlanner`; writes the rank's shard durably (the
-   coordinator's with the JSON metadata); returns the item results plus one
+   ``replace``); one save id; a :class:`ShardPlan` per rank (the nonce of that rank's plan echoed).
+   Nothing is written before this, except on DCP's plan-cache path (below).
+4. (all) ``write_data``: refuses a planner that is not a DCP ``DefaultSavePlanner`` (any subclass,
+   :class:`~tiered_ckpt.dcp.planners.TieredSavePlanner` included; ``planner=None`` is one);
+   encodes every non-tensor value from the planner's own object
+   (``planner.lookup_object(item.index)``, never the pickle of ``transform_object``) as
+   :func:`~tiered_ckpt.dcp.items.encode_value` does, refusing one that is neither JSON-able nor
+   bytes before this rank writes anything; writes the rank's shard durably (the coordinator's with
+   the JSON metadata: the planner's ``metadata``, its items placed from the planner's
+   ``global_plan``); returns the item results plus one
    (:data:`~tiered_ckpt.dcp.items.SHARD_RESULT_FQN`) carrying the ``ShardRecord``.
+
+DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``): from the second save on, a
+rank whose plan has not changed sends an empty plan, the coordinator's ``prepare_global_plan``
+gets empty ("unusable") plans, and the rank then writes its cached final plan, whose
+:class:`ShardPlan` is the first save's. So the coordinator, seeing an unusable plan, claims the
+step's writer lock for the new save id in ``prepare_global_plan`` (before DCP scatters the plans),
+and a rank whose :class:`ShardPlan` does not echo this save's nonce takes the save id from that
+lock; the placement and the metadata come from the planner (its cached ``global_plan`` and
+``metadata``), not from the plans the writer saw.
 5. (coordinator) ``finish``: checks the metadata against 4, then ``commit_step`` with
    ``extra["dcp"]``. From then on the step is like any other.
 
@@ -36,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -47,11 +64,12 @@ from tiered_ckpt.dcp.items import (
     METADATA_TENSOR,
     SHARD_RESULT_FQN,
     ItemLocation,
+    check_item,
+    encode_value,
     item_name,
     stored_name,
     tensor_array,
 )
-from tiered_ckpt.dcp.planners import TieredSavePlanner
 from tiered_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -63,7 +81,14 @@ from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import new_save_id, unlink_quietly
 from tiered_ckpt.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.local.catalogue import is_committed, step_path
-from tiered_ckpt.local.commit import check_written_shard, commit_step, release_save_lock
+from tiered_ckpt.local.commit import (
+    check_written_shard,
+    claim_save_lock,
+    commit_step,
+    ensure_step_dir,
+    lock_holder,
+    release_save_lock,
+)
 from tiered_ckpt.local.rotation import RotationPolicy, rotate
 from tiered_ckpt.local.writer import check_chunk_bytes, write_shard
 
@@ -79,12 +104,15 @@ DCP_CHUNK_BYTES = 16384
 @dataclass(frozen=True)
 class ShardPlan:
     """The coordinator's word to one rank (its ``SavePlan.storage_data``): the save id shared by all
-    ranks, the rank's index, the world size and the rank whose shard holds the DCP metadata."""
+    ranks, the rank's index, the world size, the rank whose shard holds the DCP metadata and the
+    nonce of the rank's local plan (``""``: none), by which the rank tells this save's word from a
+    cached one."""
 
     save_id: str
     rank: int
     world_size: int
     metadata_rank: int
+    nonce: str = ""
 
 
 def step_of_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int]:
@@ -154,6 +182,7 @@ class TieredStorageWriter(StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self.save_id: str | None = None
+        self._nonce = ""
         self._placement: dict[MetadataIndex, ItemLocation] = {}
         self._metadata_bytes: bytes | None = None
         self._written: ShardRecord | None = None
@@ -192,14 +221,22 @@ class TieredStorageWriter(StorageWriter):
         self.rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return dataclasses.replace(plan, storage_data={"step": self.step})
+        """Refuse (:class:`UnsupportedStateError` naming the key) an item a shard cannot hold, then
+        tag the plan with this rank's step and this save's nonce."""
+        for item in plan.items:
+            dtype = item.tensor_data.properties.dtype if item.tensor_data is not None else None
+            check_item(item.index, None if item.type == WriteItemType.BYTE_IO else dtype)
+        self._nonce = new_save_id()
+        return dataclasses.replace(plan, storage_data={"step": self.step, "nonce": self._nonce})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        steps = {
-            (p.storage_data or {}).get("step") if isinstance(p.storage_data, dict) else None
-            for p in plans
-        }
-        if steps != {self.step}:
+        """The coordinator's planning (see the module docstring, step 3). Raises
+        :class:`ConcurrentSaveError` (ranks of other steps, or another live save holds the step),
+        :class:`CheckpointExistsError`, and on the plan-cache path the errors of claiming the
+        writer lock."""
+        tags = [p.storage_data if isinstance(p.storage_data, dict) else {} for p in plans]
+        steps = {t.get("step") for p, t in zip(plans, tags) if p.usable}
+        if steps - {self.step}:
             raise ConcurrentSaveError(
                 f"the ranks of one DCP save write different steps: {sorted(map(str, steps))[:8]}"
             )
@@ -209,46 +246,71 @@ class TieredStorageWriter(StorageWriter):
                 "pass replace=True to overwrite it"
             )
         save_id = new_save_id()
-        placement: dict[MetadataIndex, ItemLocation] = {}
-        for rank, plan in enumerate(plans):
-            for item in plan.items:
-                placement[item.index] = ItemLocation(rank, stored_name(item_name(item.index)))
-        self.save_id, self._placement = save_id, placement
+        if not all(p.usable for p in plans):
+            # DCP's plan cache: some ranks will write their cached plan, whose ShardPlan is an
+            # earlier save's; they find this save's id in the writer lock, claimed before DCP
+            # scatters the plans.
+            sdir = ensure_step_dir(self.root, self.step)
+            claim_save_lock(sdir, self.step, save_id)
+        self.save_id = save_id
         return [
-            dataclasses.replace(p, storage_data=ShardPlan(save_id, rank, len(plans), self.rank))
+            dataclasses.replace(
+                p,
+                storage_data=ShardPlan(
+                    save_id, rank, len(plans), self.rank, str(tags[rank].get("nonce", ""))
+                ),
+            )
             for rank, p in enumerate(plans)
         ]
+
+    def _save_id_of(self, sp: ShardPlan) -> str:
+        """This save's id: the ShardPlan's when it echoes this rank's nonce, else (a plan DCP took
+        from its cache) the one in the step's writer lock, which the coordinator claimed for this
+        save. Raises :class:`CheckpointError` when there is none."""
+        if sp.nonce and sp.nonce == self._nonce:
+            return sp.save_id
+        sid = lock_holder(step_path(self.root, self.step))
+        if sid is None:
+            raise CheckpointError(
+                f"step {self.step}: the save plan is an earlier save's (DCP's plan cache) and the "
+                "step has no writer lock naming this save"
+            )
+        return sid
 
     # --- 4. write
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's shard (see the module docstring, step 4). Raises
-        :class:`UnsupportedPlannerError` (before anything is written) for another planner, and the
-        errors of :func:`~tiered_ckpt.local.writer.write_shard`."""
-        if not isinstance(planner, TieredSavePlanner):
+        :class:`UnsupportedPlannerError` (before anything is written) for a planner that is not a
+        ``DefaultSavePlanner``, :class:`UnsupportedStateError` naming the key (before this rank
+        writes anything) for a value neither tensor, JSON-able nor bytes, and the errors of
+        :func:`~tiered_ckpt.local.writer.write_shard`."""
+        if not isinstance(planner, DefaultSavePlanner):
             raise UnsupportedPlannerError(
-                f"TieredStorageWriter writes only with tiered_ckpt.dcp.TieredSavePlanner, not "
-                f"{type(planner).__module__}.{type(planner).__qualname__} (DCP's default planners pickle "
-                "non-tensor values)"
+                f"TieredStorageWriter writes with DCP's DefaultSavePlanner or a subclass of it "
+                f"(planner=None, DefaultSavePlanner(...), tiered_ckpt.dcp.TieredSavePlanner), not "
+                f"{type(planner).__module__}.{type(planner).__qualname__}"
             )
         sp = plan.storage_data
         if not isinstance(sp, ShardPlan):
             raise CheckpointError(
                 f"the save plan carries no ShardPlan from prepare_global_plan ({type(sp).__name__})"
             )
-        self.save_id = sp.save_id
+        save_id = self._save_id_of(sp)
+        self.save_id = save_id
         arrays: dict[str, np.ndarray] = {}
         results: list[WriteResult] = []
         if sp.rank == sp.metadata_rank:
+            self._placement = self._placement_of(planner)
             self._metadata_bytes = metadata_json.encode(self._stored_metadata(planner))
             arrays[METADATA_TENSOR] = np.frombuffer(self._metadata_bytes, dtype=np.uint8)
         for item in plan.items:
             key = item_name(item.index)
-            data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                arr = np.frombuffer(data.getvalue(), dtype=np.uint8)
+                raw = encode_value(planner.lookup_object(item.index), item.index.fqn)
+                arr = np.frombuffer(raw, dtype=np.uint8)
             else:
-                arr = self._tensor_array(data, item)
+                arr = self._tensor_array(planner.resolve_data(item), item)
             arrays[key] = arr
             results.append(
                 WriteResult(
@@ -262,7 +324,7 @@ class TieredStorageWriter(StorageWriter):
             self.step,
             sp.rank,
             arrays,
-            save_id=sp.save_id,
+            save_id=save_id,
             replace=self.replace,
             chunk_bytes=self.chunk_bytes,
         )
@@ -277,6 +339,22 @@ class TieredStorageWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    @staticmethod
+    def _placement_of(planner: DefaultSavePlanner) -> dict[MetadataIndex, ItemLocation]:
+        """Where each item of the save lies: the rank whose plan writes it in the planner's global
+        plan (the full one, also on DCP's plan-cache path). Raises :class:`CheckpointError` when
+        the planner has none (create_global_plan did not run)."""
+        plans = getattr(planner, "global_plan", None)
+        if not isinstance(plans, list):
+            raise CheckpointError(
+                "the planner has no global plan on the coordinator (create_global_plan did not run)"
+            )
+        return {
+            item.index: ItemLocation(rank, stored_name(item_name(item.index)))
+            for rank, p in enumerate(plans)
+            for item in p.items
+        }
 
     @staticmethod
     def _tensor_array(t: Any, item: Any) -> np.ndarray:
@@ -296,11 +374,12 @@ class TieredStorageWriter(StorageWriter):
             )
         return tensor_array(t, item.index.fqn)
 
-    def _stored_metadata(self, planner: TieredSavePlanner) -> Metadata:
-        """The coordinator's global metadata as it is stored: the planner's, with the placement, the
-        storage meta and DCP's version."""
-        md = planner.global_metadata
-        if md is None:
+    def _stored_metadata(self, planner: DefaultSavePlanner) -> Metadata:
+        """The coordinator's global metadata as it is stored: the planner's (``metadata``, set by
+        ``DefaultSavePlanner.create_global_plan``, cached or not), with the placement, the storage
+        meta and DCP's version."""
+        md = getattr(planner, "metadata", None)
+        if not isinstance(md, Metadata):
             raise CheckpointError(
                 "the planner has no global metadata on the coordinator (create_global_plan "
                 "did not run)"
