@@ -45,10 +45,11 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) ->
     opt.zero_grad()
 
 
-def flat(d: dict, prefix: str = "") -> dict:
+def flat(d, prefix: str = "") -> dict:
     out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
+    items = d.items() if isinstance(d, dict) else enumerate(d)
+    for k, v in items:
+        if isinstance(v, (dict, list, tuple)):
             out.update(flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -64,10 +65,20 @@ def as_bytes(v) -> bytes | object:
 
 
 def zeroed(d):
+    """A template of ``d`` 's structure to load into: tensors zeroed, other values replaced by
+    another value of their type (so that a value not loaded shows)."""
     if isinstance(d, dict):
         return {k: zeroed(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return type(d)(zeroed(v) for v in d)
     if isinstance(d, torch.Tensor):
         return torch.zeros_like(d)
+    if isinstance(d, bool):
+        return not d
+    if isinstance(d, (int, float)):
+        return type(d)(-1)
+    if isinstance(d, str):
+        return ""
     return None
 
 

@@ -67,7 +67,11 @@ def make_state(fill: bool, k: int = 0) -> dict[str, Any]:
             "step": 7 + k if fill else 0,
             "lr": 0.25 * (k + 1) if fill else 0.0,
             "name": f"run-{k}" if fill else "",
-            "cfg": {"betas": [0.9, 0.99] if fill else None, "k": k if fill else 0, "nested": {"a": [1, 2] if fill else None}},
+            "cfg": {
+                "betas": [0.9, 0.99] if fill else None,
+                "k": k if fill else 0,
+                "nested": {"a": [1, 2] if fill else None},
+            },
             "hist": [1, 2.5, "x", None, True, k] if fill else [],
             "blob": BLOB + bytes([k]) if fill else b"",
         },
@@ -204,7 +208,9 @@ def test_plan_caching_with_fresh_planners(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("planner", [None, DefaultSavePlanner, MySavePlanner])
 @pytest.mark.parametrize(
-    "bad", [Opaque(), {1, 2}, {"k": Opaque()}, torch.device("cpu")], ids=["obj", "set", "in-dict", "device"]
+    "bad",
+    [Opaque(), {1, 2}, {"k": Opaque()}, torch.device("cpu")],
+    ids=["obj", "set", "in-dict", "device"],
 )
 def test_value_json_cannot_hold_is_refused_naming_the_key(
     tmp_path: Path, planner: Any, bad: Any
@@ -221,7 +227,9 @@ def test_value_json_cannot_hold_is_refused_naming_the_key(
     assert not any(p.name.endswith(".safetensors") for p in tmp_path.rglob("*"))
 
 
-def test_own_load_bytes_is_refused_naming_the_class(tmp_path: Path, pickle_watch: list[Any]) -> None:
+def test_own_load_bytes_is_refused_naming_the_class(
+    tmp_path: Path, pickle_watch: list[Any]
+) -> None:
     dcp.save(make_state(True), storage_writer=tdcp.TieredStorageWriter(tmp_path, 5))
     with pytest.raises(CheckpointException) as exc:
         dcp.load(
@@ -234,7 +242,9 @@ def test_own_load_bytes_is_refused_naming_the_class(tmp_path: Path, pickle_watch
     assert "OwnBytesLoadPlanner" in str(err) and "DefaultLoadPlanner" in str(err)
     # only tensors: nothing it could be handed unsafely
     back = {"model": make_state(False)["model"]}
-    dcp.load(back, storage_reader=tdcp.TieredStorageReader(tmp_path, 5), planner=OwnBytesLoadPlanner())
+    dcp.load(
+        back, storage_reader=tdcp.TieredStorageReader(tmp_path, 5), planner=OwnBytesLoadPlanner()
+    )
     assert same_tensors(make_state(True), back)
     assert pickle_watch == []
 
