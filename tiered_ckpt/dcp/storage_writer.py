@@ -35,17 +35,25 @@ lock; the placement and the metadata come from the planner (its cached ``global_
 5. (coordinator) ``finish``: checks the metadata against 4, then ``commit_step`` with
    ``extra["dcp"]``. From then on the step is like any other.
 
-A save killed before 5 leaves an uncommitted directory that readers never see and ``gc`` sweeps.
-On a failed save :func:`tiered_ckpt.dcp.save` (and thread-mode ``async_save``) call :meth:`abort`
-on every rank, so the step can be saved again at once. Assumes every rank writes into the same
+A save killed before 5 leaves an uncommitted directory that readers never see and ``gc`` sweeps
+(its lock and temp files name a dead owner). On a failed save :func:`tiered_ckpt.dcp.save` (and
+thread-mode ``async_save``) call :meth:`abort` on every rank, so the step can be saved again at
+once. A failed save nobody aborts (a plain ``dcp.save``; process-mode ``async_save``, whose writer
+is a copy in DCP's checkpoint process; a rank that succeeded while another failed) leaves files
+that name a live process, which ``gc`` leaves alone: the process's next save through this writer,
+of any step, removes them first (:class:`UnfinishedSaves`: every save a process wrote for and
+whose thread has ended since, or is the one saving now, is over; unless its step got committed by
+it, its shard and writer lock are removed and its empty step directory with them). Assumes every rank writes into the same
 ``root``: the coordinator commits every rank's shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +87,7 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import new_save_id, unlink_quietly
-from tiered_ckpt.layout import parse_step_dir_name, step_dir_name
+from tiered_ckpt.layout import SAVE_LOCK_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.local.catalogue import is_committed, step_path
 from tiered_ckpt.local.commit import (
     check_written_shard,
@@ -113,6 +121,90 @@ class ShardPlan:
     world_size: int
     metadata_rank: int
     nonce: str = ""
+
+
+@dataclass(frozen=True)
+class _Unfinished:
+    root: Path
+    step: int
+    save_id: str
+    record: ShardRecord | None
+    thread: threading.Thread
+
+
+class UnfinishedSaves:
+    """This process's DCP saves that wrote a shard or claimed a writer lock and may not have
+    committed (DCP tells a writer nothing when a save fails elsewhere). :meth:`sweep` (every rank's
+    ``write_data``, before it writes) removes what such a save left, once it is over: its thread has
+    ended or is the caller's (a DCP save runs in one thread from planning to ``finish``, so a thread
+    that saves again has finished the earlier save). A save whose step it committed is forgotten;
+    otherwise its shard (only if the file is still that save's), its writer lock (only if still
+    that save's) and then its step directory if empty are removed. Never raises for a file that is
+    gone."""
+
+    _guard = threading.Lock()
+    _entries: list[_Unfinished] = []
+
+    @classmethod
+    def add(cls, root: Path, step: int, save_id: str, record: ShardRecord | None) -> None:
+        with cls._guard:
+            cls._entries.append(
+                _Unfinished(root, step, save_id, record, threading.current_thread())
+            )
+
+    @classmethod
+    def forget(cls, root: Path, step: int, save_id: str) -> None:
+        with cls._guard:
+            cls._entries = [
+                e for e in cls._entries if (e.root, e.step, e.save_id) != (root, step, save_id)
+            ]
+
+    @classmethod
+    def sweep(cls, current_save_id: str | None = None) -> list[Path]:
+        """Clean up after every save that is over (see the class docstring) except
+        ``current_save_id``; returns the paths removed."""
+        me = threading.current_thread()
+        with cls._guard:
+            over = [
+                e
+                for e in cls._entries
+                if e.save_id != current_save_id and (e.thread is me or not e.thread.is_alive())
+            ]
+            cls._entries = [e for e in cls._entries if not any(e is o for o in over)]
+        removed: list[Path] = []
+        for e in over:
+            removed += _remove_unfinished(e)
+        return removed
+
+
+def _remove_unfinished(e: _Unfinished) -> list[Path]:
+    sdir = step_path(e.root, e.step)
+    if is_committed(sdir):
+        return []
+    removed = []
+    if e.record is not None:
+        try:
+            check_written_shard(sdir, e.record, e.step, e.save_id)
+        except CheckpointError:
+            pass  # gone, or another save's file now: not ours to remove
+        else:
+            unlink_quietly(sdir / e.record.path)
+            removed.append(sdir / e.record.path)
+    if lock_holder(sdir) == e.save_id:
+        release_save_lock(sdir, e.save_id)
+        removed.append(sdir / SAVE_LOCK_NAME)
+    with contextlib.suppress(OSError):
+        os.rmdir(sdir)  # only when empty: another save may be writing into it
+        removed.append(sdir)
+    if removed:
+        log.warning(
+            "step %d: removed what the unfinished DCP save %s left in %s: %s",
+            e.step,
+            e.save_id,
+            sdir,
+            [p.name for p in removed],
+        )
+    return removed
 
 
 def step_of_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int]:
@@ -252,6 +344,7 @@ class TieredStorageWriter(StorageWriter):
             # scatters the plans.
             sdir = ensure_step_dir(self.root, self.step)
             claim_save_lock(sdir, self.step, save_id)
+            UnfinishedSaves.add(self.root, self.step, save_id, None)
         self.save_id = save_id
         return [
             dataclasses.replace(
@@ -298,6 +391,7 @@ class TieredStorageWriter(StorageWriter):
             )
         save_id = self._save_id_of(sp)
         self.save_id = save_id
+        UnfinishedSaves.sweep(save_id)
         arrays: dict[str, np.ndarray] = {}
         results: list[WriteResult] = []
         if sp.rank == sp.metadata_rank:
@@ -329,6 +423,7 @@ class TieredStorageWriter(StorageWriter):
             chunk_bytes=self.chunk_bytes,
         )
         self._written = rec
+        UnfinishedSaves.add(self.root, self.step, save_id, rec)
         results.append(
             WriteResult(
                 index=MetadataIndex(SHARD_RESULT_FQN),
@@ -448,7 +543,10 @@ class TieredStorageWriter(StorageWriter):
         released if it is still this save's. Nothing happens for a save that wrote nothing here.
         Never raises for a missing file."""
         sdir = step_path(self.root, self.step)
-        if self.save_id is None or is_committed(sdir):
+        if self.save_id is None:
+            return
+        UnfinishedSaves.forget(self.root, self.step, self.save_id)
+        if is_committed(sdir):
             return
         rec, self._written = self._written, None
         if rec is not None:
@@ -467,6 +565,7 @@ __all__ = [
     "EXTRA_KEY",
     "ShardPlan",
     "TieredStorageWriter",
+    "UnfinishedSaves",
     "is_step_checkpoint_id",
     "step_of_checkpoint_id",
 ]
