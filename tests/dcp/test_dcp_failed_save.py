@@ -53,13 +53,14 @@ def failed_save(root: Path, step: int, mode: str) -> None:
             fut.result(timeout=60)
 
 
-def wait_for_ended_threads(timeout_s: float = 10.0) -> None:
+def wait_for_ended_threads(step: int, timeout_s: float = 10.0) -> None:
     """DCP's thread-mode executor, once dropped, ends its worker thread: wait for that (the next
     save sweeps only saves whose thread has ended)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pygc.collect()
-        if not any(e.thread.is_alive() for e in UnfinishedSaves._entries):  # noqa: SLF001
+        entries = UnfinishedSaves._entries  # noqa: SLF001
+        if not any(e.thread.is_alive() for e in entries if e.step == step):
             return
         time.sleep(0.05)
     raise AssertionError("DCP's executor thread is still alive")
@@ -77,7 +78,7 @@ def test_next_save_removes_what_a_failed_save_left(tmp_path: Path, mode: str) ->
     rep = gc_report(tmp_path, min_age_s=0)  # the writer's process is alive: left alone
     assert (sdir, LIVE_WRITER) in rep.skipped_others and sdir.exists()
     if mode == "thread":
-        wait_for_ended_threads()
+        wait_for_ended_threads(5)
     dcp.save({"w": torch.ones(3)}, storage_writer=tdcp.TieredStorageWriter(tmp_path, 6))
     assert not sdir.exists()
     assert committed_steps(tmp_path) == [1, 6]
