@@ -1,12 +1,13 @@
 """A failed DCP save nobody aborts (a plain ``dcp.save``, a thread-mode ``dcp.async_save``) leaves
 files naming a live process, which ``gc`` leaves alone; the process's next save through the writer,
 of any step, removes them first; a committed step is never touched. ``ls`` never shows the failed
-step as committed. Process mode and killed saves: tests/dcp/test_dcp_ranks.py and
-tests/dcp/test_dcp_killed_save.py."""
+step as committed. The same with 2 real gloo ranks in sync, thread and process mode
+(tests/dcp/dcp_failed_save_worker.py). Killed saves: tests/dcp/test_dcp_killed_save.py."""
 
 from __future__ import annotations
 
 import gc as pygc
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from spawn import start_ranks, wait_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -25,6 +27,7 @@ from tiered_ckpt.local.scan import COMMITTED, gc_report, scan
 from tiered_ckpt.local.sweep import LIVE_WRITER
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+WORKER = Path(__file__).resolve().parent / "dcp_failed_save_worker.py"
 
 
 class LatePlanner(DefaultSavePlanner):
@@ -107,3 +110,18 @@ def test_a_committed_step_is_never_swept(tmp_path: Path) -> None:
     back = {"w": torch.zeros(4)}
     dcp.load(back, storage_reader=tdcp.TieredStorageReader(tmp_path, 1))
     assert torch.equal(back["w"], torch.full((4,), 1.0))
+
+
+@pytest.mark.slow
+def test_two_ranks_failed_save_in_each_mode_is_removed_by_the_next(tmp_path: Path) -> None:
+    """2 real gloo ranks; in process mode the writer that failed is DCP's copy in its checkpoint
+    process: that process's next save removes what it left."""
+    logs = wait_ranks(start_ranks(WORKER, tmp_path, world=2), timeout=240)
+    files = [tmp_path / f"result_{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), "\n".join(log[-3000:] for log in logs)
+    res = json.loads(files[0].read_text())
+    assert res["committed"] == [11, 21, 31], res
+    for mode in ("sync", "thread", "process"):
+        r = res[mode]
+        assert r["refused"] and "rank_00000.safetensors" in (r["left"] or []), (mode, r)
+        assert r["after"] is None, (mode, r)
