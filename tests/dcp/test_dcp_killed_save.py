@@ -88,7 +88,7 @@ def test_sigkilled_dcp_save_is_swept_by_gc(tmp_path: Path, mode: str) -> None:
     ls = _cli("ls", str(root), "--json")
     assert ls.returncode == 0, ls.stderr
     rows = {r["step"]: r for r in json.loads(ls.stdout)}
-    assert rows[7]["state"] == "uncommitted" and rows[7]["leftover_bytes"] > 0, rows
+    assert rows[7]["state"] == "uncommitted" and rows[7]["save_id"] is None, rows
     verify = _cli("verify", str(root))
     assert "step 7: uncommitted" in verify.stdout, verify.stdout
     p = subprocess.run(
