@@ -43,8 +43,9 @@ is a copy in DCP's checkpoint process; a rank that succeeded while another faile
 that name a live process, which ``gc`` leaves alone: the process's next save through this writer,
 of any step, removes them first (:class:`UnfinishedSaves`: every save a process wrote for and
 whose thread has ended since, or is the one saving now, is over; unless its step got committed by
-it, its shard and writer lock are removed and its empty step directory with them). Assumes every rank writes into the same
-``root``: the coordinator commits every rank's shard.
+it, its shard and writer lock are removed and its empty step directory with them). Assumes every
+rank writes into the same ``root``: the coordinator commits every rank's shard (and the sweep judges
+a rank's shard by that root's ``manifest.json``).
 """
 
 from __future__ import annotations
