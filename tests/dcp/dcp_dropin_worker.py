@@ -1,11 +1,13 @@
 """Rank processes of tests/dcp/test_dropin_planners.py: an FSDP2 model (``fully_shard`` on CPU over
 real gloo) and its AdamW state saved with DCP's default planners (``planner=None``, then
-``DefaultSavePlanner(enable_plan_caching=True)`` three times) and loaded back with DCP's default
+``DefaultSavePlanner(enable_plan_caching=True)`` three times: the third with a value only rank 0
+has, so that DCP merges a changed plan with a cached one) and loaded back with DCP's default
 load planner into zeroed copies, compared byte for byte.
 
 Run as ``python tests/dcp/dcp_dropin_worker.py OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set (``spawn.start_ranks``). Each rank writes ``OUT_DIR/result_<rank>.json``:
-``{"bad": [keys that differ], "checked": n, "committed": [steps]}``.
+``{"bad": [keys that differ], "checked": n, "committed": [steps], "cached_path": [steps whose
+coordinator saw plans from DCP's cache]}``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tiered_ckpt import dcp as tdcp
+from tiered_ckpt.dcp.storage_writer import UnfinishedSaves
 from tiered_ckpt.local.catalogue import committed_steps
 
 
@@ -90,16 +93,22 @@ def main() -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, opt = build(mesh)
-    bad, checked = [], 0
+    bad, checked, cached_path = [], 0, []
     caching = DefaultSavePlanner(enable_plan_caching=True)
     for step in range(1, 5):
         train(model, opt, step, rank)
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd, "extra": {"step": step, "tag": f"s{step}"}}
+        extra = {"step": step, "tag": f"s{step}"}
+        if step == 4 and rank == 0:  # rank 0's plan changes, rank 1's does not: DCP merges
+            extra["late"] = [4, "r0"]
+        state = {"model": msd, "optim": osd, "extra": extra}
         planner = None if step == 1 else caching
         dcp.save(state, storage_writer=tdcp.TieredStorageWriter(root, step), planner=planner)
+        # the coordinator's lock claims for ranks writing cached plans (before the next save
+        # sweeps them)
+        cached_path += [e.step for e in UnfinishedSaves._entries if e.record is None]  # noqa: SLF001
         want = {k: as_bytes(v) for k, v in flat(state).items()}
-        back = {"model": zeroed(msd), "optim": zeroed(osd), "extra": {"step": 0, "tag": ""}}
+        back = {"model": zeroed(msd), "optim": zeroed(osd), "extra": zeroed(extra)}
         dcp.load(
             back,
             storage_reader=tdcp.TieredStorageReader(root, step),
@@ -109,7 +118,12 @@ def main() -> None:
         bad += [f"{step}:{k}" for k in want if got.get(k) != want[k]]
         checked += len(want)
     dist.barrier()
-    res = {"bad": bad, "checked": checked, "committed": committed_steps(root)}
+    res = {
+        "bad": bad,
+        "checked": checked,
+        "committed": committed_steps(root),
+        "cached_path": sorted(set(cached_path)),
+    }
     (out / f"result_{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()

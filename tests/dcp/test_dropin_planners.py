@@ -258,3 +258,4 @@ def test_fsdp2_two_ranks_default_planners(tmp_path: Path) -> None:
         res = json.loads(f.read_text())
         assert res["bad"] == [] and res["checked"] > 0, (r, res)
         assert res["committed"] == [1, 2, 3, 4], (r, res)
+    assert json.loads(files[0].read_text())["cached_path"] == [3, 4]

@@ -230,6 +230,11 @@ def is_step_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
     return True
 
 
+#: The nonce of each rank's last usable plan the coordinator of this process saw (DCP's plan cache is
+#: per process too): a plan that carries it again is a cached one.
+_LAST_NONCES: dict[int, str] = {}
+
+
 class TieredStorageWriter(StorageWriter):
     """Writes a DCP save as step ``step`` of the local root ``root`` (see the module docstring for
     the lifecycle). ``replace``: re-save a committed step (it is un-committed first); otherwise a
@@ -328,7 +333,16 @@ class TieredStorageWriter(StorageWriter):
         :class:`CheckpointExistsError`, and on the plan-cache path the errors of claiming the
         writer lock."""
         tags = [p.storage_data if isinstance(p.storage_data, dict) else {} for p in plans]
-        steps = {t.get("step") for p, t in zip(plans, tags) if p.usable}
+        # A plan DCP took from its cache: empty (unusable), or merged from a rank's cached plan,
+        # whose nonce this coordinator has seen before (a fresh one is new at every save).
+        cached = [
+            not p.usable or _LAST_NONCES.get(rank) == t.get("nonce", "")
+            for rank, (p, t) in enumerate(zip(plans, tags))
+        ]
+        for rank, (p, t) in enumerate(zip(plans, tags)):
+            if p.usable and t.get("nonce"):
+                _LAST_NONCES[rank] = str(t["nonce"])
+        steps = {t.get("step") for t, c in zip(tags, cached) if not c}
         if steps - {self.step}:
             raise ConcurrentSaveError(
                 f"the ranks of one DCP save write different steps: {sorted(map(str, steps))[:8]}"
@@ -339,13 +353,20 @@ class TieredStorageWriter(StorageWriter):
                 "pass replace=True to overwrite it"
             )
         save_id = new_save_id()
-        if not all(p.usable for p in plans):
+        if any(cached):
             # DCP's plan cache: some ranks will write their cached plan, whose ShardPlan is an
             # earlier save's; they find this save's id in the writer lock, claimed before DCP
             # scatters the plans.
             sdir = ensure_step_dir(self.root, self.step)
             claim_save_lock(sdir, self.step, save_id)
             UnfinishedSaves.add(self.root, self.step, save_id, None)
+            log.debug(
+                "rank %d step %d: ranks %s write plans from DCP's cache; save %s named by the lock",
+                self.rank,
+                self.step,
+                [r for r, c in enumerate(cached) if c][:16],
+                save_id,
+            )
         self.save_id = save_id
         return [
             dataclasses.replace(
