@@ -42,8 +42,8 @@ once. A failed save nobody aborts (a plain ``dcp.save``; process-mode ``async_sa
 is a copy in DCP's checkpoint process; a rank that succeeded while another failed) leaves files
 that name a live process, which ``gc`` leaves alone: the process's next save through this writer,
 of any step, removes them first (:class:`UnfinishedSaves`: every save a process wrote for and
-whose thread has ended since, or is the one saving now, is over; unless its step got committed by
-it, its shard and writer lock are removed and its empty step directory with them). Assumes every
+whose thread has ended since, or is the one saving now, is over; unless its step is committed,
+its shard and writer lock are removed and its empty step directory with them). Assumes every
 rank writes into the same ``root``: the coordinator commits every rank's shard (and the sweep judges
 a rank's shard by that root's ``manifest.json``).
 """
@@ -138,8 +138,8 @@ class UnfinishedSaves:
     committed (DCP tells a writer nothing when a save fails elsewhere). :meth:`sweep` (every rank's
     ``write_data``, before it writes) removes what such a save left, once it is over: its thread has
     ended or is the caller's (a DCP save runs in one thread from planning to ``finish``, so a thread
-    that saves again has finished the earlier save). A save whose step it committed is forgotten;
-    otherwise its shard (only if the file is still that save's), its writer lock (only if still
+    that saves again has finished the earlier save). A save whose step is committed (by it, or by
+    a later save that replaced it) is forgotten; otherwise its shard (only if the file is still that save's), its writer lock (only if still
     that save's) and then its step directory if empty are removed. Never raises for a file that is
     gone."""
 
