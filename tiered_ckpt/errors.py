@@ -87,10 +87,11 @@ class UnsupportedStateError(CheckpointError, TypeError):
 
 
 class UnsupportedPlannerError(CheckpointError, TypeError):
-    """The DCP backend (:mod:`tiered_ckpt.dcp`) was handed a planner that is not its own: DCP's
-    default load planner unpickles byte items (``torch.load(weights_only=False)``) and its default
-    save planner pickles them, so only ``TieredSavePlanner`` / ``TieredLoadPlanner`` are accepted.
-    The message names the class."""
+    """The DCP backend (:mod:`tiered_ckpt.dcp`) was handed a planner it cannot serve safely: a save
+    planner that is not DCP's ``DefaultSavePlanner`` (or a subclass), or, for a load with
+    non-tensor values, a load planner whose ``load_bytes`` is neither DCP's nor
+    ``TieredLoadPlanner``'s (the reader never calls an unknown one: DCP's unpickles). The message
+    names the class and what to pass instead."""
 
 
 class DcpMetadataError(ManifestError):

@@ -222,19 +222,41 @@ def test_forged_step_is_a_typed_error_and_nothing_is_unpickled(
     [type("MyLoadPlanner", (DefaultLoadPlanner,), {})(), None],
     ids=["default-subclass", "none"],
 )
-def test_reader_refuses_other_load_planners(
+def test_default_load_planners_get_the_pickle_as_bytes(
     tmp_path: Path, planner: Any, pickle_watch: list[Any]
 ) -> None:
     """A ``DefaultLoadPlanner`` subclass, or ``planner=None`` (DCP then builds a
-    DefaultLoadPlanner), is refused before a byte item carrying a pickle is handed to it."""
+    DefaultLoadPlanner): a byte item carrying a pickle comes back as those bytes; the reader sets
+    it itself and never calls DCP's ``load_bytes`` (which unpickles)."""
     tdcp.save({"w": torch.ones(2), "loader": PICKLE}, tmp_path, STEP)
     reader = tdcp.TieredStorageReader(tmp_path, STEP)
-    with pytest.raises(UnsupportedPlannerError, match="DefaultLoadPlanner|MyLoadPlanner"):
+    back: dict[str, Any] = {"w": torch.zeros(2), "loader": b""}
+    with typed_errors(reader):
+        dcp.load(back, storage_reader=reader, planner=planner, no_dist=True)
+    assert back["loader"] == PICKLE
+    assert pickle_watch == [] and not os.path.exists(PWN_PATH)
+
+
+class _UnpicklingPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        import pickle
+
+        self.state_dict[read_item.dest_index.fqn] = pickle.loads(value.read())
+
+
+def test_reader_refuses_a_load_planner_with_its_own_load_bytes(
+    tmp_path: Path, pickle_watch: list[Any]
+) -> None:
+    """A planner whose ``load_bytes`` is its own is refused, naming it, before a byte item carrying
+    a pickle is handed to it."""
+    tdcp.save({"w": torch.ones(2), "loader": PICKLE}, tmp_path, STEP)
+    reader = tdcp.TieredStorageReader(tmp_path, STEP)
+    with pytest.raises(UnsupportedPlannerError, match="_UnpicklingPlanner.*overrides load_bytes"):
         with typed_errors(reader):
             dcp.load(
                 {"w": torch.zeros(2), "loader": b""},
                 storage_reader=reader,
-                planner=planner,
+                planner=_UnpicklingPlanner(),
                 no_dist=True,
             )
     assert pickle_watch == [] and not os.path.exists(PWN_PATH)

@@ -1,4 +1,4 @@
-"""What the DCP backend refuses: DCP's default planners (they pickle), values that are neither
+"""What the DCP backend refuses: a save planner that is no ``DefaultSavePlanner``, values that are neither
 tensors, JSON nor bytes (before anything is written), and hostile metadata (typed errors, never a
 KeyError or TypeError). A byte item carrying a pickle that would create a file comes back as the
 same bytes: nothing is unpickled (an audit hook on ``pickle.find_class`` sees no event)."""
@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from tiered_ckpt import dcp as tdcp
 from tiered_ckpt.dcp.items import METADATA_TENSOR
@@ -36,7 +37,7 @@ def dcp_failure(exc: pytest.ExceptionInfo[CheckpointException]) -> BaseException
     return err
 
 
-def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
+def test_pickle_payload_comes_back_as_bytes_with_every_load_planner(
     tmp_path: Path, pickle_watch: list[Any], hostile_pickle: Callable[[Path], bytes]
 ) -> None:
     target = tmp_path / "pwned"
@@ -46,26 +47,48 @@ def test_pickle_payload_comes_back_as_bytes_and_default_load_planner_is_refused(
     back: dict[str, Any] = {"w": torch.zeros(3), "loader": {"state": None}}
     assert tdcp.load(back, root, STEP) == STEP
     assert back["loader"]["state"] == payload
-    with pytest.raises(CheckpointException) as exc:
-        dcp.load(
-            {"w": torch.zeros(3), "loader": {"state": None}},
-            storage_reader=tdcp.TieredStorageReader(root, STEP),
-            planner=DefaultLoadPlanner(),
-        )
-    err = dcp_failure(exc)
-    assert isinstance(err, UnsupportedPlannerError) and "DefaultLoadPlanner" in str(err)
+    back = {"w": torch.zeros(3), "loader": {"state": None}}
+    dcp.load(
+        back, storage_reader=tdcp.TieredStorageReader(root, STEP), planner=DefaultLoadPlanner()
+    )
+    assert back["loader"]["state"] == payload
     assert not target.exists() and pickle_watch == []
 
 
-def test_default_save_planner_is_refused_before_writing(tmp_path: Path) -> None:
+class _Delegating(SavePlanner):
+    """A save planner that is no ``DefaultSavePlanner`` (it wraps one)."""
+
+    def __init__(self) -> None:
+        self.inner = DefaultSavePlanner()
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.inner.set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> Any:
+        return self.inner.create_local_plan()
+
+    def create_global_plan(self, plans: Any) -> Any:
+        return self.inner.create_global_plan(plans)
+
+    def finish_plan(self, plan: Any) -> Any:
+        return self.inner.finish_plan(plan)
+
+    def resolve_data(self, item: Any) -> Any:
+        return self.inner.resolve_data(item)
+
+
+def test_other_save_planner_is_refused_before_writing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as exc:
         dcp.save(
             {"w": torch.ones(3), "n": 1},
             storage_writer=tdcp.TieredStorageWriter(tmp_path, STEP),
-            planner=DefaultSavePlanner(),
+            planner=_Delegating(),
         )
     err = dcp_failure(exc)
-    assert isinstance(err, UnsupportedPlannerError) and "DefaultSavePlanner" in str(err)
+    assert isinstance(err, UnsupportedPlannerError) and "_Delegating" in str(err)
+    assert "DefaultSavePlanner" in str(err)
     assert list(tmp_path.iterdir()) == []
 
 

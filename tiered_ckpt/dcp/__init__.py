@@ -5,13 +5,14 @@ does not).
 A DCP save of step ``S`` is an ordinary step of the local tier (one safetensors shard per rank,
 ``manifest.json`` committed last, one save id), so ``tiered-ckpt ls/verify/gc``, rotation, upload
 and restore work on it unchanged. The DCP metadata is JSON in the coordinator's shard; non-tensor
-values are JSON (tuples come back as lists) or raw ``bytes``; nothing is pickled either way, and
-only this package's planners are accepted.
+values are JSON (tuples come back as lists) or raw ``bytes``; nothing is pickled either way, with
+any planner.
 
-Use with DCP directly::
+Use with DCP directly, with DCP's default planners (``planner=None``,
+``DefaultSavePlanner(enable_plan_caching=True)``, subclasses) or this package's::
 
-    dcp.save(sd, storage_writer=TieredStorageWriter(root, step), planner=TieredSavePlanner())
-    dcp.load(sd, storage_reader=TieredStorageReader(root, step), planner=TieredLoadPlanner())
+    dcp.save(sd, storage_writer=TieredStorageWriter(root, step))
+    dcp.load(sd, storage_reader=TieredStorageReader(root, step))
 
 or through :func:`save`, :func:`async_save` and :func:`load` (which also turn DCP's
 ``CheckpointException`` into this package's typed errors). :class:`DCPCheckpointManager`: policy,

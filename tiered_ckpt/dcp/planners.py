@@ -1,11 +1,13 @@
 """The DCP planners of the tiered backend: DCP's default planners with pickle taken out.
 
-- :class:`TieredSavePlanner` stores non-tensor values as JSON or raw bytes
-  (:func:`tiered_ckpt.dcp.items.encode_value`) and refuses anything else in ``create_local_plan``,
-  before anything is written.
+- :class:`TieredSavePlanner` refuses a non-tensor value that is neither JSON-able nor bytes in
+  ``create_local_plan``, on every rank before any rank writes (with DCP's ``DefaultSavePlanner``
+  the writer refuses it in ``write_data``, before that rank writes).
 - :class:`TieredLoadPlanner` decodes ``b"J"``/``b"B"`` only.
-- The storage writer and reader accept no other planner
-  (:class:`~tiered_ckpt.errors.UnsupportedPlannerError`).
+- The storage writer and reader also take DCP's own planners: the writer encodes each non-tensor
+  value from the planner's state dict (never DCP's pickle), the reader decodes it and sets it itself
+  (never DCP's ``load_bytes``); see :mod:`tiered_ckpt.dcp.storage_writer` and
+  :mod:`tiered_ckpt.dcp.storage_reader`.
 
 Flattening, deduplication of replicated items and resharding on load are DCP's. What DCP's default
 planners do instead: docs/design.md, "DCP backend".

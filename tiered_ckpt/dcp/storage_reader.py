@@ -12,9 +12,16 @@ DCP's lifecycle (``dcp.load``):
 3. (all) ``prepare_local_plan``: tags the plan with the step and save id read.
 4. (coordinator) ``prepare_global_plan``: every rank read the same save, else
    :class:`~tiered_ckpt.errors.DcpMetadataError`.
-5. (all) ``read_data``: refuses any planner but
-   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner` before reading; reads only the bytes each
-   ``ReadItem`` needs (:func:`~tiered_ckpt.dcp.items.byte_range`), verified chunk by chunk.
+5. (all) ``read_data``: reads only the bytes each ``ReadItem`` needs
+   (:func:`~tiered_ckpt.dcp.items.byte_range`), verified chunk by chunk. Tensors go through the
+   planner's ``resolve_tensor``/``commit_tensor`` (any planner). A non-tensor value is decoded here
+   (:func:`~tiered_ckpt.dcp.items.decode_value`: JSON or raw bytes, never unpickled) and set into
+   the planner's state dict as ``DefaultLoadPlanner.load_bytes`` would set it; the planner's
+   ``load_bytes`` (DCP's calls ``torch.load``) is never called. So a plan with non-tensor values
+   needs a ``DefaultLoadPlanner`` whose ``load_bytes`` is DCP's or
+   :class:`~tiered_ckpt.dcp.planners.TieredLoadPlanner`'s (``planner=None``, a subclass that keeps
+   it); another is refused before anything is read
+   (:class:`~tiered_ckpt.errors.UnsupportedPlannerError` naming its class).
 
 With ``remote_url``, a shard missing on disk is read from the bucket's copy of the same save (same
 save id and shard record, else ``DcpMetadataError``), and a step absent from the root entirely
@@ -28,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -47,7 +55,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tiered_ckpt.dcp import metadata_json
-from tiered_ckpt.dcp.items import STORABLE_DTYPES, TORCH_DTYPE_OF_CODE, ItemLocation, byte_range
+from tiered_ckpt.dcp.items import (
+    STORABLE_DTYPES,
+    TORCH_DTYPE_OF_CODE,
+    ItemLocation,
+    byte_range,
+    decode_value,
+)
 from tiered_ckpt.dcp.placement import Placement
 from tiered_ckpt.dcp.planners import TieredLoadPlanner
 from tiered_ckpt.dcp.storage_writer import is_step_checkpoint_id, step_of_checkpoint_id
@@ -71,6 +85,41 @@ from tiered_ckpt.local.catalogue import (
 )
 from tiered_ckpt.local.shard_io import READ_BYTES, READERS
 from tiered_ckpt.local.verified_read import ReadStats, ShardReader
+
+#: ``load_bytes`` implementations whose effect :func:`set_value` reproduces without unpickling.
+SAFE_LOAD_BYTES = (DefaultLoadPlanner.load_bytes, TieredLoadPlanner.load_bytes)
+
+
+def check_value_planner(planner: LoadPlanner) -> None:
+    """Refuse a load planner the reader cannot hand non-tensor values to without unpickling: one
+    not derived from DCP's ``DefaultLoadPlanner``, or one whose ``load_bytes`` is its own (its
+    behaviour unknown). Raises :class:`UnsupportedPlannerError` naming the class and what to pass
+    instead."""
+    if isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes in SAFE_LOAD_BYTES:
+        return
+    what = (
+        "overrides load_bytes"
+        if isinstance(planner, DefaultLoadPlanner)
+        else "is not a DefaultLoadPlanner"
+    )
+    raise UnsupportedPlannerError(
+        f"TieredStorageReader cannot hand the checkpoint's non-tensor values to "
+        f"{type(planner).__module__}.{type(planner).__qualname__}: it {what}, and the reader "
+        "never calls a load_bytes it does not know (DCP's unpickles); pass planner=None, "
+        "DefaultLoadPlanner(...) or a subclass that keeps its load_bytes, or "
+        "tiered_ckpt.dcp.TieredLoadPlanner"
+    )
+
+
+def set_value(planner: LoadPlanner, fqn: str, value: Any) -> None:
+    """Put a decoded non-tensor ``value`` of state key ``fqn`` where ``DefaultLoadPlanner.load_bytes``
+    puts what it unpickles: at its nested path in the caller's state dict
+    (``flatten_state_dict``), else under ``fqn`` in the planner's state dict. For planners that
+    passed :func:`check_value_planner`."""
+    if getattr(planner, "flatten_state_dict", False):
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
 
 
 @dataclass
@@ -272,15 +321,12 @@ class TieredStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` (see the module docstring, step 5). Raises
-        :class:`UnsupportedPlannerError` (before reading anything), :class:`DcpMetadataError` (an
+        :class:`UnsupportedPlannerError` (before reading anything: a plan with non-tensor values
+        and a planner that cannot take them safely, :func:`check_value_planner`), :class:`DcpMetadataError` (an
         item the metadata does not place, or stored unlike the metadata says), and the shard
         readers' errors."""
-        if not isinstance(planner, TieredLoadPlanner):
-            raise UnsupportedPlannerError(
-                f"TieredStorageReader loads only with tiered_ckpt.dcp.TieredLoadPlanner, not "
-                f"{type(planner).__module__}.{type(planner).__qualname__} (DCP's default load planner "
-                "unpickles byte items read from storage)"
-            )
+        if any(it.type == LoadItemType.BYTE_IO for it in plan.items):
+            check_value_planner(planner)
         m, md = self._manifest, self._metadata
         if m is None or md is None:
             raise DcpMetadataError("read_data before read_metadata")
@@ -326,7 +372,8 @@ class TieredStorageReader(StorageReader):
             raise DcpMetadataError(
                 f"byte item {loc.name[:80]!r} is stored as {rec.dtype} {rec.shape}, not U8 1-D"
             )
-        planner.load_bytes(item, io.BytesIO(bytes(rd.read_range(loc.name, 0, rec.nbytes))))
+        fqn = item.dest_index.fqn
+        set_value(planner, fqn, decode_value(bytes(rd.read_range(loc.name, 0, rec.nbytes)), fqn))
 
     @staticmethod
     def _tensor_reads(
@@ -428,4 +475,11 @@ class TieredStorageReader(StorageReader):
                 planner.commit_tensor(item, target)
 
 
-__all__ = ["DcpStepInfo", "TieredStorageReader", "dcp_step_info"]
+__all__ = [
+    "SAFE_LOAD_BYTES",
+    "DcpStepInfo",
+    "TieredStorageReader",
+    "check_value_planner",
+    "dcp_step_info",
+    "set_value",
+]
