@@ -34,7 +34,7 @@ def run_ranks(out: Path, mode: str, *args: str) -> list[dict]:
 def check_node_roots(out: Path, step: int) -> None:
     """Each node's root: the step committed with one manifest (byte-identical across nodes), the
     node's ranks declared, the DCP metadata there, ``verify`` exits 0."""
-    manifests = {read_manifest_bytes(out / n, step) for n in NODES}
+    manifests = {read_manifest_bytes(out / n / f"step_{step:010d}") for n in NODES}
     assert len(manifests) == 1
     for i, n in enumerate(NODES):
         sdir = out / n / f"step_{step:010d}"
@@ -53,9 +53,7 @@ def test_dcp_save_commits_every_node_root_and_loads_back(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_manager_node_roots_upload_and_a_replaced_node_restores(
-    tmp_path: Path, s3_bucket
-) -> None:
+def test_manager_node_roots_upload_and_a_replaced_node_restores(tmp_path: Path, s3_bucket) -> None:
     run_ranks(tmp_path, "manager")
     for n in NODES:
         assert committed_steps(tmp_path / n) == [1, 2]

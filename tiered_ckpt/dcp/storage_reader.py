@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
 import os
 from collections.abc import Callable
@@ -67,10 +68,12 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
 from tiered_ckpt.fs import new_save_id
+from tiered_ckpt.layout import DCP_METADATA_NAME
 from tiered_ckpt.local.catalogue import (
     pick_step,
     read_manifest,
     read_run_record,
+    read_small_regular_file,
     resolve_root,
     step_path,
 )
@@ -81,11 +84,13 @@ from tiered_ckpt.local.verified_read import ReadStats, ShardReader
 @dataclass(frozen=True)
 class DcpStepInfo:
     """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its
-    name and its size (bytes)."""
+    name and its size (bytes); for a save into node-local roots also the metadata's hex sha256 (the
+    other nodes' ``dcp_metadata.json`` copies are checked against it)."""
 
     metadata_rank: int
     metadata_tensor: str
     metadata_bytes: int
+    metadata_sha256: str | None = None
 
 
 def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
@@ -97,11 +102,14 @@ def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
         raise DcpMetadataError(
             f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)"
         )
-    if (
-        set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
-        or info["format"] != EXTRA_FORMAT
-    ):
+    keys = {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
+    if not keys <= set(info) <= keys | {"metadata_sha256"} or info["format"] != EXTRA_FORMAT:
         raise DcpMetadataError(f"{where}: extra.dcp is malformed or of an unknown format")
+    digest = info.get("metadata_sha256")
+    if digest is not None and (
+        type(digest) is not str or len(digest) != 64 or digest.strip("0123456789abcdef")
+    ):
+        raise DcpMetadataError(f"{where}: extra.dcp.metadata_sha256 is not a hex sha256")
     rank, name, n = info["metadata_rank"], info["metadata_tensor"], info["metadata_bytes"]
     if (
         type(rank) is not int
@@ -115,7 +123,7 @@ def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
             f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
             "out of range"
         )
-    return DcpStepInfo(rank, name, n)
+    return DcpStepInfo(rank, name, n, digest)
 
 
 @dataclass
@@ -201,17 +209,19 @@ class TieredStorageReader(StorageReader):
         try:
             m, self._from_bucket = self._find_manifest()
             info = dcp_step_info(m)
-            rd = self._open_rank(m, info.metadata_rank)
-            try:
-                rec = rd.tensor_record(info.metadata_tensor)
-                if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
-                    raise DcpMetadataError(
-                        f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the manifest "
-                        f"says U8 ({info.metadata_bytes},)"
-                    )
-                raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
-            finally:
-                rd.close()
+            raw = self._metadata_copy(m, info)
+            if raw is None:
+                rd = self._open_rank(m, info.metadata_rank)
+                try:
+                    rec = rd.tensor_record(info.metadata_tensor)
+                    if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
+                        raise DcpMetadataError(
+                            f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the "
+                            f"manifest says U8 ({info.metadata_bytes},)"
+                        )
+                    raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
+                finally:
+                    rd.close()
             md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
         except BaseException as e:
             if isinstance(e, CheckpointError):
@@ -222,6 +232,52 @@ class TieredStorageReader(StorageReader):
         md.storage_meta.load_id = self.load_id
         self._manifest, self._metadata, self.step = m, md, m.step
         return md
+
+    def _shard_here(self, m: ShardManifest, rank: int) -> bool:
+        """Whether rank ``rank`` 's shard of ``m`` is an entry of the local step directory (not
+        checked: opening it verifies)."""
+        if self._from_bucket:
+            return False
+        return os.path.lexists(step_path(self.root, m.step) / m.shards[rank].path)
+
+    def _metadata_copy(self, m: ShardManifest, info: DcpStepInfo) -> bytes | None:
+        """The metadata from the step's ``dcp_metadata.json`` (node-local roots,
+        :mod:`tiered_ckpt.dcp.node_roots`), when the metadata rank's shard is not in this root and
+        the copy is; ``None`` otherwise. Raises :class:`DcpMetadataError` for a copy whose size or
+        sha256 differs from the manifest's, ``ManifestError`` for one that cannot be read."""
+        if info.metadata_sha256 is None or self._shard_here(m, info.metadata_rank):
+            return None
+        if self._from_bucket:
+            return None
+        path = step_path(self.root, m.step) / DCP_METADATA_NAME
+        raw = read_small_regular_file(path, info.metadata_bytes + 1)
+        if raw is None:
+            return None
+        if len(raw) != info.metadata_bytes or hashlib.sha256(raw).hexdigest() != (
+            info.metadata_sha256
+        ):
+            raise DcpMetadataError(
+                f"step {m.step}: {path} is not the metadata the manifest names (size or sha256)"
+            )
+        return raw
+
+    def _local_copy(
+        self, m: ShardManifest, loc: ItemLocation, names: dict[str, int]
+    ) -> ItemLocation:
+        """``loc``, or, when its rank's shard is not in this root, the same stored item in a shard
+        that is (node-local roots hold a copy of every item several nodes' ranks saved; ``names``:
+        stored name -> local rank, filled on first need); ``loc`` when no local shard has it."""
+        if self._from_bucket or self._shard_here(m, loc.rank):
+            return loc
+        if not names:
+            names[""] = -1  # filled: never again for this read
+            for rank in range(m.world_size):
+                if self._shard_here(m, rank):
+                    with ShardReader(step_path(self.root, m.step), m, rank, self.stats) as rd:
+                        for t in rd.header().tensors:
+                            names.setdefault(t.name, rank)
+        rank = names.get(loc.name)
+        return ItemLocation(rank, loc.name) if rank is not None and rank >= 0 else loc
 
     def _find_manifest(self) -> tuple[ShardManifest, bool]:
         """The step's manifest and whether it came from the bucket (the root lacks the step, or
@@ -332,12 +388,11 @@ class TieredStorageReader(StorageReader):
         readers: dict[int, Any] = {}
         try:
             reads: list[tuple[Callable[[], None], ReadItem, torch.Tensor, bool]] = []
+            names: dict[str, int] = {}
+            located = [(self._local_copy(m, self._locate(it), names), it) for it in plan.items]
             # by rank, then name: within one element size, the shard's file order
             # (format.shard_file.layout)
-            for item in sorted(
-                plan.items, key=lambda it: (self._locate(it).rank, self._locate(it).name)
-            ):
-                loc = self._locate(item)
+            for loc, item in sorted(located, key=lambda li: (li[0].rank, li[0].name)):
                 rd = readers.get(loc.rank)
                 if rd is None:
                     rd = readers[loc.rank] = self._open_rank(m, loc.rank)

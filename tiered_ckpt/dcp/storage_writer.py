@@ -21,15 +21,19 @@ checkpoint process):
 
 A save killed before 5 leaves an uncommitted directory that readers never see and ``gc`` sweeps.
 On a failed save :func:`tiered_ckpt.dcp.save` (and thread-mode ``async_save``) call :meth:`abort`
-on every rank, so the step can be saved again at once. Assumes every rank writes into the same
-``root``: the coordinator commits every rank's shard.
+on every rank, so the step can be saved again at once. By default every rank writes into the same
+``root`` and the coordinator commits every rank's shard; with ``node_ranks`` (node-local roots) it
+commits its own node's ranks only and the other nodes are committed after ``dcp.save`` returned
+(:mod:`tiered_ckpt.dcp.node_roots`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +122,10 @@ class TieredStorageWriter(StorageWriter):
     ``rotation``: applied right after the commit, in ``finish``
     (:func:`tiered_ckpt.local.rotation.rotate`; a failure is logged, the save stays committed).
     ``run_id``/``attempt``: the lineage the manifest records (default: the root's ``run.json``; see
-    :func:`~tiered_ckpt.local.commit.commit_step`).
+    :func:`~tiered_ckpt.local.commit.commit_step`). ``node_ranks``: the ranks that share this
+    rank's ``root`` when roots are node-local (:func:`tiered_ckpt.dcp.node_roots.node_groups`); the
+    coordinator then commits only those ranks' shards (``node_ranks.json`` says so) and records the
+    metadata's sha256 for the other nodes' copies. ``None``: one root for every rank.
 
     Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or
     ``chunk_bytes``.
@@ -135,6 +142,7 @@ class TieredStorageWriter(StorageWriter):
         rotation: RotationPolicy | None = None,
         run_id: str | None = None,
         attempt: int | None = None,
+        node_ranks: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         step_dir_name(step)  # validates step
@@ -148,6 +156,7 @@ class TieredStorageWriter(StorageWriter):
         self.extra = dict(extra) if extra is not None else None
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.rotation, self.run_id, self.attempt = rotation, run_id, attempt
+        self.node_ranks = sorted(int(r) for r in node_ranks) if node_ranks is not None else None
         self._reset_save()
 
     def _reset_save(self) -> None:
@@ -343,6 +352,8 @@ class TieredStorageWriter(StorageWriter):
             "metadata_tensor": METADATA_TENSOR,
             "metadata_bytes": len(self._metadata_bytes),
         }
+        if self.node_ranks is not None:  # node-local: other nodes keep a checked copy
+            info["metadata_sha256"] = hashlib.sha256(self._metadata_bytes).hexdigest()
         commit_step(
             self.root,
             self.step,
@@ -353,6 +364,7 @@ class TieredStorageWriter(StorageWriter):
             replace=self.replace,
             run_id=self.run_id,
             attempt=self.attempt,
+            local_ranks=self.node_ranks,
         )
         if self.rotation is not None:
             try:
