@@ -13,6 +13,9 @@ import pytest
 from spawn import start_ranks, wait_ranks
 
 from tiered_ckpt.cli import main as cli_main
+from tiered_ckpt.dcp import TieredStorageReader
+from tiered_ckpt.errors import DcpMetadataError
+from tiered_ckpt.layout import DCP_METADATA_NAME
 from tiered_ckpt.local.catalogue import committed_steps, read_manifest_bytes
 from tiered_ckpt.local.held_ranks import read_node_ranks
 from tiered_ckpt.remote.errors import StepIncompleteError
@@ -50,6 +53,16 @@ def test_dcp_save_commits_every_node_root_and_loads_back(tmp_path: Path) -> None
     results = run_ranks(tmp_path, "save")
     assert [(r["loaded"], r["bad"]) for r in results] == [(1, [])] * 4
     check_node_roots(tmp_path, 1)
+    # node 1's root holds no shard of the metadata rank (0): its copy, checked against the manifest
+    copy = tmp_path / "node1" / "step_0000000001" / DCP_METADATA_NAME
+    assert not (tmp_path / "node0" / "step_0000000001" / DCP_METADATA_NAME).exists()
+    md = TieredStorageReader(tmp_path / "node1", 1).read_metadata()
+    assert "model.w" in md.state_dict_metadata
+    raw = bytearray(copy.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    copy.write_bytes(bytes(raw))
+    with pytest.raises(DcpMetadataError, match="sha256"):
+        TieredStorageReader(tmp_path / "node1", 1).read_metadata()
 
 
 @pytest.mark.slow
