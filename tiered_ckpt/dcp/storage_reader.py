@@ -19,7 +19,10 @@ DCP's lifecycle (``dcp.load``):
 With ``remote_url``, a shard missing on disk is read from the bucket's copy of the same save (same
 save id and shard record, else ``DcpMetadataError``), and a step absent from the root entirely
 comes from the bucket; without it, a missing shard is
-:class:`~tiered_ckpt.errors.MissingShardError`. Nothing is written locally. A failed load may leave
+:class:`~tiered_ckpt.errors.MissingShardError`. A step saved into node-local roots
+(:mod:`tiered_ckpt.dcp.node_roots`) is read from the root's own shards first: the metadata from its
+``dcp_metadata.json`` (checked against the manifest's sha256) when the metadata rank's shard is
+elsewhere, and an item placed in another node's shard from this node's copy of it (same stored name). Nothing is written locally. A failed load may leave
 destination tensors partly overwritten (as with DCP's reader): never train on after the error.
 Bytes read: :attr:`TieredStorageReader.stats`, :attr:`TieredStorageReader.remote_stats`.
 """
@@ -182,6 +185,8 @@ class TieredStorageReader(StorageReader):
         self._metadata: Metadata | None = None
         self._placement: dict[MetadataIndex, ItemLocation] = {}
         self._from_bucket = False  # the manifest came from the bucket: every rank is read there
+        self._node_local: str | None = None  # the metadata's sha256 of a node-local save
+        self._local_names: dict[str, int] | None = None  # stored name -> local rank (node-local)
 
     @property
     def checkpoint_id(self) -> str:
@@ -231,6 +236,7 @@ class TieredStorageReader(StorageReader):
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self._manifest, self._metadata, self.step = m, md, m.step
+        self._node_local = info.metadata_sha256
         return md
 
     def _shard_here(self, m: ShardManifest, rank: int) -> bool:
@@ -246,9 +252,7 @@ class TieredStorageReader(StorageReader):
         the copy is; ``None`` otherwise. Raises :class:`DcpMetadataError` for a copy whose size or
         sha256 differs from the manifest's, ``ManifestError`` for one that cannot be read."""
         if info.metadata_sha256 is None or self._shard_here(m, info.metadata_rank):
-            return None
-        if self._from_bucket:
-            return None
+            return None  # not node-local, or the shard is here (from the bucket: no copy either)
         path = step_path(self.root, m.step) / DCP_METADATA_NAME
         raw = read_small_regular_file(path, info.metadata_bytes + 1)
         if raw is None:
@@ -261,23 +265,23 @@ class TieredStorageReader(StorageReader):
             )
         return raw
 
-    def _local_copy(
-        self, m: ShardManifest, loc: ItemLocation, names: dict[str, int]
-    ) -> ItemLocation:
-        """``loc``, or, when its rank's shard is not in this root, the same stored item in a shard
-        that is (node-local roots hold a copy of every item several nodes' ranks saved; ``names``:
-        stored name -> local rank, filled on first need); ``loc`` when no local shard has it."""
-        if self._from_bucket or self._shard_here(m, loc.rank):
+    def _local_copy(self, m: ShardManifest, loc: ItemLocation) -> ItemLocation:
+        """``loc``, or, for a step saved into node-local roots whose shard of ``loc.rank`` is not in
+        this root, the same stored item in a shard that is (each node's root holds a copy of every
+        item several nodes' ranks saved, :mod:`tiered_ckpt.dcp.node_roots`); ``loc`` when no local
+        shard has it. The local shards' headers are read (verified) once per load, on first need."""
+        if self._node_local is None or self._from_bucket or self._shard_here(m, loc.rank):
             return loc
-        if not names:
-            names[""] = -1  # filled: never again for this read
+        if self._local_names is None:
+            names: dict[str, int] = {}
             for rank in range(m.world_size):
                 if self._shard_here(m, rank):
                     with ShardReader(step_path(self.root, m.step), m, rank, self.stats) as rd:
                         for t in rd.header().tensors:
                             names.setdefault(t.name, rank)
-        rank = names.get(loc.name)
-        return ItemLocation(rank, loc.name) if rank is not None and rank >= 0 else loc
+            self._local_names = names
+        rank = self._local_names.get(loc.name)
+        return ItemLocation(rank, loc.name) if rank is not None else loc
 
     def _find_manifest(self) -> tuple[ShardManifest, bool]:
         """The step's manifest and whether it came from the bucket (the root lacks the step, or
@@ -388,8 +392,7 @@ class TieredStorageReader(StorageReader):
         readers: dict[int, Any] = {}
         try:
             reads: list[tuple[Callable[[], None], ReadItem, torch.Tensor, bool]] = []
-            names: dict[str, int] = {}
-            located = [(self._local_copy(m, self._locate(it), names), it) for it in plan.items]
+            located = [(self._local_copy(m, self._locate(it)), it) for it in plan.items]
             # by rank, then name: within one element size, the shard's file order
             # (format.shard_file.layout)
             for loc, item in sorted(located, key=lambda li: (li[0].rank, li[0].name)):
