@@ -5,7 +5,10 @@ Run as ``python tests/dcp/dcp_node_worker.py MODE OUT_DIR [REMOTE_URL ENDPOINT]`
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (``spawn.start_ranks``). Modes:
 
 - ``save``: :func:`tiered_ckpt.dcp.save` of step 1 into the node's root, then
-  :func:`tiered_ckpt.dcp.load` back from it into zeros, compared byte for byte;
+  :func:`tiered_ckpt.dcp.load` back from it into zeros, compared byte for byte; then plain
+  ``dcp.save``: step 2 with a writer that assumes one shared root (its commit fails), step 3 the
+  README's way (``node_groups``, the writer's ``node_ranks``, ``NodeLocalSavePlanner``,
+  ``commit_node_roots``), loaded back;
 - ``manager``: a :class:`~tiered_ckpt.dcp.DCPCheckpointManager` saves steps 1 and 2 (async, thread
   mode) into the node's root;
 - ``resume``: a manager with ``REMOTE_URL`` loads the newest step into zeros (a replaced node's
@@ -22,10 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from dcp_rank_worker import compare, make_state
 from torch.distributed.device_mesh import init_device_mesh
 
 from tiered_ckpt import dcp as tdcp
+from tiered_ckpt.dcp.node_roots import group_of
 
 RANKS_PER_NODE = 2
 
@@ -45,6 +50,24 @@ def main() -> None:
             back = make_state(mesh, False)
             res["loaded"] = tdcp.load(back, root, 1)
             res["bad"] = compare(state, back)
+            try:
+                dcp.save(
+                    state,
+                    storage_writer=tdcp.TieredStorageWriter(root, 2),
+                    planner=tdcp.TieredSavePlanner(),
+                )
+            except BaseException as exc:  # DCP's CheckpointException
+                res["shared_writer_error"] = type(tdcp.api.typed_error(exc)).__name__
+            groups = tdcp.node_groups(root)
+            dcp.save(
+                state,
+                storage_writer=tdcp.TieredStorageWriter(root, 3, node_ranks=group_of(groups, rank)),
+                planner=tdcp.NodeLocalSavePlanner(groups),
+            )
+            res["committed_here"] = tdcp.commit_node_roots(root, 3, groups)
+            back = make_state(mesh, False)
+            res["plain_loaded"] = tdcp.load(back, root)
+            res["plain_bad"] = compare(state, back)
         elif mode == "manager":
             with tdcp.DCPCheckpointManager(root, save_every_steps=1) as mgr:
                 for step in (1, 2):

@@ -53,6 +53,16 @@ def test_dcp_save_commits_every_node_root_and_loads_back(tmp_path: Path) -> None
     results = run_ranks(tmp_path, "save")
     assert [(r["loaded"], r["bad"]) for r in results] == [(1, [])] * 4
     check_node_roots(tmp_path, 1)
+    # plain dcp.save: a shared-root writer cannot commit node-local roots; the README's calls can
+    assert [r["shared_writer_error"] for r in results] == ["MissingShardError"] * 4
+    assert [(r["plain_loaded"], r["plain_bad"], r["committed_here"]) for r in results] == [
+        (3, [], True),
+        (3, [], False),
+        (3, [], True),
+        (3, [], False),
+    ]
+    check_node_roots(tmp_path, 3)
+    assert 2 not in committed_steps(tmp_path / "node0")
     # node 1's root holds no shard of the metadata rank (0): its copy, checked against the manifest
     copy = tmp_path / "node1" / "step_0000000001" / DCP_METADATA_NAME
     assert not (tmp_path / "node0" / "step_0000000001" / DCP_METADATA_NAME).exists()
