@@ -9,10 +9,10 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (``spawn.start_ranks``). Modes:
   ``dcp.save``: step 2 with a writer that assumes one shared root (its commit fails), step 3 the
   README's way (``node_groups``, the writer's ``node_ranks``, ``NodeLocalSavePlanner``,
   ``commit_node_roots``), loaded back;
-- ``manager``: a :class:`~tiered_ckpt.dcp.DCPCheckpointManager` saves steps 1 and 2 (async, thread
-  mode) into the node's root;
+- ``manager``: a :class:`~tiered_ckpt.dcp.DCPCheckpointManager` saves steps 1 to 3 (async, thread
+  mode, ``keep_last=2``) into the node's root;
 - ``resume``: a manager with ``REMOTE_URL`` loads the newest step into zeros (a replaced node's
-  ranks are restored from the bucket first) and compares it with the state of step 2.
+  ranks are restored from the bucket first) and compares it with the state saved.
 
 Each rank writes ``OUT_DIR/<MODE>_<rank>.json``.
 """
@@ -69,8 +69,8 @@ def main() -> None:
             res["plain_loaded"] = tdcp.load(back, root)
             res["plain_bad"] = compare(state, back)
         elif mode == "manager":
-            with tdcp.DCPCheckpointManager(root, save_every_steps=1) as mgr:
-                for step in (1, 2):
+            with tdcp.DCPCheckpointManager(root, save_every_steps=1, keep_last=2) as mgr:
+                for step in (1, 2, 3):
                     mgr.save(step, make_state(mesh, True))
             res["ok"] = True
         elif mode == "resume":

@@ -78,17 +78,18 @@ def test_dcp_save_commits_every_node_root_and_loads_back(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_manager_node_roots_upload_and_a_replaced_node_restores(tmp_path: Path, s3_bucket) -> None:
     run_ranks(tmp_path, "manager")
-    for n in NODES:
-        assert committed_steps(tmp_path / n) == [1, 2]
-    check_node_roots(tmp_path, 2)
+    for n in NODES:  # every node's root rotated by its own committer
+        assert committed_steps(tmp_path / n) == [2, 3]
+    check_node_roots(tmp_path, 3)
     # each node's sidecar uploads its ranks; the step is remotely committed once both did
     with Uploader(tmp_path / "node0", s3_bucket.url, s3_client=s3_bucket.client) as up:
         with pytest.raises(StepIncompleteError):
-            up.upload_step(2)
+            up.upload_step(3)
     with Uploader(tmp_path / "node1", s3_bucket.url, s3_client=s3_bucket.client) as up:
-        up.upload_step(2)
+        up.upload_step(3)
     shutil.rmtree(tmp_path / "node1")  # node B is replaced: its disk is empty
     results = run_ranks(tmp_path, "resume", s3_bucket.url, s3_bucket.endpoint_url)
-    assert [(r["loaded"], r["bad"]) for r in results] == [(2, [])] * 4
-    assert committed_steps(tmp_path / "node1") == [2]
+    assert [(r["loaded"], r["bad"]) for r in results] == [(3, [])] * 4
+    assert committed_steps(tmp_path / "node1") == [3]
+    assert read_node_ranks(tmp_path / "node1" / "step_0000000003", 4) == {2, 3}  # its ranks only
     assert cli_main(["verify", str(tmp_path / "node1")]) == 0
