@@ -58,6 +58,8 @@ SUPERSEDED_DIR = "superseded"
 PINNED_MARKER_NAME = "pinned.json"
 #: The ranks a node-local step directory holds (local/held_ranks.py).
 NODE_RANKS_NAME = "node_ranks.json"
+#: A DCP step's metadata in a node-local root whose ranks do not hold it (tiered_ckpt.dcp.node_roots).
+DCP_METADATA_NAME = "dcp_metadata.json"
 #: A step restored from another run: the root's run and attempt it entered in (local/catalogue.py).
 ADOPTED_MARKER_NAME = "adopted.json"
 #: Prefix of the node discovery tokens in a root (which ranks share this disk; training/dist.py).
@@ -236,6 +238,7 @@ __all__ = [
     "ADOPTED_MARKER_NAME",
     "NODE_TOKEN_PREFIX",
     "NODE_RANKS_NAME",
+    "DCP_METADATA_NAME",
     "remote_run_key",
     "save_entry_name",
     "parse_remote_step_entry",

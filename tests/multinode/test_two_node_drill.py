@@ -17,6 +17,10 @@ holds a
 (c) cluster loss: both disks deleted, both nodes restore from the bucket;
 (d) (b) again with the same host name on both nodes (containers often share one).
 
+(a), (b) and (c) run again with ``tiered_ckpt.examples.train_fsdp2`` (FSDP2, saved through DCP into
+each node's own disk: every node's root committed, :mod:`tiered_ckpt.dcp.node_roots`), against its
+own uninterrupted run.
+
 After each, the final step must also reach the bucket (both sidecars upload it and it commits
 remotely). Run with ``-s`` to see the per-scenario figures. Needs root and iproute2/util-linux:
 elsewhere it skips.
@@ -126,8 +130,10 @@ class Drill:
         hostnames: tuple[str, str],
         *,
         remote: bool = True,
+        example: str = "train_zero",
     ) -> None:
         self.c = cluster
+        self.example = example  # the module of tiered_ckpt.examples that trains
         self.dir = tmp_path
         for node in cluster.nodes.values():
             node.power_off()
@@ -182,7 +188,7 @@ class Drill:
                 f"--master_addr={self.c.a.addr}",
                 f"--master_port={port}",
                 "-m",
-                "tiered_ckpt.examples.train_zero",
+                f"tiered_ckpt.examples.{self.example}",
                 "--steps",
                 str(STEPS),
                 "--ckpt-every",
@@ -342,24 +348,37 @@ def test_the_two_nodes_are_two_machines(cluster: Cluster) -> None:
     assert pa["disk"] == pb["disk"] == ["probe"]  # each wrote into its own disk, at the same path
 
 
-@pytest.fixture(scope="module")
-def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """The uninterrupted two-node run (no bucket, no sidecars): the loss curve every scenario must
-    match."""
+def _reference(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, example: str
+) -> dict[int, float]:
     d = Drill(
         cluster,
-        tmp_path_factory.mktemp("reference"),
+        tmp_path_factory.mktemp(f"reference_{example}"),
         "reference",
         ("node-a", "node-b"),
         remote=False,
+        example=example,
     )
     run = d.start("reference", sidecars=False, sleep=0.0)
     t0 = time.monotonic()
     ref = d.finish(run, 1)
     d.power_off()
-    print(f"\n[two-node drill] reference: {STEPS} steps in {time.monotonic() - t0:.1f} s")
+    print(f"\n[two-node drill] {example} reference: {STEPS} steps in {time.monotonic() - t0:.1f} s")
     assert ref[STEPS] < ref[1]  # it learns
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The uninterrupted two-node run (no bucket, no sidecars): the loss curve every scenario must
+    match."""
+    return _reference(cluster, tmp_path_factory, "train_zero")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The uninterrupted two-node run of the FSDP2 example (DCP into node-local roots)."""
+    return _reference(cluster, tmp_path_factory, "train_fsdp2")
 
 
 def _after_restart(
@@ -388,7 +407,13 @@ def _after_restart(
 def test_a_sigkill_both_nodes_then_restart(
     cluster: Cluster, reference: dict[int, float], tmp_path: Path
 ) -> None:
-    d = Drill(cluster, tmp_path, "a-sigkill", ("node-a", "node-b"))
+    _sigkill_both_nodes(cluster, reference, tmp_path, "train_zero")
+
+
+def _sigkill_both_nodes(
+    cluster: Cluster, reference: dict[int, float], tmp_path: Path, example: str
+) -> None:
+    d = Drill(cluster, tmp_path, f"a-sigkill-{example}", ("node-a", "node-b"), example=example)
     run = d.start("killed")
     kill_at = 2 * EVERY + 3
     d.wait_for(
@@ -408,7 +433,7 @@ def test_a_sigkill_both_nodes_then_restart(
         f"\n[two-node drill] (a) killed after step {max(losses(run.loss_log))}: committed A {d.local('a')}, "
         f"B {d.local('b')}, remote {sorted(remote)}"
     )
-    _after_restart(d, reference, run, resume_from, "(a) SIGKILL both nodes")
+    _after_restart(d, reference, run, resume_from, f"(a) SIGKILL both nodes, {example}")
 
 
 def _replace_lagging_node_b(
@@ -417,8 +442,9 @@ def _replace_lagging_node_b(
     tmp_path: Path,
     hostnames: tuple[str, str],
     label: str,
+    example: str = "train_zero",
 ) -> None:
-    d = Drill(cluster, tmp_path, label, hostnames)
+    d = Drill(cluster, tmp_path, label, hostnames, example=example)
     run = d.start("lagging")
     d.wait_for(
         run,
@@ -471,7 +497,13 @@ def test_b_replace_node_b_while_its_upload_lags(
 def test_c_cluster_loss_restores_from_the_bucket(
     cluster: Cluster, reference: dict[int, float], tmp_path: Path
 ) -> None:
-    d = Drill(cluster, tmp_path, "c-cluster-loss", ("node-a", "node-b"))
+    _cluster_loss(cluster, reference, tmp_path, "train_zero")
+
+
+def _cluster_loss(
+    cluster: Cluster, reference: dict[int, float], tmp_path: Path, example: str
+) -> None:
+    d = Drill(cluster, tmp_path, f"c-cluster-loss-{example}", ("node-a", "node-b"), example=example)
     run = d.start("lost")
     d.wait_for(
         run,
@@ -486,7 +518,7 @@ def test_c_cluster_loss_restores_from_the_bucket(
     )
     for node in cluster.nodes.values():
         node.replace_disk()
-    _after_restart(d, reference, run, max(remote), "(c) cluster loss")
+    _after_restart(d, reference, run, max(remote), f"(c) cluster loss, {example}")
 
 
 def test_d_replace_lagging_node_b_with_equal_host_names(
@@ -499,3 +531,31 @@ def test_d_replace_lagging_node_b_with_equal_host_names(
         ("node", "node"),
         "(d) replace lagging node B, equal host names",
     )
+
+
+# --- the FSDP2 example: DCP saves into node-local roots (tiered_ckpt.dcp.node_roots)
+
+
+def test_fsdp2_a_sigkill_both_nodes_then_restart(
+    cluster: Cluster, fsdp2_reference: dict[int, float], tmp_path: Path
+) -> None:
+    _sigkill_both_nodes(cluster, fsdp2_reference, tmp_path, "train_fsdp2")
+
+
+def test_fsdp2_b_replace_node_b_while_its_upload_lags(
+    cluster: Cluster, fsdp2_reference: dict[int, float], tmp_path: Path
+) -> None:
+    _replace_lagging_node_b(
+        cluster,
+        fsdp2_reference,
+        tmp_path,
+        ("node-a", "node-b"),
+        "(fsdp2 b) replace lagging node B",
+        "train_fsdp2",
+    )
+
+
+def test_fsdp2_c_cluster_loss_restores_from_the_bucket(
+    cluster: Cluster, fsdp2_reference: dict[int, float], tmp_path: Path
+) -> None:
+    _cluster_loss(cluster, fsdp2_reference, tmp_path, "train_fsdp2")

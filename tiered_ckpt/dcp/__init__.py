@@ -16,23 +16,28 @@ Use with DCP directly, with DCP's default planners (``planner=None``,
 
 or through :func:`save`, :func:`async_save` and :func:`load` (which also turn DCP's
 ``CheckpointException`` into this package's typed errors). :class:`DCPCheckpointManager`: policy,
-async saves, rotation and upload gating, lineage, restore from the bucket. Comparison with DCP's
+async saves, rotation and upload gating, lineage, restore from the bucket. Node-local roots
+(each node its own directory): :mod:`tiered_ckpt.dcp.node_roots`. Comparison with DCP's
 own backend: docs/design.md, "DCP backend".
 """
 
 from tiered_ckpt.dcp.api import async_save, load, save
 from tiered_ckpt.dcp.manager import DCPCheckpointManager
+from tiered_ckpt.dcp.node_roots import NodeLocalSavePlanner, commit_node_roots, node_groups
 from tiered_ckpt.dcp.planners import TieredLoadPlanner, TieredSavePlanner
 from tiered_ckpt.dcp.storage_reader import TieredStorageReader
 from tiered_ckpt.dcp.storage_writer import TieredStorageWriter
 
 __all__ = [
     "DCPCheckpointManager",
+    "NodeLocalSavePlanner",
     "TieredLoadPlanner",
     "TieredSavePlanner",
     "TieredStorageReader",
     "TieredStorageWriter",
     "async_save",
+    "commit_node_roots",
     "load",
+    "node_groups",
     "save",
 ]

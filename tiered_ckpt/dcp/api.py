@@ -13,9 +13,11 @@ state whose keys or shapes the checkpoint lacks: DCP's planner raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from tiered_ckpt.dcp import node_roots
 from tiered_ckpt.dcp.planners import TieredLoadPlanner, TieredSavePlanner
 from tiered_ckpt.dcp.storage_reader import TieredStorageReader
 from tiered_ckpt.dcp.storage_writer import TieredStorageWriter
@@ -75,44 +78,103 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+@dataclass(frozen=True)
+class _NodeSave:
+    """How one save is spread over roots: ``groups`` (:func:`node_roots.node_groups`), or ``None``
+    for one root (a single process, or every rank sharing ``root``)."""
+
+    groups: list[list[int]] | None
+
+    @classmethod
+    def find(
+        cls, root: PathLike, process_group: Any, given: Sequence[Sequence[int]] | None
+    ) -> _NodeSave:
+        if given is None:
+            if _no_dist() or dist.get_world_size(process_group) == 1:
+                return cls(None)
+            given = node_roots.node_groups(root, process_group)
+        groups = [sorted(int(r) for r in g) for g in given]
+        return cls(groups if len(groups) > 1 else None)
+
+    def writer(
+        self, root: PathLike, step: int, process_group: Any, **kw: Any
+    ) -> TieredStorageWriter:
+        if self.groups is not None:
+            kw["node_ranks"] = node_roots.group_of(self.groups, dist.get_rank(process_group))
+        return TieredStorageWriter(root, step, **kw)
+
+    def planner(self) -> TieredSavePlanner:
+        if self.groups is None:
+            return TieredSavePlanner()
+        return node_roots.NodeLocalSavePlanner(self.groups)
+
+    def commit_nodes(self, writer: TieredStorageWriter, process_group: Any) -> None:
+        """Commit the other nodes' roots (:func:`node_roots.commit_node_roots`); nothing on one
+        root."""
+        if self.groups is not None:
+            node_roots.commit_node_roots(
+                writer.root,
+                writer.step,
+                self.groups,
+                process_group=process_group,
+                replace=writer.replace,
+                rotation=writer.rotation,
+            )
+
+
 def save(
     state_dict: dict[str, Any],
     root: PathLike,
     step: int,
     *,
     process_group: Any = None,
+    node_groups: Sequence[Sequence[int]] | None = None,
     **writer_kw: Any,
 ) -> Metadata:
     """``dcp.save(state_dict)`` as step ``step`` of ``root`` (every rank of ``process_group`` calls
-    it; without an initialized process group, a single-process save). ``writer_kw``: ``replace``,
-    ``extra``, ``chunk_bytes`` of :class:`TieredStorageWriter`. Returns the stored ``Metadata``.
-    Raises the :class:`CheckpointError` of the lowest failing rank (e.g. ``UnsupportedStateError``
-    naming the key, before anything is written; ``CheckpointExistsError``;
-    ``CheckpointWriteError``)."""
-    writer = TieredStorageWriter(root, step, **writer_kw)
+    it with its own ``root``; without an initialized process group, a single-process save).
+    ``root`` may be node-local (the ranks of a node pass one directory, each node its own): which
+    ranks share a root is found first (``node_groups``, if not given:
+    :func:`tiered_ckpt.dcp.node_roots.node_groups`, a collective), and then every node's root is
+    committed (:mod:`tiered_ckpt.dcp.node_roots`). ``writer_kw``: ``replace``, ``extra``,
+    ``chunk_bytes``, ``rotation``, ``run_id``, ``attempt`` of :class:`TieredStorageWriter`. Returns
+    the stored ``Metadata``. Raises the :class:`CheckpointError` of the lowest failing rank (e.g.
+    ``UnsupportedStateError`` naming the key, before anything is written;
+    ``CheckpointExistsError``; ``CheckpointWriteError``), ``DistributedSaveError`` (finding the
+    nodes, or a node's commit, failed)."""
+    nodes = _NodeSave.find(root, process_group, node_groups)
+    writer = nodes.writer(root, step, process_group, **writer_kw)
     try:
         with typed_errors():
-            return dcp.save(
+            md = dcp.save(
                 state_dict,
                 storage_writer=writer,
-                planner=TieredSavePlanner(),
+                planner=nodes.planner(),
                 process_group=process_group,
                 no_dist=_no_dist(),
             )
+        nodes.commit_nodes(writer, process_group)
+        return md
     except BaseException:
         writer.abort()
         raise
 
 
-def _typed_future(fut: Future[Any], writer: TieredStorageWriter) -> Future[Any]:
-    """A future of ``fut`` 's result whose exception is typed (:func:`typed_error`); on failure the
-    writer is aborted first (in thread mode it is the writer that saved; in process mode a copy
-    saved, and this is a no-op)."""
+def _typed_future(
+    fut: Future[Any], writer: TieredStorageWriter, after: Callable[[], None] | None = None
+) -> Future[Any]:
+    """A future of ``fut`` 's result whose exception is typed (:func:`typed_error`), completed after
+    ``after`` ran (the node commit; in the thread that completed ``fut``); on failure the writer is
+    aborted first (in thread mode it is the writer that saved; in process mode a copy saved, and
+    this is a no-op)."""
     out: Future[Any] = Future()
 
     def done(f: Future[Any]) -> None:
         try:
-            out.set_result(f.result())
+            result = f.result()
+            if after is not None:
+                after()
+            out.set_result(result)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's future
             writer.abort()
             out.set_exception((typed_error(e) or e) if isinstance(e, CheckpointException) else e)
@@ -129,6 +191,7 @@ def async_save(
     process_group: Any = None,
     async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
     async_stager: Any = None,
+    node_groups: Sequence[Sequence[int]] | None = None,
     **writer_kw: Any,
 ) -> Any:
     """``dcp.async_save`` of ``state_dict`` as step ``step`` of ``root``: DCP stages the state into
@@ -137,13 +200,20 @@ def async_save(
     training group's) or in DCP's checkpoint process (``PROCESS``: it builds its own gloo group and
     ignores ``process_group``; the calling script needs a ``if __name__ == "__main__":`` guard).
     Returns DCP's future (or the ``upload_completion`` of its ``AsyncSaveResponse``) whose exception
-    is the typed error :func:`save` would raise. The step is committed when it completes."""
-    writer = TieredStorageWriter(root, step, **writer_kw)
+    is the typed error :func:`save` would raise. The step is committed when it completes.
+    Node-local roots as with :func:`save` (found before staging, in the calling thread); the other
+    nodes are committed when DCP's save completes, in the thread that completes it, with
+    collectives on ``process_group`` (in ``PROCESS`` mode too: pass a dedicated gloo group)."""
+    nodes = _NodeSave.find(root, process_group, node_groups)
+    writer = nodes.writer(root, step, process_group, **writer_kw)
+    after = None
+    if nodes.groups is not None:
+        after = functools.partial(nodes.commit_nodes, writer, process_group)
     with typed_errors():
         res = dcp.async_save(
             state_dict,
             storage_writer=writer,
-            planner=TieredSavePlanner(),
+            planner=nodes.planner(),
             process_group=process_group,
             async_checkpointer_type=async_checkpointer_type,
             async_stager=async_stager,
@@ -152,9 +222,9 @@ def async_save(
     if isinstance(res, AsyncSaveResponse):
         return AsyncSaveResponse(
             staging_completion=res.staging_completion,
-            upload_completion=_typed_future(res.upload_completion, writer),
+            upload_completion=_typed_future(res.upload_completion, writer, after),
         )
-    return _typed_future(res, writer)
+    return _typed_future(res, writer, after)
 
 
 class WholeStepLoadPlanner(TieredLoadPlanner):

@@ -1,5 +1,5 @@
 """DCPCheckpointManager: the DCP engine of :class:`~tiered_ckpt.training.core.ManagerCore` for a
-torchtitan-style loop (every rank, the ranks sharing one ``root``)::
+torchtitan-style loop (every rank; one shared ``root``, or node-local roots)::
 
     mgr = DCPCheckpointManager(root, save_every_steps=100, remote_url="s3://bucket/run")  # collective
     state = {"model": msd, "optim": osd, "extra": {...}}   # msd, osd = get_state_dict(model, optimizer)
@@ -19,6 +19,12 @@ coordinator (:class:`~tiered_ckpt.dcp.storage_writer.TieredStorageWriter` carrie
 policy and lineage). A load at another world size is resharded by DCP; with ``remote_url`` a step
 missing locally is restored from the bucket first, and a shard still missing is read from the bucket
 (ranged, verified reads). torch.distributed not initialized: one process, no process group.
+
+Node-local roots (the ranks of a node pass one directory, each node its own): which ranks share a
+root is found once, at construction (node token files, :func:`tiered_ckpt.dcp.node_roots.node_groups`
+on the save group); each save then commits every node's root (:mod:`tiered_ckpt.dcp.node_roots`),
+each node's lowest rank rotating its own root. A load then needs each rank's own shard (restored
+from the bucket when missing, as the native manager does), so it loads at the saved world size only.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tiered_ckpt.dcp import api
+from tiered_ckpt.dcp.node_roots import group_of, node_groups
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.training.core import ManagerCore, SaveOutcome
 from tiered_ckpt.training.dist import SaveCoordinator
@@ -42,15 +49,18 @@ _ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpoi
 
 
 class DCPCheckpointManager(ManagerCore):
-    """Periodic, asynchronous DCP checkpointing into the shared ``root`` (the shared keywords:
-    :class:`~tiered_ckpt.training.core.ManagerCore`).
+    """Periodic, asynchronous DCP checkpointing into ``root``, shared or node-local (the shared
+    keywords: :class:`~tiered_ckpt.training.core.ManagerCore`).
 
     ``process_group``: the ranks that save (default: the whole job when torch.distributed is
     initialized). ``async_mode`` (with ``async_save``): ``"thread"`` or ``"process"`` (needs
     torch.distributed initialized). ``save``'s state: a DCP state dict (non-tensor values JSON or
     ``bytes``); ``extra`` has no key ``"dcp"``. ``load()`` without ``into`` loads every item of the
     step as saved (plain CPU tensors of the global shape; on every rank). :class:`SaveOutcome`
-    ``committed_here``: this rank is DCP's coordinator. Raises ``ValueError`` for a bad setting.
+    ``committed_here``: this rank is DCP's coordinator, or on node-local roots its node's lowest
+    rank. ``handle_sigterm``: :meth:`install_sigterm_handler` (the final save is synchronous).
+    Raises ``ValueError`` for a bad setting, ``DistributedSaveError`` when finding which ranks share
+    a root fails.
     """
 
     def __init__(
@@ -92,6 +102,11 @@ class DCPCheckpointManager(ManagerCore):
                 timeout_s=collective_timeout_s,
                 shared_filesystem=True,
             )
+        groups = None
+        if coord is not None and world_size > 1:
+            found = node_groups(root, coord.save_group)
+            groups = found if len(found) > 1 else None
+        self.node_groups: list[list[int]] | None = groups
         super().__init__(
             root,
             rank=rank,
@@ -109,7 +124,7 @@ class DCPCheckpointManager(ManagerCore):
             remote_url=remote_url,
             s3_client=s3_client,
             on_save_outcome=on_save_outcome,
-            resharding=True,
+            resharding=groups is None,
         )
         self.async_mode = async_mode
         self._stager = (
@@ -120,6 +135,7 @@ class DCPCheckpointManager(ManagerCore):
         assert self._lineage is not None
         return {
             "process_group": self._coord.save_group if self._coord is not None else None,
+            "node_groups": self.node_groups or [list(range(self.world_size))],
             "rotation": self.rotation,
             "run_id": self._lineage.run_id,
             "attempt": self._lineage.attempt,
@@ -128,7 +144,7 @@ class DCPCheckpointManager(ManagerCore):
 
     def _save_sync(self, step: int, state: Any, extra: Mapping[str, Any] | None) -> bool:
         api.save(state, self.root, step, **self._writer_kw(extra))
-        return self.rank == 0
+        return self._committer
 
     def _save_async(
         self, step: int, state: Any, extra: Mapping[str, Any] | None
@@ -150,7 +166,7 @@ class DCPCheckpointManager(ManagerCore):
                 if f.cancelled():
                     raise CheckpointError("the save was cancelled")
                 f.result()
-                return self.rank == 0
+                return self._committer
 
             try:
                 self._finish_save(step, staged, staged - t0, persist)
@@ -161,6 +177,13 @@ class DCPCheckpointManager(ManagerCore):
 
         fut.add_done_callback(done)
         return out, staged - t0
+
+    @property
+    def _committer(self) -> bool:
+        """Whether this rank commits a root: DCP's coordinator, and each node's lowest rank."""
+        if self.node_groups is None:
+            return self.rank == 0
+        return self.rank == group_of(self.node_groups, self.rank)[0]
 
     def _load(self, step: int, into: Any) -> Any:
         state = into if into is not None else {}

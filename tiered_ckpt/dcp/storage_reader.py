@@ -26,7 +26,10 @@ DCP's lifecycle (``dcp.load``):
 With ``remote_url``, a shard missing on disk is read from the bucket's copy of the same save (same
 save id and shard record, else ``DcpMetadataError``), and a step absent from the root entirely
 comes from the bucket; without it, a missing shard is
-:class:`~tiered_ckpt.errors.MissingShardError`. Nothing is written locally. A failed load may leave
+:class:`~tiered_ckpt.errors.MissingShardError`. A step saved into node-local roots
+(:mod:`tiered_ckpt.dcp.node_roots`) is read from the root's own shards first: the metadata from its
+``dcp_metadata.json`` (checked against the manifest's sha256) when the metadata rank's shard is
+elsewhere, and an item placed in another node's shard from this node's copy of it (same stored name). Nothing is written locally. A failed load may leave
 destination tensors partly overwritten (as with DCP's reader): never train on after the error.
 Bytes read: :attr:`TieredStorageReader.stats`, :attr:`TieredStorageReader.remote_stats`.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -76,10 +80,12 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format.dcp_metadata import DcpStepInfo, dcp_step_info
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.fs import new_save_id
+from tiered_ckpt.layout import DCP_METADATA_NAME
 from tiered_ckpt.local.catalogue import (
     pick_step,
     read_manifest,
     read_run_record,
+    read_small_regular_file,
     resolve_root,
     step_path,
 )
@@ -178,6 +184,8 @@ class TieredStorageReader(StorageReader):
         self._metadata: Metadata | None = None
         self._placement: dict[MetadataIndex, ItemLocation] = {}
         self._from_bucket = False  # the manifest came from the bucket: every rank is read there
+        self._node_local: str | None = None  # the metadata's sha256 of a node-local save
+        self._local_names: dict[str, int] | None = None  # stored name -> local rank (node-local)
 
     @property
     def checkpoint_id(self) -> str:
@@ -205,17 +213,19 @@ class TieredStorageReader(StorageReader):
         try:
             m, self._from_bucket = self._find_manifest()
             info = dcp_step_info(m)
-            rd = self._open_rank(m, info.metadata_rank)
-            try:
-                rec = rd.tensor_record(info.metadata_tensor)
-                if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
-                    raise DcpMetadataError(
-                        f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the manifest "
-                        f"says U8 ({info.metadata_bytes},)"
-                    )
-                raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
-            finally:
-                rd.close()
+            raw = self._metadata_copy(m, info)
+            if raw is None:
+                rd = self._open_rank(m, info.metadata_rank)
+                try:
+                    rec = rd.tensor_record(info.metadata_tensor)
+                    if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
+                        raise DcpMetadataError(
+                            f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the "
+                            f"manifest says U8 ({info.metadata_bytes},)"
+                        )
+                    raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
+                finally:
+                    rd.close()
             md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
         except BaseException as e:
             if isinstance(e, CheckpointError):
@@ -225,7 +235,52 @@ class TieredStorageReader(StorageReader):
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self._manifest, self._metadata, self.step = m, md, m.step
+        self._node_local = info.metadata_sha256
         return md
+
+    def _shard_here(self, m: ShardManifest, rank: int) -> bool:
+        """Whether rank ``rank`` 's shard of ``m`` is an entry of the local step directory (not
+        checked: opening it verifies)."""
+        if self._from_bucket:
+            return False
+        return os.path.lexists(step_path(self.root, m.step) / m.shards[rank].path)
+
+    def _metadata_copy(self, m: ShardManifest, info: DcpStepInfo) -> bytes | None:
+        """The metadata from the step's ``dcp_metadata.json`` (node-local roots,
+        :mod:`tiered_ckpt.dcp.node_roots`), when the metadata rank's shard is not in this root and
+        the copy is; ``None`` otherwise. Raises :class:`DcpMetadataError` for a copy whose size or
+        sha256 differs from the manifest's, ``ManifestError`` for one that cannot be read."""
+        if info.metadata_sha256 is None or self._shard_here(m, info.metadata_rank):
+            return None  # not node-local, or the shard is here (from the bucket: no copy either)
+        path = step_path(self.root, m.step) / DCP_METADATA_NAME
+        raw = read_small_regular_file(path, info.metadata_bytes + 1)
+        if raw is None:
+            return None
+        if len(raw) != info.metadata_bytes or hashlib.sha256(raw).hexdigest() != (
+            info.metadata_sha256
+        ):
+            raise DcpMetadataError(
+                f"step {m.step}: {path} is not the metadata the manifest names (size or sha256)"
+            )
+        return raw
+
+    def _local_copy(self, m: ShardManifest, loc: ItemLocation) -> ItemLocation:
+        """``loc``, or, for a step saved into node-local roots whose shard of ``loc.rank`` is not in
+        this root, the same stored item in a shard that is (each node's root holds a copy of every
+        item several nodes' ranks saved, :mod:`tiered_ckpt.dcp.node_roots`); ``loc`` when no local
+        shard has it. The local shards' headers are read (verified) once per load, on first need."""
+        if self._node_local is None or self._from_bucket or self._shard_here(m, loc.rank):
+            return loc
+        if self._local_names is None:
+            names: dict[str, int] = {}
+            for rank in range(m.world_size):
+                if self._shard_here(m, rank):
+                    with ShardReader(step_path(self.root, m.step), m, rank, self.stats) as rd:
+                        for t in rd.header().tensors:
+                            names.setdefault(t.name, rank)
+            self._local_names = names
+        rank = self._local_names.get(loc.name)
+        return ItemLocation(rank, loc.name) if rank is not None else loc
 
     def _find_manifest(self) -> tuple[ShardManifest, bool]:
         """The step's manifest and whether it came from the bucket (the root lacks the step, or
@@ -333,12 +388,10 @@ class TieredStorageReader(StorageReader):
         readers: dict[int, Any] = {}
         try:
             reads: list[tuple[Callable[[], None], ReadItem, torch.Tensor, bool]] = []
+            located = [(self._local_copy(m, self._locate(it)), it) for it in plan.items]
             # by rank, then name: within one element size, the shard's file order
             # (format.shard_file.layout)
-            for item in sorted(
-                plan.items, key=lambda it: (self._locate(it).rank, self._locate(it).name)
-            ):
-                loc = self._locate(item)
+            for loc, item in sorted(located, key=lambda li: (li[0].rank, li[0].name)):
                 rd = readers.get(loc.rank)
                 if rd is None:
                     rd = readers[loc.rank] = self._open_rank(m, loc.rank)

@@ -43,18 +43,22 @@ is a copy in DCP's checkpoint process; a rank that succeeded while another faile
 that name a live process, which ``gc`` leaves alone: the process's next save through this writer,
 of any step, removes them first (:class:`UnfinishedSaves`: every save a process wrote for and
 whose thread has ended since, or is the one saving now, is over; unless its step is committed,
-its shard and writer lock are removed and its empty step directory with them). Assumes every
-rank writes into the same ``root``: the coordinator commits every rank's shard (and the sweep judges
-a rank's shard by that root's ``manifest.json``).
+its shard and writer lock are removed and its empty step directory with them; a rank's shard is
+judged by its own root's ``manifest.json``). By default every rank writes into the same ``root``
+and the coordinator commits every rank's shard; with ``node_ranks`` (node-local roots) it commits
+its own node's ranks only and the other nodes are committed after ``dcp.save`` returned
+(:mod:`tiered_ckpt.dcp.node_roots`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +90,7 @@ from tiered_ckpt.errors import (
     UnsupportedPlannerError,
     UnsupportedStateError,
 )
+from tiered_ckpt.format.dcp_metadata import EXTRA_FORMAT, EXTRA_KEY
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.fs import new_save_id, unlink_quietly
 from tiered_ckpt.layout import SAVE_LOCK_NAME, parse_step_dir_name, step_dir_name
@@ -103,9 +108,6 @@ from tiered_ckpt.local.writer import check_chunk_bytes, write_shard
 
 log = logging.getLogger(__name__)
 
-#: ``manifest.extra`` key of the DCP backend, and its format.
-EXTRA_KEY = "dcp"
-EXTRA_FORMAT = 1
 #: CRC32C chunk size of DCP shards (bytes): partial (resharding) reads verify chunk by chunk.
 DCP_CHUNK_BYTES = 16384
 
@@ -244,7 +246,10 @@ class TieredStorageWriter(StorageWriter):
     ``rotation``: applied right after the commit, in ``finish``
     (:func:`tiered_ckpt.local.rotation.rotate`; a failure is logged, the save stays committed).
     ``run_id``/``attempt``: the lineage the manifest records (default: the root's ``run.json``; see
-    :func:`~tiered_ckpt.local.commit.commit_step`).
+    :func:`~tiered_ckpt.local.commit.commit_step`). ``node_ranks``: the ranks that share this
+    rank's ``root`` when roots are node-local (:func:`tiered_ckpt.dcp.node_roots.node_groups`); the
+    coordinator then commits only those ranks' shards (``node_ranks.json`` says so) and records the
+    metadata's sha256 for the other nodes' copies. ``None``: one root for every rank.
 
     Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or
     ``chunk_bytes``.
@@ -261,6 +266,7 @@ class TieredStorageWriter(StorageWriter):
         rotation: RotationPolicy | None = None,
         run_id: str | None = None,
         attempt: int | None = None,
+        node_ranks: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         step_dir_name(step)  # validates step
@@ -274,6 +280,7 @@ class TieredStorageWriter(StorageWriter):
         self.extra = dict(extra) if extra is not None else None
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.rotation, self.run_id, self.attempt = rotation, run_id, attempt
+        self.node_ranks = sorted(int(r) for r in node_ranks) if node_ranks is not None else None
         self._reset_save()
 
     def _reset_save(self) -> None:
@@ -539,6 +546,8 @@ class TieredStorageWriter(StorageWriter):
             "metadata_tensor": METADATA_TENSOR,
             "metadata_bytes": len(self._metadata_bytes),
         }
+        if self.node_ranks is not None:  # node-local: other nodes keep a checked copy
+            info["metadata_sha256"] = hashlib.sha256(self._metadata_bytes).hexdigest()
         commit_step(
             self.root,
             self.step,
@@ -549,6 +558,7 @@ class TieredStorageWriter(StorageWriter):
             replace=self.replace,
             run_id=self.run_id,
             attempt=self.attempt,
+            local_ranks=self.node_ranks,
         )
         if self.rotation is not None:
             try:

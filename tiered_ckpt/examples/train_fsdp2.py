@@ -13,8 +13,9 @@ bucket first when the local tier lost it); the loss curve continues exactly as i
 stopped. Run it at another world size (same global batch: ``--batch-per-rank`` times the world size)
 and DCP reshards the checkpoint while loading it. Its checkpointing flags are ``train_zero``'s
 (``--ckpt-every``, ``--keep-last``, ``--sync-save``, ``--upload-gated``, ``--remote-url``,
-``--events-log``; no ``--handle-sigterm``: the DCP manager has no preemption handler), so
-``tiered-ckpt demo --model fsdp2`` drives it as it drives ``train_zero``.
+``--events-log``, ``--handle-sigterm``: on SIGTERM the next step's save is synchronous, then the run
+ends and exits 0), so ``tiered-ckpt demo --model fsdp2`` drives it as it drives ``train_zero``.
+``--root`` may be node-local (each node its own directory): every node's root is committed.
 
 Model, data, schedule: ``TinyGPT``, ``load_corpus`` and ``lr_at`` of ``train_zero`` (imported, not
 copied); dropout from each rank's own torch CPU RNG (seeded apart); data order from
@@ -100,6 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the step it resumed from (tiered_ckpt.training.events)",
     )
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--handle-sigterm", action="store_true", help="final save on SIGTERM, then exit")
     p.add_argument(
         "--sync-save", action="store_true", help="save synchronously (dcp.save; default: async)"
     )
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         remote_url=args.remote_url,
         async_save=not args.sync_save,
         collective_timeout_s=120.0,
+        handle_sigterm=args.handle_sigterm,
         on_save_outcome=events.save if events is not None else None,
     )
     step = 0 if args.no_resume else resume(mgr, model, opt, sampler, rank)
@@ -349,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                     dcp_state(model, opt, step, sampler.position, rng),
                     extra={"loss": value, "lr": lr},
                 )
+            if mgr.preempted:  # SIGTERM: that save was synchronous and is committed
+                break
             if args.sleep_per_step:
                 time.sleep(args.sleep_per_step)
         mgr.close()  # waits for the last save, raises its failure

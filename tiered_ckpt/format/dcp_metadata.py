@@ -198,11 +198,13 @@ def stored_name(key: str) -> str:
 @dataclass(frozen=True)
 class DcpStepInfo:
     """A DCP step's ``manifest.extra["dcp"]``: the rank whose shard holds the metadata tensor, its
-    name and its size (bytes)."""
+    name and its size (bytes); for a save into node-local roots also the metadata's hex sha256 (the
+    other nodes' ``dcp_metadata.json`` copies are checked against it)."""
 
     metadata_rank: int
     metadata_tensor: str
     metadata_bytes: int
+    metadata_sha256: str | None = None
 
 
 def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
@@ -214,11 +216,14 @@ def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
         raise DcpMetadataError(
             f"{where} was not saved through tiered_ckpt.dcp (its manifest has no extra.dcp)"
         )
-    if (
-        set(info) != {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
-        or info["format"] != EXTRA_FORMAT
-    ):
+    keys = {"format", "metadata_rank", "metadata_tensor", "metadata_bytes"}
+    if not keys <= set(info) <= keys | {"metadata_sha256"} or info["format"] != EXTRA_FORMAT:
         raise DcpMetadataError(f"{where}: extra.dcp is malformed or of an unknown format")
+    digest = info.get("metadata_sha256")
+    if digest is not None and (
+        type(digest) is not str or len(digest) != 64 or digest.strip("0123456789abcdef")
+    ):
+        raise DcpMetadataError(f"{where}: extra.dcp.metadata_sha256 is not a hex sha256")
     rank, name, n = info["metadata_rank"], info["metadata_tensor"], info["metadata_bytes"]
     if (
         type(rank) is not int
@@ -232,7 +237,7 @@ def dcp_step_info(m: ShardManifest) -> DcpStepInfo:
             f"{where}: extra.dcp names metadata rank {str(rank)[:20]}, a tensor name or a size "
             "out of range"
         )
-    return DcpStepInfo(rank, name, n)
+    return DcpStepInfo(rank, name, n, digest)
 
 
 # --- the scan

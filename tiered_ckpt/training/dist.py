@@ -114,6 +114,77 @@ def disk_groups(seen: list[list[int]]) -> list[list[int]]:
     return groups
 
 
+def all_gather_bytes(data: bytes, group: Any, world_size: int) -> list[bytes]:
+    """All-gather one byte string from every rank of ``group`` (``None``: the default group) of
+    ``world_size`` ranks (element ``i`` from group rank ``i``): two all-gathers of ``uint8``
+    tensors, no pickle. Raises torch.distributed's ``RuntimeError`` when a collective fails."""
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, n, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty_like(buf) for _ in range(world_size)]
+    dist.all_gather(outs, buf, group=group)
+    return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+
+def broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
+    """Broadcast a byte string from global rank ``src`` (its ``data``; the others pass ``None``) to
+    every rank of ``group``. Raises torch.distributed's ``RuntimeError`` when a collective fails."""
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(n, src=src, group=group)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+    if data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.numpy().tobytes())
+
+
+def all_gather_json(obj: Any, group: Any, world_size: int) -> list[Any]:
+    """All-gather a JSON value from every rank of ``group`` (:func:`all_gather_bytes`)."""
+    raw = all_gather_bytes(json.dumps(obj).encode(), group, world_size)
+    return [json.loads(r) for r in raw]
+
+
+def find_disk_groups(root: Path, group: Any, rank: int, world_size: int) -> list[list[int]]:
+    """Which ranks of ``group`` (``rank`` of ``world_size``) share ``root``, found from the
+    filesystem as :class:`SaveCoordinator` finds it (module docstring, "Which ranks share a root"),
+    for one call: every rank writes a node token, looks every rank's token up in its own root, the
+    findings are all-gathered, and the tokens are removed again. Returns :func:`disk_groups` of the
+    findings (the same on every rank). Four all-gathers on ``group``; every rank calls it at the
+    same point. Raises :class:`DistributedSaveError` when a rank cannot write its token or a
+    collective fails."""
+    mine: dict[str, Any] = {"rank": rank}
+    name: str | None = None
+    try:
+        name = mine["token"] = write_node_token(root)
+    except OSError as exc:  # reported to every rank below
+        mine["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        try:
+            gathered = all_gather_json(mine, group, world_size)
+            failures = {g["rank"]: g["error"] for g in gathered if "error" in g}
+            if failures:
+                raise DistributedSaveError(
+                    f"rank {rank}: writing node tokens into {root} failed on rank(s) "
+                    f"{sorted(failures)}",
+                    failures,
+                )
+            seen = [r for r, g in enumerate(gathered) if node_token_present(root, g["token"])]
+            if rank not in seen:
+                seen.append(rank)  # our own token vanished at once: still our own disk
+            # every rank looked every token up before it joined this gather: then tokens can go
+            everyone = all_gather_json(seen, group, world_size)
+        except RuntimeError as exc:
+            raise _collective_error(f"rank {rank}: finding which ranks share {root}", exc) from exc
+    finally:
+        if name is not None:
+            remove_node_token(root, name)
+    return disk_groups(everyone)
+
+
 def _remove_tokens(tokens: dict[str, str]) -> None:
     """Finalizer of a coordinator: remove the node token files it wrote (``root -> name``)."""
     for root, name in list(tokens.items()):
@@ -179,25 +250,10 @@ class SaveCoordinator:
 
     @staticmethod
     def _all_gather_bytes(data: bytes, group: dist.ProcessGroup, world_size: int) -> list[bytes]:
-        n = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-        dist.all_gather(sizes, n, group=group)
-        longest = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty_like(buf) for _ in range(world_size)]
-        dist.all_gather(outs, buf, group=group)
-        return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+        return all_gather_bytes(data, group, world_size)
 
     def _broadcast_bytes(self, data: bytes | None, group: dist.ProcessGroup) -> bytes:
-        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        dist.broadcast(n, src=self.src, group=group)
-        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
-        if data:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(buf, src=self.src, group=group)
-        return bytes(buf.numpy().tobytes())
+        return broadcast_bytes(data, self.src, group)
 
     def _exchange(
         self, mine: dict[str, Any], step: int, sid: str, what: str, failure: BaseException | None
