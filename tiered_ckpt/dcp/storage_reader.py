@@ -446,14 +446,15 @@ class TieredStorageReader(StorageReader):
                 f"tensor {loc.name[:80]!r} is stored as {rec.dtype}, the metadata says "
                 f"{getattr(getattr(tmd, 'properties', None), 'dtype', 'no tensor')}"
             )
-        want = next(
-            (
-                tuple(c.sizes)
-                for c in tmd.chunks
-                if tuple(c.offsets) == tuple(item.storage_index.offset or ())
-            ),
-            None,
-        )
+        offsets, hint = tuple(item.storage_index.offset or ()), item.storage_index.index
+        if (  # DCP's planners name the chunk's position: no scan of every chunk per read item
+            isinstance(hint, int)
+            and 0 <= hint < len(tmd.chunks)
+            and tuple(tmd.chunks[hint].offsets) == offsets
+        ):
+            want: tuple[int, ...] | None = tuple(tmd.chunks[hint].sizes)
+        else:
+            want = next((tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == offsets), None)
         if want != rec.shape:
             raise DcpMetadataError(
                 f"tensor {loc.name[:80]!r} has shape {rec.shape}, its chunk in the metadata {want}"
