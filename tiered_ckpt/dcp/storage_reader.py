@@ -90,7 +90,7 @@ from tiered_ckpt.local.catalogue import (
     step_path,
 )
 from tiered_ckpt.local.shard_io import READ_BYTES, READERS
-from tiered_ckpt.local.verified_read import ReadStats, ShardReader
+from tiered_ckpt.local.verified_read import ReadStats, ShardReader, read_byte_tensor
 
 #: ``load_bytes`` implementations whose effect :func:`set_value` reproduces without unpickling.
 SAFE_LOAD_BYTES = (DefaultLoadPlanner.load_bytes, TieredLoadPlanner.load_bytes)
@@ -217,13 +217,13 @@ class TieredStorageReader(StorageReader):
             if raw is None:
                 rd = self._open_rank(m, info.metadata_rank)
                 try:
-                    rec = rd.tensor_record(info.metadata_tensor)
-                    if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
-                        raise DcpMetadataError(
-                            f"step {m.step}: metadata tensor is {rec.dtype} {rec.shape}, the "
-                            f"manifest says U8 ({info.metadata_bytes},)"
-                        )
-                    raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
+                    raw = read_byte_tensor(
+                        rd,
+                        info.metadata_tensor,
+                        info.metadata_bytes,
+                        DcpMetadataError,
+                        f"step {m.step}: DCP metadata",
+                    )
                 finally:
                     rd.close()
             md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")

@@ -66,7 +66,7 @@ from tiered_ckpt.local.lineage import SupersededStep
 from tiered_ckpt.local.pins import has_pin
 from tiered_ckpt.local.rotation import superseded_entries
 from tiered_ckpt.local.sweep import GcReport, gc, gc_report, gc_superseded
-from tiered_ckpt.local.verified_read import ShardReader, stream_verified_header
+from tiered_ckpt.local.verified_read import ShardReader, read_byte_tensor, stream_verified_header
 from tiered_ckpt.safe_read import kind_of, list_dir, regular_files
 
 log = logging.getLogger(__name__)
@@ -331,13 +331,9 @@ def check_dcp_metadata(
         return
     where = f"step {m.step}: DCP metadata"
     with ShardReader(sdir, m, info.metadata_rank) as rd:
-        rec = rd.tensor_record(info.metadata_tensor)
-        if rec.dtype != "U8" or rec.shape != (info.metadata_bytes,):
-            raise DcpMetadataError(
-                f"{where}: the tensor is {rec.dtype} {rec.shape}, the manifest says U8 "
-                f"({info.metadata_bytes},)"
-            )
-        raw = bytes(rd.read_range(info.metadata_tensor, 0, info.metadata_bytes))
+        raw = read_byte_tensor(
+            rd, info.metadata_tensor, info.metadata_bytes, DcpMetadataError, where
+        )
     table = parse(raw, m.world_size, where)
     by_name: dict[int, dict[str, TensorRecord]] = {}
     for rank, name, code, shape in table.items():

@@ -35,7 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.errors import ManifestError, MissingShardError, ShardCorruptedError
+from tiered_ckpt.errors import (
+    CheckpointError,
+    ManifestError,
+    MissingShardError,
+    ShardCorruptedError,
+)
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import Crc32c, first_bad_chunk
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
@@ -467,8 +472,24 @@ class ReadLock:
             self._cm.__exit__(None, None, None)
 
 
+def read_byte_tensor(
+    rd: Any, name: str, nbytes: int, error: type[CheckpointError], where: str
+) -> bytes:
+    """The ``nbytes`` bytes of the 1-D ``U8`` tensor ``name`` of an open shard reader (a
+    :class:`ShardReader` or one of the same interface: ``tensor_record``, ``read_range``), verified
+    as read. A tensor of another dtype or shape raises ``error`` naming ``where``, before any byte
+    is read."""
+    rec = rd.tensor_record(name)
+    if rec.dtype != "U8" or rec.shape != (nbytes,):
+        raise error(
+            f"{where}: the tensor is {rec.dtype} {rec.shape}, the manifest says U8 ({nbytes},)"
+        )
+    return bytes(rd.read_range(name, 0, nbytes))
+
+
 __all__ = [
     "check_header_bytes",
+    "read_byte_tensor",
     "manifest_with_tensors",
     "read_header_bytes",
     "stream_verified_header",
