@@ -9,17 +9,19 @@ reference's exactly (max |loss diff| 0.0, by the example's design).
 
 (a) both nodes SIGKILLed mid-run, both restarted (each from its own disk);
 (b) node B replaced while its upload lags: node B's sidecar is frozen (SIGSTOP) once the bucket
-holds a
-    committed step R, node A goes on uploading its shards of newer steps that node B never confirms;
+    holds a committed step R, node A goes on uploading its shards of newer steps that node B never confirms;
     then everything is SIGKILLed, node B's disk is deleted and the job restarts with an empty disk
     on node B: it must resume from R (node B's ranks restore it from the bucket) and train to the
     end;
 (c) cluster loss: both disks deleted, both nodes restore from the bucket;
-(d) (b) again with the same host name on both nodes (containers often share one).
+(d) (b) with the same host name on both nodes (containers often share one): nodes are told apart by
+    their disks, never by host names.
 
-(a), (b) and (c) run again with ``tiered_ckpt.examples.train_fsdp2`` (FSDP2, saved through DCP into
-each node's own disk: every node's root committed, :mod:`tiered_ckpt.dcp.node_roots`), against its
-own uninterrupted run.
+``tiered_ckpt.examples.train_zero`` (the native manager) runs (a) and (d);
+``tiered_ckpt.examples.train_fsdp2`` (FSDP2, saved through DCP into each node's own disk: every
+node's root committed, :mod:`tiered_ckpt.dcp.node_roots`) runs (b) and (c), each example against its
+own uninterrupted run. (The native manager's cluster loss is also the demo's story; a SIGKILL of
+every FSDP2 rank resuming from node-local roots, tests/dcp/test_dcp_node_roots.py's.)
 
 After each, the final step must also reach the bucket (both sidecars upload it and it commits
 remotely). Run with ``-s`` to see the per-scenario figures. Needs root and iproute2/util-linux:
@@ -486,20 +488,6 @@ def _replace_lagging_node_b(
     _after_restart(d, reference, run, resume_from, label)
 
 
-def test_b_replace_node_b_while_its_upload_lags(
-    cluster: Cluster, reference: dict[int, float], tmp_path: Path
-) -> None:
-    _replace_lagging_node_b(
-        cluster, reference, tmp_path, ("node-a", "node-b"), "(b) replace lagging node B"
-    )
-
-
-def test_c_cluster_loss_restores_from_the_bucket(
-    cluster: Cluster, reference: dict[int, float], tmp_path: Path
-) -> None:
-    _cluster_loss(cluster, reference, tmp_path, "train_zero")
-
-
 def _cluster_loss(
     cluster: Cluster, reference: dict[int, float], tmp_path: Path, example: str
 ) -> None:
@@ -533,10 +521,22 @@ def test_d_replace_lagging_node_b_with_equal_host_names(
     )
 
 
-# --- the FSDP2 example: DCP saves into node-local roots (tiered_ckpt.dcp.node_roots). Its cluster
-# loss powers off both nodes (SIGKILL of every rank) and restores both from the bucket; a replaced
-# node's partial restore is tests/dcp/test_dcp_node_roots.py's (the suite's time budget keeps the
-# drill to one FSDP2 scenario).
+# --- the FSDP2 example: DCP saves into node-local roots (tiered_ckpt.dcp.node_roots), one root per
+# node; node B's replacement restores only node B's ranks (its shards and the step's DCP metadata)
+# from the bucket.
+
+
+def test_fsdp2_b_replace_node_b_while_its_upload_lags(
+    cluster: Cluster, fsdp2_reference: dict[int, float], tmp_path: Path
+) -> None:
+    _replace_lagging_node_b(
+        cluster,
+        fsdp2_reference,
+        tmp_path,
+        ("node-a", "node-b"),
+        "(b) replace lagging node B, train_fsdp2",
+        example="train_fsdp2",
+    )
 
 
 def test_fsdp2_c_cluster_loss_restores_from_the_bucket(
