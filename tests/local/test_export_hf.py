@@ -278,3 +278,32 @@ def test_peak_memory_of_a_2_gib_model(tmp_path: Path) -> None:
     grew, model = peak_export(tmp_path, 32, 64 << 20, "5GB")
     assert grew < model // 4, (grew, model)
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > model
+
+
+@pytest.mark.slow
+def test_transformers_loads_the_export(tmp_path: Path) -> None:
+    """A tiny GPT-2 saved through CheckpointManager (with its optimizer and RNG), exported, and
+    loaded by ``transformers``' ``from_pretrained``: every tensor equal to the saved model's."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    from tiered_ckpt.torch import capture_training_state
+    from tiered_ckpt.training import CheckpointManager
+
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.arange(8).reshape(1, 8), labels=torch.arange(8).reshape(1, 8)).loss.backward()
+    opt.step()
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(7, capture_training_state(model, opt, progress={"step": 7}))
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    cfg.save_pretrained(tmp_path / "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    want, got = model.state_dict(), loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
