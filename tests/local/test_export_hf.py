@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -307,3 +308,45 @@ def test_transformers_loads_the_export(tmp_path: Path) -> None:
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def _one_rank_step(root: Path, state: dict, extra: dict) -> Path:
+    sid = new_save_id()
+    commit_step(root, 1, 1, [write_shard(root, 1, 0, state, save_id=sid)], extra, save_id=sid)
+    return root
+
+
+def test_lightning_names_and_flat_layouts(tmp_path: Path) -> None:
+    """A Lightning step (extra integration "lightning") exports its ``state_dict`` keys as they
+    are; a flat parameter vector is exported under the names its ``param_layout`` gives; a
+    malformed layout is an ExportError."""
+    w, b = MODEL["w"], MODEL["norm.b"]
+    state = {
+        "state_dict": {"net.w": w, "net.b": b},
+        "optimizer_states": {"0": {"m": w}},
+        "epoch": 2,
+    }
+    _one_rank_step(tmp_path / "pl", state, {"integration": "lightning"})
+    export_hf(tmp_path / "pl", tmp_path / "pl_hf")
+    assert_equal_arrays(
+        load_file(tmp_path / "pl_hf" / "model.safetensors"), {"net.w": w, "net.b": b}
+    )
+
+    flat = np.arange(20, dtype=np.float32)
+    layout = {"tensor": "zero.master", "params": [["a.weight", [3, 4]], ["a.bias", [3]]]}
+    _one_rank_step(tmp_path / "z", {"zero": {"master": flat}}, {"param_layout": layout})
+    export_hf(tmp_path / "z", tmp_path / "z_hf")
+    want = {"a.weight": flat[:12].reshape(3, 4), "a.bias": flat[12:15]}
+    assert_equal_arrays(load_file(tmp_path / "z_hf" / "model.safetensors"), want)
+    for bad in (
+        {"tensor": "zero.nope", "params": []},
+        {"tensor": "zero.master", "params": [["a", [5, 5]]]},
+        {"tensor": "zero.master", "params": [["a", [2]], ["a", [2]]]},
+        {"tensor": "zero.master", "params": [["a", [-1]]]},
+        ["zero.master"],
+    ):
+        _one_rank_step(tmp_path / "bad", {"zero": {"master": flat}}, {"param_layout": bad})
+        with pytest.raises(ExportError, match="param_layout"):
+            export_hf(tmp_path / "bad", tmp_path / "bad_hf")
+        shutil.rmtree(tmp_path / "bad")
+    assert not (tmp_path / "bad_hf").exists()
