@@ -350,3 +350,28 @@ def test_lightning_names_and_flat_layouts(tmp_path: Path) -> None:
             export_hf(tmp_path / "bad", tmp_path / "bad_hf")
         shutil.rmtree(tmp_path / "bad")
     assert not (tmp_path / "bad_hf").exists()
+
+
+def test_failure_midway_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails after the first file is written (here: Ctrl-C) leaves no OUT_DIR and no
+    temporary directory; an existing OUT_DIR being replaced stays as it was."""
+    from tiered_ckpt.export.step_tensors import StepTensors
+
+    root = native_step(tmp_path / "run")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "old.txt").write_text("old")
+    real, calls = StepTensors.read, []
+
+    def read(self: StepTensors, t: object) -> np.ndarray:
+        calls.append(t)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, t)
+
+    monkeypatch.setattr(StepTensors, "read", read)
+    for out, kw in ((tmp_path / "new", {}), (tmp_path / "hf", {"overwrite": True})):
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            export_hf(root, out, max_shard_size=100, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["old.txt"]

@@ -66,7 +66,9 @@ def test_fsdp2_step_exported_equal_to_full_tensors(tmp_path: Path) -> None:
     )
     m = tc.read_manifest(root)
     assert (m.step, m.world_size) == (2, 2)
-    assert main(["export", "--hf", str(root), str(tmp_path / "hf"), "--max-shard-size", "40kB"]) == 0
+    assert (
+        main(["export", "--hf", str(root), str(tmp_path / "hf"), "--max-shard-size", "40kB"]) == 0
+    )
     files = sorted((tmp_path / "hf").glob("model-*.safetensors"))
     assert len(files) > 1 and (tmp_path / "hf" / "model.safetensors.index.json").exists()
     got: dict[str, torch.Tensor] = {}
