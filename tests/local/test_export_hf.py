@@ -21,7 +21,7 @@ from export_util import MODEL, native_step
 from safetensors.numpy import load_file
 from spawn import child_env, python_cmd
 
-from tiered_ckpt import GlobalSlice
+from tiered_ckpt import GlobalSlice, Replicated
 from tiered_ckpt.cli import main
 from tiered_ckpt.errors import (
     ExportError,
@@ -375,3 +375,25 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
             export_hf(root, out, max_shard_size=100, **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
     assert sorted(os.listdir(tmp_path / "hf")) == ["old.txt"]
+
+
+def test_replicated_model_dict_of_two_ranks(tmp_path: Path) -> None:
+    """A model claimed Replicated whole (``capture_training_state(..., replicated_group=...)``),
+    nested dicts inside, stored once in rank 0's shard: exported from there, names joined by
+    '.'."""
+    a, b = MODEL["w"], MODEL["emb"]
+    sid = new_save_id()
+    recs = [
+        write_shard(
+            tmp_path / "run",
+            2,
+            r,
+            {"model": Replicated({"a": a, "sub": {"b": b}}), "rng": np.array([r])},
+            save_id=sid,
+            replicated_owner=r == 0,
+        )
+        for r in range(2)
+    ]
+    commit_step(tmp_path / "run", 2, 2, recs, save_id=sid)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    assert_equal_arrays(load_file(tmp_path / "hf" / "model.safetensors"), {"a": a, "sub.b": b})
