@@ -206,7 +206,18 @@ class RankOutOfRangeError(CheckpointError, ValueError):
         self.ranks, self.world_size, self.step = tuple(ranks), world_size, step
 
 
+class ExportError(CheckpointError, ValueError):
+    """A step cannot be exported as asked (no tensor under the key prefix, names that collide after
+    renaming, a bad dtype or shard size, a malformed parameter layout)."""
+
+
+class ExportExistsError(ExportError, FileExistsError):
+    """The export's output directory exists and is not empty (pass ``overwrite=True``)."""
+
+
 __all__ = [
+    "ExportError",
+    "ExportExistsError",
     "ReplicatedMismatchError",
     "RemoteAccessDeniedError",
     "SaveTimeoutError",

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, int, str]] = [
     ("tiered_ckpt.torch", 5, "training"),
     ("tiered_ckpt.data", 5, "training"),
     ("tiered_ckpt.dcp", 5, "training"),
+    ("tiered_ckpt.export", 5, "export"),
     ("tiered_ckpt", 6, "face"),  # the package's __init__: the public API
     ("tiered_ckpt.cli", 7, "front"),
     ("tiered_ckpt.examples", 7, "front"),

@@ -1,5 +1,5 @@
 """``tiered-ckpt`` command line: ``ls | verify | gc`` (local tier) and, from their own modules,
-``upload | restore | demo | reshard``.
+``upload | restore | demo | reshard | export``.
 
 Exit codes: 0 fine, 1 a checkpoint fault was found or an operation failed, 2 usage error; 141
 (silently) when stdout was closed under the command (``tiered-ckpt ls | head -1``), as for
@@ -49,7 +49,15 @@ from tiered_ckpt.redact import redact_text
 
 #: Subcommand modules, in help order; each has ``register(subparsers)`` that sets ``func`` on its
 #: parser.
-_MODULES = ["local_cmds", "upload_cmd", "restore_cmd", "reshard_cmd", "demo_cmd", "status_cmd"]
+_MODULES = [
+    "local_cmds",
+    "upload_cmd",
+    "restore_cmd",
+    "reshard_cmd",
+    "export_cmd",
+    "demo_cmd",
+    "status_cmd",
+]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -19,7 +19,9 @@ keeps the fp32 master copy and the AdamW moments of that slice only. Per step: b
 gradient, a reduce-scatter (gloo supports it in torch 2.13: no all-reduce fallback needed) divided
 by the world size, global-norm clipping (one all-reduce), AdamW on the local slice, an all-gather of
 the parameters. The checkpoint stores master and moments as :class:`tiered_ckpt.GlobalSlice` of the
-global ``(N,)`` vectors, so ``param_shard_offset/numel`` in the manifest are the real partition.
+global ``(N,)`` vectors, so ``param_shard_offset/numel`` in the manifest are the real partition;
+the manifest's ``extra.param_layout`` names the parameters in that vector (their names and shapes,
+in order), so ``tiered-ckpt export --hf`` writes any step as a Hugging Face checkpoint.
 What every rank holds alike (the Adam step, the step counter, the data position, the loss history)
 is claimed :class:`tiered_ckpt.Replicated` for the data-parallel group (here the whole job; the save
 checks the claim), and the RNG streams stay per rank: ``tiered-ckpt reshard --preset training``
@@ -52,6 +54,7 @@ import torch.nn.functional as F
 
 from tiered_ckpt import GlobalSlice, NoCheckpointError, Replicated
 from tiered_ckpt.data import DataPosition, ShuffledBatchSampler
+from tiered_ckpt.export.step_tensors import PARAM_LAYOUT_KEY
 from tiered_ckpt.torch import (
     capture_training_state,
     numpy_to_tensor,
@@ -343,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = TinyGPT(cfg)
     opt = FlatZero1(model, rank, world, lr=args.lr)
+    # the parameters' names in the flat vector, for `tiered-ckpt export --hf` of any step
+    layout = {
+        "tensor": "zero.master",
+        "params": [[name, list(p.shape)] for name, p in model.named_parameters()],
+    }
     # Per-rank streams (dropout): seeded apart, checkpointed per rank.
     torch.manual_seed(args.seed * 1000 + 1 + rank)
     random.seed(args.seed * 1000 + 1 + rank)
@@ -407,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                         replicated_group=dist.group.WORLD,
                     ),
                 }
-                mgr.save(step, state, extra={"loss": value, "lr": lr})
+                mgr.save(step, state, extra={"loss": value, "lr": lr, PARAM_LAYOUT_KEY: layout})
             if mgr.preempted:
                 break
             if args.sleep_per_step:

@@ -103,6 +103,13 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
     _fsync(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
+def rename_durable(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename ``src`` to ``dst`` (a file or directory; POSIX ``rename``, atomic within one file
+    system) and fsync ``dst`` 's directory. Raises ``OSError``."""
+    os.rename(src, dst)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
 def durable_write(
     path: str | os.PathLike[str],
     writer: Callable[[int], None],
@@ -706,6 +713,7 @@ __all__ = [
     "lock_holder",
     "record_node_ranks",
     "release_save_lock",
+    "rename_durable",
     "set_aside_step",
     "unlink_durable",
 ]
