@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tiered_ckpt.integrations.lightning import AsyncTieredCheckpointIO, TieredCheckpointIO
 
@@ -43,11 +43,19 @@ class Tiny(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def data(batch_size: int = 4) -> DataLoader:
+def data(batch_size: int = 4, world: int = 1) -> DataLoader:
+    """32 fixed samples; with ``world`` ranks each reads its own sequential half (a
+    ``DistributedSampler`` without shuffling: the order does not depend on the epoch, see the
+    README's note on Lightning's epoch counter after a second resume)."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(32, 4, generator=g)
     y = (x.sum(dim=1, keepdim=True) * 0.3).tanh()
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    ds = TensorDataset(x, y)
+    if world == 1:
+        return DataLoader(ds, batch_size=batch_size, shuffle=False)
+    rank = int(os.environ["RANK"])
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False)
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler)
 
 
 class LossLog(Callback):
@@ -70,7 +78,8 @@ class LossLog(Callback):
 def run(args: dict[str, Any]) -> pl.Trainer:
     """One ``fit``: ``root``, ``ckdir``, ``losses``, ``max_steps``, ``seed``; optional
     ``ckpt_path``, ``async_save``, ``remote_url`` (+ ``endpoint_url``), ``restore``, ``every``,
-    ``devices``, ``checkpointing`` (false: no plugin, no ModelCheckpoint)."""
+    ``devices``, ``checkpointing`` (false: no plugin, no ModelCheckpoint), ``plugin`` (false:
+    ModelCheckpoint with Lightning's own ``torch.save`` files, for comparison)."""
     plugins, callbacks = [], [LossLog(args["losses"])]
     if args.get("checkpointing", True):
         s3_client = None
@@ -82,7 +91,8 @@ def run(args: dict[str, Any]) -> pl.Trainer:
         io = cls(args["root"], remote_url=args.get("remote_url"), s3_client=s3_client)
         if args.get("restore"):
             io.restore(args["ckdir"])
-        plugins.append(io)
+        if args.get("plugin", True):  # False: Lightning's own torch.save files, for comparison
+            plugins.append(io)
         callbacks.append(
             ModelCheckpoint(
                 dirpath=args["ckdir"],
@@ -107,8 +117,11 @@ def run(args: dict[str, Any]) -> pl.Trainer:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         deterministic=True,
+        use_distributed_sampler=False,
     )
-    trainer.fit(Tiny(args["seed"]), train_dataloaders=data(), ckpt_path=args.get("ckpt_path"))
+    trainer.fit(
+        Tiny(args["seed"]), train_dataloaders=data(world=devices), ckpt_path=args.get("ckpt_path")
+    )
     if trainer.global_rank == 0 and args.get("report"):
         Path(args["report"]).write_text(json.dumps({"ckpt_path": trainer.ckpt_path}))
     return trainer
