@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(
-        "--dir", default=None, help="where to write (default: a temp dir, removed after)"
+        "--dir",
+        default=None,
+        help="where to write (a fresh temp dir inside it, removed after; default: the system's)",
     )
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--no-peer", action="store_true", help="skip torch_checkpointing")
@@ -212,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         args.size_mib, args.tensors, args.reps, args.no_peer = 4, 2, 3, True
     if args.reps < 3:
         p.error("--reps must be >= 3")
-    work = Path(args.dir or tempfile.mkdtemp(prefix="async_stall_"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.dir:  # a fresh directory inside it: a root left by an earlier run is not reused
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="async_stall_", dir=args.dir))
     state = make_state(args.size_mib, args.tensors)
     builders: dict[str, Callable[[], Case]] = {
         "copy": lambda: CopyCase(state),
@@ -245,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for c in cases.values():
             c.close()
-        if args.dir is None:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     res: dict = {
         "size_mib": args.size_mib,
         "tensors": args.tensors,
