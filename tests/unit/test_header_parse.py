@@ -1,5 +1,5 @@
 """The shard header codec: the header string built in one join is byte-for-byte what ``json.dumps``
-of the header object gives, and the fast parse still refuses repeated keys (outer header and the
+of the header object gives, and the parse refuses repeated keys (outer header and the
 tiered_ckpt metadata block), in the compact form the writer uses as in any other spacing."""
 
 from __future__ import annotations

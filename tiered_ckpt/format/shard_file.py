@@ -330,7 +330,7 @@ def parse_header(raw: bytes, file_size: int, where: str) -> ParsedHeader:
     offsets outside the file, gaps or overlaps, a missing or malformed tiered_ckpt metadata block or
     (format 2) tensor index (:func:`~tiered_ckpt.format.tensor_index.build_records`)."""
     try:
-        obj = _loads_unique(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs_unique)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise corrupt(where, f"header is not valid JSON ({str(e)[:100]})") from None
     if not isinstance(obj, dict):
@@ -339,7 +339,7 @@ def parse_header(raw: bytes, file_size: int, where: str) -> ParsedHeader:
     if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
         raise corrupt(where, "header __metadata__ is missing or not a string map")
     try:
-        meta = _loads_unique(meta_raw[METADATA_KEY])
+        meta = json.loads(meta_raw[METADATA_KEY], object_pairs_hook=_pairs_unique)
     except (KeyError, ValueError, RecursionError):
         raise corrupt(where, f"header lacks valid {METADATA_KEY!r} metadata") from None
     if (
@@ -403,17 +403,6 @@ def _entries(
         out.append((offs[0], offs[1], name, dtype, tuple(shape)))
     out.sort()
     return out
-
-
-def _loads_unique(text: str) -> Any:
-    """``json.loads`` that refuses an object with a repeated key (``ValueError``). Fast path: the
-    plain C parse, accepted when re-encoding it gives ``text`` back exactly (as for every header
-    this package writes: compact separators, ASCII); a repeated key cannot survive that (the
-    parsed object holds it once), so it then reads again with a hook per object that checks."""
-    obj = json.loads(text)
-    if json.dumps(obj, allow_nan=True, separators=(",", ":")) == text.rstrip(" "):
-        return obj
-    return json.loads(text, object_pairs_hook=_pairs_unique)
 
 
 def _pairs_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
