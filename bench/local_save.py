@@ -27,6 +27,11 @@ so its peak RSS is its own; page cache dropped before each save where permitted)
               (dcp_4: the 4 ranks' states in one dict, thread_count=4)
   small_ours  10,000 tensors of 4 KiB (40 MiB), save_sharded, 1 rank
   small_dcp   the same with DCP
+  small_mgr   the same through CheckpointManager(async_save=False): save(step, state), load()
+  small_tc    the same with Meta's torch_checkpointing (PyPI torch-checkpointing): its
+              CheckpointManager with the sync saver and buffered I/O
+              (LocalFileSystemStorageConfig(use_direct_io=False): its default O_DIRECT writer fails
+              on this filesystem), loaded into preallocated tensors (``load(id, into=...)``)
 
 Each case's files are loaded right after its save (warm: still in the page cache) and again after
 dropping the page cache (cold), then deleted: our load_sharded (sha256 verified) vs torch.load vs
@@ -48,6 +53,7 @@ specially, and dd of random bytes is the baseline that writes what a checkpoint 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,6 +86,8 @@ CASES: dict[str, tuple[str, int]] = {
     "dcp_4": ("dcp", 4),
     "small_ours": ("ours", 1),
     "small_dcp": ("dcp", 1),
+    "small_mgr": ("mgr", 1),
+    "small_tc": ("tc", 1),
 }
 NO_LOAD = {
     "dd",
@@ -91,6 +99,19 @@ NO_LOAD = {
 #: The cases of issue 12's rows (``--issue12``): cold verified load vs dcp.load at 1 and 4 ranks,
 #: save vs 1 and 4 parallel dd, 10,000 small tensors vs DCP.
 ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,ddr,ddr_4,dcp_1,small_ours,small_dcp"
+#: The small-tensor rows (``--small``): save + load through save_sharded/load_sharded and through
+#: the manager, against DCP and torch_checkpointing.
+SMALL = "small_ours,small_mgr,small_dcp,small_tc"
+
+
+def _tc_manager() -> Any:
+    """torch_checkpointing's manager with its sync saver and buffered writes."""
+    from torch_checkpointing.checkpoint_manager import CheckpointManager as TcManager
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    cfg = TcManager.Config.with_sync_save()
+    cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+    return TcManager(cfg)
 
 
 # ============================================================================================ state
@@ -291,6 +312,7 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
     op: Callable[[], Any]
     if kind == "ours":
         import tiered_ckpt
+        import tiered_ckpt.local.single_process_save  # noqa: F401 - imported before the timing, as DCP's
 
         op = lambda: tiered_ckpt.save_sharded(states, path, STEP)  # noqa: E731
     elif kind == "raw":
@@ -310,6 +332,17 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
                 for r in range(ranks)
             ]
         )
+    elif kind == "mgr":
+        from tiered_ckpt.training.manager import CheckpointManager
+
+        mgr = CheckpointManager(path, async_save=False)  # built outside the timing, as tc's
+        op = lambda: mgr.save(STEP, states[0])  # noqa: E731
+
+    elif kind == "tc":
+        tstate = to_torch(states[0])
+        mgr = _tc_manager()
+        op = lambda: mgr.save(f"{path}/tc", {"model": tstate})  # noqa: E731
+
     elif kind == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -324,6 +357,8 @@ def child_save(task: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(kind)
     with C.PeakRss() as m, C.CpuTimer() as t:
         op()
+    if kind in ("mgr", "tc"):
+        mgr.close()
     return {**t.as_dict(), **m.as_dict(), "file_bytes": C.dir_bytes(path)}
 
 
@@ -405,9 +440,26 @@ def child_load(task: dict[str, Any]) -> dict[str, Any]:
     check: Callable[[Any], int]
     if kind == "ours":
         import tiered_ckpt
+        import tiered_ckpt.local.load_committed  # noqa: F401 - imported before the timing, as DCP's
 
         op = lambda: tiered_ckpt.load_sharded(path, ranks)  # noqa: E731
         check = lambda res: sum(a.nbytes for st in res for a in iter_arrays(st))  # noqa: E731
+    elif kind == "mgr":
+        from tiered_ckpt.training.manager import CheckpointManager
+
+        mgr = CheckpointManager(path, async_save=False)  # built outside the timing, as tc's
+        op = lambda: [mgr.load()]  # noqa: E731
+
+        check = lambda res: sum(a.nbytes for st in res for a in iter_arrays(st))  # noqa: E731
+    elif kind == "tc":
+        mgr = _tc_manager()
+
+        def op() -> Any:
+            into = {"model": empty_torch(specs[0])}  # as DCP's: allocated inside the timing
+            mgr.load(f"{path}/tc", into=into)
+            return [into["model"]]
+
+        check = lambda res: sum(t.nbytes for st in res for t in _iter_tensors(st))  # noqa: E731
     elif kind == "raw":
         op = lambda: in_threads([lambda r=r: _read_raw(f"{path}/raw_{r}") for r in range(ranks)])  # noqa: E731
         check = sum
@@ -448,6 +500,8 @@ def child_load(task: dict[str, Any]) -> dict[str, Any]:
         del res
         gc.collect()
         out[phase] = {**t.as_dict(), "rss_growth": m.growth}
+    if kind in ("mgr", "tc"):
+        mgr.close()
     return out
 
 
@@ -479,6 +533,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for c in cases:
         if c not in CASES:
             raise SystemExit(f"unknown case {c!r}; known: {', '.join(CASES)}")
+    if "small_tc" in cases and (
+        args.smoke or importlib.util.find_spec("torch_checkpointing") is None
+    ):  # the smoke run (tests/bench) must not need it
+        cases.remove("small_tc")
+        print("small_tc skipped (--smoke, or torch_checkpointing not installed)", file=sys.stderr)
     work = Path(args.dir).absolute() / f"tiered_ckpt_bench_{os.getpid()}"
     work.mkdir(parents=True, exist_ok=False)
     cold = not args.warm_only
@@ -778,7 +837,28 @@ def issue12_rows(
             "small_ours+small_ours:warm",
             "small_dcp+small_dcp:warm",
             "DCP save + load",
-            10.0,
+            15.0,
+        ),
+        (
+            f"{args.small_count} x {args.small_bytes} B save + load",
+            "small_ours+small_ours:warm",
+            "small_tc+small_tc:warm",
+            "torch_checkpointing save + load",
+            2.0,
+        ),
+        (
+            f"{args.small_count} x {args.small_bytes} B, manager save + load",
+            "small_mgr+small_mgr:warm",
+            "small_dcp+small_dcp:warm",
+            "DCP save + load",
+            15.0,
+        ),
+        (
+            f"{args.small_count} x {args.small_bytes} B, manager save + load",
+            "small_mgr+small_mgr:warm",
+            "small_tc+small_tc:warm",
+            "torch_checkpointing save + load",
+            2.0,
         ),
     ]
     rows, checks = [], []
@@ -819,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--cases", default="", help=f"comma-separated subset of: {', '.join(CASES)}")
     p.add_argument("--issue12", action="store_true", help=f"only issue 12's cases ({ISSUE12})")
+    p.add_argument("--small", action="store_true", help=f"only the small-tensor cases ({SMALL})")
     p.add_argument("--small-count", type=int, default=10_000)
     p.add_argument("--small-bytes", type=int, default=4096)
     p.add_argument("--warm-only", action="store_true", help="never drop the page cache")
@@ -854,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--reps must be >= 1")
     if args.issue12 and not args.cases:
         args.cases = ISSUE12
+    if args.small and not args.cases:
+        args.cases = SMALL
     out = run(args)
     text, ok = report(args, out)
     print(text)

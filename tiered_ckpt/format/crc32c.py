@@ -199,22 +199,47 @@ COMBINE_MIN_BYTES = 256 * 1024
 def array_crcs(arrays: Iterable[np.ndarray], chunk_bytes: int) -> tuple[str, int, int]:
     """``(chunk CRCs, crc, nbytes)``: :func:`array_chunk_crcs` of ``arrays``, plus the CRC32C and
     byte count of all their bytes concatenated in that order (the data section of a shard), in one
-    pass over large arrays (their chunk CRCs are combined with :func:`crc32c_combine`)."""
-    out, crc, total = [], 0, 0
+    pass over large arrays (their chunk CRCs are combined with :func:`crc32c_combine`). An array of
+    one chunk or less (the common case of many small tensors) costs two C calls on its memory in
+    place (its chunk CRC, then the running CRC extended over the same, cached, bytes): no Python
+    object per array beyond its hex string."""
+    fn = _EXTEND
+    if fn is None:  # pragma: no cover - depends on the wheel
+        return _array_crcs_slow(arrays, chunk_bytes)
+    out: list[str] = []
+    crc, total = 0, 0
     for a in arrays:
         n = a.nbytes
         if n == 0:
             continue
-        hexes = array_chunk_crcs([a], chunk_bytes)
-        out.append(hexes)
-        if n < COMBINE_MIN_BYTES or _EXTEND is None:
-            crc = crc32c_extend(crc, a.reshape(-1).view(np.uint8))
+        ptr = a.__array_interface__["data"][0]
+        if n <= chunk_bytes:
+            out.append(f"{fn(0, ptr, n):08x}")
+            crc = fn(crc, ptr, n)
         else:
-            for i in range(0, len(hexes), 8):
-                crc = crc32c_combine(
-                    crc, int(hexes[i : i + 8], 16), min(chunk_bytes, n - (i // 8) * chunk_bytes)
-                )
+            hexes = array_chunk_crcs([a], chunk_bytes)
+            out.append(hexes)
+            if n < COMBINE_MIN_BYTES:
+                crc = fn(crc, ptr, n)
+            else:
+                for i in range(0, len(hexes), 8):
+                    crc = crc32c_combine(
+                        crc, int(hexes[i : i + 8], 16), min(chunk_bytes, n - (i // 8) * chunk_bytes)
+                    )
         total += n
+    return "".join(out), crc, total
+
+
+def _array_crcs_slow(
+    arrays: Iterable[np.ndarray], chunk_bytes: int
+) -> tuple[str, int, int]:  # pragma: no cover - only without the C library
+    out, crc, total = [], 0, 0
+    for a in arrays:
+        if a.nbytes == 0:
+            continue
+        out.append(array_chunk_crcs([a], chunk_bytes))
+        crc = crc32c_extend(crc, a.reshape(-1).view(np.uint8))
+        total += a.nbytes
     return "".join(out), crc, total
 
 

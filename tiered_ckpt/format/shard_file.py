@@ -50,6 +50,8 @@ READ_FORMATS = (1, 2)
 #: (measured on 2 GiB: 1 MiB chunks 1.7-2.0 s, 16 MiB chunks 2.9-3.1 s for the same save).
 CHUNK_BYTES = 1024 * 1024
 _LITTLE = np.little_endian
+#: A str as the JSON string ``json.dumps`` writes (``ensure_ascii``: the C encoder).
+_JSON_STR = json.encoder.encode_basestring_ascii
 
 _NP_TO_CODE: dict[np.dtype, str] = {
     np.dtype(np.bool_): "BOOL",
@@ -123,8 +125,8 @@ def flatten_state(
             raise UnsupportedStateError(
                 "a tensor cannot be named '__metadata__' (safetensors reserves it)"
             )
-        a = np.asarray(arr)
-        code = dtype_code(a.dtype)
+        a = arr if type(arr) is np.ndarray else np.asarray(arr)
+        code = _NP_TO_CODE.get(a.dtype) or dtype_code(a.dtype)
         if a.ndim > MAX_NDIM:
             raise UnsupportedStateError(f"{name}: {a.ndim} dims (max {MAX_NDIM})")
         if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
@@ -134,14 +136,15 @@ def flatten_state(
         entries.append(TensorEntry(name, a, code, gs, go))
         return {"t": name}
 
-    def walk(obj: Any, path: list[str], in_rep: bool = False) -> dict[str, Any]:
-        name = "/".join(_escape(p) for p in path)
-        if len(path) > MAX_STATE_DEPTH:
+    def walk(obj: Any, name: str, depth: int, in_rep: bool = False) -> dict[str, Any]:
+        # ``name``: the escaped key path of ``obj`` ("" at the root), ``depth``: its length
+        if depth > MAX_STATE_DEPTH:
             raise UnsupportedStateError(
                 f"state nested deeper than {MAX_STATE_DEPTH} levels at {name[:80]!r}"
             )
         if isinstance(obj, Mapping):
             out = {}
+            prefix = name + "/" if depth else ""
             for k, v in obj.items():
                 if not isinstance(k, str):
                     raise UnsupportedStateError(
@@ -150,12 +153,15 @@ def flatten_state(
                     )
                 if not k:
                     raise UnsupportedStateError(f"empty state key under {name or '<root>'!r}")
-                out[k] = walk(v, path + [k], in_rep)
+                key = _escape(k) if ("%" in k or "/" in k) else k
+                out[k] = walk(v, prefix + key, depth + 1, in_rep)
             return {"d": out}
-        if not path:
+        if not depth:
             raise UnsupportedStateError("state must be a mapping")
         if len(name) > MAX_NAME_LEN:
             raise UnsupportedStateError(f"state key path too long ({len(name)} chars)")
+        if type(obj) is np.ndarray and obj.dtype != object:  # the common case first
+            return array_entry(name, obj)
         if isinstance(obj, GlobalSlice):
             return array_entry(name, obj.array, obj.global_shape, obj.offset)
         if isinstance(obj, Replicated):
@@ -165,7 +171,7 @@ def flatten_state(
                 raise UnsupportedStateError(f"{name}: Replicated inside Replicated")
             if isinstance(obj.value, GlobalSlice):
                 raise UnsupportedStateError(f"{name}: a GlobalSlice cannot be Replicated")
-            return {"r": walk(obj.value, path, True) if replicated_owner else None}
+            return {"r": walk(obj.value, name, depth, True) if replicated_owner else None}
         if isinstance(obj, (np.ndarray, np.generic)):
             if isinstance(obj, np.ndarray) and obj.dtype == object:
                 raise UnsupportedStateError(f"{name}: object arrays cannot be stored (no pickle)")
@@ -179,7 +185,7 @@ def flatten_state(
         _check_json_keys(obj, name)
         return {"v": obj}
 
-    tree = walk(state, [])
+    tree = walk(state, "", 0)
     return tree, entries
 
 
@@ -209,33 +215,39 @@ def layout(entries: list[TensorEntry]) -> list[TensorRecord]:
     entries[:] = order
     pos = 0
     out = []
+    new = object.__new__
     for e in order:
         n = e.array.nbytes
-        out.append(
-            TensorRecord(
-                e.name,
-                e.code,
-                tuple(int(x) for x in e.array.shape),
-                (pos, pos + n),
-                e.global_shape,
-                e.global_offset,
-            )
+        t = new(TensorRecord)  # the fields come from checked arrays: skip the frozen __init__
+        t.__dict__.update(
+            name=e.name,
+            dtype=e.code,
+            shape=e.array.shape,  # a tuple of ints
+            data_offsets=(pos, pos + n),
+            global_shape=e.global_shape,
+            global_offset=e.global_offset,
+            crc32c=None,
         )
+        out.append(t)
         pos += n
     return out
 
 
 def encode_header(records: list[TensorRecord], metadata: Mapping[str, Any]) -> bytes:
-    """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8 bytes."""
+    """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8 bytes.
+
+    The bytes ``json.dumps(header, separators=(",", ":"))`` would give (ASCII, escaped names),
+    built as one string join: no dict or list object per tensor."""
     meta = json.dumps(metadata, allow_nan=True, separators=(",", ":"))
-    hdr: dict[str, Any] = {"__metadata__": {METADATA_KEY: meta}}
-    for r in records:
-        hdr[r.name] = {
-            "dtype": r.dtype,
-            "shape": list(r.shape),
-            "data_offsets": list(r.data_offsets),
-        }
-    body = json.dumps(hdr, separators=(",", ":")).encode()
+    esc = _JSON_STR
+    parts = ['{"__metadata__":{', esc(METADATA_KEY), ":", esc(meta), "}"]
+    parts += [
+        f',{esc(r.name)}:{{"dtype":"{r.dtype}","shape":[{",".join(map(str, r.shape))}],'
+        f'"data_offsets":[{r.data_offsets[0]},{r.data_offsets[1]}]}}'
+        for r in records
+    ]
+    parts.append("}")
+    body = "".join(parts).encode()
     body += b" " * (-len(body) % 8)
     if len(body) > MAX_HEADER_BYTES:
         raise UnsupportedStateError(

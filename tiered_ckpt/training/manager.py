@@ -1,7 +1,8 @@
 """CheckpointManager: the native engine of :class:`~tiered_ckpt.training.core.ManagerCore` (one
 safetensors shard per rank, ``manifest.json`` committed last, rotation after the commit).
 
-``save`` stages the state (copies arrays into reused host buffers, deep-copies JSON) in the caller's
+``save`` stages the state (copies arrays into reused host buffers on a pool of copy threads,
+deep-copies JSON; :class:`~tiered_ckpt.training.staging.Stager`) in the caller's
 thread, then one background thread writes the shard, hashes it, gathers the records, commits and
 rotates (:class:`~tiered_ckpt.training.dist.SaveCoordinator` for several ranks). ``load`` reads this
 rank's shard (:func:`tiered_ckpt.local.load_shard`), restoring it from the bucket first when it is
@@ -164,6 +165,7 @@ class CheckpointManager(ManagerCore):
     def _release(self, hung: bool) -> None:
         if self._executor is not None:  # a hung save's thread is left behind, not waited for
             self._executor.shutdown(wait=not hung, cancel_futures=hung)
+        self._stager.close()
         super()._release(hung)
 
 
