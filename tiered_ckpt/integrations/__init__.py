@@ -1,0 +1,2 @@
+"""Integrations with training frameworks (each module needs its framework installed: see its
+extra in README)."""
