@@ -101,7 +101,9 @@ def main(folder: str, steps: int, interval: int, losses: str, async_mode: str, k
         [model], torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
     )
     lr_schedulers = build_lr_schedulers(optimizers, LRSchedulerConfig(warmup_steps=2), steps)
-    dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=2)
+    dataloader = ParallelAwareDataloader(
+        Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=2
+    )
     train_state = TrainState()
     config = CheckpointConfig(
         enable=True,

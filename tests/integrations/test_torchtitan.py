@@ -1,0 +1,78 @@
+"""TorchTitan's checkpointer on the tiers: a 2-rank gloo job of TorchTitan's pieces
+(tests/integrations/torchtitan_worker.py) whose rank 1 is SIGKILLed inside a save leaves that step
+uncommitted (no load picks it, no load of it succeeds); the job resumes from the previous committed
+step with the loss curve of an uninterrupted run, bit for bit; ``tiered-ckpt verify`` passes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="extra tiered-ckpt[torchtitan] (torchtitan, triton)")
+
+import torch
+from spawn import child_env, cli_cmd, start_ranks, wait_ranks
+
+from tiered_ckpt import NoCheckpointError, dcp
+from tiered_ckpt.local.catalogue import committed_steps
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multiproc,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+WORKER = Path(__file__).with_name("torchtitan_worker.py")
+STEPS, INTERVAL = "6", "2"
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [
+        (int(s), float.fromhex(h)) for s, h in (ln.split() for ln in path.read_text().splitlines())
+    ]
+
+
+def test_killed_save_then_resume_keeps_the_loss_curve(tmp_path: Path) -> None:
+    killed, ref = tmp_path / "killed", tmp_path / "ref"
+    # The run whose rank 1 dies in step 4's save, and the uninterrupted one, side by side.
+    first = start_ranks(
+        WORKER, killed, STEPS, INTERVAL, tmp_path / "killed.txt", "disabled", "in-save:4", world=2
+    )
+    base = start_ranks(WORKER, ref, STEPS, INTERVAL, tmp_path / "ref.txt", "async", "none", world=2)
+    logs = wait_ranks(base, 120)
+    assert [p.returncode for p in base] == [0, 0], logs
+    logs = wait_ranks(first, 120)
+    assert first[1].returncode == -9 and first[0].returncode != 0, logs
+
+    root = killed / "checkpoint"
+    assert (root / "step_0000000004").is_dir() and not (
+        root / "step_0000000004/manifest.json"
+    ).exists()
+    assert committed_steps(root) == [2]
+    with pytest.raises(NoCheckpointError):
+        dcp.load({"w": torch.zeros(1)}, root, 4)
+
+    resumed = start_ranks(
+        WORKER, killed, STEPS, INTERVAL, tmp_path / "resumed.txt", "async", "none", world=2
+    )
+    logs = wait_ranks(resumed, 120)
+    assert [p.returncode for p in resumed] == [0, 0], logs
+    assert all("starts at step 3" in log for log in logs), logs
+
+    reference = dict(_losses(tmp_path / "ref.txt"))
+    assert sorted(reference) == list(range(1, 7))
+    before, after = _losses(tmp_path / "killed.txt"), _losses(tmp_path / "resumed.txt")
+    assert [s for s, _ in before] == [1, 2, 3, 4] and [s for s, _ in after] == [3, 4, 5, 6]
+    assert max(abs(loss - reference[s]) for s, loss in before + after) == 0.0
+
+    assert committed_steps(root) == [4, 6]  # keep_latest_k=2: the tiers' rotation
+    verify = subprocess.run(
+        [*cli_cmd(), "verify", str(root)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
