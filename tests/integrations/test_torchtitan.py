@@ -5,6 +5,7 @@ step with the loss curve of an uninterrupted run, bit for bit; ``tiered-ckpt ver
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -14,8 +15,14 @@ pytest.importorskip("torchtitan", reason="extra tiered-ckpt[torchtitan] (torchti
 
 import torch
 from spawn import child_env, cli_cmd, start_ranks, wait_ranks
+from torchtitan.components.checkpoint import AsyncMode
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import Checkpoint as CheckpointConfig
+from torchtitan.config import LRScheduler as LRSchedulerConfig
 
-from tiered_ckpt import NoCheckpointError, dcp
+from tiered_ckpt import CheckpointError, NoCheckpointError, dcp
+from tiered_ckpt.integrations.torchtitan import TieredCheckpointManager
 from tiered_ckpt.local.catalogue import committed_steps
 
 pytestmark = [
@@ -68,6 +75,11 @@ def test_killed_save_then_resume_keeps_the_loss_curve(tmp_path: Path) -> None:
     assert max(abs(loss - reference[s]) for s, loss in before + after) == 0.0
 
     assert committed_steps(root) == [4, 6]  # keep_latest_k=2: the tiers' rotation
+    last: dict = {}
+    assert dcp.load(last, root, whole_step=True) == 6
+    assert last["train_state"] == {"step": 6} and last["dataloader"]["world_size"] == 2
+    for r in (0, 1):  # the dataloader's state as JSON text, not TorchTitan's pickle
+        assert json.loads(last["dataloader"][f"dp_rank_{r}"])["dataset_state"] == {"sample_idx": 12}
     verify = subprocess.run(
         [*cli_cmd(), "verify", str(root)],
         capture_output=True,
@@ -76,3 +88,32 @@ def test_killed_save_then_resume_keeps_the_loss_curve(tmp_path: Path) -> None:
         timeout=60,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def _manager(folder: Path, **config: object) -> TieredCheckpointManager:
+    model = torch.nn.Linear(2, 2)
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 0.1})
+    return TieredCheckpointManager(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=build_lr_schedulers(optimizers, LRSchedulerConfig(warmup_steps=1), 4),
+        states={},
+        checkpoint_config=CheckpointConfig(enable=True, keep_latest_k=0, **config),
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+
+
+def test_latest_step_is_the_newest_committed_and_refusals(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    assert mgr._find_load_step() == -1 and not Path(mgr.folder).exists()
+    dcp.save({"w": torch.ones(2)}, mgr.folder, 3)
+    (Path(mgr.folder) / "step_0000000005").mkdir()  # a half-written save: never the latest
+    assert mgr._find_load_step() == 3
+    assert mgr._create_checkpoint_id(3) == str(Path(mgr.folder, "step_0000000003").absolute())
+    with pytest.raises(CheckpointError, match="only its own steps"):
+        mgr.dcp_save({"w": torch.ones(2)}, str(tmp_path / "elsewhere"), AsyncMode.DISABLED)
+    mgr.close()
+    with pytest.raises(CheckpointError, match="last_save_in_hf"):
+        _manager(tmp_path, last_save_in_hf=True)

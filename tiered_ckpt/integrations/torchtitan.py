@@ -106,25 +106,42 @@ class TieredCheckpointManager(CheckpointManager):
 
     def __init__(
         self,
-        *args: Any,
+        dataloader: Any,
+        model_parts: list[torch.nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        checkpoint_config: Any,
+        sd_adapter: Any,
+        base_folder: str = "",
+        ft_manager: Any = None,
+        *,
         remote_url: str | None = None,
         s3_client: Any = None,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        if checkpoint_config.enable:
+            if ft_manager is not None and ft_manager.enabled:
+                raise CheckpointError(
+                    "TorchFT checkpoints are not supported by TieredCheckpointManager"
+                )
+            if checkpoint_config.last_save_in_hf:
+                raise CheckpointError(
+                    "checkpoint.last_save_in_hf is not supported by TieredCheckpointManager "
+                    "(export a step with safetensors instead)"
+                )
         self.remote_url, self.s3_client = remote_url, s3_client
         self._tiers_mgr: DCPCheckpointManager | None = None
-        if not self.enable:
-            return
-        if self.ft_manager is not None:
-            raise CheckpointError(
-                "TorchFT checkpoints are not supported by TieredCheckpointManager"
-            )
-        if self.last_save_in_hf:
-            raise CheckpointError(
-                "checkpoint.last_save_in_hf is not supported by TieredCheckpointManager "
-                "(export a step with safetensors instead)"
-            )
+        super().__init__(
+            dataloader,
+            model_parts,
+            optimizers,
+            lr_schedulers,
+            states,
+            checkpoint_config,
+            sd_adapter,
+            base_folder,
+            ft_manager,
+        )
 
     def _tiers(self) -> DCPCheckpointManager:
         """The tiers' manager on ``self.folder``, built at the first save or load (a collective:
