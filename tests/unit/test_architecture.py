@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, int, str]] = [
     ("tiered_ckpt", 6, "face"),  # the package's __init__: the public API
     ("tiered_ckpt.cli", 7, "front"),
     ("tiered_ckpt.examples", 7, "front"),
+    ("tiered_ckpt.integrations", 7, "front"),
 ]
 
 DURABLE_CALLS = {"fsync", "fdatasync", "replace", "rename", "link"}
