@@ -38,7 +38,15 @@ def _json_has(name: str, *keys: str) -> Callable[[Path], None]:
 
 SMOKES: dict[str, Smoke] = {
     "local_save.py": Smoke(
-        lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
+        # one case of each kind (every case starts interpreters that import torch: all 15 take ~60 s)
+        lambda d: [
+            "--dir",
+            str(d),
+            "--json",
+            str(d / "out.json"),
+            "--cases",
+            "ours_1,ours_4p,dd,ddr_4,raw_1,torch_1,dcp_1,small_ours,small_mgr,small_dcp",
+        ],
         "overall: ",
         _json_has("out.json", "args"),
     ),
