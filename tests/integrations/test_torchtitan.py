@@ -43,15 +43,18 @@ def _losses(path: Path) -> list[tuple[int, float]]:
 
 def test_killed_save_then_resume_keeps_the_loss_curve(tmp_path: Path) -> None:
     killed, ref = tmp_path / "killed", tmp_path / "ref"
-    # The run whose rank 1 dies in step 4's save, and the uninterrupted one, side by side.
+    # The uninterrupted run, then (in the same processes) the run whose rank 1 dies in step 4's save.
     first = start_ranks(
-        WORKER, killed, STEPS, INTERVAL, tmp_path / "killed.txt", "disabled", "in-save:4", world=2
+        WORKER,
+        STEPS,
+        INTERVAL,
+        *(ref, tmp_path / "ref.txt", "async", "none"),
+        *(killed, tmp_path / "killed.txt", "disabled", "in-save:4"),
+        world=2,
     )
-    base = start_ranks(WORKER, ref, STEPS, INTERVAL, tmp_path / "ref.txt", "async", "none", world=2)
-    logs = wait_ranks(base, 120)
-    assert [p.returncode for p in base] == [0, 0], logs
     logs = wait_ranks(first, 120)
     assert first[1].returncode == -9 and first[0].returncode != 0, logs
+    assert committed_steps(ref / "checkpoint") == [4, 6]
 
     root = killed / "checkpoint"
     assert (root / "step_0000000004").is_dir() and not (
@@ -62,7 +65,7 @@ def test_killed_save_then_resume_keeps_the_loss_curve(tmp_path: Path) -> None:
         dcp.load({"w": torch.zeros(1)}, root, 4)
 
     resumed = start_ranks(
-        WORKER, killed, STEPS, INTERVAL, tmp_path / "resumed.txt", "async", "none", world=2
+        WORKER, STEPS, INTERVAL, killed, tmp_path / "resumed.txt", "async", "none", world=2
     )
     logs = wait_ranks(resumed, 120)
     assert [p.returncode for p in resumed] == [0, 0], logs

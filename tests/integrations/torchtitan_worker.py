@@ -7,9 +7,11 @@ decay), its ``ParallelAwareDataloader`` over a seeded token stream whose positio
 last_step=...)`` after every step. Rank 0 appends ``<step> <loss as float.hex()>`` per step to the
 losses file (fsynced). The ``Trainer`` itself needs a CUDA device (see README, "TorchTitan").
 
-usage: torchtitan_worker.py DUMP_FOLDER STEPS INTERVAL LOSSES ASYNC_MODE KILL
-  KILL: ``none``; ``after:N`` (every rank SIGKILLs itself after step N's save); ``in-save:N``
-  (rank 1 SIGKILLs itself in step N's save, once its shard is written, before the commit).
+usage: torchtitan_worker.py STEPS INTERVAL (DUMP_FOLDER LOSSES ASYNC_MODE KILL)...
+  one job per group, run one after the other in the same processes (each from a fresh model, seeded
+  alike: one process start for several jobs). KILL: ``none``; ``after:N`` (every rank SIGKILLs
+  itself after step N's save); ``in-save:N`` (rank 1 SIGKILLs itself in step N's save, once its
+  shard is written, before the commit).
 """
 
 from __future__ import annotations
@@ -84,8 +86,7 @@ def kill_in_save(step: int, train_state: TrainState) -> None:
     TieredStorageWriter.write_data = dying_write_data  # type: ignore[method-assign]
 
 
-def main(folder: str, steps: int, interval: int, losses: str, async_mode: str, kill: str) -> None:
-    dist.init_process_group("gloo")
+def job(folder: str, steps: int, interval: int, losses: str, async_mode: str, kill: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     args = TransformerModelArgs(
@@ -150,9 +151,12 @@ def main(folder: str, steps: int, interval: int, losses: str, async_mode: str, k
             checkpointer._async_wait()
             os.kill(os.getpid(), signal.SIGKILL)
     checkpointer.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    folder, steps, interval, losses, async_mode, kill = sys.argv[1:]
-    main(folder, int(steps), int(interval), losses, async_mode, kill)
+    steps, interval, *jobs = sys.argv[1:]
+    dist.init_process_group("gloo")
+    for i in range(0, len(jobs), 4):
+        folder, losses, async_mode, kill = jobs[i : i + 4]
+        job(folder, int(steps), int(interval), losses, async_mode, kill)
+    dist.destroy_process_group()
