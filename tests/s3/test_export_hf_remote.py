@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from export_util import native_step
 from s3_infra import S3Location
+from s3_servers import both_servers
+from test_client_compatibility import upload_with, user_client
 
 from tiered_ckpt import Uploader
 from tiered_ckpt.cli import main
@@ -62,3 +64,19 @@ def test_export_from_bucket_equals_local(
     with pytest.raises(NoCheckpointError):
         export_hf(s3_bucket.url, tmp_path / "x", step=4, s3_client=s3_bucket.client)
     assert not (tmp_path / "x").exists()
+
+
+@both_servers
+def test_export_with_a_default_boto3_client_equals_local(
+    tmp_path: Path, s3_bucket: S3Location
+) -> None:
+    """The caller's own client with botocore's default checksum settings (every GetObject asks
+    for ChecksumMode=ENABLED): the export's ranged reads still equal the local export, on moto
+    and on SeaweedFS."""
+    root = native_step(tmp_path / "run", step=3)
+    client = user_client("default", s3_bucket)
+    upload_with(client, root, s3_bucket, 3)
+    export_hf(root, tmp_path / "local", step=3, max_shard_size=100)
+    res = export_hf(s3_bucket.url, tmp_path / "remote", s3_client=client, max_shard_size=100)
+    assert res.step == 3
+    _same_files(tmp_path / "local", tmp_path / "remote")
