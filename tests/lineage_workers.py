@@ -74,7 +74,7 @@ def superseded(root: Path) -> list[list]:
         from tiered_ckpt.local.lineage import superseded_local_steps
     except (
         ImportError
-    ):  # the code before issue 10 (the test reproduces its failure): nothing to list
+    ):  # code without lineage records (the test reproduces its failure): nothing to list
         return []
     return [
         [

@@ -11,6 +11,9 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (``spawn.start_ranks``). Modes:
   ``commit_node_roots``), loaded back;
 - ``manager``: a :class:`~tiered_ckpt.dcp.DCPCheckpointManager` saves steps 1 to 3 (async, thread
   mode, ``keep_last=2``) into the node's root;
+- ``process``: a :class:`~tiered_ckpt.dcp.DCPCheckpointManager` with ``async_mode="process"``
+  (DCP's checkpoint process writes, holding a copy of the writer) saves steps 1 and 2, then
+  :func:`tiered_ckpt.dcp.load` reads the newest back byte for byte;
 - ``resume``: a manager with ``REMOTE_URL`` loads the newest step into zeros (a replaced node's
   ranks are restored from the bucket first) and compares it with the state saved.
 
@@ -73,6 +76,13 @@ def main() -> None:
                 for step in (1, 2, 3):
                     mgr.save(step, make_state(mesh, True))
             res["ok"] = True
+        elif mode == "process":
+            with tdcp.DCPCheckpointManager(root, async_mode="process", keep_last=2) as mgr:
+                for step in (1, 2):
+                    mgr.save(step, make_state(mesh, True))
+            back = make_state(mesh, False)
+            res["loaded"] = tdcp.load(back, root)
+            res["bad"] = compare(make_state(mesh, True), back)
         elif mode == "resume":
             from tiered_ckpt.store.s3 import make_s3_client
 

@@ -93,3 +93,15 @@ def test_manager_node_roots_upload_and_a_replaced_node_restores(tmp_path: Path, 
     assert committed_steps(tmp_path / "node1") == [3]
     assert read_node_ranks(tmp_path / "node1" / "step_0000000003", 4) == {2, 3}  # its ranks only
     assert cli_main(["verify", str(tmp_path / "node1")]) == 0
+
+
+@pytest.mark.slow
+def test_process_mode_async_save_commits_every_node_root(tmp_path: Path) -> None:
+    """DCP's checkpoint process writes (it holds a copy of the writer): every node's root is still
+    committed when the manager's save completes, and loads back."""
+    results = run_ranks(tmp_path, "process")
+    assert [(r["loaded"], r["bad"]) for r in results] == [(2, [])] * 4
+    for n in NODES:
+        assert committed_steps(tmp_path / n) == [1, 2]
+    check_node_roots(tmp_path, 1)
+    check_node_roots(tmp_path, 2)

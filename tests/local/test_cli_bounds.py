@@ -1,5 +1,5 @@
-"""CLI range and count flags are bounded before anything is sized by them (issue 11, Why 8 / Build
-6): ``--ranks 0-10000000000`` used to expand the range first (a ``MemoryError`` traceback, or the
+"""CLI range and count flags are bounded before anything is sized by them:
+``--ranks 0-10000000000`` used to expand the range first (a ``MemoryError`` traceback, or the
 machine out of memory). Each case runs the real CLI in a child under an address-space limit
 (``RLIMIT_AS``), so a huge allocation fails the test instead of the machine, and wants exit 2 with
 one usage line, quickly."""

@@ -1,5 +1,5 @@
-"""``tiered-ckpt ls | verify | gc`` for issue 10, through the real console script (subprocess):
-node-local roots (Why case 7: plain ``verify`` failed every healthy node-local root with exit 1
+"""``tiered-ckpt ls | verify | gc`` with lineage, through the real console script (subprocess):
+node-local roots (plain ``verify`` once failed every healthy node-local root with exit 1
 "incomplete"), superseded steps (listed, never a fault, removed only by ``gc --superseded``) and
 pins."""
 
@@ -66,12 +66,12 @@ def nodes(tmp_path: Path) -> tuple[Path, Path]:
     return a, b
 
 
-# --- Why case 7: node-local verify
+# --- node-local verify
 
 
 @pytest.mark.slow  # quick-tier budget (under 3 minutes); the full run keeps it
 def test_verify_node_local_root(nodes: tuple[Path, Path]) -> None:
-    """Why case 7: before issue 10 plain ``verify`` of a healthy node-local root exited 1 with
+    """Before lineage records plain ``verify`` of a healthy node-local root exited 1 with
     'step 10: incomplete: ... rank 0 ... shard file is missing'."""
     a, b = nodes
     proc = run("verify", b)

@@ -1,4 +1,4 @@
-"""Wrong local targets fail, and error lines speak the user's terms (issue 14, Why 1 and 4), through
+"""Wrong local targets fail, and error lines speak the user's terms, through
 in-process ``tiered_ckpt.cli.main``: exit code and the exact one line asserted, never a traceback or
 a Python class name at the default verbosity.
 
@@ -203,7 +203,7 @@ def test_root_and_step_checks_shared_with_reshard(run_dir: Path, not_a_root: Pat
 def test_ls_shows_the_upload_mark_of_each_step(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """Local ``ls`` said nothing of uploads (issue 14, fresh user): the sidecar's ``uploaded.json``
+    """Local ``ls`` once said nothing of uploads: the sidecar's ``uploaded.json``
     mark is a column ('-' when there is none; 'stale' once the step was saved again) and a
     ``--json`` key."""
     from tiered_ckpt.format.records import UploadedMarker

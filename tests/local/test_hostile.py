@@ -1,4 +1,4 @@
-"""Hostile input (issue 2, "Show": hostile input).
+"""Hostile input to the local tier.
 
 ``CASES`` is the table: one row per validation rule of ``manifest.py`` and ``_format.py`` (and the
 file-type checks of ``local.py``), each with a mutation of a good 2-rank step and the exact
@@ -877,7 +877,7 @@ def _check_opens(world: World, case: Case, opens: list[tuple[str, bool]]) -> Non
             continue
         if _other_step_manifest(world.root, p):
             # verify of a step with a missing shard reads the root's other manifests to tell a
-            # node-local root from a lost shard (issue 10 Why 7); a symlinked one must not be
+            # node-local root from a lost shard; a symlinked one must not be
             # followed (ELOOP)
             real = os.path.realpath(p)
             assert not ok or real.startswith(os.path.realpath(world.root) + "/"), (

@@ -1,4 +1,4 @@
-"""Hostile files inside a checkpoint directory (issue 11, Why 4 / Build 3): a FIFO, a symlink to a
+"""Hostile files inside a checkpoint directory: a FIFO, a symlink to a
 file outside the root, a symlink to ``/dev/zero``, a character device node (``mknod`` 1,5:
 ``/dev/zero``) or a directory where ``manifest.json``, ``uploaded.json``, ``pinned.json``,
 ``node_ranks.json``, ``run.json``, ``.save.lock``, a shard file or the step directory itself should

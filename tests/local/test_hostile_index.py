@@ -1,5 +1,5 @@
-"""Hostile tensor indexes in shard headers (issue 12: the index moved from ``manifest.json`` into
-each shard's ``__metadata__["tiered_ckpt"]``, header format 2).
+"""Hostile tensor indexes in shard headers (the index is in
+each shard's ``__metadata__["tiered_ckpt"]``, header format 2, not in ``manifest.json``).
 
 The attacker controls the files and rewrites ``manifest.json`` consistently: after every mutation
 the shard's ``sha256``, ``crc32c``, ``size_bytes``, ``header_sha256`` and ``header_size_bytes``

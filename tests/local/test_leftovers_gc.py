@@ -1,5 +1,5 @@
-"""``ls`` counts and ``gc`` removes the temp files of dead writers, downloads included (issue 11,
-Why 6 / Build 5): a killed restore's ``..rank_00000...tmp.<uuid>.download`` files (a temp name with
+"""``ls`` counts and ``gc`` removes the temp files of dead writers, downloads included:
+a killed restore's ``..rank_00000...tmp.<uuid>.download`` files (a temp name with
 a suffix a download tool appended) used to stay in the step forever (``gc`` swept ``*.tmp`` only)
 and ``ls`` did not count them. Live writers' files and names that carry no owner token are left
 alone."""

@@ -1,10 +1,10 @@
-"""Issue 10, Why case 1 (rollback deletes the new checkpoint; the next restart loads the abandoned
+"""A rollback (it once deleted the new checkpoint, and the next restart loads the abandoned
 branch) on the local tier, through the real CheckpointManager, and the local lineage record
 underneath it: ``<root>/run.json``, catalogue filtering of superseded steps, set-aside under
 ``superseded/``, and the lineage recorded by the low-level save functions.
 
 New names are imported inside the tests, after the assertions that reproduce the failure, so that
-each test fails on the code before issue 10 at the reproduction, not at an import."""
+each test fails on code without lineage records at the reproduction, not at an import."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 
 def old_branch(root: Path) -> dict[int, dict[str, str]]:
-    """The root of Why case 1: steps 500, 600, 700 saved by an earlier run of the job."""
+    """The rollback's root: steps 500, 600, 700 saved by an earlier run of the job."""
     with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
         for s in (500, 600, 700):
             mgr.save(s, state(s))
@@ -46,7 +46,7 @@ def old_branch(root: Path) -> dict[int, dict[str, str]]:
     return {s: tree_digest(root / step_dir_name(s)) for s in (500, 600, 700)}
 
 
-# --- Why case 1, as written
+# --- the rollback, as written
 
 
 def test_rollback_save_survives_and_the_next_restart_loads_it(tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def test_rollback_save_survives_and_the_next_restart_loads_it(tmp_path: Path) ->
         mgr.save(100, state(100))
         assert committed_steps(root) == [
             100
-        ]  # before issue 10: [500, 600, 700] (100 rotated out at once)
+        ]  # without lineage: [500, 600, 700] (100 rotated out at once)
         assert mgr.attempt == 2
     # The next restart loads the new lineage's step, not 700.
     with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
@@ -418,7 +418,7 @@ def test_commit_step_records_the_lineage_it_is_given(tmp_path: Path) -> None:
 
 
 def test_replace_removes_the_stale_uploaded_marker_first(tmp_path: Path) -> None:
-    """Why case 4 (library level): a step re-saved with replace=True must not keep its
+    """The re-save (library level): a step re-saved with replace=True must not keep its
     uploaded.json."""
     root = tmp_path / "run"
     save_sharded([state(5)], root, 5)
@@ -427,7 +427,7 @@ def test_replace_removes_the_stale_uploaded_marker_first(tmp_path: Path) -> None
     (sdir / UPLOADED_MARKER_NAME).write_text(json.dumps({"step": 5, "remote": "s3://b/p"}))
     save_sharded([{"w": np.zeros(8, dtype=np.float32), "step": 5}], root, 5, replace=True)
     assert (sdir / MANIFEST_NAME).read_bytes() != old_manifest
-    assert not (sdir / UPLOADED_MARKER_NAME).exists()  # before issue 10: the old marker stayed
+    assert not (sdir / UPLOADED_MARKER_NAME).exists()  # without lineage: the old marker stayed
     assert load_sharded(root, 1, 5)[0]["w"].tolist() == [0.0] * 8
 
 

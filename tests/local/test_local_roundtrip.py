@@ -1,4 +1,4 @@
-"""Local tier round trip (issue 2, "Show" bullets 1 and 2).
+"""Local tier round trip.
 
 A 4-rank ZeRO-style checkpoint (fp16 params, fp32 master/exp_avg/exp_avg_sq flat partitions as 1-D
 ``GlobalSlice`` s) plus every supported dtype, 0-d, zero-size, non-contiguous and big-endian inputs,

@@ -222,7 +222,7 @@ def test_verify_names_absurd_rank_ranges_in_one_short_line(tmp_path: Path) -> No
 
 def test_reshard_writes_into_a_step_named_out_root_as_given(tmp_path: Path) -> None:
     """``reshard --out /x/step_0000000003`` (a fresh directory named like a step) resolved the out
-    root as a *reader* does and wrote ``/x/step_0000000005/`` beside it (issue 11 case 7 again; with
+    root as a *reader* does and wrote ``/x/step_0000000005/`` beside it (with
     ``--replace`` it would overwrite a step of a run in ``/x``), while saying "committed under
     /x/step_0000000003". An out root that is a step directory of the source run is refused (it would
     nest a run inside the source)."""

@@ -1,6 +1,6 @@
-"""The local record of multipart uploads that could not be aborted (remote/upload/pending_aborts.py; issue
-11 Why 10): what is written, and that a hostile or damaged file is never followed, never blocks and
-never crashes."""
+"""The local record of multipart uploads that could not be aborted
+(remote/upload/pending_aborts.py): what is written, and that a hostile or damaged file is never
+followed, never blocks and never crashes."""
 
 from __future__ import annotations
 

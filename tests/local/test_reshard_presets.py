@@ -1,4 +1,4 @@
-"""Resharding a training state without rules the user has to invent (issue 14, Why/Build 5): the
+"""Resharding a training state without rules the user has to invent: the
 ``training`` preset, prefix rules, the ``same`` and ``by_rank`` rules, the one-line grouped error in
 the library's and the CLI's terms, and Replicated values stored once per node (several identical
 copies accepted; a node-local root finds its own node's copy)."""

@@ -1,7 +1,7 @@
-"""Retention for issue 10: rotation never deletes the step it just committed (Why case 1),
+"""Retention with lineage: rotation never deletes the step it just committed (a rollback),
 keep_every_steps, pins (``pinned.json``), superseded steps removed only once ``keep_last`` current
 steps exist, and upload-gated rotation that counts an ``uploaded.json`` only while it matches the
-step's manifest (Why case 4)."""
+step's manifest (a re-save)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ def mark_uploaded(root: Path, step: int, manifest_sha256: str | None = "current"
     )
 
 
-# --- Why case 1: just committed
+# --- a rollback: just committed
 
 
 def test_rollback_save_is_not_rotated_out_at_once(tmp_path: Path) -> None:
-    """Why case 1 on the rotation side: a root holds 500, 600, 700; a rolled-back job saves 100 and
-    rotates with keep_last=3. Before issue 10 rotate() deleted 100 at once (it keeps the newest by
+    """A rollback on the rotation side: a root holds 500, 600, 700; a rolled-back job saves 100 and
+    rotates with keep_last=3. Without lineage rotate() deleted 100 at once (it keeps the newest by
     step number)."""
     for s in (500, 600, 700):
         commit(tmp_path, s)
@@ -190,11 +190,11 @@ def test_locked_steps_still_stay(tmp_path: Path) -> None:
         assert plan.delete == (2,) and plan.kept_locked == (1,)
 
 
-# --- Why case 4: marker mismatch
+# --- a re-save: marker mismatch
 
 
 def test_replaced_step_with_the_old_marker_is_not_uploaded(tmp_path: Path) -> None:
-    """Why case 4 (marker side): step 2 was uploaded, then re-saved with replace=True; its
+    """A re-save (marker side): step 2 was uploaded, then re-saved with replace=True; its
     uploaded.json (written by hand here, as the old sidecar left it) names the old manifest's
     sha256, so it no longer counts and upload-gated rotation keeps the step."""
     for s in (1, 2, 3):
@@ -364,7 +364,7 @@ def test_rotation_works_without_lineage_records(tmp_path: Path) -> None:
 
 
 def test_rollback_with_real_lineage_records(tmp_path: Path) -> None:
-    """The whole of Why case 1 on one root, with the lineage module's own records: attempt 1 saved
+    """The whole rollback on one root, with the lineage module's own records: attempt 1 saved
     500, 600, 700; attempt 2 supersedes from 100 (600 pinned, 700 still in place); rotation keeps
     the new steps and the superseded ones until keep_last current steps exist, then removes all but
     the pinned one."""

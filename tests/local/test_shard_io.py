@@ -1,4 +1,4 @@
-"""Streaming shard I/O (tiered_ckpt.local.shard_io, issue 12 items 2-3): the verified read keeps
+"""Streaming shard I/O (tiered_ckpt.local.shard_io): the verified read keeps
 several large reads in flight and still hashes in file order into one final buffer; the streaming
 write gathers chunks into few large writes. Byte equality, exact digests and exact error types; no
 thread outlives a call."""

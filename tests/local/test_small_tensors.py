@@ -1,4 +1,4 @@
-"""Issue 12 (items 1 and 4): the manifest is O(ranks), not O(tensors), and many small tensors are
+"""Many small tensors: the manifest is O(ranks), not O(tensors), and many small tensors are
 written as a few large I/Os."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A model sharded with FSDP2 (its parameters and Adam moments are DTensors) is refused by the array
 capture/restore of :mod:`tiered_ckpt.torch` with an error that names the key, says it is a DTensor
-and points to ``tiered_ckpt.dcp`` (issue 13, item 4), never "cannot store a tensor of dtype
+and points to ``tiered_ckpt.dcp``, never "cannot store a tensor of dtype
 torch.float32".
 
 One real gloo process group of world size 1 in this process (a DTensor needs one), torn down

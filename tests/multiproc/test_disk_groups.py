@@ -116,8 +116,9 @@ def _tokens(d: Path) -> list[str]:
 def test_equal_host_names_and_root_paths_on_different_disks(
     namespaces: None, tmp_path: Path
 ) -> None:
-    """Why case 5: two nodes x two ranks, every rank with the same host name and the same root path,
-    each node's path backed by its own disk. Each node's lowest rank commits into its own disk."""
+    """Equal host names: two nodes x two ranks, every rank with the same host name and the same root
+    path, each node's path backed by its own disk. Each node's lowest rank commits into its own
+    disk."""
     disk_a, disk_b, mount = tmp_path / "disk_a", tmp_path / "disk_b", tmp_path / "local_disk"
     for d in (disk_a, disk_b, mount):
         d.mkdir()

@@ -245,8 +245,8 @@ def test_verify_ranks_after_partial_restore(remote: S3Location, tmp_path: Path) 
     )
     assert proc.returncode == 0, proc.stderr
 
-    # the whole step is not here: a node-local root, verified for the ranks it holds (issue 10 Why
-    # 7) ...
+    # the whole step is not here: a node-local root, verified for the ranks it holds
+    # ...
     proc = run("verify", dest)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["step 20: committed (node-local: ranks 0-1 of 4)"]

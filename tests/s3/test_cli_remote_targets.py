@@ -1,4 +1,4 @@
-"""Wrong remote targets fail, and remote error lines speak the user's terms (issue 14, Why 1 and 4),
+"""Wrong remote targets fail, and remote error lines speak the user's terms,
 through in-process ``tiered_ckpt.cli.main`` against moto (and SeaweedFS where a server's answer
 matters): exit code and the exact one line asserted, never a traceback or a Python class name at the
 default verbosity.

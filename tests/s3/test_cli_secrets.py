@@ -1,4 +1,4 @@
-"""No secret in any CLI output at any log level (issue 11, case 5), and ``/metrics`` on loopback
+"""No secret in any CLI output at any log level, and ``/metrics`` on loopback
 unless ``--metrics-host`` opens it.
 
 The real ``tiered-ckpt`` console script runs as a child process against the moto server with

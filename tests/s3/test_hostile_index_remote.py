@@ -1,5 +1,5 @@
 """Restore (moto over HTTP) of a step whose shard header holds a hostile tensor index or state tree,
-with every hash of the manifest and upload manifest matching the crafted bytes (issue 12: the index
+with every hash of the manifest and upload manifest matching the crafted bytes (the index
 is in the header). The restore must fail typed (ShardCorruptedError), commit nothing and leave no
 file, as a load of the same step would fail; ``fallback=True`` then restores the step before."""
 

@@ -1,4 +1,4 @@
-"""Every remote read is bounded in size and time (issue 11, Why 1-3): a hostile S3 server
+"""Every remote read is bounded in size and time: a hostile S3 server
 (tests/hostile_http.py, a real HTTP server in a thread) streams an endless ``latest``, sends more
 than HEAD announced, or trickles one byte at a time. The store must refuse each within its cap /
 deadline, never grow without bound.

@@ -1,4 +1,4 @@
-"""The ``hashed`` key layout (issue 12 item 6) on moto over HTTP: shard objects at
+"""The ``hashed`` key layout on moto over HTTP: shard objects at
 ``<prefix>/shards/<hh>/step_XXXXXXXXXX.<save_id>/rank_XXXXX.safetensors``, everything else in the
 save prefix. Restore, ``ls --remote``, ``verify --remote``, retention, the two-node commit and the
 multipart leftover sweeps work with it unchanged for the user."""

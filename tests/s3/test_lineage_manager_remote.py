@@ -1,7 +1,7 @@
-"""Issue 10 on the remote tier, through the real CheckpointManager, the real sidecar (Uploader) and
-moto's S3 server over HTTP: Why case 1 when the local disk is lost too (the rollback's new step, not
+"""Lineage on the remote tier, through the real CheckpointManager, the real sidecar (Uploader) and
+moto's S3 server over HTTP: a rollback when the local disk is lost too (the rollback's new step, not
 the abandoned branch's 700, is what a restart restores), the run record the manager publishes, and
-Why case 4 (a step re-saved with ``replace=True`` is pending for the sidecar again and uploaded
+a re-save (a step re-saved with ``replace=True`` is pending for the sidecar again and uploaded
 again)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_rollback_then_cluster_loss_restores_the_new_lineage(
     shutil.rmtree(root)  # then the whole cluster is lost
     with manager(root, s3_bucket) as mgr:
         got = mgr.load()
-        assert got["step"] == 510  # before issue 10: 700, a step of the abandoned branch
+        assert got["step"] == 510  # without lineage: 700, a step of the abandoned branch
         assert mgr.attempt == 2
     rec = remote_run_record(s3_bucket)
     assert rec is not None and [
@@ -88,7 +88,7 @@ def test_the_first_save_claims_the_prefix_for_the_run(
 def test_replace_makes_the_step_pending_again_for_the_sidecar(
     s3_bucket: S3Location, tmp_path: Path
 ) -> None:
-    """Why case 4, library level: save_sharded(replace=True) of an uploaded step."""
+    """A re-save, library level: save_sharded(replace=True) of an uploaded step."""
     root = tmp_path / "run"
     save_sharded([state(5)], root, 5)
     with Uploader(root, s3_bucket.url, s3_client=s3_bucket.client) as up:
@@ -98,7 +98,7 @@ def test_replace_makes_the_step_pending_again_for_the_sidecar(
     new = {"w": np.full(8, -1.0, dtype=np.float32), "step": 5}
     save_sharded([new], root, 5, replace=True)
     with Uploader(root, s3_bucket.url, s3_client=s3_bucket.client) as up:
-        assert up.pending_steps() == [5]  # before issue 10: [] (the old marker still counted)
+        assert up.pending_steps() == [5]  # without lineage: [] (the old marker still counted)
         up.upload_step(5)
         assert up.pending_steps() == []
     shutil.rmtree(root)

@@ -1,5 +1,5 @@
-"""Servers without optional S3 APIs (issue 11, Why 9) and uploads left open by expired credentials
-(Why 10).
+"""Servers without optional S3 APIs and uploads left open by expired
+credentials.
 
 A FaultProxy (tests/s3_infra.py) in front of moto's server answers ``501 NotImplemented`` to every
 ListMultipartUploads / AbortMultipartUpload / DeleteObjects request, as several small S3-compatible

@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as it is (issue 14: the job snippet used ``rank``,
+"""Every ```python block of README.md runs as it is (the job snippet once used ``rank``,
 ``state`` and ``gather`` undefined, and gathering ``rec.to_json()`` as its comment said broke
 ``commit_step``).
 

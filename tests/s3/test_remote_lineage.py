@@ -1,4 +1,4 @@
-"""Run identity, lineage and fencing on the remote tier (issue 10, Why cases 1 and 3, remote halves;
+"""Run identity, lineage and fencing on the remote tier (the remote halves of
 SPEC §11), against moto's S3 server over HTTP (a real process; unique bucket per test).
 
 - two runs on one prefix: the second run's sidecar is refused (RunMismatchError naming both run ids

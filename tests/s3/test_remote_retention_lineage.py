@@ -1,5 +1,5 @@
 """Lineage-aware remote retention, pins mirrored to the bucket, restore carrying the run, and the
-cost of a poll while other nodes confirm (SPEC §11; issue 10 Build 1 and 4), against moto's S3
+cost of a poll while other nodes confirm (SPEC §11), against moto's S3
 server over HTTP."""
 
 from __future__ import annotations

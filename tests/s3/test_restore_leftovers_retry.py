@@ -1,5 +1,5 @@
-"""A restore into a step directory that a dead restore left behind starts clean (issue 11, Why 6 /
-Build 5): the dead owner's temp files and downloads are removed before the download, and the shard
+"""A restore into a step directory that a dead restore left behind starts clean:
+the dead owner's temp files and downloads are removed before the download, and the shard
 it had already renamed into place is replaced; before the fix the rerun committed around the
 leftovers."""
 

@@ -1,5 +1,5 @@
-"""``restore --local DIR`` restores into DIR whatever its name looks like (issue 11, Why 7 / Build
-6): a directory named like a step directory (``/x/step_0000000003``) is the run root, never step 3
+"""``restore --local DIR`` restores into DIR whatever its name looks like:
+a directory named like a step directory (``/x/step_0000000003``) is the run root, never step 3
 of ``/x``. Before the fix the step landed in ``/x/step_0000000005`` (and ``run.json`` in ``/x``):
 outside the directory the user named."""
 

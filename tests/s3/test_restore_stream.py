@@ -1,4 +1,4 @@
-"""Restore's download path (issue 12 item 5) on moto: every shard's bytes are fetched once, through
+"""Restore's download path on moto: every shard's bytes are fetched once, through
 ranged GETs that tile each object exactly, hashed as they arrive (the file is never read back for
 hashing), and a damaged byte in one shard's middle part still fails the step with nothing
 committed."""

@@ -1,7 +1,6 @@
 """The sidecar (``tiered-ckpt upload --once``, a real process, against the moto server) on a root
 whose ``manifest.json``, ``uploaded.json`` or a shard is a FIFO, a symlink to a file outside the
-root, a symlink to ``/dev/zero``, a character device (``mknod`` 1,5) or a directory (issue 11, Why 4
-/ Build 3).
+root, a symlink to ``/dev/zero``, a character device (``mknod`` 1,5) or a directory.
 
 - ``manifest.json`` of any such kind: the step is refused (``ManifestError`` naming the entry, one
   line, exit 1); nothing of it reaches the bucket; in particular the bytes of the outside file the
@@ -163,9 +162,7 @@ def test_sidecar_refuses_hostile_entries_and_never_hangs(
         elif (
             kind == "directory"
         ):  # uploaded (the entry was treated as absent); the marker cannot replace a directory
-            line = errors.pop(
-                step
-            )  # an OSError reads "path -> path2: reason" (issue 14: no class name)
+            line = errors.pop(step)  # an OSError reads "path -> path2: reason" (no class name)
             assert line.startswith(f"tiered-ckpt: error: step {step}: {sdir}/"), out.stderr
             assert line.endswith(f" -> {entry}: Is a directory"), line
             assert any(k.endswith("/upload_manifest.json") for k in mine), mine

@@ -1,5 +1,5 @@
 """``Uploader(endpoint_url=...)`` builds its own client for that endpoint, as
-``restore(endpoint_url=...)`` does (issue 14: it raised ``TypeError``)."""
+``restore(endpoint_url=...)`` does (it once raised ``TypeError``)."""
 
 from __future__ import annotations
 

@@ -67,9 +67,7 @@ def test_manifest_records_crc32c_header_sha_and_chunks(tmp_path: Path) -> None:
         for r in range(2)
     ]
     m = tc.save_sharded(states, tmp_path, 1)
-    assert all(
-        rec.tensors is None for rec in m.shards
-    )  # issue 12: the chunk CRCs are in each header
+    assert all(rec.tensors is None for rec in m.shards)  # the chunk CRCs are in each header
     m = manifest_with_tensors(tmp_path / "step_0000000001", m)
     for rec in m.shards:
         raw = (tmp_path / "step_0000000001" / rec.path).read_bytes()

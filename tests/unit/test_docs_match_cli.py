@@ -1,4 +1,4 @@
-"""The flags and defaults the docs state are argparse's (issue 14: ``docs/sidecar.md`` said
+"""The flags and defaults the docs state are argparse's (``docs/sidecar.md`` once said
 ``--part-size-mib 32 ... --max-concurrency 8`` while ``--help`` and the code said 16 and 10).
 
 What is read, and how (keep the docs to these forms and the test keeps up with every new flag):

@@ -1,4 +1,4 @@
-"""The ``hashed`` key layout (issue 12 item 6): pure key functions of layout.py and the upload
+"""The ``hashed`` key layout: pure key functions of layout.py and the upload
 manifest's ``key_layout`` (recorded, validated: a shard key must be the one its layout gives)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The schema-3 records of issue 10 (format/lineage.py, the per-save remote key scheme in layout.py,
+"""The schema-3 lineage records (format/lineage.py, the per-save remote key scheme in layout.py,
 the lineage fields of the upload manifest, latest pointer, confirmation record and uploaded
 marker)."""
 

@@ -1,7 +1,7 @@
 """Manifest schema v1: the dataclasses, their JSON, and the shipped JSON Schema agree.
 
 - real manifests (written by the public API) validate against
-  ``schemas/manifest.v{SCHEMA_VERSION}.schema.json`` (v2 since issue 6; v1 manifests are covered by
+  ``schemas/manifest.v{SCHEMA_VERSION}.schema.json`` (v1 manifests are covered by
   tests/test_migration.py and the golden checkpoints);
 - every manifest the code accepts validates; mutations the code rejects also fail the schema
   wherever the schema can express the rule (``schema=True`` in the table below), and the cross-field

@@ -1,5 +1,5 @@
 """tiered_ckpt.redact: URL user info, presigned URLs, botocore's DEBUG wire output, registered
-secrets, and the logging filter (issue 11, case 5). The samples are botocore 1.x DEBUG lines as
+secrets, and the logging filter. The samples are botocore 1.x DEBUG lines as
 logged by ``tiered-ckpt --log-wire`` against moto (credentials changed to the values below)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Retry logging and the words of a final remote failure (issue 14, Why 4), on
+"""Retry logging and the words of a final remote failure, on
 :func:`call_with_retries` alone: one WARNING per operation (its first failure, with the attempt
 count), the later attempts at DEBUG; a missing bucket, missing credentials and an unreachable
 endpoint end in a :class:`~tiered_ckpt.errors.RemoteAccessError` that says so in the user's terms
