@@ -7,11 +7,9 @@ uninterrupted run's bit for bit; and the document codec and the refusals in one 
 from __future__ import annotations
 
 import json
-import math
 import signal
 import subprocess
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +19,10 @@ from lightning_run import Tiny, read_losses
 from spawn import child_env, free_port, python_cmd
 
 from tiered_ckpt import dcp
-from tiered_ckpt.errors import UnsupportedStateError
 from tiered_ckpt.integrations.lightning_sharded import (
     DOC_KEY,
     INTEGRATION,
-    TieredModelParallelStrategy,
     decode_rest,
-    encode_rest,
 )
 from tiered_ckpt.integrations.pointer import read_pointer
 from tiered_ckpt.local.catalogue import committed_steps, read_manifest
