@@ -1,0 +1,138 @@
+"""Lightning's sharded training (ModelParallelStrategy, FSDP2 over 2 gloo CPU rank processes)
+through TieredModelParallelStrategy: the model's and optimizer's DTensor shards as a DCP step of
+the local tier, the rest of the checkpoint dict as typed JSON. SIGKILL mid-run, resume with
+ckpt_path="last" from a model that starts elsewhere, the loss curve of both ranks equal to an
+uninterrupted run's bit for bit; and the document codec and the refusals in one process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning_run import Tiny, read_losses
+from spawn import child_env, free_port, python_cmd
+
+from tiered_ckpt import dcp
+from tiered_ckpt.integrations.lightning_sharded import (
+    DOC_KEY,
+    INTEGRATION,
+    decode_rest,
+)
+from tiered_ckpt.integrations.pointer import read_pointer
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest
+from tiered_ckpt.local.pins import pinned_steps
+
+SCRIPT = Path(__file__).with_name("lightning_sharded_run.py")
+WORLD = 2
+
+
+def _ranks(runs: list[dict[str, Any]], log: Path) -> list[subprocess.Popen[bytes]]:
+    port = str(free_port())
+    procs = []
+    for rank in range(WORLD):
+        env = child_env(
+            helpers=True,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
+        with open(f"{log}.log{rank}", "ab") as out:
+            procs.append(
+                subprocess.Popen(
+                    python_cmd(SCRIPT, json.dumps(runs)),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return procs
+
+
+def _log_tail(log: Path) -> str:
+    return "\n".join(Path(f"{log}.log{r}").read_text()[-2000:] for r in range(WORLD))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path) -> None:
+    ref, losses = tmp_path / "ref", tmp_path / "losses"
+    root, ckdir = tmp_path / "root", tmp_path / "ck"
+    # 4 steps an epoch (16 samples a rank, batch 4): saves at epoch ends (a resume in the middle
+    # of an epoch restarts a plain DataLoader's epoch, see the README)
+    args = {"root": str(root), "ckdir": str(ckdir), "losses": str(losses), "max_steps": 16,
+            "every": 4}  # fmt: skip
+    hung = Path(f"{losses}.hung")
+    # the uninterrupted run (Lightning's ModelParallelStrategy, no checkpoints), then in the same
+    # two processes a run saving every 4 steps, SIGKILLed at step 10 (steps 4 and 8 committed)
+    procs = _ranks(
+        [
+            {"losses": str(ref), "max_steps": 16, "seed": 0},
+            {**args, "seed": 0, "hang_at": 10},
+        ],
+        losses,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not hung.exists():
+            assert all(p.poll() is None for p in procs), _log_tail(losses)
+            assert time.monotonic() < deadline, _log_tail(losses)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait()
+    assert all(p.returncode == -signal.SIGKILL for p in procs)
+    assert sorted(p.name for p in ckdir.iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert committed_steps(root) == [4, 8] and pinned_steps(root) == [4, 8]
+    assert read_pointer(ckdir / "last.ckpt").step == 8
+    manifest = read_manifest(root, 8)
+    assert manifest.world_size == WORLD and len(manifest.shards) == WORLD
+    assert manifest.extra is not None and manifest.extra["integration"] == INTEGRATION
+    assert manifest.extra[INTEGRATION] == {"path": str(ckdir / "epoch=1-step=8.ckpt")}
+
+    # the step read whole in this one process: the full weights, other than the resumed run's start
+    whole: dict[str, Any] = {}
+    assert dcp.load(whole, root, 8, whole_step=True) == 8
+    saved, other = whole["state_dict"], Tiny(seed=1).state_dict()
+    assert sorted(saved) == sorted(other)
+    assert all(
+        saved[k].shape == other[k].shape and not torch.equal(saved[k], other[k]) for k in saved
+    )
+    rest = decode_rest(whole[DOC_KEY])
+    assert rest["global_step"] == 8 and rest["epoch"] == 1
+    assert "state_dict" not in rest and "optimizer_states" not in rest
+    assert set(whole) == {"state_dict", "optimizer_0", DOC_KEY}
+
+    # a second start of both ranks: resumed from last.ckpt with the model built from seed 1
+    report = tmp_path / "report.json"
+    procs = _ranks([{**args, "seed": 1, "ckpt_path": "last", "report": str(report)}], losses)
+    for p in procs:
+        p.wait(timeout=120)
+    assert [p.returncode for p in procs] == [0, 0], _log_tail(losses)
+    assert json.loads(report.read_text())["ckpt_path"] == str(ckdir / "last.ckpt")
+    for rank in range(WORLD):
+        want, got = read_losses(ref, rank), read_losses(losses, rank)
+        assert sorted(want) == sorted(got) == list(range(1, 17))
+        assert max(abs(want[s] - got[s]) for s in want) == 0.0
+    # steps 12 and 16 saved; 4 and 8 unpinned by the top-2 and deleted by rotation at teardown
+    assert committed_steps(root) == [12, 16] and pinned_steps(root) == [12, 16]
+    assert read_pointer(ckdir / "last.ckpt").step == 16
+    verify = subprocess.run(
+        python_cmd("-m", "tiered_ckpt.cli", "verify", root), env=child_env(), capture_output=True
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
