@@ -66,7 +66,7 @@ from tiered_ckpt.remote.handle import StoreHandle  # noqa: E402
 pytestmark = pytest.mark.slow
 
 #: room for a kill after two saves, a step node A uploads past them, a rollback past two saves
-STEPS = 30
+STEPS = 40
 EVERY = 5
 SEED = 7
 SLEEP = (
