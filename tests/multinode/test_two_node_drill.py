@@ -15,13 +15,18 @@ reference's exactly (max |loss diff| 0.0, by the example's design).
     end;
 (c) cluster loss: both disks deleted, both nodes restore from the bucket;
 (d) (b) with the same host name on both nodes (containers often share one): nodes are told apart by
-    their disks, never by host names.
+    their disks, never by host names;
+(a+rollback) (a), then, once the restarted job has ended, a rollback: both nodes restarted with
+    ``--resume-step R``, R the oldest step both nodes still hold: it trains R+1 to the end on the
+    reference's curve, and its saves are a new attempt of the run's lineage: the bucket's record
+    supersedes the first attempt's steps after R, and the final step it offers (and each node's
+    disk holds) is the new attempt's save.
 
 ``tiered_ckpt.examples.train_zero`` (the native manager) runs (a) and (d);
 ``tiered_ckpt.examples.train_fsdp2`` (FSDP2, saved through DCP into each node's own disk: every
-node's root committed, :mod:`tiered_ckpt.dcp.node_roots`) runs (b) and (c), each example against its
-own uninterrupted run. (The native manager's cluster loss is also the demo's story; a SIGKILL of
-every FSDP2 rank resuming from node-local roots, tests/dcp/test_dcp_node_roots.py's.)
+node's root committed, :mod:`tiered_ckpt.dcp.node_roots`) runs (a+rollback), (b) and (c), each
+example against its own uninterrupted run. (The native manager's cluster loss is also the demo's
+story; its rollback, tests/multiproc/test_resume_drill.py's.)
 
 After each, the final step must also reach the bucket (both sidecars upload it and it commits
 remotely). Run with ``-s`` to see the per-scenario figures. Needs root and iproute2/util-linux:
@@ -37,7 +42,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,11 +55,17 @@ from s3_infra import S3Location, new_bucket, sanitize_prefix  # noqa: E402
 from spawn import cli_cmd, python_cmd  # noqa: E402
 
 from tiered_ckpt.layout import step_dir_name  # noqa: E402
-from tiered_ckpt.local.catalogue import committed_steps  # noqa: E402
-from tiered_ckpt.remote.catalogue import remote_committed_steps  # noqa: E402
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest  # noqa: E402
+from tiered_ckpt.remote.catalogue import (  # noqa: E402
+    RemoteCatalogue,
+    read_catalogue,
+    remote_committed_steps,
+)
+from tiered_ckpt.remote.handle import StoreHandle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+#: room for a kill after two saves, a step node A uploads past them, a rollback past two saves
 STEPS = 40
 EVERY = 5
 SEED = 7
@@ -151,8 +162,11 @@ class Drill:
 
     # --- processes
 
-    def start(self, tag: str, *, sidecars: bool = True, sleep: float = SLEEP) -> Run:
-        """Boot both nodes and start the job (and the sidecars) on them."""
+    def start(
+        self, tag: str, *, sidecars: bool = True, sleep: float = SLEEP, extra: Sequence[str] = ()
+    ) -> Run:
+        """Boot both nodes and start the job (and the sidecars) on them; ``extra``: more arguments
+        of the example."""
         run = Run(tag, self.dir / f"{tag}.loss.jsonl")
         port = next(MASTER_PORTS)
         for i, (k, node) in enumerate(self.c.nodes.items()):
@@ -210,6 +224,7 @@ class Drill:
             )
             if self.loc is not None:
                 argv += ["--remote-url", self.loc.url, "--upload-gated"]
+            argv += extra
             log = self.dir / f"{tag}.train_{k}.log"
             run.trainers[k] = node.spawn(argv, env=env, log=log)
             run.logs.append(log)
@@ -302,6 +317,12 @@ class Drill:
         assert self.loc is not None
         return remote_committed_steps(self.loc.url, s3_client=self.loc.client)
 
+    def catalogue(self) -> RemoteCatalogue:
+        """One look at the bucket prefix: its lineage record and every committed save."""
+        assert self.loc is not None
+        with StoreHandle(self.loc.url, s3_client=self.loc.client) as store:
+            return read_catalogue(store)
+
     def remote_keys(self, step: int) -> list[str]:
         """Every key under the prefix that belongs to ``step`` (any key naming its step
         directory)."""
@@ -384,15 +405,22 @@ def fsdp2_reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def _after_restart(
-    d: Drill, reference: dict[int, float], killed: Run, resume_from: int, label: str
+    d: Drill,
+    reference: dict[int, float],
+    killed: Run,
+    resume_from: int,
+    label: str,
+    *,
+    tag: str = "resumed",
+    extra: Sequence[str] = (),
 ) -> None:
-    """Restart both nodes, train to the end, compare with the reference, wait for the final
-    upload."""
+    """Restart both nodes (the example's ``extra`` arguments), train to the end, compare with the
+    reference, wait for the final upload."""
     before = losses(killed.loss_log)
     assert before and all(
         before[s] == reference[s] for s in before
     )  # determinism before the kill too
-    run = d.start("resumed", sleep=0.0)
+    run = d.start(tag, sleep=0.0, extra=extra)
     t0 = time.monotonic()
     got = d.finish(run, resume_from + 1)
     diff = compare(got, reference, resume_from + 1)
@@ -414,7 +442,8 @@ def test_a_sigkill_both_nodes_then_restart(
 
 def _sigkill_both_nodes(
     cluster: Cluster, reference: dict[int, float], tmp_path: Path, example: str
-) -> None:
+) -> Drill:
+    """(a): returns the drill, both nodes powered off after the resumed run's final upload."""
     d = Drill(cluster, tmp_path, f"a-sigkill-{example}", ("node-a", "node-b"), example=example)
     run = d.start("killed")
     kill_at = 2 * EVERY + 3
@@ -436,6 +465,7 @@ def _sigkill_both_nodes(
         f"B {d.local('b')}, remote {sorted(remote)}"
     )
     _after_restart(d, reference, run, resume_from, f"(a) SIGKILL both nodes, {example}")
+    return d
 
 
 def _replace_lagging_node_b(
@@ -543,3 +573,47 @@ def test_fsdp2_c_cluster_loss_restores_from_the_bucket(
     cluster: Cluster, fsdp2_reference: dict[int, float], tmp_path: Path
 ) -> None:
     _cluster_loss(cluster, fsdp2_reference, tmp_path, "train_fsdp2")
+
+
+def test_fsdp2_a_sigkill_both_nodes_then_restart_then_roll_back(
+    cluster: Cluster, fsdp2_reference: dict[int, float], tmp_path: Path
+) -> None:
+    """(a), then a rollback: ``--resume-step R``, R an older step both nodes still hold (keep-last
+    and upload gating kept it locally; the bucket keeps every step). The run trains R+1..STEPS on
+    the reference's curve, and its saves are a new attempt: the bucket's record supersedes the
+    first attempt's steps after R, and the step STEPS it offers is the new attempt's save."""
+    d = _sigkill_both_nodes(cluster, fsdp2_reference, tmp_path, "train_fsdp2")
+    cat = d.catalogue()
+    first = cat.current_save(STEPS)
+    assert first is not None and cat.lineage is not None
+    remote = set(d.remote())
+    local = set(d.local("a")) & set(d.local("b"))
+    back_to = min(local)  # the oldest step both nodes still hold: the longest rollback they allow
+    assert back_to <= STEPS - 2 * EVERY and back_to in remote, (sorted(local), sorted(remote))
+    resumed = d.runs[-1]
+    _after_restart(
+        d,
+        fsdp2_reference,
+        resumed,
+        back_to,
+        f"(a) then a rollback to step {back_to}, train_fsdp2",
+        tag="rolled_back",
+        extra=("--resume-step", str(back_to)),
+    )
+    cat = d.catalogue()
+    new = cat.current_save(STEPS)
+    assert new is not None and cat.lineage is not None
+    print(
+        f"[two-node drill] rollback: step {STEPS} was save {first.save_id} (attempt "
+        f"{first.attempt}), is save {new.save_id} (attempt {new.attempt}); remote {d.remote()}"
+    )
+    assert (new.run_id, new.attempt) == (first.run_id, cat.lineage.attempt)
+    assert new.attempt > first.attempt and new.save_id != first.save_id
+    sup = cat.lineage.superseded_by(first.attempt, STEPS)
+    assert sup is not None and (sup.attempt, sup.from_step) == (new.attempt, back_to + 1)
+    assert cat.status(next(s for s in cat.saves if s.save_id == first.save_id)).startswith(
+        "superseded"
+    )
+    for k in ("a", "b"):  # each node's newest step is the new attempt's save
+        m = read_manifest(d.c.nodes[k].disk / "ckpt", STEPS)
+        assert (m.step, m.attempt, m.save_id) == (STEPS, new.attempt, new.save_id), k

@@ -4,7 +4,8 @@ through DCP into the local tier with ``tiered_ckpt.dcp`` (slow: one process per 
 1. SIGKILL drill: 4 ranks (torchrun) killed, the whole process tree at once, at a random step after
    at least two committed async saves; restarted (the tests' own launcher: one process per rank):
    the loss of every step after the resume point equals the uninterrupted run's exactly (max |diff|
-   == 0.0).
+   == 0.0); then ``--resume-step`` rolls back to the oldest committed step: the same curve again,
+   saved as a new attempt.
 2. Resharding: the uninterrupted run's final 4-rank checkpoint loaded at 2 and at 3 ranks (same
    global batch): every global tensor (parameters, exp_avg, exp_avg_sq, reassembled with
    ``full_tensor()``) byte-equal to the 4-rank run's own at that step; training continues and
@@ -103,7 +104,7 @@ def reference(tmp_path_factory) -> tuple[dict[int, float], Path, Path]:
     return ref, d / "ckpt", d / "final.safetensors"
 
 
-def test_sigkill_at_random_step_then_resume_matches_uninterrupted(reference, tmp_path):
+def test_sigkill_at_random_step_then_resume_and_roll_back_match_uninterrupted(reference, tmp_path):
     ref, _, _ = reference
     seed = int(os.environ.get("DRILL_SEED", time.time_ns() % 100000))
     kill_at = random.Random(seed).randint(2 * EVERY + 2, STEPS - 3)
@@ -143,6 +144,23 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(reference, tmp
     )
     assert diff == 0.0
     assert committed_steps(root)[-1] == STEPS
+
+    # --resume-step: a rollback to the oldest committed step trains the same curve again; its saves
+    # are a new attempt (the newer steps set aside, then rotated out)
+    committed, newest = committed_steps(root), read_manifest(root)
+    back_to = committed[0]
+    assert back_to < STEPS - EVERY, committed
+    out = run_ranks(4, root, tmp_path / "rolled_back.jsonl", "--resume-step", str(back_to))
+    assert f"resumed from step {back_to}\n" in out, out[-3000:]
+    again = losses(tmp_path / "rolled_back.jsonl")
+    assert sorted(again) == list(range(back_to + 1, STEPS + 1)), sorted(again)
+    assert all(again[s] == ref[s] for s in again)
+    m = read_manifest(root)
+    assert (m.step, m.attempt) == (STEPS, newest.attempt + 1) and m.save_id != newest.save_id
+    # the first attempt's newer steps were set aside, then removed by rotation once keep_last
+    # steps of the new attempt were committed
+    assert list((root / "superseded").iterdir()) == []
+    assert committed_steps(root) == committed
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -4,7 +4,10 @@
 2. A run SIGKILLed (torchrun and all four ranks: the whole process tree) at a random step after at
    least two committed checkpoints, then restarted: the losses after the resume point equal the
    reference.
-3. A run stopped cleanly (async saves) and restarted: same.
+3. A run stopped cleanly (async saves) and restarted: same; then ``--resume-step`` of a step no
+   longer committed fails (``NoCheckpointError``, nothing trained), and a rollback to the oldest
+   committed step trains the reference's curve again and saves a new attempt (the newer steps set
+   aside under ``superseded/``, then rotated out).
 
 The assertions are on the losses (rank 0's per-step JSON lines), not on torchrun's exit code. The
 max absolute difference is printed (run with ``-s`` to see it); it is 0.0 by design (see the
@@ -27,6 +30,7 @@ pytest.importorskip("torch")
 
 from spawn import child_env, free_port, python_cmd  # noqa: E402
 
+from tiered_ckpt.layout import SUPERSEDED_DIR, save_entry_name  # noqa: E402
 from tiered_ckpt.local.catalogue import committed_steps, read_manifest  # noqa: E402
 from tiered_ckpt.local.verified_read import verified_header  # noqa: E402
 
@@ -214,3 +218,27 @@ def test_clean_stop_and_restart_of_async_run_matches(reference, tmp_path):
     )
     assert diff < 1e-4
     assert diff == 0.0
+
+    # A rollback to a step no longer committed fails, and starts nothing: no fresh start
+    committed = committed_steps(root)
+    refused = launch(root, tmp_path / "refused.jsonl", "--resume-step", str(stop))
+    finish(refused)
+    out = (tmp_path / "refused.out").read_text()
+    assert refused.returncode != 0 and "NoCheckpointError" in out, out[-3000:]
+    assert not (tmp_path / "refused.jsonl").exists() and committed_steps(root) == committed
+    # A rollback to the oldest committed step: the same curve again, saved as a new attempt that
+    # sets the newer steps aside
+    back_to, newest = committed[0], read_manifest(root, STEPS)
+    assert back_to <= STEPS - 2 * EVERY, committed
+    set_aside = sorted(save_entry_name(s, read_manifest(root, s).save_id) for s in committed[1:])
+    log3 = tmp_path / "rolled_back.jsonl"
+    finish(launch(root, log3, "--resume-step", str(back_to)))
+    diff = compare(losses(log3), reference, back_to + 1)
+    print(f"[drill] rollback to {back_to}: max abs loss difference = {diff!r}")
+    assert diff == 0.0
+    again = read_manifest(root, STEPS)
+    assert again.attempt == newest.attempt + 1 and again.save_id != newest.save_id
+    # the first attempt's newer steps were set aside, then removed by rotation once keep_last
+    # steps of the new attempt were committed
+    assert set_aside and list((root / SUPERSEDED_DIR).iterdir()) == []
+    assert committed_steps(root) == committed

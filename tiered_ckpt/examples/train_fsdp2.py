@@ -16,6 +16,11 @@ and DCP reshards the checkpoint while loading it. Its checkpointing flags are ``
 ``--events-log``, ``--handle-sigterm``: on SIGTERM the next step's save is synchronous, then the run
 ends and exits 0), so ``tiered-ckpt demo --model fsdp2`` drives it as it drives ``train_zero``.
 ``--root`` may be node-local (each node its own directory): every node's root is committed.
+``--resume-step N`` rolls back: it resumes from committed step ``N`` (local, or restored from the
+bucket) instead of the newest, and fails (``NoCheckpointError``) when ``N`` is not committed and
+current; the first save after it starts a new attempt of the run's lineage that supersedes the steps
+after ``N`` (set aside locally under ``superseded/``, superseded in the bucket's ``run.json``), so
+the saves of steps after ``N`` that follow are the new attempt's (SPEC §11).
 
 Model, data, schedule: ``TinyGPT``, ``load_corpus`` and ``lr_at`` of ``train_zero`` (imported, not
 copied); dropout from each rank's own torch CPU RNG (seeded apart); data order from
@@ -119,6 +124,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-resume", action="store_true", help="start fresh even if a checkpoint exists"
     )
     p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        help="resume from this committed step instead of the newest (a rollback: the saves after "
+        "it start a new attempt that supersedes the newer steps)",
+    )
+    p.add_argument(
         "--remote-url",
         default=None,
         help="s3://bucket/prefix the upload sidecar writes to: a resume restores from it a step the "
@@ -135,7 +147,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dump-final", default=None, help="rank 0 writes the global tensors at the end here"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.resume_step is not None and (args.no_resume or args.resume_step < 1):
+        p.error("--resume-step takes a step >= 1 and excludes --no-resume")
+    return args
 
 
 def build(
@@ -222,20 +237,24 @@ def resume(
     opt: torch.optim.Optimizer,
     sampler: ShuffledBatchSampler,
     rank: int,
+    step: int | None = None,
 ) -> int:
-    """``mgr.load(into=...)`` of the newest step (restored from the bucket first if only it has it)
-    into the model, the optimizer, the sampler and the RNG streams; returns the step (0: nothing to load,
-    a fresh start, and nothing is touched)."""
+    """``mgr.load(step, into=...)`` of ``step`` (``None``: the newest; restored from the bucket
+    first if only it has it) into the model, the optimizer, the sampler and the RNG streams; returns
+    the step (0: nothing to load, a fresh start, and nothing is touched). A ``step`` asked for that
+    is not committed raises ``NoCheckpointError``."""
     # get_state_dict of a fresh optimizer initializes its state (an AdamW step with zero gradients
     # and lr 0: the parameters stay as they are, the step count becomes 1); the load overwrites all
     # of it, and a fresh start drops it again, so that its first real step is step 1.
     state = dcp_state(model, opt, 0, DataPosition(), [])
     try:
-        mgr.load(into=state)
-        step = mgr.loaded_step
+        mgr.load(step, into=state)
     except tc.NoCheckpointError:
+        if step is not None:  # a rollback to a step that is not there is no fresh start
+            raise
         opt.state.clear()
         return 0
+    step = mgr.loaded_step
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if int(state["progress"]["step"]) != step:
         raise tc.CheckpointError(
@@ -293,8 +312,8 @@ def train_step(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train (resuming from the newest checkpoint under ``--root`` unless ``--no-resume``). Returns
-    0."""
+    """Train (resuming from the newest checkpoint under ``--root``, or ``--resume-step``, unless
+    ``--no-resume``). Returns 0."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     rank, world = _init_dist()
@@ -324,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         handle_sigterm=args.handle_sigterm,
         on_save_outcome=events.save if events is not None else None,
     )
-    step = 0 if args.no_resume else resume(mgr, model, opt, sampler, rank)
+    step = 0 if args.no_resume else resume(mgr, model, opt, sampler, rank, args.resume_step)
     if step:
         dump_global(model, opt, args.dump_loaded, rank)
         if rank == 0:

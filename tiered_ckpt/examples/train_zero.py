@@ -6,7 +6,10 @@ Run (4 ranks, gloo on CPU)::
         --steps 60 --ckpt-every 10 --root /tmp/ckpt --seed 0 --loss-log /tmp/loss.jsonl
 
 Run it again with the same arguments after a crash and it resumes from the newest step committed in
-every rank's root; the loss curve continues exactly as if it had never stopped.
+every rank's root; the loss curve continues exactly as if it had never stopped. ``--resume-step N``
+rolls back: it resumes from committed step ``N`` instead (failing with ``NoCheckpointError`` when
+``N`` is not committed and current), and its first save starts a new attempt of the run's lineage
+that supersedes the steps after ``N`` (SPEC §11), as in ``train_fsdp2``.
 
 Data: the Python standard library's own ``.py`` sources (sorted file list, the first
 ``--data-bytes`` bytes), cut into windows of ``seq_len + 1`` bytes; the order of windows is
@@ -293,6 +296,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-resume", action="store_true", help="start fresh even if a checkpoint exists"
     )
     p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        help="resume from this committed step instead of the newest (a rollback: the saves after "
+        "it start a new attempt that supersedes the newer steps)",
+    )
+    p.add_argument(
         "--remote-url",
         default=None,
         help="s3://bucket/prefix the upload sidecar writes to: a resume restores from it what this "
@@ -304,7 +314,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="rotation deletes a local step only once the sidecar has uploaded it",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.resume_step is not None and (args.no_resume or args.resume_step < 1):
+        p.error("--resume-step takes a step >= 1 and excludes --no-resume")
+    return args
 
 
 def _init_dist() -> tuple[int, int]:
@@ -319,14 +332,18 @@ def _init_dist() -> tuple[int, int]:
 
 
 def _resume(
-    mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSampler
+    mgr: CheckpointManager, opt: FlatZero1, sampler: ShuffledBatchSampler, step: int | None = None
 ) -> tuple[int, list[float]]:
-    """Load the newest step committed in every rank's root into ``opt``, ``sampler`` and the RNGs (a
-    rank that a reshard to more ranks added has none: its streams stay seeded as at a fresh start).
-    Returns ``(step, loss_history)``; ``(0, [])`` when nothing is committed (a fresh start)."""
+    """Load ``step`` (``None``: the newest step committed in every rank's root) into ``opt``,
+    ``sampler`` and the RNGs (a rank that a reshard to more ranks added has none: its streams stay
+    seeded as at a fresh start). Returns ``(step, loss_history)``; ``(0, [])`` when nothing is
+    committed (a fresh start). A ``step`` asked for that is not committed raises
+    ``NoCheckpointError``."""
     try:
-        st = mgr.load()
+        st = mgr.load(step)
     except NoCheckpointError:
+        if step is not None:  # a rollback to a step that is not there is no fresh start
+            raise
         return 0, []
     opt.load(st["zero"])
     prog = st["progress"]
@@ -337,8 +354,8 @@ def _resume(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train (resuming from the newest checkpoint under ``--root`` unless ``--no-resume``). Returns
-    0."""
+    """Train (resuming from the newest checkpoint under ``--root``, or ``--resume-step``, unless
+    ``--no-resume``). Returns 0."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     rank, world = _init_dist()
@@ -377,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         handle_sigterm=args.handle_sigterm,
         on_save_outcome=events.save if events is not None else None,
     )
-    step, history = (0, []) if args.no_resume else _resume(mgr, opt, sampler)
+    step, history = (0, []) if args.no_resume else _resume(mgr, opt, sampler, args.resume_step)
     if step and rank == 0:
         print(f"resumed from step {step} (parameters sha256 {opt.params_sha256()})", flush=True)
         if events is not None:
