@@ -330,8 +330,18 @@ class TieredStorageReader(StorageReader):
                 endpoint_url=self.endpoint_url,
                 s3_client=self.s3_client,
             )
+            # a root holding the same save (another node's, when the leader's lacks the step)
+            # reads its own shards from disk; the bucket's copy serves what it lacks
+            self._from_bucket = self._local_save_id(m.step) != m.save_id
         self.metadata_decode = "trusted"
         return m, info, metadata_json.decode_trusted(got.metadata, f"step {m.step}: DCP metadata")
+
+    def _local_save_id(self, step: int) -> str | None:
+        """The save id of ``step`` committed in this root, ``None`` when it has none."""
+        try:
+            return read_manifest(self.root, step).save_id
+        except CheckpointError:
+            return None
 
     def _shard_here(self, m: ShardManifest, rank: int) -> bool:
         """Whether rank ``rank`` 's shard of ``m`` is an entry of the local step directory (not
