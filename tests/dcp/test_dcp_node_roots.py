@@ -91,6 +91,8 @@ def test_manager_node_roots_upload_and_a_replaced_node_restores(tmp_path: Path, 
     shutil.rmtree(tmp_path / "node1")  # node B is replaced: its disk is empty
     results = run_ranks(tmp_path, "resume", s3_bucket.url, s3_bucket.endpoint_url)
     assert [(r["loaded"], r["bad"]) for r in results] == [(3, [])] * 4
+    # the manager's load is collective: rank 0 alone validated the metadata, the others received it
+    assert [r["strict_decodes"] for r in results] == [1, 0, 0, 0]
     assert committed_steps(tmp_path / "node1") == [3]
     assert read_node_ranks(tmp_path / "node1" / "step_0000000003", 4) == {2, 3}  # its ranks only
     assert cli_main(["verify", str(tmp_path / "node1")]) == 0
