@@ -86,3 +86,42 @@ def test_no_sharing_outside_a_dcp_load(tmp_path: Path) -> None:
     """Not inside ``dcp.load``, and torch.distributed not initialized: nothing to share."""
     assert metadata_share.dcp_load_share() is None
     assert metadata_share.share_of(None) is None
+
+
+def _in_memory_share(monkeypatch: pytest.MonkeyPatch, readers: list[Any]) -> None:
+    """Reader ``k`` of ``readers`` as rank ``k`` of a shared read, the broadcast handed over in
+    memory (the readers' own leader and receiver code)."""
+    box: dict[str, bytes] = {}
+
+    def in_memory(share: Any, payload: bytes | None) -> bytes:
+        if payload is not None:
+            box["payload"] = payload
+        return box["payload"]
+
+    monkeypatch.setattr(metadata_share, "broadcast", in_memory)
+    for k, rd in enumerate(readers):
+        rd._share = lambda k=k: metadata_share.Share(None, k)
+
+
+def test_a_receiver_whose_root_holds_another_save_of_the_step_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    for node in ("a", "b"):
+        tdcp.save(state, tmp_path / node, 1)  # two saves of step 1: two save ids
+    leader, other = (
+        tdcp.TieredStorageReader(tmp_path / "a", 1),
+        tdcp.TieredStorageReader(tmp_path / "b", 1),
+    )
+    _in_memory_share(monkeypatch, [leader, other])
+    md = leader.read_metadata()
+    assert leader.metadata_decode == "strict"
+    with pytest.raises(DcpMetadataError, match="holds save"):
+        other.read_metadata()
+    # a root without the step takes the leader's manifest and metadata, decoded trusted
+    empty = tdcp.TieredStorageReader(tmp_path / "none", 1)
+    _in_memory_share(monkeypatch, [leader, empty])
+    leader.read_metadata()
+    got = empty.read_metadata()
+    assert empty.metadata_decode == "trusted"
+    assert got.state_dict_metadata == md.state_dict_metadata and empty.step == 1

@@ -313,6 +313,12 @@ class TieredStorageReader(StorageReader):
             raise DcpMetadataError(
                 f"{where}: {len(got.metadata)} bytes, the manifest says {info.metadata_bytes}"
             )
+        here = self._local_save_id(m.step)
+        if not got.from_bucket and here not in (None, m.save_id):
+            raise DcpMetadataError(
+                f"{where}: rank 0 read save {m.save_id} of step {m.step}, this rank's root "
+                f"{self.root} holds save {here}"
+            )
         self._from_bucket = got.from_bucket
         if got.from_bucket:
             if self.remote_url is None:
@@ -332,7 +338,7 @@ class TieredStorageReader(StorageReader):
             )
             # a root holding the same save (another node's, when the leader's lacks the step)
             # reads its own shards from disk; the bucket's copy serves what it lacks
-            self._from_bucket = self._local_save_id(m.step) != m.save_id
+            self._from_bucket = here != m.save_id
         self.metadata_decode = "trusted"
         return m, info, metadata_json.decode_trusted(got.metadata, f"step {m.step}: DCP metadata")
 
