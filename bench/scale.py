@@ -1,8 +1,8 @@
-"""Benchmark: a simulated big job, 512 ranks x 2,000 tensors per rank (issue 12, "Show").
+"""Benchmark: a simulated big job, 512 ranks x 2,000 tensors per rank.
 
     python bench/scale.py [--ranks 512] [--tensors 2000] [--reps 3] [--json bench/out/scale.json]
     python bench/scale.py --smoke            # 8 ranks x 50 tensors, 1 rep, no floors enforced
-    python bench/scale.py --dcp-only         # only the DCP metadata rows (no files, no moto)
+    python bench/scale.py --dcp-only         # only the DCP metadata rows (no shard files)
 
 Real files with tiny tensors (``--tensor-bytes``, 16 by default: every tensor a float32 slice of a
 global tensor split over all ranks, as FSDP shards parameters), so a step is a few hundred MB at
@@ -29,6 +29,16 @@ most. Setup (not timed): every rank's shard is written with ``write_shard``; the
   decoded (strictly validated) with ``decode``, as every loading rank's ``read_metadata`` does;
   reported with its bytes per tensor x chunk (it grows with tensors x chunks, not with tensor
   sizes). No floor.
+* ``dcp md ...`` (the metadata read once per collective load, :mod:`tiered_ckpt.dcp.metadata_share`):
+  per rank before (every rank decodes strictly: the ``decode`` time) and after (rank 0 still
+  decodes strictly, then broadcasts; every other rank checks the sha256 and runs
+  ``metadata_json.decode_trusted``); ``broadcast xN`` (``--bcast-ranks``, 4 by default): the real
+  gloo broadcast of the payload over N local processes, until the last rank has it;
+  ``bucket reqs`` (``--share-nodes``, 64 by default; needs moto, skipped by ``--no-remote``): the
+  requests of a 64-node load of a step only the bucket holds, planning part (``read_metadata``),
+  one reader per node in this process, counted by a botocore ``before-send`` handler: before
+  (every reader alone) and after (reader 0 leads, the others get its payload in memory); the
+  formula is printed with it.
 
 Manifest bytes are reported against the same step's manifest in the per-tensor design this round
 left (every tensor record, chunk CRC32Cs included, in ``manifest.json``), built from the shards' own
@@ -63,7 +73,7 @@ from tiered_ckpt.local.commit import commit_step  # noqa: E402
 from tiered_ckpt.local.writer import write_shard  # noqa: E402
 
 MiB = 1024 * 1024
-#: Floors of issue 12 ("Show"): seconds, or bytes for the manifest.
+#: Floors: seconds, or bytes for the manifest.
 FLOORS = {
     "manifest_bytes": 1 * MiB,
     "commit": 1.0,
@@ -110,7 +120,7 @@ def manifest_only_step(root: Path, manifest: ShardManifest, step: int) -> None:
 
 def manifest_with_tensors_bytes(root: Path, step: int) -> int:
     """Bytes of ``manifest.json`` if every shard record listed its tensors (dtype, shape, offsets,
-    global slice, chunk CRC32Cs), as manifests did before issue 12, rebuilt from the verified shard
+    global slice, chunk CRC32Cs), as manifests did in the per-tensor design, rebuilt from the verified shard
     headers."""
     from tiered_ckpt.local.verified_read import manifest_with_tensors
 
@@ -165,13 +175,15 @@ def dcp_metadata(ranks: int, tensors: int) -> tuple:
     return md, raw, time.perf_counter() - t
 
 
-def time_dcp_metadata(ranks: int, tensors: int, reps: int) -> dict:
+def time_dcp_metadata(ranks: int, tensors: int, reps: int) -> tuple[dict, bytes]:
     """The ``dcp metadata`` rows: bytes, bytes per tensor x chunk, encode and decode times
-    (``reps``)."""
+    (``reps``: strict, and as a receiving rank decodes it); and the encoded bytes."""
+    import hashlib
+
     from tiered_ckpt.dcp import metadata_json
 
     md, raw, t_enc = dcp_metadata(ranks, tensors)
-    enc, dec = [t_enc], []
+    enc, dec, trusted = [t_enc], [], []
     for rep in range(reps):
         if rep:
             t = time.perf_counter()
@@ -180,6 +192,12 @@ def time_dcp_metadata(ranks: int, tensors: int, reps: int) -> dict:
         t = time.perf_counter()
         back = metadata_json.decode(raw, ranks)
         dec.append(time.perf_counter() - t)
+        assert len(back.storage_data) == ranks * tensors
+        del back
+        t = time.perf_counter()  # what a rank receiving the metadata does: sha256, then no checks
+        hashlib.sha256(raw).hexdigest()
+        back = metadata_json.decode_trusted(raw)
+        trusted.append(time.perf_counter() - t)
         assert len(back.storage_data) == ranks * tensors
         del back
     chunks = ranks * tensors
@@ -192,6 +210,7 @@ def time_dcp_metadata(ranks: int, tensors: int, reps: int) -> dict:
         "bytes_per_tensor_x_chunk": len(raw) / chunks,
         "encode_s": enc,
         "decode_s": dec,
+        "decode_trusted_s": trusted,
         "max_bytes": metadata_json.MAX_METADATA_BYTES,
         "dcp_pickle_bytes": base_bytes,
         "dcp_pickle_dump_s": base_dump,
@@ -200,10 +219,11 @@ def time_dcp_metadata(ranks: int, tensors: int, reps: int) -> dict:
     print(
         f"dcp metadata: {tensors} tensors x {ranks} chunks = {chunks:,} chunks: {len(raw):,} bytes "
         f"({len(raw) / MiB:.1f} MiB), {len(raw) / chunks:.0f} bytes per tensor x chunk; encode {median(enc):.3f} s, "
-        f"decode {median(dec):.3f} s (median of {reps})",
+        f"decode {median(dec):.3f} s, received (sha256 + trusted decode) {median(trusted):.3f} s "
+        f"(median of {reps})",
         flush=True,
     )
-    return out
+    return out, raw
 
 
 def dcp_pickle_baseline(md: object, ranks: int, reps: int) -> tuple[int, list[float], list[float]]:
@@ -273,9 +293,239 @@ def dcp_note(d: dict) -> str:
     return (
         f"DCP metadata grows as tensors x chunks: {d['bytes_per_tensor_x_chunk']:.0f} bytes per tensor x chunk "
         f"here ({d['tensors']} tensors x {d['chunks_per_tensor']} chunks, FSDP-style: chunks = ranks), independent "
-        f"of tensor sizes; every loading rank reads and decodes all of it; cap {d['max_bytes']:,} bytes "
+        f"of tensor sizes; in a collective load rank 0 reads and decodes it strictly, the others receive it (dcp md rows); cap {d['max_bytes']:,} bytes "
         f"(~{d['max_bytes'] / d['bytes_per_tensor_x_chunk'] / 1e6:.0f} M tensor x chunks)"
     )
+
+
+def _broadcast_rank(rank: int, world: int, init: str, raw: bytes, out: str) -> None:
+    """One gloo rank of :func:`time_broadcast` (``torch.multiprocessing.spawn``)."""
+    import torch
+    import torch.distributed as dist
+
+    from tiered_ckpt.dcp import metadata_json, metadata_share
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    share = metadata_share.Share(None, rank)
+    payload = metadata_share.pack(1, False, b"{}", b"", raw) if rank == 0 else None
+    dist.barrier()
+    t = time.perf_counter()
+    got = metadata_share.broadcast(share, payload)
+    t_bcast = time.perf_counter() - t
+    dist.barrier()
+    t_all = time.perf_counter() - t  # until the last rank has it
+    t_dec = None
+    if rank:
+        t = time.perf_counter()
+        md = metadata_share.unpack(got, "bench").metadata
+        metadata_json.decode_trusted(md)
+        t_dec = time.perf_counter() - t
+    Path(out, f"bcast_{rank}.json").write_text(
+        json.dumps({"broadcast_s": t_bcast, "all_s": t_all, "decode_s": t_dec})
+    )
+    dist.destroy_process_group()
+
+
+def time_broadcast(raw: bytes, world: int) -> dict:
+    """The metadata's broadcast (:func:`tiered_ckpt.dcp.metadata_share.broadcast`, gloo, ``world``
+    local processes): seconds until each rank has the payload, and until the last one has it; each
+    receiver's unpack (sha256) + trusted decode (all receivers at once, on this machine's cores)."""
+    import torch.multiprocessing as tmp
+
+    d = tempfile.mkdtemp(prefix="bench-bcast-")
+    try:
+        init = f"file://{d}/rendezvous"
+        tmp.spawn(_broadcast_rank, args=(world, init, raw, d), nprocs=world, join=True)
+        got = [json.loads(Path(d, f"bcast_{r}.json").read_text()) for r in range(world)]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    out = {
+        "world": world,
+        "payload_bytes": len(raw),
+        "broadcast_s": [g["broadcast_s"] for g in got],
+        "until_all_s": max(g["all_s"] for g in got),
+        "receiver_decode_s": [g["decode_s"] for g in got[1:]],
+    }
+    print(
+        f"metadata broadcast over gloo, {world} local ranks: {out['until_all_s']:.3f} s until every "
+        f"rank has {len(raw):,} bytes; receivers' unpack + trusted decode "
+        f"{median(out['receiver_decode_s']):.3f} s (median, {world - 1} at once)",
+        flush=True,
+    )
+    return out
+
+
+def dcp_step_in_process(root: Path, step: int, world: int) -> None:
+    """A DCP step of ``world`` ranks written by ``dcp.save``'s lifecycle in one process (rank ``r``:
+    one small tensor of its own), as tests/dcp/test_dcp_remote_read.py writes two."""
+    import torch
+
+    from tiered_ckpt import dcp as tdcp
+
+    writers = [tdcp.TieredStorageWriter(root, step) for _ in range(world)]
+    planners = [tdcp.TieredSavePlanner() for _ in range(world)]
+    local = []
+    for r, (w, p) in enumerate(zip(writers, planners)):
+        sd = {f"model.layer{r}.weight": torch.full((16, 16), float(r))}
+        p.set_up_planner(state_dict=sd, storage_meta=w.storage_meta(), is_coordinator=r == 0)
+        w.set_up_storage_writer(r == 0, rank=r)
+        local.append(w.prepare_local_plan(p.create_local_plan()))
+    plans, md = planners[0].create_global_plan(local)
+    plans = writers[0].prepare_global_plan(plans)
+    results = [
+        w.write_data(p.finish_plan(plan), p).value() for w, p, plan in zip(writers, planners, plans)
+    ]
+    writers[0].finish(md, results)
+
+
+def bucket_requests(nodes: int, endpoint: str, work: Path) -> dict:
+    """Requests to the bucket of a ``nodes``-node load of a step only the bucket holds, planning
+    part (``read_metadata``: choose the save, read its manifests and the metadata): one
+    :class:`TieredStorageReader` per node in this process against the embedded moto server, each
+    request counted by a botocore ``before-send`` handler. ``before``: every reader reads on its
+    own (``share_metadata=False``); ``after``: reader 0 leads and the others receive its payload
+    (the reader's own code; the broadcast replaced by handing the bytes over in memory)."""
+    import s3_infra
+
+    from tiered_ckpt.dcp import TieredStorageReader, metadata_share
+    from tiered_ckpt.remote.upload.uploader import Uploader
+
+    root = work / "dcp_run"
+    dcp_step_in_process(root, 1, nodes)
+    loc = s3_infra.new_bucket(endpoint, prefix="dcp-scale")
+    client = s3_infra.make_test_client(endpoint, read_timeout_s=600)
+    with Uploader(root, loc.url, s3_client=client) as up:
+        up.upload_step(1)
+    log: list[tuple[str, bool]] = []
+
+    def seen(request: object, event_name: str, **kw: object) -> None:
+        log.append((event_name.rsplit(".", 1)[-1], "Range" in request.headers))  # type: ignore[attr-defined]
+
+    client.meta.events.register("before-send.s3", seen)
+    empty = work / "dcp_empty"  # the nodes' roots: no step, read from the bucket
+    out: dict = {"nodes": nodes, "objects": sum(1 for _ in root.rglob("*") if _.is_file())}
+
+    def per_reader(share: bool) -> list[dict[str, int]]:
+        box: dict[str, bytes] = {}
+        real = metadata_share.broadcast
+
+        def in_memory(sh: object, payload: bytes | None) -> bytes:
+            if payload is not None:
+                box["payload"] = payload
+            return box["payload"]
+
+        metadata_share.broadcast = in_memory  # type: ignore[assignment]
+        counts = []
+        try:
+            for r in range(nodes):
+                rd = TieredStorageReader(
+                    empty, 1, remote_url=loc.url, s3_client=client, share_metadata=False
+                )
+                if share:
+                    rd._share = lambda r=r: metadata_share.Share(None, r)  # type: ignore[method-assign]
+                del log[:]
+                rd.read_metadata()
+                rd.close()
+                c: dict[str, int] = {}
+                for op, ranged in log:
+                    k = f"{op}{' (ranged)' if ranged else ''}"
+                    c[k] = c.get(k, 0) + 1
+                counts.append(c)
+        finally:
+            metadata_share.broadcast = real  # type: ignore[assignment]
+        return counts
+
+    for case in ("before", "after"):
+        counts = per_reader(case == "after")
+        out[case] = {
+            "total": sum(sum(c.values()) for c in counts),
+            "reader_0": counts[0],
+            "others": [sum(c.values()) for c in counts[1:]],
+        }
+    b, a = out["before"], out["after"]
+    print(
+        f"bucket requests, {nodes}-node load from the bucket (read_metadata): before "
+        f"{b['total']} ({b['reader_0']} per reader), after {a['total']} (reader 0: "
+        f"{a['reader_0']}; the others {sum(a['others'])})",
+        flush=True,
+    )
+    return out
+
+
+def share_rows(d: dict, bc: dict | None, br: dict | None) -> list[list[str]]:
+    """The rows of the shared metadata read: per-rank decode before / after, broadcast, bucket
+    requests."""
+    dec, tr = median(d["decode_s"]), median(d["decode_trusted_s"])
+    rows = [
+        [
+            "dcp md per rank, before",
+            f"{dec:.3f} s",
+            "strict, every rank",
+            "-",
+            "reported",
+            "-",
+        ],
+        [
+            "dcp md rank 0, after",
+            f"{dec:.3f} s",
+            "strict + broadcast",
+            "-",
+            "reported",
+            "-",
+        ],
+        [
+            "dcp md others, after",
+            f"{tr:.3f} s",
+            "%.3f-%.3f sha256+trusted" % spread(d["decode_trusted_s"]),
+            f"{dec / tr:.2f}",
+            "reported",
+            "-",
+        ],
+    ]
+    if bc is not None:
+        rows.append(
+            [
+                f"dcp md broadcast x{bc['world']}",
+                f"{bc['until_all_s']:.3f} s",
+                f"gloo, {bc['world']} local ranks",
+                "-",
+                "reported",
+                "-",
+            ]
+        )
+    if br is not None:
+        n, b, a = br["nodes"], br["before"], br["after"]
+        rows.append(
+            [
+                f"bucket reqs {n}-node plan",
+                f"{a['total']}",
+                f"before {b['total']} ({n} x {sum(b['reader_0'].values())})",
+                f"{b['total'] / max(a['total'], 1):.0f}x",
+                "reported",
+                "-",
+            ]
+        )
+    return rows
+
+
+def share_note(br: dict | None) -> str:
+    """The request count as a formula, checked against the count measured."""
+    text = (
+        "bucket requests of one rank opening a step from the bucket: 1 GET latest pointer + 1 GET "
+        "run.json + L LIST pages (1000 keys each) + S GETs of the listed saves' upload manifests + "
+        "1 GET manifest.json + the metadata rank's shard: 1 ranged GET of its header + "
+        "ceil(metadata bytes / 16 MiB) ranged GETs; before: every loading rank (N x that); after: "
+        "rank 0 alone (1 x that); each rank's ranged GETs of its own shards follow either way"
+    )
+    if br is not None:
+        r0 = br["before"]["reader_0"]
+        text += (
+            f". Measured ({br['nodes']} nodes, 1 save, {br['objects']} local files uploaded): "
+            f"{sum(r0.values())} per reader ({', '.join(f'{k} {v}' for k, v in sorted(r0.items()))})"
+            f"; before {br['before']['total']}, after {br['after']['total']}"
+        )
+    return text
 
 
 def time_ls(root: Path) -> float:
@@ -304,25 +554,64 @@ def main() -> int:
         "--smoke", action="store_true", help="8 ranks x 50 tensors, 1 rep, floors not enforced"
     )
     ap.add_argument(
-        "--dcp-only", action="store_true", help="only the DCP metadata rows (no files, no moto)"
+        "--dcp-only",
+        action="store_true",
+        help="only the DCP metadata rows (no shard files; moto for the bucket-request rows)",
+    )
+    ap.add_argument(
+        "--bcast-ranks",
+        type=int,
+        default=4,
+        help="local gloo ranks the metadata broadcast is timed over (0: not timed)",
+    )
+    ap.add_argument(
+        "--share-nodes",
+        type=int,
+        default=64,
+        help="nodes of the bucket-request count (one reader each; 0: not counted)",
     )
     args = ap.parse_args()
     if args.smoke:
         args.ranks, args.tensors, args.ls_steps, args.reps = 8, 50, 5, 1
-    dcp = time_dcp_metadata(args.ranks, args.tensors, args.reps)
+    dcp, raw = time_dcp_metadata(args.ranks, args.tensors, args.reps)
+    bcast = time_broadcast(raw, args.bcast_ranks) if args.bcast_ranks > 1 else None
+    del raw
     if args.dcp_only:
+        reqs = None
+        if not args.no_remote and args.share_nodes > 1:
+            import s3_infra
+
+            os.environ.update(s3_infra.TEST_AWS_ENV)
+            for k in s3_infra.TEST_AWS_ENV_REMOVE:
+                os.environ.pop(k, None)
+            work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir))
+            try:
+                with s3_infra.run_moto_server() as endpoint:
+                    reqs = bucket_requests(args.share_nodes, endpoint, work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
         print()
         print(
             table(
-                ["row", "ours (median)", "min-max / per chunk", "ratio", "floor", ""], dcp_rows(dcp)
+                ["row", "ours (median)", "min-max / per chunk", "ratio", "floor", ""],
+                dcp_rows(dcp) + share_rows(dcp, bcast, reqs),
             )
         )
         print(dcp_note(dcp))
+        print(share_note(reqs))
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(
                 json.dumps(
-                    {"ranks": args.ranks, "tensors": args.tensors, "dcp_metadata": dcp}, indent=1
+                    {
+                        "ranks": args.ranks,
+                        "tensors": args.tensors,
+                        "machine": machine_note(),
+                        "dcp_metadata": dcp,
+                        "metadata_broadcast": bcast,
+                        "bucket_requests": reqs,
+                    },
+                    indent=1,
                 )
             )
         return 0
@@ -355,6 +644,7 @@ def main() -> int:
             manifest_only_step(root, first, s)
         cases = ["commit", "load_rank", "ls_100"]
         plan_cm = None
+        reqs = None
         if not args.no_remote:
             import s3_infra
 
@@ -374,6 +664,8 @@ def main() -> int:
                 up.upload_step(1)
             print(f"uploaded step 1 to moto in {time.perf_counter() - t:.1f} s", flush=True)
             cases += ["plan_rank", "plan_all"]
+            if args.share_nodes > 1:
+                reqs = bucket_requests(args.share_nodes, endpoint, work)
         for rep, case in interleaved(cases, args.reps):
             if case == "commit":
                 (root / step_dir_name(1) / MANIFEST_NAME).unlink()  # commit step 1 again
@@ -417,6 +709,8 @@ def main() -> int:
     result["manifest_bytes_with_tensor_records"] = legacy
     result["cases"] = {}
     result["dcp_metadata"] = dcp
+    result["metadata_broadcast"] = bcast
+    result["bucket_requests"] = reqs
     for case, xs in times.items():
         med = median(xs)
         lo, hi = spread(xs)
@@ -442,10 +736,11 @@ def main() -> int:
     print(
         table(
             ["row", "ours (median)", "min-max / per-tensor", "ratio", "floor", ""],
-            rows + dcp_rows(dcp),
+            rows + dcp_rows(dcp) + share_rows(dcp, bcast, reqs),
         )
     )
     print(dcp_note(dcp))
+    print(share_note(reqs))
     result["pass"] = ok
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (``spawn.start_ranks``). Modes:
   (DCP's checkpoint process writes, holding a copy of the writer) saves steps 1 and 2, then
   :func:`tiered_ckpt.dcp.load` reads the newest back byte for byte;
 - ``resume``: a manager with ``REMOTE_URL`` loads the newest step into zeros (a replaced node's
-  ranks are restored from the bucket first) and compares it with the state saved.
+  ranks are restored from the bucket first) and compares it with the state saved, counting this
+  rank's strict (validating) metadata decodes.
 
 Each rank writes ``OUT_DIR/<MODE>_<rank>.json``.
 """
@@ -87,11 +88,22 @@ def main() -> None:
             from tiered_ckpt.store.s3 import make_s3_client
 
             client = make_s3_client(endpoint_url=sys.argv[4], region_name="us-east-1")
+            from tiered_ckpt.dcp import metadata_json
+
+            strict = metadata_json.decode
+            decodes: list[int] = []
+
+            def counted(*a, **k):
+                decodes.append(1)
+                return strict(*a, **k)
+
+            metadata_json.decode = counted
             with tdcp.DCPCheckpointManager(root, remote_url=sys.argv[3], s3_client=client) as mgr:
                 back = make_state(mesh, False)
                 mgr.load(into=back)
                 res["loaded"] = mgr.loaded_step
                 res["bad"] = compare(make_state(mesh, True), back)
+            res["strict_decodes"] = len(decodes)
     except Exception as exc:  # reported to the test
         res["error"] = f"{type(exc).__name__}: {exc}"
     (out / f"{mode}_{rank}.json").write_text(json.dumps(res))

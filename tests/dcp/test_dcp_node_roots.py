@@ -5,6 +5,7 @@ replaced node (its root lost) restores its ranks from the bucket and loads."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.dcp import TieredStorageReader
 from tiered_ckpt.errors import DcpMetadataError
 from tiered_ckpt.layout import DCP_METADATA_NAME
-from tiered_ckpt.local.catalogue import committed_steps, read_manifest_bytes
+from tiered_ckpt.local.catalogue import committed_steps, read_manifest, read_manifest_bytes
 from tiered_ckpt.local.held_ranks import read_node_ranks
 from tiered_ckpt.remote.errors import StepIncompleteError
 from tiered_ckpt.remote.upload.uploader import Uploader
@@ -90,9 +91,21 @@ def test_manager_node_roots_upload_and_a_replaced_node_restores(tmp_path: Path, 
     shutil.rmtree(tmp_path / "node1")  # node B is replaced: its disk is empty
     results = run_ranks(tmp_path, "resume", s3_bucket.url, s3_bucket.endpoint_url)
     assert [(r["loaded"], r["bad"]) for r in results] == [(3, [])] * 4
+    # the manager's load is collective: rank 0 alone validated the metadata, the others received it
+    assert [r["strict_decodes"] for r in results] == [1, 0, 0, 0]
     assert committed_steps(tmp_path / "node1") == [3]
     assert read_node_ranks(tmp_path / "node1" / "step_0000000003", 4) == {2, 3}  # its ranks only
     assert cli_main(["verify", str(tmp_path / "node1")]) == 0
+    # the restored root holds the metadata (rank 0's shard is on node 0) as the manifest names it:
+    # it loads without the bucket
+    copy = (tmp_path / "node1" / "step_0000000003" / DCP_METADATA_NAME).read_bytes()
+    info = read_manifest(tmp_path / "node1", 3).extra["dcp"]
+    assert (len(copy), hashlib.sha256(copy).hexdigest()) == (
+        info["metadata_bytes"],
+        info["metadata_sha256"],
+    )
+    md = TieredStorageReader(tmp_path / "node1", 3).read_metadata()
+    assert "model.w" in md.state_dict_metadata
 
 
 @pytest.mark.slow

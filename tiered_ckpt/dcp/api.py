@@ -275,8 +275,15 @@ def load(
     (plain CPU tensors of the global shape, built from the step's metadata)."""
     if whole_step and state_dict:
         raise ValueError("whole_step=True needs an empty state_dict")
+    no_dist = _no_dist()
     reader = TieredStorageReader(
-        root, step, remote_url=remote_url, endpoint_url=endpoint_url, s3_client=s3_client
+        root,
+        step,
+        remote_url=remote_url,
+        endpoint_url=endpoint_url,
+        s3_client=s3_client,
+        share_metadata=not no_dist,
+        process_group=process_group,
     )
     try:
         with typed_errors(reader):
@@ -287,7 +294,7 @@ def load(
                 storage_reader=reader,
                 planner=WholeStepLoadPlanner() if whole_step else TieredLoadPlanner(),
                 process_group=process_group,
-                no_dist=_no_dist(),
+                no_dist=no_dist,
             )
     finally:
         reader.close()

@@ -203,19 +203,26 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _tensor(e: TensorEntry) -> tuple[TensorStorageMetadata, dict[Any, int]]:
-    """DCP's metadata of one tensor, and its chunks' ``{offsets: rank}``."""
+def _tensor(
+    e: TensorEntry, shared: dict[tuple[int, ...], torch.Size]
+) -> tuple[TensorStorageMetadata, dict[Any, int]]:
+    """DCP's metadata of one tensor, and its chunks' ``{offsets: rank}``. ``shared``: one
+    ``torch.Size`` per distinct offsets or sizes across the whole metadata (FSDP's chunks of
+    every tensor sit at the same few offsets; immutable, so shared), filled here."""
     nd, n = len(e.size), len(e.chunks)
     cols = e.chunks.T.tolist()  # a few long lists: no object per chunk before the chunk's own
-    chunks, sizes, offsets = [], {}, []
-    new, tsize = ChunkStorageMetadata, torch.Size
+    chunks, offsets = [], []
+    new, tsize, get = ChunkStorageMetadata, torch.Size, shared.get
     pairs = zip(zip(*cols[1 : 1 + nd]), zip(*cols[1 + nd :])) if nd else [((), ())] * n
     for o, s in pairs:
-        ts = sizes.get(s)
-        if ts is None:  # chunks of one tensor mostly share a shape: one torch.Size each
-            ts = sizes[s] = tsize(s)
-        offsets.append(to := tsize(o))  # also the placement's key (a tuple: same hash, equal)
-        chunks.append(new(offsets=to, sizes=ts))
+        to = get(o)
+        if to is None:
+            to = shared[o] = tsize(o)
+        ts = get(s)
+        if ts is None:
+            ts = shared[s] = tsize(s)
+        offsets.append(to)  # also the placement's key (a tuple: same hash, equal)
+        chunks.append(new(to, ts))
     props = TensorProperties(
         dtype=DTYPE_BY_NAME[e.dtype],
         layout=torch.strided,
@@ -225,6 +232,26 @@ def _tensor(e: TensorEntry) -> tuple[TensorStorageMetadata, dict[Any, int]]:
     )
     md = TensorStorageMetadata(properties=props, size=torch.Size(e.size), chunks=chunks)
     return md, dict(zip(offsets, cols[0]))
+
+
+def _metadata(table: dcp_metadata.MetadataTable) -> Metadata:
+    sdm: dict[str, Any] = {}
+    placed: dict[str, dict[Any, int]] = {}
+    shared: dict[tuple[int, ...], torch.Size] = {}
+    with _gc_paused():
+        for fqn, e in table.entries.items():
+            if isinstance(e, BytesEntry):
+                sdm[fqn], placed[fqn] = BytesStorageMetadata(), {BYTES: e.rank}
+            else:
+                sdm[fqn], placed[fqn] = _tensor(e, shared)
+    sm = table.storage_meta
+    return Metadata(
+        state_dict_metadata=sdm,
+        planner_data=table.planner_data,
+        storage_data=Placement(placed),
+        storage_meta=None if sm is None else StorageMeta(**sm),
+        version=table.version,
+    )
 
 
 def decode(raw: bytes, world_size: int, where: str = "DCP metadata") -> Metadata:
@@ -237,22 +264,22 @@ def decode(raw: bytes, world_size: int, where: str = "DCP metadata") -> Metadata
     for fqn, e in table.entries.items():
         if isinstance(e, TensorEntry) and e.dtype not in DTYPE_BY_NAME:
             raise DcpMetadataError(f"{where}: {fqn[:80]!r} has dtype {e.dtype}, unknown to torch")
-    sdm: dict[str, Any] = {}
-    placed: dict[str, dict[Any, int]] = {}
-    with _gc_paused():
-        for fqn, e in table.entries.items():
-            if isinstance(e, BytesEntry):
-                sdm[fqn], placed[fqn] = BytesStorageMetadata(), {BYTES: e.rank}
-            else:
-                sdm[fqn], placed[fqn] = _tensor(e)
-    sm = table.storage_meta
-    return Metadata(
-        state_dict_metadata=sdm,
-        planner_data=table.planner_data,
-        storage_data=Placement(placed),
-        storage_meta=None if sm is None else StorageMeta(**sm),
-        version=table.version,
-    )
+    return _metadata(table)
 
 
-__all__ = ["FORMAT", "MAX_METADATA_BYTES", "decode", "encode"]
+def decode_trusted(raw: bytes, where: str = "DCP metadata") -> Metadata:
+    """The ``Metadata`` of bytes :func:`decode` already accepted elsewhere, without validating
+    them again (:func:`tiered_ckpt.format.dcp_metadata.parse_trusted`): for the DCP reader's ranks
+    that receive the metadata its leading rank read, decoded and sent with its sha256 (checked by
+    the receiver first). Never unpickles. Raises :class:`DcpMetadataError` for bytes without the
+    shape of a metadata (other damage is not diagnosed: pass only bytes :func:`decode` accepted)."""
+    table = dcp_metadata.parse_trusted(raw, where)
+    try:
+        return _metadata(table)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise DcpMetadataError(
+            f"{where}: not a metadata table ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+
+
+__all__ = ["FORMAT", "MAX_METADATA_BYTES", "decode", "decode_trusted", "encode"]

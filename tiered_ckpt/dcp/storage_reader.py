@@ -6,8 +6,13 @@ DCP's lifecycle (``dcp.load``):
 
 0. (all) ``reset(checkpoint_id)``: root and step from a ``<root>/step_XXXXXXXXXX`` id.
 1. (all) ``read_metadata()``: the given step or the newest current one; the metadata tensor read
-   verified and decoded strictly (never unpickled). A typed error is also kept in
-   :attr:`TieredStorageReader.metadata_error` (DCP replaces it by an ``AssertionError``).
+   verified and decoded strictly (never unpickled). In a collective load only the group's rank 0
+   does so and broadcasts the manifest and metadata (and, for a step from the bucket, the upload
+   manifest): the others check its sha256 and decode it without a second validation, and open no
+   bucket listing or manifest themselves (:mod:`tiered_ckpt.dcp.metadata_share`, which also says
+   how the reader knows a load is collective: ``share_metadata``). A typed error is also kept in
+   :attr:`TieredStorageReader.metadata_error` (DCP replaces it by an ``AssertionError``); a
+   leader's error is raised, same class and message, on every rank.
 2. (all) ``set_up_storage_reader``: the placement of every item.
 3. (all) ``prepare_local_plan``: tags the plan with the step and save id read.
 4. (coordinator) ``prepare_global_plan``: every rank read the same save, else
@@ -58,7 +63,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tiered_ckpt.dcp import metadata_json
+from tiered_ckpt.dcp import metadata_json, metadata_share
 from tiered_ckpt.dcp.items import (
     STORABLE_DTYPES,
     TORCH_DTYPE_OF_CODE,
@@ -146,8 +151,12 @@ class TieredStorageReader(StorageReader):
     (``s3://bucket/prefix``, where the sidecar uploads), ``endpoint_url`` and ``s3_client`` (an
     injected botocore client; default boto3's chain): where to read what the root lacks, a rank's
     shard or the whole step (ranged, verified reads; see the module docstring). :attr:`stats`: bytes
-    read from disk and bucket; :attr:`remote_stats`: from the bucket. Call :meth:`close` after a
-    load that stopped before ``read_data`` finished (DCP's lifecycle has no call for that)."""
+    read from disk and bucket; :attr:`remote_stats`: from the bucket. ``share_metadata`` /
+    ``process_group``: whether one rank reads the metadata for a collective load
+    (:mod:`tiered_ckpt.dcp.metadata_share`: ``None``, the default, shares exactly when the calling
+    ``dcp.load`` is collective; ``True``: over ``process_group``; ``False``: never). Call
+    :meth:`close` after a load that stopped before ``read_data`` finished (DCP's lifecycle has no
+    call for that)."""
 
     def __init__(
         self,
@@ -157,12 +166,16 @@ class TieredStorageReader(StorageReader):
         remote_url: str | None = None,
         endpoint_url: str | None = None,
         s3_client: Any = None,
+        share_metadata: bool | None = None,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         self.root, self._asked = resolve_root(root, step)
         self.remote_url = remote_url
         self.endpoint_url = endpoint_url
         self.s3_client = s3_client
+        self.share_metadata = share_metadata
+        self.process_group = process_group
         self.stats = ReadStats()
         self.remote_stats = TeeStats(total=self.stats)
         self._remote: Any = None
@@ -179,6 +192,9 @@ class TieredStorageReader(StorageReader):
         self.step: int | None = self._asked
         self.load_id = new_save_id()
         self.metadata_error: CheckpointError | None = None
+        #: How this rank got the metadata: ``"strict"`` (read and validated here), ``"trusted"``
+        #: (received from the leading rank, :mod:`tiered_ckpt.dcp.metadata_share`), ``None``.
+        self.metadata_decode: str | None = None
         self.rank = 0
         self._manifest: ShardManifest | None = None
         self._metadata: Metadata | None = None
@@ -205,28 +221,21 @@ class TieredStorageReader(StorageReader):
     # --- 1. metadata
 
     def read_metadata(self) -> Metadata:
-        """The step's DCP metadata (read once per load; see the module docstring, step 1). Raises
+        """The step's DCP metadata (see the module docstring, step 1; in a collective load read by
+        the group's rank 0 and sent to the others, :mod:`tiered_ckpt.dcp.metadata_share`). Raises
         :class:`NoCheckpointError`, :class:`DcpMetadataError`, :class:`ManifestError`,
-        :class:`MissingShardError`, :class:`ShardCorruptedError`."""
-        if self._metadata is not None:
-            return self._metadata
+        :class:`MissingShardError`, :class:`ShardCorruptedError` (in a shared read: the leading
+        rank's error, of the same class, on every rank)."""
+        share = self._share()
+        if share is None and self._metadata is not None:
+            return self._metadata  # a shared read always takes part in the broadcast
         try:
-            m, self._from_bucket = self._find_manifest()
-            info = dcp_step_info(m)
-            raw = self._metadata_copy(m, info)
-            if raw is None:
-                rd = self._open_rank(m, info.metadata_rank)
-                try:
-                    raw = read_byte_tensor(
-                        rd,
-                        info.metadata_tensor,
-                        info.metadata_bytes,
-                        DcpMetadataError,
-                        f"step {m.step}: DCP metadata",
-                    )
-                finally:
-                    rd.close()
-            md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
+            if share is None:
+                m, info, md = self._read_here()
+            elif share.rank == 0:
+                m, info, md = self._lead(share)
+            else:
+                m, info, md = self._receive(share)
         except BaseException as e:
             if isinstance(e, CheckpointError):
                 self.metadata_error = e
@@ -237,6 +246,108 @@ class TieredStorageReader(StorageReader):
         self._manifest, self._metadata, self.step = m, md, m.step
         self._node_local = info.metadata_sha256
         return md
+
+    def _share(self) -> metadata_share.Share | None:
+        if self.share_metadata is None:
+            return metadata_share.dcp_load_share()
+        if self.share_metadata:
+            return metadata_share.share_of(self.process_group)
+        return None
+
+    def _read_raw(self) -> tuple[ShardManifest, DcpStepInfo, bytes]:
+        """Find the manifest (sets ``_from_bucket``) and read the metadata's bytes."""
+        m, self._from_bucket = self._find_manifest()
+        info = dcp_step_info(m)
+        raw = self._metadata_copy(m, info)
+        if raw is None:
+            rd = self._open_rank(m, info.metadata_rank)
+            try:
+                raw = read_byte_tensor(
+                    rd,
+                    info.metadata_tensor,
+                    info.metadata_bytes,
+                    DcpMetadataError,
+                    f"step {m.step}: DCP metadata",
+                )
+            finally:
+                rd.close()
+        return m, info, raw
+
+    def _read_here(self) -> tuple[ShardManifest, DcpStepInfo, Metadata]:
+        m, info, raw = self._read_raw()
+        self.metadata_decode = "strict"
+        return m, info, metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
+
+    def _lead(self, share: metadata_share.Share) -> tuple[ShardManifest, DcpStepInfo, Metadata]:
+        """Read and decode strictly, then broadcast the payload (or the error, then raise it)."""
+        try:
+            m, info, raw = self._read_raw()
+            self.metadata_decode = "strict"
+            md = metadata_json.decode(raw, m.world_size, f"step {m.step}: DCP metadata")
+            if self._from_bucket:
+                rs = self._remote_step(m.step, m.save_id)
+                manifest, um = rs.manifest_bytes, rs.save.raw
+            else:
+                manifest, um = m.to_json().encode(), b""
+            payload = metadata_share.pack(m.step, self._from_bucket, manifest, um, raw)
+        except BaseException as e:
+            try:
+                metadata_share.broadcast(share, metadata_share.pack_error(e))
+            except CheckpointError:
+                pass  # the read's own error is the one to report
+            raise
+        metadata_share.broadcast(share, payload)
+        return m, info, md
+
+    def _receive(self, share: metadata_share.Share) -> tuple[ShardManifest, DcpStepInfo, Metadata]:
+        """The leader's payload: its manifest, and its metadata decoded without a second
+        validation; for a step from the bucket, the bucket's copy opened from the shipped
+        manifests (no request)."""
+        where = f"{self.checkpoint_id}: DCP metadata from rank 0"
+        got = metadata_share.unpack(metadata_share.broadcast(share, None), where)
+        m = ShardManifest.from_json(got.manifest)
+        if m.step != got.step:
+            raise DcpMetadataError(f"{where}: the manifest is step {m.step}, not {got.step}")
+        info = dcp_step_info(m)
+        if len(got.metadata) != info.metadata_bytes:
+            raise DcpMetadataError(
+                f"{where}: {len(got.metadata)} bytes, the manifest says {info.metadata_bytes}"
+            )
+        here = self._local_save_id(m.step)
+        if not got.from_bucket and here not in (None, m.save_id):
+            raise DcpMetadataError(
+                f"{where}: rank 0 read save {m.save_id} of step {m.step}, this rank's root "
+                f"{self.root} holds save {here}"
+            )
+        self._from_bucket = got.from_bucket
+        if got.from_bucket:
+            if self.remote_url is None:
+                raise DcpMetadataError(
+                    f"{where}: rank 0 read step {m.step} from the bucket, this rank has no "
+                    "remote_url"
+                )
+            from tiered_ckpt.remote.restore.ranged_read import remote_step_from
+
+            self.close()
+            self._remote = remote_step_from(
+                self.remote_url,
+                got.upload_manifest,
+                got.manifest,
+                endpoint_url=self.endpoint_url,
+                s3_client=self.s3_client,
+            )
+            # a root holding the same save (another node's, when the leader's lacks the step)
+            # reads its own shards from disk; the bucket's copy serves what it lacks
+            self._from_bucket = here != m.save_id
+        self.metadata_decode = "trusted"
+        return m, info, metadata_json.decode_trusted(got.metadata, f"step {m.step}: DCP metadata")
+
+    def _local_save_id(self, step: int) -> str | None:
+        """The save id of ``step`` committed in this root, ``None`` when it has none."""
+        try:
+            return read_manifest(self.root, step).save_id
+        except CheckpointError:
+            return None
 
     def _shard_here(self, m: ShardManifest, rank: int) -> bool:
         """Whether rank ``rank`` 's shard of ``m`` is an entry of the local step directory (not

@@ -587,6 +587,63 @@ def parse(raw: bytes, world_size: int, where: str = "DCP metadata") -> MetadataT
         raise DcpMetadataError(f"{where}: {e}") from None
 
 
+def _trusted_ints(v: Any, arrays: _Arrays) -> np.ndarray:
+    i = arrays._index(v)
+    if i is None:
+        return np.array(v, dtype=np.int64)
+    text = arrays.raw[arrays.spans[2 * i] + 1 : arrays.spans[2 * i + 1] - 1]
+    if not text.strip():
+        return np.empty(0, dtype=np.int64)
+    return np.fromstring(text, dtype=np.int64, sep=",")
+
+
+def parse_trusted(raw: bytes, where: str = "DCP metadata") -> MetadataTable:
+    """The table of metadata bytes :func:`parse` already accepted elsewhere (the same bytes, by
+    sha256: the DCP reader's leading rank validated them and sent them to the others), read without
+    checking any field: the cut-out integer arrays parsed straight into int64, the rest by
+    ``json.loads``; nothing but JSON is ever interpreted. Input :func:`parse` would refuse is not
+    diagnosed: it raises :class:`DcpMetadataError` where it does not even have the table's shape,
+    and may otherwise give a table :func:`parse` would refuse (so only ever pass accepted bytes).
+    About 5x faster than :func:`parse` (no scans of the arrays, no tiling check)."""
+    try:
+        skeleton, arrays = _skeleton(raw)
+        obj = json.loads(skeleton)
+        entries: dict[str, TensorEntry | BytesEntry] = {}
+        for fqn, v in obj["state_dict_metadata"].items():
+            if v["kind"] == "bytes":
+                entries[fqn] = BytesEntry(int(v["rank"]))
+                continue
+            size = tuple(int(d) for d in _trusted_ints(v["size"], arrays).tolist())
+            entries[fqn] = TensorEntry(
+                dtype=v["dtype"],
+                size=size,
+                requires_grad=bool(v["requires_grad"]),
+                pin_memory=bool(v["pin_memory"]),
+                memory_format=v["memory_format"],
+                chunks=_trusted_ints(v["chunks"], arrays).reshape(-1, 1 + 2 * len(size)),
+            )
+        planner = obj["planner_data"]
+        if planner is not None:
+            planner = {
+                fqn: tuple(_trusted_ints(path, arrays).tolist() if isinstance(path, str) else path)
+                for fqn, path in planner.items()
+            }
+        sm = obj["storage_meta"]
+        return MetadataTable(
+            version=obj["version"],
+            entries=entries,
+            planner_data=planner,
+            storage_meta=None if sm is None else {k: sm[k] for k in _META_KEYS},
+        )
+    except DcpMetadataError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
+        # ManifestError (a NUL in a string) is a ValueError
+        raise DcpMetadataError(
+            f"{where}: not a metadata table ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+
+
 __all__ = [
     "DTYPE_CODES",
     "EXTRA_FORMAT",
@@ -608,5 +665,6 @@ __all__ = [
     "dcp_step_info",
     "item_name",
     "parse",
+    "parse_trusted",
     "stored_name",
 ]

@@ -144,13 +144,22 @@ def read_mirrored_manifest(store: ObjectStore, save: RemoteSave) -> tuple[ShardM
     """GET ``manifest.json`` and check it against the upload manifest (sha256, step, save, per
     rank); returns it with its exact bytes. Raises MissingShardError, ShardCorruptedError,
     ManifestError, UploadError."""
-    step, um = save.step, save.um
     mkey = save.key(MANIFEST_NAME)
     raw = get_or_none(store, mkey, max_bytes=MAX_REMOTE_MANIFEST_BYTES)
     if raw is None:
         raise MissingShardError(
-            f"step {step}: {object_url(store, mkey)} is missing (the upload manifest mirrors it)"
+            f"step {save.step}: {object_url(store, mkey)} is missing (the upload manifest mirrors "
+            "it)"
         )
+    return check_mirrored_manifest(store, save, raw), raw
+
+
+def check_mirrored_manifest(store: ObjectStore, save: RemoteSave, raw: bytes) -> ShardManifest:
+    """The mirrored ``manifest.json`` bytes ``raw`` of ``save``, checked against its upload
+    manifest as :func:`read_mirrored_manifest` checks them (no request: ``store`` names the key in
+    messages). Raises ShardCorruptedError, ManifestError."""
+    step, um = save.step, save.um
+    mkey = save.key(MANIFEST_NAME)
     sha = hashlib.sha256(raw).hexdigest()
     if sha != um.manifest_sha256:
         raise ShardCorruptedError(
@@ -172,7 +181,7 @@ def read_mirrored_manifest(store: ObjectStore, save: RemoteSave) -> tuple[ShardM
                 f"step {step} rank {rec.rank}: manifest and upload manifest disagree on "
                 "the shard's size or sha256"
             )
-    return m, raw
+    return m
 
 
 def plan_step(
@@ -362,6 +371,7 @@ __all__ = [
     "RemoteObject",
     "RestorePlan",
     "candidates",
+    "check_mirrored_manifest",
     "check_ranks",
     "iter_plans",
     "plan_restore",

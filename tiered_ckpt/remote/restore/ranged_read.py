@@ -62,7 +62,11 @@ from tiered_ckpt.format.upload_manifest import UploadManifest
 from tiered_ckpt.local.verified_read import ReadStats, check_header_bytes
 from tiered_ckpt.remote.catalogue import RemoteSave, SaveFault, read_catalogue
 from tiered_ckpt.remote.handle import StoreHandle, object_url
-from tiered_ckpt.remote.restore.plan import candidates, read_mirrored_manifest
+from tiered_ckpt.remote.restore.plan import (
+    candidates,
+    check_mirrored_manifest,
+    read_mirrored_manifest,
+)
 from tiered_ckpt.store.base import ObjectSizeError, ObjectStore, RemoteNotFoundError
 
 
@@ -150,6 +154,36 @@ def open_remote_step(
         handle.__exit__(None, None, None)
         raise
     return RemoteSaveReader(st.url, save.step, save, m, raw, st, handle if handle.owned else None)
+
+
+def remote_step_from(
+    remote_url: str,
+    upload_manifest: bytes,
+    manifest: bytes,
+    *,
+    endpoint_url: str | None = None,
+    store: ObjectStore | None = None,
+    s3_client: Any = None,
+) -> RemoteSaveReader:
+    """The :class:`RemoteSaveReader` :func:`open_remote_step` returned elsewhere (another rank that
+    chose the save and GET its manifests sent their exact bytes), built without a request: the
+    upload manifest parsed and validated, the manifest checked against it as
+    :func:`open_remote_step` checks it. Only the shard readers' ranged GETs then reach the bucket
+    (each checks the object's size). ``store``/``s3_client``/``endpoint_url`` as for
+    :func:`open_remote_step`. Raises :class:`ManifestError`, :class:`ShardCorruptedError`,
+    ``ValueError`` (bad URL)."""
+    um = UploadManifest.from_json(upload_manifest)
+    save = RemoteSave(um.step, um.key_save_id, um, upload_manifest)
+    handle = StoreHandle(remote_url, store=store, s3_client=s3_client, endpoint_url=endpoint_url)
+    try:
+        st = handle.store
+        m = check_mirrored_manifest(st, save, manifest)
+    except BaseException:
+        handle.__exit__(None, None, None)
+        raise
+    return RemoteSaveReader(
+        st.url, um.step, save, m, manifest, st, handle if handle.owned else None
+    )
 
 
 def check_chunks(
@@ -332,4 +366,10 @@ class RemoteShardReader:
         return arr.reshape(t.shape)
 
 
-__all__ = ["RemoteShardReader", "RemoteSaveReader", "check_chunks", "open_remote_step"]
+__all__ = [
+    "RemoteSaveReader",
+    "RemoteShardReader",
+    "check_chunks",
+    "open_remote_step",
+    "remote_step_from",
+]

@@ -69,22 +69,37 @@ from tiered_ckpt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
     ConcurrentSaveError,
+    DcpMetadataError,
+    ShardCorruptedError,
 )
 from tiered_ckpt.format.lineage import RunLineage
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.records import UploadedMarker
 from tiered_ckpt.fs import write_all
-from tiered_ckpt.layout import ADOPTED_MARKER_NAME, shard_file_name, step_dir_name
+from tiered_ckpt.layout import (
+    ADOPTED_MARKER_NAME,
+    DCP_METADATA_NAME,
+    save_shard_key,
+    shard_file_name,
+    step_dir_name,
+)
 from tiered_ckpt.local.catalogue import (
     adopted_bytes,
     read_adopted,
     read_manifest_bytes,
     read_run_record,
+    read_small_regular_file,
 )
-from tiered_ckpt.local.commit import LocalStepCommit, fsync_dir, record_node_ranks
+from tiered_ckpt.local.commit import (
+    LocalStepCommit,
+    durable_write_bytes,
+    fsync_dir,
+    record_node_ranks,
+)
 from tiered_ckpt.local.leftovers import placed_identity, remove_dead_temps, remove_placed
 from tiered_ckpt.local.lineage import write_run_record
 from tiered_ckpt.local.markers import write_uploaded_marker
+from tiered_ckpt.local.verified_read import read_byte_tensor
 from tiered_ckpt.remote.catalogue import (
     REMOTE_BAD_UPLOAD_MANIFEST,
     REMOTE_COMMITTED,
@@ -153,6 +168,44 @@ class Placed:
                 lsc.step,
                 ", ".join(removed),
             )
+
+
+def dcp_metadata_copy(store: ObjectStore, plan: RestorePlan, step_dir: Path) -> bytes | None:
+    """The ``dcp_metadata.json`` a restored root of a DCP step saved into node-local roots needs
+    to load without the bucket (:mod:`tiered_ckpt.dcp.node_roots`: each node's root holds the
+    metadata, as its metadata rank's shard or as that copy) when the metadata rank is not among
+    the ranks restored: the metadata tensor read from that rank's shard object by verified ranged
+    GETs (its header, then the tensor's chunks, CRC32C-checked), then checked against the
+    manifest's sha256. ``None`` for any other step, or when ``step_dir`` already holds the copy. A
+    malformed ``extra["dcp"]`` is logged and skipped (the load refuses the step anyway). Raises
+    ShardCorruptedError, MissingShardError, UploadError."""
+    from tiered_ckpt.format.dcp_metadata import EXTRA_KEY, dcp_step_info
+
+    m = plan.manifest
+    if EXTRA_KEY not in (m.extra or {}):
+        return None
+    try:
+        info = dcp_step_info(m)
+    except DcpMetadataError as e:
+        log.warning("step %d: no DCP metadata copy restored: %s", plan.step, e)
+        return None
+    if info.metadata_sha256 is None or info.metadata_rank in plan.ranks:
+        return None
+    have = read_small_regular_file(step_dir / DCP_METADATA_NAME, info.metadata_bytes + 1)
+    if have is not None and hashlib.sha256(have).hexdigest() == info.metadata_sha256:
+        return None
+    from tiered_ckpt.remote.restore.ranged_read import RemoteShardReader
+
+    um = plan.upload_manifest
+    key = save_shard_key(plan.step, um.key_save_id, info.metadata_rank, um.key_layout)
+    where = f"step {plan.step}: DCP metadata"
+    with RemoteShardReader(store, m, info.metadata_rank, key) as rd:
+        raw = read_byte_tensor(
+            rd, info.metadata_tensor, info.metadata_bytes, DcpMetadataError, where
+        )
+    if hashlib.sha256(raw).hexdigest() != info.metadata_sha256:
+        raise ShardCorruptedError(f"{where}: rank {info.metadata_rank}'s copy fails its sha256")
+    return raw
 
 
 def clear_dead_restore(lsc: LocalStepCommit, plan: RestorePlan, *, committed: bool) -> None:
@@ -323,10 +376,18 @@ def _download_all(
 
 
 def _publish(
-    lsc: LocalStepCommit, plan: RestorePlan, placed: Placed, *, uncommit: bool, keep_manifest: bool
+    lsc: LocalStepCommit,
+    plan: RestorePlan,
+    placed: Placed,
+    *,
+    uncommit: bool,
+    keep_manifest: bool,
+    dcp_metadata: bytes | None = None,
 ) -> bool:
     """Step 4 after a successful download; returns whether the local manifest was kept (ours, or an
-    identical one another restorer committed meanwhile). Raises ConcurrentSaveError, OSError."""
+    identical one another restorer committed meanwhile). ``dcp_metadata``: the step's
+    ``dcp_metadata.json`` to place before the manifest (:func:`dcp_metadata_copy`). Raises
+    ConcurrentSaveError, OSError."""
     carry = record_to_carry(read_run_record(lsc.root), plan.lineage)
     if carry is not None:
         write_run_record(
@@ -338,6 +399,10 @@ def _publish(
             "step %d: un-committed the local step to replace it with the bucket's copy", plan.step
         )
     lsc.publish()
+    if dcp_metadata is not None:
+        copy = lsc.step_dir / DCP_METADATA_NAME
+        durable_write_bytes(copy, dcp_metadata)
+        placed.record(DCP_METADATA_NAME, copy)
     # before the manifest: a foreign step is never judged by its own attempt
     record_adoption(lsc, plan.manifest, placed)
     if not keep_manifest:
@@ -407,6 +472,7 @@ def _commit(
                     f"step {step}: removing leftovers of a dead writer from {lsc.step_dir} failed",
                 ) from e
             _download_all(store, plan, lsc, on_progress, cancel, placed)
+            md_copy = dcp_metadata_copy(store, plan, lsc.step_dir)
             lsc.check_lock()  # nobody took the step over while the shards downloaded
             try:
                 keep_manifest = _publish(
@@ -415,6 +481,7 @@ def _commit(
                     placed,
                     uncommit=local_bytes is not None and not keep_manifest,
                     keep_manifest=keep_manifest,
+                    dcp_metadata=md_copy,
                 )
             except OSError as e:
                 raise CheckpointWriteError.from_os_error(
