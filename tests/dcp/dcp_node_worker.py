@@ -88,6 +88,13 @@ def main() -> None:
             from tiered_ckpt.store.s3 import make_s3_client
 
             client = make_s3_client(endpoint_url=sys.argv[4], region_name="us-east-1")
+            listings: list[str] = []  # this rank's bucket requests other than ranged shard GETs
+
+            def count_request(request, **_):
+                if "Range" not in request.headers:
+                    listings.append(f"{request.method} {request.url.split('?')[1:]}")
+
+            client.meta.events.register("before-send.s3", count_request)
             from tiered_ckpt.dcp import metadata_json
 
             strict = metadata_json.decode
@@ -104,6 +111,7 @@ def main() -> None:
                 res["loaded"] = mgr.loaded_step
                 res["bad"] = compare(make_state(mesh, True), back)
             res["strict_decodes"] = len(decodes)
+            res["unranged_requests"] = len(listings)
     except Exception as exc:  # reported to the test
         res["error"] = f"{type(exc).__name__}: {exc}"
     (out / f"{mode}_{rank}.json").write_text(json.dumps(res))

@@ -93,6 +93,10 @@ def test_manager_node_roots_upload_and_a_replaced_node_restores(tmp_path: Path, 
     assert [(r["loaded"], r["bad"]) for r in results] == [(3, [])] * 4
     # the manager's load is collective: rank 0 alone validated the metadata, the others received it
     assert [r["strict_decodes"] for r in results] == [1, 0, 0, 0]
+    # rank 0 reads the bucket's view for the run; node B's lowest rank restores both of its ranks in
+    # one restore (one listing, one read of the manifests); the others send no unranged request
+    requests = [r["unranged_requests"] for r in results]
+    assert requests[0] > 0 and requests[2] > 0 and requests[1] == requests[3] == 0, requests
     assert committed_steps(tmp_path / "node1") == [3]
     assert read_node_ranks(tmp_path / "node1" / "step_0000000003", 4) == {2, 3}  # its ranks only
     assert cli_main(["verify", str(tmp_path / "node1")]) == 0

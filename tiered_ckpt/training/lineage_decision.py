@@ -483,19 +483,40 @@ class LineageDecider:
         return lineage
 
     def _restore_own(self, step: int) -> None:
-        """Every rank makes its own shard of ``step`` local, restoring it from the bucket if missing; the
-        outcome gather is the barrier: no rank loads before every rank's shard is in place, since a
-        rank's Replicated values may be in another local rank's shard (each node's first rank holds the
-        copy), restored concurrently by that rank. Raises restore's errors on every rank alike."""
+        """Make every rank's shard of ``step`` local, restoring the missing ones from the bucket: one
+        restore per root that lacks any, by the lowest rank of the ranks sharing it (found from the
+        filesystem, :func:`~tiered_ckpt.training.dist.find_disk_groups`), for all of its missing
+        ranks at once, so a replaced node lists the bucket and reads the step's manifests once, not
+        once per rank. The outcome gather is the barrier: no rank loads before every rank's shard
+        is in place, since a rank's Replicated values may be in another local rank's shard (each
+        node's first rank holds the copy). Raises restore's errors on every rank alike."""
+        missing = not local_ranks_present(self.root, step, [self.rank])
+        lacking = [
+            g["rank"]
+            for g in self._gather({"rank": self.rank, "missing": missing}, "finding missing shards")
+            if g["missing"]
+        ]
+        if not lacking:
+            return
         mine: dict[str, Any] = {"rank": self.rank}
-        if not local_ranks_present(self.root, step, [self.rank]):
-            assert self.remote_url is not None
-            try:
-                ensure_local(
-                    self.root, self.remote_url, step, [self.rank], s3_client=self._s3_client
+        try:
+            if self._coord is None:
+                groups = [[self.rank]]
+            else:  # a coordinator means torch.distributed (the one-process manager needs no torch)
+                from tiered_ckpt.training.dist import find_disk_groups
+
+                groups = find_disk_groups(
+                    self.root, self._coord.policy_group, self.rank, self.world_size
                 )
-            except Exception as exc:  # reported to every rank, not left waiting in the gather
-                mine["error"] = _error_entry(exc, f"restoring into {self.root}: ")
+            shared = next(g for g in groups if self.rank in g)
+            todo = sorted(set(shared) & set(lacking))
+            if todo and self.rank == min(shared):
+                assert self.remote_url is not None
+                ensure_local(self.root, self.remote_url, step, todo, s3_client=self._s3_client)
+        except DistributedSaveError:
+            raise  # a collective failed: every rank raises its own
+        except Exception as exc:  # reported to every rank, not left waiting in the gather
+            mine["error"] = _error_entry(exc, f"restoring into {self.root}: ")
         _raise_gathered(
             self._gather(mine, "restoring the step"), f"step {step} could not be restored"
         )
