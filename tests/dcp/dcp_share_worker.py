@@ -12,7 +12,9 @@ MASTER_ADDR and MASTER_PORT set (``spawn.start_ranks``); ``OUT_DIR/bad`` holds a
 4. ``bad_plain`` / ``bad_api``: both loads of ``OUT_DIR/bad``: the typed error, its message;
 5. ``remote``: rank 0 uploads step 1 to ``REMOTE_URL``; every rank then loads it with
    :func:`tiered_ckpt.dcp.load` from the empty root ``OUT_DIR/fresh`` (the bucket's copy),
-   counting its own client's requests (botocore ``before-send``: operation, key, ranged or not).
+   counting its own client's requests (botocore ``before-send``: operation, key, ranged or not);
+6. ``replaced``: ranks 0 and 1 load step 1 from ``OUT_DIR/ckpt``, ranks 2 and 3 from the empty
+   root ``OUT_DIR/replaced`` (a replaced node) with the bucket, requests counted the same way.
 
 Every phase records how many times this rank called ``metadata_json.decode`` (the strict,
 validating decode) and ``decode_trusted``: counted by wrapping the module's functions, so the
@@ -177,9 +179,14 @@ def main() -> None:
         res["remote"] = {
             "loaded": loaded,
             "bad": compare(state, back),
-            "requests": log,
+            "requests": list(log),
             **counts(),
         }
+        log.clear()
+        back = make_state(mesh, False)
+        mine = root if rank < 2 else out / "replaced"
+        loaded = tdcp.load(back, mine, 1, remote_url=url, s3_client=client)
+        res["replaced"] = {"loaded": loaded, "bad": compare(state, back), "requests": list(log)}
     except Exception as exc:  # reported to the test
         res["error"] = f"{type(exc).__name__}: {exc}"
     (out / f"share_{rank}.json").write_text(json.dumps(res))

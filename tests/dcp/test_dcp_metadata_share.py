@@ -94,6 +94,17 @@ def test_a_step_from_the_bucket_is_listed_and_its_manifests_read_by_rank_0_only(
             assert (lists, whole_gets) == ([], []), (r["rank"], reqs)
 
 
+def test_a_replaced_node_reads_only_its_shards_from_the_bucket(ranks: list[dict]) -> None:
+    """Rank 0 read the step from its own root; the ranks whose root lacks it get the bucket's copy
+    opened by rank 0 (one listing, one read of the manifests), then read their shards ranged."""
+    assert [(r["replaced"]["loaded"], r["replaced"]["bad"]) for r in ranks] == [(1, [])] * WORLD
+    unranged = [[q for q in r["replaced"]["requests"] if not q[2]] for r in ranks]
+    ranged = [[q for q in r["replaced"]["requests"] if q[2]] for r in ranks]
+    assert any(q[0].startswith("List") for q in unranged[0]), unranged[0]
+    assert unranged[1:] == [[], [], []], unranged
+    assert ranged[:2] == [[], []] and all(ranged[2:]), ranged
+
+
 def test_no_dist_load_on_one_rank_does_not_wait_for_the_others(ranks: list[dict]) -> None:
     nd = ranks[0]["no_dist"]
     assert (nd["hung"], nd.get("equal"), nd["strict"], nd["trusted"]) == (False, True, 1, 0), nd

@@ -23,6 +23,13 @@ current CUDA device for NCCL; no pickle, no ``broadcast_object_list``)::
                                              # unless from_bucket), metadata JSON
           | {"ok": false, "error": "DcpMetadataError", "message": "..."}
 
+**The bucket, once.** When the leader read the step from its own root, one more round follows
+(every rank, :func:`any_rank`): a rank whose root lacks the step (a replaced node) and has a
+``remote_url`` says so; if any does, the leader opens the bucket's copy of the same save and
+broadcasts its manifest and upload manifest (a payload without metadata, or the leader's error:
+then those ranks open the bucket themselves, and fail as it did), so a replaced node's ranks do not
+each list the bucket and read its manifests.
+
 A failure on the leader is sent as its error's class name and message: every other rank raises
 that same :class:`~tiered_ckpt.errors.CheckpointError` subclass (found among the classes already
 defined, never imported by name; anything else: ``CheckpointError``), so no rank waits for a
@@ -248,9 +255,23 @@ def broadcast(share: Share, payload: bytes | None) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
+def any_rank(share: Share, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of ``share.group`` (an all-reduce of one integer; every
+    rank calls it at the same point). Raises :class:`CheckpointError` when the collective fails."""
+    try:
+        t = torch.tensor([int(flag)], dtype=torch.int64).to(_device(share.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=share.group)
+        return bool(t.item())
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL errors are RuntimeErrors
+        raise CheckpointError(
+            f"asking the process group which ranks need the bucket failed: {type(e).__name__}: {e}"
+        ) from e
+
+
 __all__ = [
     "Share",
     "Shared",
+    "any_rank",
     "broadcast",
     "dcp_load_share",
     "pack",

@@ -297,6 +297,15 @@ class TieredStorageReader(StorageReader):
                 pass  # the read's own error is the one to report
             raise
         metadata_share.broadcast(share, payload)
+        if not self._from_bucket and metadata_share.any_rank(share, False):
+            try:  # a rank lacks the step: the bucket's copy of this save, opened here for all
+                if self.remote_url is None:
+                    raise DcpMetadataError(f"step {m.step}: rank 0 has no remote_url")
+                rs = self._remote_step(m.step, m.save_id)
+                reply = metadata_share.pack(m.step, True, rs.manifest_bytes, rs.save.raw, b"")
+            except Exception as e:  # noqa: BLE001 - those ranks open it themselves and report
+                reply = metadata_share.pack_error(e)
+            metadata_share.broadcast(share, reply)
         return m, info, md
 
     def _receive(self, share: metadata_share.Share) -> tuple[ShardManifest, DcpStepInfo, Metadata]:
@@ -305,6 +314,8 @@ class TieredStorageReader(StorageReader):
         manifests (no request)."""
         where = f"{self.checkpoint_id}: DCP metadata from rank 0"
         got = metadata_share.unpack(metadata_share.broadcast(share, None), where)
+        if not got.from_bucket:
+            self._bucket_round(share, got, where)
         m = ShardManifest.from_json(got.manifest)
         if m.step != got.step:
             raise DcpMetadataError(f"{where}: the manifest is step {m.step}, not {got.step}")
@@ -341,6 +352,37 @@ class TieredStorageReader(StorageReader):
             self._from_bucket = here != m.save_id
         self.metadata_decode = "trusted"
         return m, info, metadata_json.decode_trusted(got.metadata, f"step {m.step}: DCP metadata")
+
+    def _bucket_round(
+        self, share: metadata_share.Share, got: metadata_share.Shared, where: str
+    ) -> None:
+        """A receiver's part of the round after a step read from the leader's root (module
+        :mod:`~tiered_ckpt.dcp.metadata_share`, "The bucket, once"): a root that lacks the step
+        gets the bucket's copy opened from the leader's manifests. Nothing raised before the
+        round's collectives; a leader that could not open it leaves this rank to open it itself."""
+        try:
+            need = self.remote_url is not None and self._local_save_id(got.step) is None
+        except Exception:  # noqa: BLE001 - reported by the load itself, after the round
+            need = False
+        if not metadata_share.any_rank(share, need):
+            return
+        reply = metadata_share.broadcast(share, None)
+        if not need:
+            return
+        try:
+            sent = metadata_share.unpack(reply, where)
+            from tiered_ckpt.remote.restore.ranged_read import remote_step_from
+
+            self.close()
+            self._remote = remote_step_from(
+                self.remote_url,
+                sent.upload_manifest,
+                sent.manifest,
+                endpoint_url=self.endpoint_url,
+                s3_client=self.s3_client,
+            )
+        except CheckpointError:
+            self.close()  # the leader could not open it: this rank opens it on first need
 
     def _local_save_id(self, step: int) -> str | None:
         """The save id of ``step`` committed in this root, ``None`` when it has none."""
