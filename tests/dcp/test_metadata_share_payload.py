@@ -90,7 +90,8 @@ def test_no_sharing_outside_a_dcp_load(tmp_path: Path) -> None:
 
 def _in_memory_share(monkeypatch: pytest.MonkeyPatch, readers: list[Any]) -> None:
     """Reader ``k`` of ``readers`` as rank ``k`` of a shared read, the broadcast handed over in
-    memory (the readers' own leader and receiver code)."""
+    memory (the readers' own leader and receiver code). No reader has a ``remote_url``, so no rank
+    asks for the bucket's copy: ``any_rank`` is false."""
     box: dict[str, bytes] = {}
 
     def in_memory(share: Any, payload: bytes | None) -> bytes:
@@ -99,6 +100,7 @@ def _in_memory_share(monkeypatch: pytest.MonkeyPatch, readers: list[Any]) -> Non
         return box["payload"]
 
     monkeypatch.setattr(metadata_share, "broadcast", in_memory)
+    monkeypatch.setattr(metadata_share, "any_rank", lambda share, flag: False)
     for k, rd in enumerate(readers):
         rd._share = lambda k=k: metadata_share.Share(None, k)
 
