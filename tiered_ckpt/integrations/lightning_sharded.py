@@ -106,20 +106,38 @@ def _tensor_ref(path: tuple[Any, ...], t: torch.Tensor) -> dict[str, Any]:
 
 
 def _tensor_of(ref: Any) -> torch.Tensor:
+    """The tensor a ``$leaf`` reference of the document stores. The dtype, the shape (a list of
+    ints >= 0) and the byte count must agree before anything is allocated (a garbled shape never
+    makes a huge tensor)."""
+
+    def bad(why: str) -> ManifestError:
+        return ManifestError(f"bad tensor in the {DOC_KEY!r} document ({why}): {str(ref)[:200]}")
+
     if type(ref) is not dict or set(ref) != {"dtype", "shape", "b64"}:
-        raise ManifestError(f"bad tensor in the {DOC_KEY!r} document: {str(ref)[:200]}")
-    dtype = getattr(torch, str(ref["dtype"]), None)
-    shape = ref["shape"]
-    if not isinstance(dtype, torch.dtype) or type(shape) is not list:
-        raise ManifestError(f"bad tensor in the {DOC_KEY!r} document: {str(ref)[:200]}")
+        raise bad("not a {dtype, shape, b64} object")
+    name, shape, b64 = ref["dtype"], ref["shape"], ref["b64"]
+    dtype = getattr(torch, name, None) if type(name) is str else None
+    if not isinstance(dtype, torch.dtype):
+        raise bad("unknown dtype")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad("the shape is not a list of ints >= 0")
+    if type(b64) is not str:
+        raise bad("b64 is not a string")
     try:
-        raw = base64.b64decode(ref["b64"], validate=True)
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-        return flat.reshape(shape)
+        raw = base64.b64decode(b64, validate=True)
+    except ValueError as exc:
+        raise bad(f"b64: {exc}") from None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize != len(raw):
+        raise bad(f"{len(raw)} bytes for {numel} elements of {dtype}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise ManifestError(f"bad tensor in the {DOC_KEY!r} document: {exc}") from None
+        raise bad(str(exc)) from None
 
 
 def encode_rest(checkpoint: Mapping[str, Any]) -> str:
@@ -133,14 +151,18 @@ def encode_rest(checkpoint: Mapping[str, Any]) -> str:
     return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode_rest(text: Any) -> dict[str, Any]:
     """Inverse of :func:`encode_rest` (new CPU tensors). Raises ``ManifestError``."""
     if not isinstance(text, str):
         raise ManifestError(f"not a sharded Lightning checkpoint of tiered-ckpt (no {DOC_KEY!r})")
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ManifestError(f"the {DOC_KEY!r} document is not JSON: {exc}") from None
+    try:  # strict JSON: no NaN/Infinity literals (the encoder writes none); nesting is bounded
+        doc = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"the {DOC_KEY!r} document is not JSON: {str(exc)[:200]}") from None
     out = typed_json.decode(doc, resolve=_tensor_of)
     if type(out) is not dict:
         raise ManifestError("the checkpoint document is not a dict")
