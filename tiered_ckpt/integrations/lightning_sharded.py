@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from tiered_ckpt.dcp import api as dcp_api
 from tiered_ckpt.dcp.manager import DCPCheckpointManager
@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DOC_KEY",
     "INTEGRATION",
+    "TieredFSDPStrategy",
     "TieredModelParallelStrategy",
     "decode_rest",
     "encode_rest",
@@ -169,13 +170,17 @@ def decode_rest(text: Any) -> dict[str, Any]:
     return out
 
 
-class TieredModelParallelStrategy(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` whose checkpoints are DCP steps of the local tier
-    ``root`` (see the module docstring). ``remote_url``/``s3_client``: the bucket the sidecar
-    uploads to (rotation then keeps steps not uploaded yet; a load reads what the root lacks from
-    it). ``keep_last``: steps kept by count besides the pinned top-k ones. ``last_name``:
-    ``ModelCheckpoint.CHECKPOINT_NAME_LAST``. The other keywords are ``ModelParallelStrategy``'s;
-    ``save_distributed_checkpoint=False`` raises ``ValueError``."""
+class _TieredSharded:
+    """The checkpoint seam shared by the sharded strategies (a mixin before Lightning's strategy
+    class): ``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint``, ``teardown``."""
+
+    # Lightning's Strategy gives these (the mixin only ever sits before a Strategy subclass)
+    global_rank: int
+    model: Any
+    lightning_module: Any
+    optimizers: list[Any]
+    broadcast: Any
+    barrier: Any
 
     def __init__(
         self,
@@ -188,11 +193,6 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         last_name: str = "last",
         **kwargs: Any,
     ) -> None:
-        if not kwargs.get("save_distributed_checkpoint", True):
-            raise ValueError(
-                "save_distributed_checkpoint=False gathers the full state on rank 0 and saves it "
-                "through CheckpointIO: use tiered_ckpt.integrations.lightning.TieredCheckpointIO"
-            )
         if keep_last < 1:
             raise ValueError(
                 f"keep_last must be >= 1 (the newest step backs last.ckpt): {keep_last}"
@@ -291,6 +291,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
+            set_model_state_dict,
             set_optimizer_state_dict,
         )
 
@@ -313,7 +314,11 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             raise ManifestError(
                 f"step {ptr.step} of {ptr.root} was not saved by {type(self).__name__}"
             )
-        model.load_state_dict(state[MODEL_KEY], strict=self.lightning_module.strict_loading)
+        set_model_state_dict(
+            model,
+            state[MODEL_KEY],
+            options=StateDictOptions(strict=self.lightning_module.strict_loading),
+        )
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(
                 model,
@@ -360,4 +365,68 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
                     except OSError as exc:
                         log.error("rotation at teardown failed: %s", exc)
         finally:
-            super().teardown()
+            super().teardown()  # type: ignore[misc]
+
+
+class TieredModelParallelStrategy(_TieredSharded, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose checkpoints are DCP steps of the local tier
+    ``root`` (see the module docstring). ``remote_url``/``s3_client``: the bucket the sidecar
+    uploads to (rotation then keeps steps not uploaded yet; a load reads what the root lacks from
+    it). ``keep_last``: steps kept by count besides the pinned top-k ones. ``last_name``:
+    ``ModelCheckpoint.CHECKPOINT_NAME_LAST``. The other keywords are ``ModelParallelStrategy``'s;
+    ``save_distributed_checkpoint=False`` raises ``ValueError``."""
+
+    def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
+        if not kwargs.get("save_distributed_checkpoint", True):
+            raise ValueError(
+                "save_distributed_checkpoint=False gathers the full state on rank 0 and saves it "
+                "through CheckpointIO: use tiered_ckpt.integrations.lightning.TieredCheckpointIO"
+            )
+        super().__init__(root, **kwargs)
+
+
+class TieredFSDPStrategy(_TieredSharded, FSDPStrategy):
+    """Lightning's FSDP1 ``FSDPStrategy`` (``FullyShardedDataParallel``) with
+    ``state_dict_type="sharded"``, whose checkpoints are DCP steps of the local tier ``root``
+    (see the module docstring; the keywords besides ``FSDPStrategy``'s are
+    :class:`TieredModelParallelStrategy`'s). ``state_dict_type="full"`` raises ``ValueError`` (that
+    path gathers the state on rank 0 and goes through ``CheckpointIO``: use
+    :class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO`).
+
+    On CPU (``accelerator="cpu"``, gloo) it wraps the model with ``device_id=torch.device("cpu")``:
+    Lightning 2.6.6 passes ``device_id=None`` there, for which torch's FSDP1 raises "FSDP needs a
+    non-CPU accelerator device" (Lightning's own ``FSDPStrategy`` refuses the CPU accelerator
+    before that, a check that names that exact class only)."""
+
+    def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
+        if kwargs.setdefault("state_dict_type", "sharded") != "sharded":
+            raise ValueError(
+                f"state_dict_type={kwargs['state_dict_type']!r} gathers the full state on rank 0 "
+                "and saves it through CheckpointIO: use "
+                "tiered_ckpt.integrations.lightning.TieredCheckpointIO, or state_dict_type='sharded'"
+            )
+        super().__init__(root, **kwargs)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
+            return super()._setup_model(model)
+        wrapped = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+        # Lightning's setup of an already wrapped model (torchmetrics, activation checkpointing);
+        # the auto-wrap policy was applied above, so it is not passed on (Lightning would warn)
+        policy = self.kwargs.pop("auto_wrap_policy", None)
+        try:
+            return super()._setup_model(wrapped)
+        finally:
+            if policy is not None:
+                self.kwargs["auto_wrap_policy"] = policy
