@@ -1,6 +1,8 @@
 """PyTorch Lightning's sharded training through the tiers: :class:`TieredModelParallelStrategy`,
 Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and tensor parallelism, DTensor
-state) whose checkpoints are DCP steps of the local tier (extra ``tiered-ckpt[lightning]``).
+state), and :class:`TieredFSDPStrategy`, Lightning's FSDP1 ``FSDPStrategy`` with sharded state
+dicts (``ShardedTensor`` state), whose checkpoints are DCP steps of the local tier (extra
+``tiered-ckpt[lightning]``).
 
 Usage::
 
@@ -16,8 +18,9 @@ Usage::
 Why a strategy: Lightning's sharded strategies do not call ``CheckpointIO`` (so
 :class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO` never sees their state); their
 ``save_checkpoint`` calls ``dcp.save`` into a folder and ``torch.save`` of the rest of the
-checkpoint dict into ``meta.pt``, which their ``load_checkpoint`` unpickles. This subclass replaces
-exactly those two methods (and ``remove_checkpoint``, ``teardown``); sharding, the device mesh,
+checkpoint dict into ``meta.pt``, which their ``load_checkpoint`` unpickles. These subclasses
+replace exactly those two methods (and ``remove_checkpoint``, ``teardown``; the FSDP1 one also the
+model wrapping on CPU, see :class:`TieredFSDPStrategy`); sharding, the device mesh,
 ``configure_model``, the optimizer's setup are Lightning's.
 
 How a save is stored: one committed DCP step of ``root``
@@ -45,9 +48,10 @@ DCP into the sharded model and optimizers (resharded by DCP when the world size 
 with ``remote_url`` a step or shard missing locally is read from the bucket.
 
 Scope: one root that every rank reads and writes (one node, or a shared file system).
-``save_distributed_checkpoint=False`` (the full state gathered on rank 0) is refused: that path goes
-through ``CheckpointIO``, use :class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO`.
-Saves are synchronous. Lightning's FSDP1 ``FSDPStrategy`` is not served.
+``save_distributed_checkpoint=False`` and FSDP1's ``state_dict_type="full"`` (the full state
+gathered on rank 0) are refused: that path goes through ``CheckpointIO``, use
+:class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO`. Saves are synchronous.
+``ModelCheckpoint(save_last="link")`` is not served (the resume refuses the symlinked pointer).
 """
 
 from __future__ import annotations
