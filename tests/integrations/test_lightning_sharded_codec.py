@@ -3,7 +3,7 @@
 keys, tuples, nested dicts, OrderedDict with its _metadata, inf/nan, tensors bit for bit in their
 dtype), the sharded states never enter it, an unstorable value is refused at save naming its key
 path, and a hostile or garbled stored document is refused at load with a typed error (it is JSON
-only: nothing is unpickled)."""
+only: nothing is unpickled); the strategies refuse at construction what they cannot serve."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import base64
 import collections
 import json
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +20,12 @@ import torch
 from test_typed_json import same
 
 from tiered_ckpt.errors import CheckpointError, ManifestError, UnsupportedStateError
-from tiered_ckpt.integrations.lightning_sharded import decode_rest, encode_rest
+from tiered_ckpt.integrations.lightning_sharded import (
+    TieredFSDPStrategy,
+    TieredModelParallelStrategy,
+    decode_rest,
+    encode_rest,
+)
 
 
 def _lightning_like() -> dict[str, Any]:
@@ -151,3 +158,24 @@ GARBLED = {
 def test_garbled_document_refused_typed(text: Any) -> None:
     with pytest.raises(ManifestError):
         decode_rest(text)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "says"),
+    [
+        (TieredModelParallelStrategy, {"save_distributed_checkpoint": False}, "CheckpointIO"),
+        (TieredFSDPStrategy, {"state_dict_type": "full"}, "state_dict_type='full'"),
+        (TieredFSDPStrategy, {"keep_last": 0}, "keep_last must be >= 1"),
+        (TieredModelParallelStrategy, {"keep_last": 0}, "keep_last must be >= 1"),
+    ],
+    ids=["mp-full", "fsdp1-full", "fsdp1-keep", "mp-keep"],
+)
+def test_strategy_refuses_what_it_cannot_serve(cls: type, kwargs: dict[str, Any], says: str):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        cls("/nonexistent/root", **kwargs)
+
+
+def test_fsdp1_strategy_is_sharded_by_default(tmp_path: Path) -> None:
+    strategy = TieredFSDPStrategy(tmp_path / "root")
+    assert strategy._state_dict_type == "sharded" and strategy.root == tmp_path / "root"
+    assert not (tmp_path / "root").exists()  # nothing is made before the first save
