@@ -1,6 +1,7 @@
 """A tiny Lightning run through the tiers, shared by the in-process tests and the DDP drill's rank
-processes (``python lightning_run.py '<json args>'``, one process per rank with the torchrun
-environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+processes (``python lightning_run.py '<json args, or a list of them: one fit after the other>'``,
+one process per rank with the torchrun environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``).
 
 The model (4 -> 8 -> 1 MLP, Adam, a step LR schedule) starts from ``seed``'s values; the data (32
 fixed samples, no shuffle) is the same for every run, so two runs from the same state give the same
@@ -78,8 +79,13 @@ class LossLog(Callback):
 def run(args: dict[str, Any]) -> pl.Trainer:
     """One ``fit``: ``root``, ``ckdir``, ``losses``, ``max_steps``, ``seed``; optional
     ``ckpt_path``, ``async_save``, ``remote_url`` (+ ``endpoint_url``), ``restore``, ``every``,
-    ``devices``, ``checkpointing`` (false: no plugin, no ModelCheckpoint), ``plugin`` (false:
-    ModelCheckpoint with Lightning's own ``torch.save`` files, for comparison)."""
+    ``devices``, ``batch_size`` (4), ``hang_at`` (sleep at that step until killed),
+    ``checkpointing`` (false: no plugin, no ModelCheckpoint), ``plugin`` (false: ModelCheckpoint
+    with Lightning's own ``torch.save`` files, for comparison)."""
+    if args.get("hang_at") is not None:
+        os.environ["LIGHTNING_RUN_HANG_AT"] = str(args["hang_at"])
+    else:
+        os.environ.pop("LIGHTNING_RUN_HANG_AT", None)
     plugins, callbacks = [], [LossLog(args["losses"])]
     if args.get("checkpointing", True):
         s3_client = None
@@ -120,7 +126,9 @@ def run(args: dict[str, Any]) -> pl.Trainer:
         use_distributed_sampler=False,
     )
     trainer.fit(
-        Tiny(args["seed"]), train_dataloaders=data(world=devices), ckpt_path=args.get("ckpt_path")
+        Tiny(args["seed"]),
+        train_dataloaders=data(batch_size=args.get("batch_size", 4), world=devices),
+        ckpt_path=args.get("ckpt_path"),
     )
     if trainer.global_rank == 0 and args.get("report"):
         Path(args["report"]).write_text(json.dumps({"ckpt_path": trainer.ckpt_path}))
@@ -137,4 +145,6 @@ def read_losses(path: str | Path, rank: int = 0) -> dict[int, float]:
 
 
 if __name__ == "__main__":
-    run(json.loads(sys.argv[1]))
+    runs = json.loads(sys.argv[1])
+    for one in runs if isinstance(runs, list) else [runs]:
+        run(one)

@@ -1,8 +1,9 @@
 """The Lightning drill: DDP (strategy="ddp", gloo, CPU, 2 rank processes started the way torchrun
-starts them) checkpointing every 4 steps through AsyncTieredCheckpointIO, the sidecar (``tiered-ckpt
-upload --watch``) uploading to a moto server. SIGKILL of every rank, resume from the local tier;
-SIGKILL again, cluster loss (the local root, the checkpoint folder and the sidecar gone), restore
-from the bucket, resume. Both ranks' loss curves equal an uninterrupted run's: max |diff| == 0.0."""
+starts them) checkpointing every 2 steps (an epoch: batch 8) through AsyncTieredCheckpointIO, the
+sidecar (``tiered-ckpt upload --watch``) uploading to a moto server. SIGKILL of every rank, resume
+from the local tier; SIGKILL again, cluster loss (the local root, the checkpoint folder and the
+sidecar gone), restore from the bucket, resume. Both ranks' loss curves equal an uninterrupted
+run's (run first in the same rank processes as the first attempt): max |diff| == 0.0."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ SCRIPT = Path(__file__).with_name("lightning_run.py")
 WORLD = 2
 
 
-def _ranks(args: dict[str, Any], log: Path, **env: str) -> list[subprocess.Popen[bytes]]:
+def _ranks(runs: list[dict[str, Any]], log: Path) -> list[subprocess.Popen[bytes]]:
+    """One process per rank, running the fits ``runs`` one after the other."""
     port = str(free_port())
     procs = []
     for rank in range(WORLD):
@@ -42,12 +44,11 @@ def _ranks(args: dict[str, Any], log: Path, **env: str) -> list[subprocess.Popen
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
-            **env,
         )
         with open(f"{log}.log{rank}", "ab") as out:
             procs.append(
                 subprocess.Popen(
-                    python_cmd(SCRIPT, json.dumps({**args, "devices": WORLD})),
+                    python_cmd(SCRIPT, json.dumps([{**a, "devices": WORLD} for a in runs])),
                     env=e,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -101,27 +102,26 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def test_ddp_kill_resume_cluster_loss_restore(tmp_path: Path, s3_bucket: s3_infra.S3Location):
     ref = tmp_path / "ref"
-    ref_procs = _ranks(
-        {"root": "-", "ckdir": "-", "losses": str(ref), "max_steps": 16, "seed": 0,
-         "checkpointing": False}, ref)  # fmt: skip
-    _finish(ref_procs, ref)
     root, ckdir, losses = tmp_path / "root", tmp_path / "ck", tmp_path / "losses"
-    args = {"root": str(root), "ckdir": str(ckdir), "losses": str(losses), "max_steps": 16,
-            "every": 4, "async_save": True, "remote_url": s3_bucket.url,
+    args = {"root": str(root), "ckdir": str(ckdir), "losses": str(losses), "max_steps": 8,
+            "every": 2, "batch_size": 8, "async_save": True, "remote_url": s3_bucket.url,
             "endpoint_url": s3_bucket.endpoint_url}  # fmt: skip
     hung = Path(f"{losses}.hung")
     sidecar = _sidecar(root, s3_bucket)
     try:
-        # 1. killed at step 10: step 8 committed and uploaded; resume from the local tier
-        procs = _ranks({**args, "seed": 0}, losses, LIGHTNING_RUN_HANG_AT="10")
-        _wait(lambda: hung.exists() and _uploaded(root, 8), "step 8 uploaded", procs)
+        # 1. the uninterrupted run (no checkpoints), then in the same rank processes the first
+        # attempt, killed at step 5: step 4 committed and uploaded; resume from the local tier
+        uninterrupted = {"root": "-", "ckdir": "-", "losses": str(ref), "max_steps": 8,
+                         "batch_size": 8, "seed": 0, "checkpointing": False}  # fmt: skip
+        procs = _ranks([uninterrupted, {**args, "seed": 0, "hang_at": 5}], losses)
+        _wait(lambda: hung.exists() and _uploaded(root, 4), "step 4 uploaded", procs)
         _kill(procs)
         hung.unlink()
-        assert read_pointer(ckdir / "last.ckpt").step == 8
-        # 2. resumed from last (model from other values), killed at step 14 after step 12 is up
-        procs = _ranks({**args, "seed": 1, "ckpt_path": "last"}, losses,
-                       LIGHTNING_RUN_HANG_AT="14")  # fmt: skip
-        _wait(lambda: hung.exists() and _uploaded(root, 12), "step 12 uploaded", procs)
+        assert read_pointer(ckdir / "last.ckpt").step == 4
+        assert sorted(read_losses(ref, 0)) == list(range(1, 9))
+        # 2. resumed from last (model from other values), killed at step 7 after step 6 is up
+        procs = _ranks([{**args, "seed": 1, "ckpt_path": "last", "hang_at": 7}], losses)
+        _wait(lambda: hung.exists() and _uploaded(root, 6), "step 6 uploaded", procs)
         _kill(procs)
         # 3. cluster loss: the sidecar, the local root and the checkpoint folder are gone
         sidecar.kill()
@@ -129,12 +129,12 @@ def test_ddp_kill_resume_cluster_loss_restore(tmp_path: Path, s3_bucket: s3_infr
         shutil.rmtree(root)
         shutil.rmtree(ckdir)
         io = TieredCheckpointIO(root, remote_url=s3_bucket.url, s3_client=s3_bucket.client)
-        assert io.restore(ckdir) == 12  # one process per node, before the ranks start
-        assert read_pointer(ckdir / "last.ckpt").step == 12
-        assert (ckdir / "epoch=2-step=12.ckpt").is_file()
+        assert io.restore(ckdir) == 6  # one process per node, before the ranks start
+        assert read_pointer(ckdir / "last.ckpt").step == 6
+        assert (ckdir / "epoch=2-step=6.ckpt").is_file()
         sidecar = _sidecar(root, s3_bucket)
         report = tmp_path / "report.json"
-        procs = _ranks({**args, "seed": 2, "ckpt_path": "last", "report": str(report)}, losses)
+        procs = _ranks([{**args, "seed": 2, "ckpt_path": "last", "report": str(report)}], losses)
         _finish(procs, losses)
         assert json.loads(report.read_text())["ckpt_path"] == str(ckdir / "last.ckpt")
     finally:
@@ -142,5 +142,5 @@ def test_ddp_kill_resume_cluster_loss_restore(tmp_path: Path, s3_bucket: s3_infr
         sidecar.wait()
     for rank in range(WORLD):
         want, got = read_losses(ref, rank), read_losses(losses, rank)
-        assert sorted(want) == sorted(got) == list(range(1, 17))
+        assert sorted(want) == sorted(got) == list(range(1, 9))
         assert max(abs(want[s] - got[s]) for s in want) == 0.0

@@ -1,8 +1,10 @@
-"""Lightning's sharded training (ModelParallelStrategy, FSDP2 over 2 gloo CPU rank processes)
-through TieredModelParallelStrategy: the model's and optimizer's DTensor shards as a DCP step of
-the local tier, the rest of the checkpoint dict as typed JSON. SIGKILL mid-run, resume with
+"""Lightning's sharded training over 2 gloo CPU rank processes through the tiered strategies:
+TieredModelParallelStrategy (ModelParallelStrategy, FSDP2 DTensor shards) and TieredFSDPStrategy
+(FSDPStrategy, FSDP1 sharded state dicts), the model's and optimizer's shards as a DCP step of the
+local tier, the rest of the checkpoint dict as typed JSON. SIGKILL mid-run, resume with
 ckpt_path="last" from a model that starts elsewhere, the loss curve of both ranks equal to an
-uninterrupted run's bit for bit; and the document codec and the refusals in one process."""
+uninterrupted run's bit for bit, the model's plain (unsharded) buffer restored. The document codec
+and its refusals: test_lightning_sharded_codec.py."""
 
 from __future__ import annotations
 
@@ -64,20 +66,21 @@ def _log_tail(log: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["model_parallel", "fsdp1"])
+def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path, strategy: str) -> None:
     ref, losses = tmp_path / "ref", tmp_path / "losses"
     root, ckdir = tmp_path / "root", tmp_path / "ck"
-    # 4 steps an epoch (16 samples a rank, batch 4): saves at epoch ends (a resume in the middle
+    # 2 steps an epoch (16 samples a rank, batch 8): saves at epoch ends (a resume in the middle
     # of an epoch restarts a plain DataLoader's epoch, see the README)
-    args = {"root": str(root), "ckdir": str(ckdir), "losses": str(losses), "max_steps": 16,
-            "every": 4}  # fmt: skip
+    args = {"strategy": strategy, "root": str(root), "ckdir": str(ckdir), "losses": str(losses),
+            "max_steps": 8, "every": 2}  # fmt: skip
     hung = Path(f"{losses}.hung")
-    # the uninterrupted run (Lightning's ModelParallelStrategy, no checkpoints), then in the same
-    # two processes a run saving every 4 steps, SIGKILLed at step 10 (steps 4 and 8 committed)
+    # the uninterrupted run (no checkpoints), then in the same two processes a run saving every 2
+    # steps, SIGKILLed at step 5 (steps 2 and 4 committed)
     procs = _ranks(
         [
-            {"losses": str(ref), "max_steps": 16, "seed": 0},
-            {**args, "seed": 0, "hang_at": 10},
+            {"strategy": strategy, "losses": str(ref), "max_steps": 8, "seed": 0},
+            {**args, "seed": 0, "hang_at": 5},
         ],
         losses,
     )
@@ -94,27 +97,33 @@ def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path) -> None:
             p.wait()
     assert all(p.returncode == -signal.SIGKILL for p in procs)
     assert sorted(p.name for p in ckdir.iterdir()) == [
-        "epoch=0-step=4.ckpt",
-        "epoch=1-step=8.ckpt",
+        "epoch=0-step=2.ckpt",
+        "epoch=1-step=4.ckpt",
         "last.ckpt",
     ]
-    assert committed_steps(root) == [4, 8] and pinned_steps(root) == [4, 8]
-    assert read_pointer(ckdir / "last.ckpt").step == 8
-    manifest = read_manifest(root, 8)
+    assert committed_steps(root) == [2, 4] and pinned_steps(root) == [2, 4]
+    assert read_pointer(ckdir / "last.ckpt").step == 4
+    manifest = read_manifest(root, 4)
     assert manifest.world_size == WORLD and len(manifest.shards) == WORLD
     assert manifest.extra is not None and manifest.extra["integration"] == INTEGRATION
-    assert manifest.extra[INTEGRATION] == {"path": str(ckdir / "epoch=1-step=8.ckpt")}
+    assert manifest.extra[INTEGRATION] == {"path": str(ckdir / "epoch=1-step=4.ckpt")}
 
-    # the step read whole in this one process: the full weights, other than the resumed run's start
+    # the step read whole in this one process: the full weights, other than the resumed run's
+    # start; the plain buffer (4 batches); the optimizer's state by name (its betas: JSON, a list)
     whole: dict[str, Any] = {}
-    assert dcp.load(whole, root, 8, whole_step=True) == 8
+    assert dcp.load(whole, root, 4, whole_step=True) == 4
     saved, other = whole["state_dict"], Tiny(seed=1).state_dict()
-    assert sorted(saved) == sorted(other)
+    assert sorted(saved) == sorted([*other, "batches"])
     assert all(
-        saved[k].shape == other[k].shape and not torch.equal(saved[k], other[k]) for k in saved
+        saved[k].shape == other[k].shape and not torch.equal(saved[k], other[k]) for k in other
     )
+    assert saved["batches"].dtype == torch.int64 and int(saved["batches"]) == 4
+    opt = whole["optimizer_0"]
+    assert sorted(opt["state"]) == sorted(other)
+    assert all(float(opt["state"][k]["step"]) == 4.0 for k in other)
+    assert opt["param_groups"][0]["betas"] == [0.8, 0.99]
     rest = decode_rest(whole[DOC_KEY])
-    assert rest["global_step"] == 8 and rest["epoch"] == 1
+    assert rest["global_step"] == 4 and rest["epoch"] == 1
     assert "state_dict" not in rest and "optimizer_states" not in rest
     assert set(whole) == {"state_dict", "optimizer_0", DOC_KEY}
 
@@ -127,11 +136,14 @@ def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path) -> None:
     assert json.loads(report.read_text())["ckpt_path"] == str(ckdir / "last.ckpt")
     for rank in range(WORLD):
         want, got = read_losses(ref, rank), read_losses(losses, rank)
-        assert sorted(want) == sorted(got) == list(range(1, 17))
+        assert sorted(want) == sorted(got) == list(range(1, 9))
         assert max(abs(want[s] - got[s]) for s in want) == 0.0
-    # steps 12 and 16 saved; 4 and 8 unpinned by the top-2 and deleted by rotation at teardown
-    assert committed_steps(root) == [12, 16] and pinned_steps(root) == [12, 16]
-    assert read_pointer(ckdir / "last.ckpt").step == 16
+        # the buffer counted on from the checkpoint's 4 (a lost buffer would count from 0 again)
+        counts = [json.loads(x) for x in Path(f"{losses}.batches{rank}").read_text().splitlines()]
+        assert counts[-4:] == [[5, 5], [6, 6], [7, 7], [8, 8]]
+    # steps 6 and 8 saved; 2 and 4 unpinned by the top-2 and deleted by rotation at teardown
+    assert committed_steps(root) == [6, 8] and pinned_steps(root) == [6, 8]
+    assert read_pointer(ckdir / "last.ckpt").step == 8
     verify = subprocess.run(
         python_cmd("-m", "tiered_ckpt.cli", "verify", root), env=child_env(), capture_output=True
     )

@@ -19,11 +19,22 @@ import io
 from typing import Any
 
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
 
 from tiered_ckpt.dcp.items import check_item, decode_value, encode_value
+from tiered_ckpt.errors import CheckpointError
 
 
 class TieredSavePlanner(DefaultSavePlanner):
@@ -90,6 +101,21 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             flatten_state_dict=True,
             flatten_sharded_tensors=True,
             allow_partial_load=allow_partial_load,
+        )
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan of this rank's reads, without ``DefaultLoadPlanner``'s fallback to torch 2.3's
+        key flattening: every step was written by :class:`TieredSavePlanner` under torch >= 2.4.
+        That fallback is taken when the step holds keys this rank's state lacks and the 2.3
+        flattening of the unflattened state has one of them, which is the case for FSDP1's sharded
+        state dicts (a ``ShardedTensor`` with no local shard on this rank, dropped by the sharded
+        tensor flattening, kept by the other): it then flattens lists such as an optimizer's
+        ``param_groups`` whole and fails with "Missing key in checkpoint state_dict:
+        optimizer_0.param_groups" although the step has every key."""
+        if self.metadata is None:
+            raise CheckpointError("a load plan needs the step's metadata")
+        return create_default_local_load_plan(
+            self.state_dict, self.metadata, not self.allow_partial_load
         )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -1,6 +1,8 @@
 """PyTorch Lightning's sharded training through the tiers: :class:`TieredModelParallelStrategy`,
 Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and tensor parallelism, DTensor
-state) whose checkpoints are DCP steps of the local tier (extra ``tiered-ckpt[lightning]``).
+state), and :class:`TieredFSDPStrategy`, Lightning's FSDP1 ``FSDPStrategy`` with sharded state
+dicts (``ShardedTensor`` state), whose checkpoints are DCP steps of the local tier (extra
+``tiered-ckpt[lightning]``).
 
 Usage::
 
@@ -16,8 +18,9 @@ Usage::
 Why a strategy: Lightning's sharded strategies do not call ``CheckpointIO`` (so
 :class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO` never sees their state); their
 ``save_checkpoint`` calls ``dcp.save`` into a folder and ``torch.save`` of the rest of the
-checkpoint dict into ``meta.pt``, which their ``load_checkpoint`` unpickles. This subclass replaces
-exactly those two methods (and ``remove_checkpoint``, ``teardown``); sharding, the device mesh,
+checkpoint dict into ``meta.pt``, which their ``load_checkpoint`` unpickles. These subclasses
+replace exactly those two methods (and ``remove_checkpoint``, ``teardown``; the FSDP1 one also the
+model wrapping on CPU, see :class:`TieredFSDPStrategy`); sharding, the device mesh,
 ``configure_model``, the optimizer's setup are Lightning's.
 
 How a save is stored: one committed DCP step of ``root``
@@ -45,9 +48,10 @@ DCP into the sharded model and optimizers (resharded by DCP when the world size 
 with ``remote_url`` a step or shard missing locally is read from the bucket.
 
 Scope: one root that every rank reads and writes (one node, or a shared file system).
-``save_distributed_checkpoint=False`` (the full state gathered on rank 0) is refused: that path goes
-through ``CheckpointIO``, use :class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO`.
-Saves are synchronous. Lightning's FSDP1 ``FSDPStrategy`` is not served.
+``save_distributed_checkpoint=False`` and FSDP1's ``state_dict_type="full"`` (the full state
+gathered on rank 0) are refused: that path goes through ``CheckpointIO``, use
+:class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO`. Saves are synchronous.
+``ModelCheckpoint(save_last="link")`` is not served (the resume refuses the symlinked pointer).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from tiered_ckpt.dcp import api as dcp_api
 from tiered_ckpt.dcp.manager import DCPCheckpointManager
@@ -80,6 +84,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DOC_KEY",
     "INTEGRATION",
+    "TieredFSDPStrategy",
     "TieredModelParallelStrategy",
     "decode_rest",
     "encode_rest",
@@ -106,20 +111,38 @@ def _tensor_ref(path: tuple[Any, ...], t: torch.Tensor) -> dict[str, Any]:
 
 
 def _tensor_of(ref: Any) -> torch.Tensor:
+    """The tensor a ``$leaf`` reference of the document stores. The dtype, the shape (a list of
+    ints >= 0) and the byte count must agree before anything is allocated (a garbled shape never
+    makes a huge tensor)."""
+
+    def bad(why: str) -> ManifestError:
+        return ManifestError(f"bad tensor in the {DOC_KEY!r} document ({why}): {str(ref)[:200]}")
+
     if type(ref) is not dict or set(ref) != {"dtype", "shape", "b64"}:
-        raise ManifestError(f"bad tensor in the {DOC_KEY!r} document: {str(ref)[:200]}")
-    dtype = getattr(torch, str(ref["dtype"]), None)
-    shape = ref["shape"]
-    if not isinstance(dtype, torch.dtype) or type(shape) is not list:
-        raise ManifestError(f"bad tensor in the {DOC_KEY!r} document: {str(ref)[:200]}")
+        raise bad("not a {dtype, shape, b64} object")
+    name, shape, b64 = ref["dtype"], ref["shape"], ref["b64"]
+    dtype = getattr(torch, name, None) if type(name) is str else None
+    if not isinstance(dtype, torch.dtype):
+        raise bad("unknown dtype")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad("the shape is not a list of ints >= 0")
+    if type(b64) is not str:
+        raise bad("b64 is not a string")
     try:
-        raw = base64.b64decode(ref["b64"], validate=True)
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-        return flat.reshape(shape)
+        raw = base64.b64decode(b64, validate=True)
+    except ValueError as exc:
+        raise bad(f"b64: {exc}") from None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize != len(raw):
+        raise bad(f"{len(raw)} bytes for {numel} elements of {dtype}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise ManifestError(f"bad tensor in the {DOC_KEY!r} document: {exc}") from None
+        raise bad(str(exc)) from None
 
 
 def encode_rest(checkpoint: Mapping[str, Any]) -> str:
@@ -133,27 +156,35 @@ def encode_rest(checkpoint: Mapping[str, Any]) -> str:
     return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode_rest(text: Any) -> dict[str, Any]:
     """Inverse of :func:`encode_rest` (new CPU tensors). Raises ``ManifestError``."""
     if not isinstance(text, str):
         raise ManifestError(f"not a sharded Lightning checkpoint of tiered-ckpt (no {DOC_KEY!r})")
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ManifestError(f"the {DOC_KEY!r} document is not JSON: {exc}") from None
+    try:  # strict JSON: no NaN/Infinity literals (the encoder writes none); nesting is bounded
+        doc = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"the {DOC_KEY!r} document is not JSON: {str(exc)[:200]}") from None
     out = typed_json.decode(doc, resolve=_tensor_of)
     if type(out) is not dict:
         raise ManifestError("the checkpoint document is not a dict")
     return out
 
 
-class TieredModelParallelStrategy(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` whose checkpoints are DCP steps of the local tier
-    ``root`` (see the module docstring). ``remote_url``/``s3_client``: the bucket the sidecar
-    uploads to (rotation then keeps steps not uploaded yet; a load reads what the root lacks from
-    it). ``keep_last``: steps kept by count besides the pinned top-k ones. ``last_name``:
-    ``ModelCheckpoint.CHECKPOINT_NAME_LAST``. The other keywords are ``ModelParallelStrategy``'s;
-    ``save_distributed_checkpoint=False`` raises ``ValueError``."""
+class _TieredSharded:
+    """The checkpoint seam shared by the sharded strategies (a mixin before Lightning's strategy
+    class): ``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint``, ``teardown``."""
+
+    # Lightning's Strategy gives these (the mixin only ever sits before a Strategy subclass)
+    global_rank: int
+    model: Any
+    lightning_module: Any
+    optimizers: list[Any]
+    broadcast: Any
+    barrier: Any
 
     def __init__(
         self,
@@ -166,11 +197,6 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         last_name: str = "last",
         **kwargs: Any,
     ) -> None:
-        if not kwargs.get("save_distributed_checkpoint", True):
-            raise ValueError(
-                "save_distributed_checkpoint=False gathers the full state on rank 0 and saves it "
-                "through CheckpointIO: use tiered_ckpt.integrations.lightning.TieredCheckpointIO"
-            )
         if keep_last < 1:
             raise ValueError(
                 f"keep_last must be >= 1 (the newest step backs last.ckpt): {keep_last}"
@@ -269,6 +295,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
+            set_model_state_dict,
             set_optimizer_state_dict,
         )
 
@@ -291,7 +318,11 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             raise ManifestError(
                 f"step {ptr.step} of {ptr.root} was not saved by {type(self).__name__}"
             )
-        model.load_state_dict(state[MODEL_KEY], strict=self.lightning_module.strict_loading)
+        set_model_state_dict(
+            model,
+            state[MODEL_KEY],
+            options=StateDictOptions(strict=self.lightning_module.strict_loading),
+        )
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(
                 model,
@@ -338,4 +369,68 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
                     except OSError as exc:
                         log.error("rotation at teardown failed: %s", exc)
         finally:
-            super().teardown()
+            super().teardown()  # type: ignore[misc]
+
+
+class TieredModelParallelStrategy(_TieredSharded, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose checkpoints are DCP steps of the local tier
+    ``root`` (see the module docstring). ``remote_url``/``s3_client``: the bucket the sidecar
+    uploads to (rotation then keeps steps not uploaded yet; a load reads what the root lacks from
+    it). ``keep_last``: steps kept by count besides the pinned top-k ones. ``last_name``:
+    ``ModelCheckpoint.CHECKPOINT_NAME_LAST``. The other keywords are ``ModelParallelStrategy``'s;
+    ``save_distributed_checkpoint=False`` raises ``ValueError``."""
+
+    def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
+        if not kwargs.get("save_distributed_checkpoint", True):
+            raise ValueError(
+                "save_distributed_checkpoint=False gathers the full state on rank 0 and saves it "
+                "through CheckpointIO: use tiered_ckpt.integrations.lightning.TieredCheckpointIO"
+            )
+        super().__init__(root, **kwargs)
+
+
+class TieredFSDPStrategy(_TieredSharded, FSDPStrategy):
+    """Lightning's FSDP1 ``FSDPStrategy`` (``FullyShardedDataParallel``) with
+    ``state_dict_type="sharded"``, whose checkpoints are DCP steps of the local tier ``root``
+    (see the module docstring; the keywords besides ``FSDPStrategy``'s are
+    :class:`TieredModelParallelStrategy`'s). ``state_dict_type="full"`` raises ``ValueError`` (that
+    path gathers the state on rank 0 and goes through ``CheckpointIO``: use
+    :class:`~tiered_ckpt.integrations.lightning.TieredCheckpointIO`).
+
+    On CPU (``accelerator="cpu"``, gloo) it wraps the model with ``device_id=torch.device("cpu")``:
+    Lightning 2.6.6 passes ``device_id=None`` there, for which torch's FSDP1 raises "FSDP needs a
+    non-CPU accelerator device" (Lightning's own ``FSDPStrategy`` refuses the CPU accelerator
+    before that, a check that names that exact class only)."""
+
+    def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
+        if kwargs.setdefault("state_dict_type", "sharded") != "sharded":
+            raise ValueError(
+                f"state_dict_type={kwargs['state_dict_type']!r} gathers the full state on rank 0 "
+                "and saves it through CheckpointIO: use "
+                "tiered_ckpt.integrations.lightning.TieredCheckpointIO, or state_dict_type='sharded'"
+            )
+        super().__init__(root, **kwargs)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
+            return super()._setup_model(model)
+        wrapped = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+        # Lightning's setup of an already wrapped model (torchmetrics, activation checkpointing);
+        # the auto-wrap policy was applied above, so it is not passed on (Lightning would warn)
+        policy = self.kwargs.pop("auto_wrap_policy", None)
+        try:
+            return super()._setup_model(wrapped)
+        finally:
+            if policy is not None:
+                self.kwargs["auto_wrap_policy"] = policy
