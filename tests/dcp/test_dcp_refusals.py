@@ -6,6 +6,7 @@ same bytes: nothing is unpickled (an audit hook on ``pickle.find_class`` sees no
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from tiered_ckpt import dcp as tdcp
-from tiered_ckpt.dcp.items import METADATA_TENSOR
-from tiered_ckpt.errors import DcpMetadataError, UnsupportedPlannerError, UnsupportedStateError
+from tiered_ckpt.dcp.items import METADATA_TENSOR, decode_value, encode_value
+from tiered_ckpt.errors import (
+    DcpMetadataError,
+    ShardCorruptedError,
+    UnsupportedPlannerError,
+    UnsupportedStateError,
+)
 from tiered_ckpt.local.catalogue import read_manifest
 from tiered_ckpt.local.commit import commit_step
 from tiered_ckpt.local.load_committed import load_shard
@@ -179,3 +185,19 @@ def test_manifest_without_dcp_metadata_is_refused(tmp_path: Path) -> None:
     save_sharded([{"w": np.ones(3)}], tmp_path, STEP)
     with pytest.raises(DcpMetadataError, match="not saved through tiered_ckpt.dcp"):
         tdcp.load({"w": torch.zeros(3)}, tmp_path)
+
+
+def test_typed_values_round_trip_with_their_types_and_garbled_ones_are_typed_errors() -> None:
+    """A non-tensor value plain JSON would change (tuples, int keys, OrderedDict) is stored as
+    typed JSON and comes back of the same types; plain values keep the plain tag; a garbled typed
+    value is a ShardCorruptedError, never unpickled."""
+    for value in [(0.9, 0.999), {1: "a", "b": (1, 2)}, OrderedDict(a=1), [1, {"x": (2,)}]]:
+        raw = encode_value(value, "k")
+        assert raw[:1] == b"T", raw
+        back = decode_value(raw, "k")
+        assert back == value and type(back) is type(value)
+    assert encode_value({"a": [1, None]}, "k") == b'J{"a":[1,null]}'
+    assert decode_value(encode_value(torch.Size([2, 3]), "k"), "k") == [2, 3]  # plain JSON
+    for garbled in [b'T{"$tuple":3}', b'T{"$nope":[]}', b"T[1,", b'T{"$dict":[[[1],2]]}']:
+        with pytest.raises(ShardCorruptedError, match="typed JSON"):
+            decode_value(garbled, "k")

@@ -109,7 +109,7 @@ def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path, strategy:
     assert manifest.extra[INTEGRATION] == {"path": str(ckdir / "epoch=1-step=4.ckpt")}
 
     # the step read whole in this one process: the full weights, other than the resumed run's
-    # start; the plain buffer (4 batches); the optimizer's state by name (its betas: JSON, a list)
+    # start; the plain buffer (4 batches); the optimizer's state by name (betas: a tuple)
     whole: dict[str, Any] = {}
     assert dcp.load(whole, root, 4, whole_step=True) == 4
     saved, other = whole["state_dict"], Tiny(seed=1).state_dict()
@@ -121,7 +121,7 @@ def test_sharded_kill_resume_last_equals_uninterrupted(tmp_path: Path, strategy:
     opt = whole["optimizer_0"]
     assert sorted(opt["state"]) == sorted(other)
     assert all(float(opt["state"][k]["step"]) == 4.0 for k in other)
-    assert opt["param_groups"][0]["betas"] == [0.8, 0.99]
+    assert opt["param_groups"][0]["betas"] == (0.8, 0.99)
     rest = decode_rest(whole[DOC_KEY])
     assert rest["global_step"] == 4 and rest["epoch"] == 1
     assert "state_dict" not in rest and "optimizer_states" not in rest

@@ -5,8 +5,8 @@ does not).
 A DCP save of step ``S`` is an ordinary step of the local tier (one safetensors shard per rank,
 ``manifest.json`` committed last, one save id), so ``tiered-ckpt ls/verify/gc``, rotation, upload
 and restore work on it unchanged. The DCP metadata is JSON in the coordinator's shard; non-tensor
-values are JSON (tuples come back as lists) or raw ``bytes``; nothing is pickled either way, with
-any planner.
+values are JSON (typed JSON where plain JSON would change their types: tuples, int keys) or raw
+``bytes``; nothing is pickled either way, with any planner.
 
 Use with DCP directly, with DCP's default planners (``planner=None``,
 ``DefaultSavePlanner(enable_plan_caching=True)``, subclasses) or this package's::

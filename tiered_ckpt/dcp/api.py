@@ -264,7 +264,7 @@ def load(
     whole_step: bool = False,
 ) -> int:
     """``dcp.load`` into ``state_dict`` (in place, as DCP does; tensors are copied into, non-tensor
-    values replaced: tuples come back as lists) from step ``step`` of ``root`` (``None``: the newest
+    values replaced, of the types saved) from step ``step`` of ``root`` (``None``: the newest
     committed step), resharding through DCP's planner when the world size differs.
     ``remote_url``/``endpoint_url``/ ``s3_client``: where to read what the root lacks (see
     :class:`TieredStorageReader`). Returns the step loaded. Raises the typed error of the lowest

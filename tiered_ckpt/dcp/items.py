@@ -5,9 +5,14 @@
   collide, nor meet :data:`METADATA_TENSOR`. Escaped in the file as
   :func:`tiered_ckpt.format.shard_file.flatten_state` does (:func:`stored_name`); a key that is not
   valid Unicode is refused.
-- **Bytes.** A ``BYTE_IO`` value is a 1-D ``uint8`` tensor: ``b"J"`` + UTF-8 JSON for a JSON-able
-  value (**tuples come back as lists**) or ``b"B"`` + raw bytes for ``bytes``/``bytearray``.
-  Anything else raises :class:`UnsupportedStateError` naming the key. Never pickle.
+- **Bytes.** A ``BYTE_IO`` value is a 1-D ``uint8`` tensor: ``b"J"`` + UTF-8 JSON for a value
+  plain JSON holds exactly (``None``, bools, numbers, strings, lists, ``dict`` with string keys),
+  ``b"T"`` + UTF-8 typed JSON (:mod:`tiered_ckpt.format.typed_json`) for one that also holds
+  tuples (Adam's ``betas``), dicts with other keys (an optimizer state's parameter indices) or an
+  ``OrderedDict``, so it comes back of the same types (a value typed JSON does not hold, such as a
+  ``torch.Size`` or a namedtuple, is stored as plain JSON: it comes back as lists), or ``b"B"`` + raw bytes for
+  ``bytes``/``bytearray``. Anything else raises :class:`UnsupportedStateError` naming the key.
+  Never pickle.
 - **Dtypes.** :data:`STORABLE_DTYPES` and the bit-exact tensor -> numpy conversion
   (:func:`tensor_array`) for :func:`tiered_ckpt.local.writer.write_shard`.
 """
@@ -24,7 +29,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from tiered_ckpt.errors import ShardCorruptedError, UnsupportedStateError
+from tiered_ckpt.errors import ManifestError, ShardCorruptedError, UnsupportedStateError
+from tiered_ckpt.format import typed_json
 from tiered_ckpt.format.tensor_index import MAX_NAME_LEN
 
 #: Name of the uint8 tensor in the coordinator's shard that holds the DCP metadata as JSON.
@@ -34,6 +40,7 @@ METADATA_TENSOR = "__tiered_ckpt_dcp_metadata__"
 #: ``finish`` to commit.
 SHARD_RESULT_FQN = "__tiered_ckpt_dcp_shard__"
 JSON_TAG = b"J"
+TYPED_TAG = b"T"
 BYTES_TAG = b"B"
 #: Deepest nesting of a JSON value (deeper: refused on write, a typed error on read).
 MAX_JSON_DEPTH = 200
@@ -167,12 +174,34 @@ def _jsonable(value: Any, where: str, depth: int = 0) -> Any:
     )
 
 
+def _needs_types(value: Any, depth: int = 0) -> bool:
+    """Whether plain JSON would change ``value`` 's types: it holds a tuple, an ``OrderedDict`` or
+    another dict subclass, or a dict with a key that is not a string."""
+    if depth > MAX_JSON_DEPTH:
+        return False  # refused by the encoding that follows
+    if isinstance(value, tuple):
+        return True
+    if isinstance(value, list):
+        return any(_needs_types(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        if type(value) is not dict or not all(isinstance(k, str) for k in value):
+            return True
+        return any(_needs_types(v, depth + 1) for v in value.values())
+    return False
+
+
 def encode_value(value: Any, fqn: str) -> bytes:
     """The stored bytes of a non-tensor value under state key ``fqn`` (see the module docstring).
     Raises :class:`UnsupportedStateError` naming the key for anything neither bytes nor
     JSON-able."""
     if isinstance(value, (bytes, bytearray)):
         return BYTES_TAG + bytes(value)
+    if _needs_types(value):
+        try:
+            doc = typed_json.encode(value, root=f"state key {fqn[:200]!r}")
+            return TYPED_TAG + json.dumps(doc, separators=(",", ":")).encode()
+        except (UnsupportedStateError, ValueError):
+            pass  # a subclass typed JSON does not hold (torch.Size, a namedtuple): plain JSON
     doc = _jsonable(value, f"state key {fqn!r}")
     try:
         return JSON_TAG + json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
@@ -190,11 +219,20 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def decode_value(raw: bytes, fqn: str) -> Any:
-    """The value :func:`encode_value` stored (tuples come back as lists). Raises
-    :class:`ShardCorruptedError` for an unknown tag or malformed JSON; never unpickles anything."""
+    """The value :func:`encode_value` stored, of the same types. Raises
+    :class:`ShardCorruptedError` for an unknown tag, malformed JSON or typed JSON; never unpickles
+    anything."""
     tag, body = raw[:1], raw[1:]
     if tag == BYTES_TAG:
         return bytes(body)
+    if tag == TYPED_TAG:
+        try:
+            doc = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            return typed_json.decode(doc)
+        except (ValueError, UnicodeDecodeError, RecursionError, ManifestError) as e:
+            raise ShardCorruptedError(
+                f"state key {fqn[:200]!r}: stored value is not valid typed JSON ({str(e)[:100]})"
+            ) from None
     if tag == JSON_TAG:
         try:
             return json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -203,7 +241,7 @@ def decode_value(raw: bytes, fqn: str) -> Any:
                 f"state key {fqn[:200]!r}: stored value is not valid JSON ({str(e)[:100]})"
             ) from None
     raise ShardCorruptedError(
-        f"state key {fqn[:200]!r}: stored value has unknown tag {tag!r} (expected b'J' or b'B')"
+        f"state key {fqn[:200]!r}: stored value has unknown tag {tag!r} (expected b'J', b'T' or b'B')"
     )
 
 
@@ -237,6 +275,7 @@ __all__ = [
     "DTYPE_NAME",
     "ItemLocation",
     "JSON_TAG",
+    "TYPED_TAG",
     "MAX_JSON_DEPTH",
     "METADATA_TENSOR",
     "SHARD_RESULT_FQN",
