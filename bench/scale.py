@@ -1,4 +1,4 @@
-"""Benchmark: a simulated big job, 512 ranks x 2,000 tensors per rank (issue 12, "Show").
+"""Benchmark: a simulated big job, 512 ranks x 2,000 tensors per rank (the floors of the big-job rows).
 
     python bench/scale.py [--ranks 512] [--tensors 2000] [--reps 3] [--json bench/out/scale.json]
     python bench/scale.py --smoke            # 8 ranks x 50 tensors, 1 rep, no floors enforced
@@ -63,7 +63,7 @@ from tiered_ckpt.local.commit import commit_step  # noqa: E402
 from tiered_ckpt.local.writer import write_shard  # noqa: E402
 
 MiB = 1024 * 1024
-#: Floors of issue 12 ("Show"): seconds, or bytes for the manifest.
+#: Floors of the big-job rows: seconds, or bytes for the manifest.
 FLOORS = {
     "manifest_bytes": 1 * MiB,
     "commit": 1.0,
@@ -110,7 +110,7 @@ def manifest_only_step(root: Path, manifest: ShardManifest, step: int) -> None:
 
 def manifest_with_tensors_bytes(root: Path, step: int) -> int:
     """Bytes of ``manifest.json`` if every shard record listed its tensors (dtype, shape, offsets,
-    global slice, chunk CRC32Cs), as manifests did before issue 12, rebuilt from the verified shard
+    global slice, chunk CRC32Cs), as manifests did before header format 2, rebuilt from the verified shard
     headers."""
     from tiered_ckpt.local.verified_read import manifest_with_tensors
 
