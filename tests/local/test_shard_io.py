@@ -317,3 +317,90 @@ def test_cached_fraction_follows_the_page_cache(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert fs.cached_fraction(fd, 0) == 1.0
+
+
+def _saved_cold_step(tmp_path: Path) -> tuple[Path, object, np.ndarray, Path]:
+    """A committed 1-rank step with one 6 MiB + 12 B tensor, its shard dropped from the cache."""
+    import tiered_ckpt
+    from tiered_ckpt.layout import step_dir_name
+    from tiered_ckpt.local.catalogue import read_manifest
+
+    arr = np.random.default_rng(3).integers(0, 256, 6 * MiB + 12, dtype=np.uint8)
+    tiered_ckpt.save_sharded([{"w": arr, "b": np.arange(5, dtype=np.float32)}], tmp_path, 1)
+    m = read_manifest(tmp_path, 1)
+    sdir = tmp_path / step_dir_name(1)
+    shard = sdir / m.shards[0].path
+    _cold_file_at(shard)
+    return sdir, m, arr, shard
+
+
+def _cold_file_at(p: Path) -> None:
+    from tiered_ckpt import fs
+
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, os.fstat(fd).st_size, os.POSIX_FADV_DONTNEED)
+        dfd = fs.open_direct(fd)
+        if dfd is None:
+            pytest.skip("this filesystem takes no O_DIRECT")
+        os.close(dfd)
+        if (fs.cached_fraction(fd, os.fstat(fd).st_size) or 0) >= 0.5:
+            pytest.skip("the page cache could not be dropped")
+    finally:
+        os.close(fd)
+
+
+def test_shard_reader_direct_reads_cold_ranges_through_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ShardReader(direct=True) on a cold shard: ranges of >= 1 MiB at any (unaligned) offset go
+    through O_DIRECT and come back byte-identical, into ``out`` too; small ones (the header)
+    buffered. Without direct, nothing goes through O_DIRECT."""
+    from tiered_ckpt.local.verified_read import ShardReader
+
+    sdir, m, arr, _ = _saved_cold_step(tmp_path)
+    direct = _spy_preadv(monkeypatch)
+    with ShardReader(sdir, m, 0, direct=True) as rd:
+        assert bytes(rd.read_range("w", 0, arr.nbytes)) == arr.tobytes()
+        out = memoryview(bytearray(2 * MiB + 3))
+        assert rd.read_range("w", MiB + 5, 3 * MiB + 8, out=out) is out
+        assert bytes(out) == arr[MiB + 5 : 3 * MiB + 8].tobytes()
+        assert rd.read_tensor("b").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert direct.count(True) >= 2 and direct[0] is False, direct  # the header: buffered
+    _cold_file_at(sdir / m.shards[0].path)
+    direct.clear()
+    with ShardReader(sdir, m, 0) as rd:
+        assert bytes(rd.read_range("w", 0, arr.nbytes)) == arr.tobytes()
+    assert direct and not any(direct)
+
+
+def test_shard_reader_direct_still_checks_every_chunk(tmp_path: Path) -> None:
+    """A flipped byte in the tensor, read through O_DIRECT: the chunk's CRC32C fails, typed."""
+    from tiered_ckpt.local.verified_read import ShardReader
+
+    sdir, m, arr, shard = _saved_cold_step(tmp_path)
+    with ShardReader(sdir, m, 0) as rd:
+        at = rd.header().data_start + rd.tensor_record("w").data_offsets[0] + 4 * MiB + 7
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+        os.fsync(f.fileno())
+    _cold_file_at(shard)
+    with ShardReader(sdir, m, 0, direct=True) as rd:
+        with pytest.raises(ShardCorruptedError, match="fails its CRC32C"):
+            rd.read_range("w", 0, arr.nbytes)
+
+
+def test_shard_reader_direct_refused_reads_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiered_ckpt.local.verified_read import ShardReader
+
+    sdir, m, arr, _ = _saved_cold_step(tmp_path)
+    direct = _spy_preadv(monkeypatch, fail_direct=True)
+    with ShardReader(sdir, m, 0, direct=True) as rd:
+        assert bytes(rd.read_range("w", 0, arr.nbytes)) == arr.tobytes()
+        assert bytes(rd.read_range("w", 5, 2 * MiB)) == arr[5 : 2 * MiB].tobytes()
+    assert direct.count(True) == 1, direct  # refused once, never tried again
