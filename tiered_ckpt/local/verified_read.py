@@ -271,6 +271,7 @@ class ShardReader:
             cached = cached_fraction(self._fd, self.record.size_bytes)
             if cached is None or cached < DIRECT_BELOW_CACHED:
                 self._dfd = open_direct(self._fd)
+        self._direct = self._dfd is not None
         self._bounce = threading.local()
         if self._dfd is None:  # a load reads most of it, in file order
             advise_sequential(self._fd, 0, self.record.size_bytes)
@@ -298,7 +299,7 @@ class ShardReader:
         thread's bounce buffer) for a large read when there is one, else buffered."""
         dfd = self._dfd
         n = buf.nbytes
-        if dfd is not None and DIRECT_MIN_READ <= n <= DIRECT_MAX_READ:
+        if dfd is not None and self._direct and DIRECT_MIN_READ <= n <= DIRECT_MAX_READ:
             a = offset - offset % DIRECT_ALIGN
             e = -(-(offset + n) // DIRECT_ALIGN) * DIRECT_ALIGN
             bounce = getattr(self._bounce, "buf", None)
@@ -323,8 +324,9 @@ class ShardReader:
                     raise ShardCorruptedError(
                         f"{self.where}: read failed: {exc.strerror or exc}"
                     ) from exc
-                self._dfd = None  # the filesystem takes the O_DIRECT open, not the read
-                os.close(dfd)
+                # the filesystem takes the O_DIRECT open, not the read: buffered from now on (the
+                # descriptor stays open until close(): another thread may be reading through it)
+                self._direct = False
                 pos = a
             done = max(0, min(pos, offset + n) - offset)
             if done:  # numpy's copy runs without the GIL: the other readers go on meanwhile
