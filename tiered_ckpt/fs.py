@@ -1,8 +1,10 @@
 """POSIX primitives below the commit protocols: this node's and process's identity (host name,
 kernel boot id, pid namespace; owner tokens that survive pid reuse and tell machines with one host
 name apart; liveness of an owner), unique temp names that name their owner, save ids
-and timestamps, and raw write helpers (``write(2)`` until done, writeback hints). Nothing here makes
-a file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync, rename, directory fsync).
+and timestamps, raw write helpers (``write(2)`` until done, writeback hints) and read helpers
+(read-ahead advice, how much of a file is in the page cache, an ``O_DIRECT`` descriptor of an open
+file). Nothing here makes a file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync,
+rename, directory fsync).
 """
 
 from __future__ import annotations
