@@ -40,14 +40,14 @@ DCP load (into preallocated tensors) vs a raw read of the raw files into one buf
 Floors: save throughput >= 0.8 x the faster raw write and >= 1.0 x DCP; peak RSS growth
 during our save <= 10% of the state.
 
-Issue 12 rows (``--issue12`` runs only their cases): cold-cache verified load >= 1.0 x dcp.load at 1
+Floor rows (``--floor-rows`` runs only their cases): cold-cache verified load >= 1.0 x dcp.load at 1
 rank (ours_1 vs dcp_1) and at 4 ranks (load_sharded of ours_4t's 4-rank step vs dcp.load of the same
 2 GiB, dcp_1); save at 4 ranks >= 0.9 x 4 parallel dd (ours_4p and ours_4t vs dd_4 and ddr_4), 1
 rank >= 1.0 x dd (and ddr); the small tensors' save + warm load >= 10 x DCP's. Each save row is
 reported against dd of zeros and dd of random bytes: where the two differ, the disk treats zeros
 specially, and dd of random bytes is the baseline that writes what a checkpoint writes.
 
-    python bench/local_save.py --issue12 --reps 3       # 2 GiB: the issue 12 rows only
+    python bench/local_save.py --floor-rows --reps 3    # 2 GiB: the floor rows only
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ NO_LOAD = {
     "ddr_4",
     "ours_4p",
 }  # dd wrote zeros or a copy; ours_4p's files are read exactly like ours_4t's
-#: The cases of issue 12's rows (``--issue12``): cold verified load vs dcp.load at 1 and 4 ranks,
+#: The cases of the floor rows (``--floor-rows``): cold verified load vs dcp.load at 1 and 4 ranks,
 #: save vs 1 and 4 parallel dd, 10,000 small tensors vs DCP.
-ISSUE12 = "ours_1,ours_4t,ours_4p,dd,dd_4,ddr,ddr_4,dcp_1,small_ours,small_dcp"
+FLOOR_CASES = "ours_1,ours_4t,ours_4p,dd,dd_4,ddr,ddr_4,dcp_1,small_ours,small_dcp"
 #: The small-tensor rows (``--small``): save + load through save_sharded/load_sharded and through
 #: the manager, against DCP and torch_checkpointing.
 SMALL = "small_ours,small_mgr,small_dcp,small_tc"
@@ -772,18 +772,18 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
                 higher_is_better=False,
             )
         )
-    rows12, checks12 = issue12_rows(args, res, times)
-    if rows12:
+    frows, fchecks = floor_rows(args, res, times)
+    if frows:
         lines.append("")
-        lines.append("ISSUE 12 (medians; ratio = baseline time / ours, > 1 means ours is faster)")
+        lines.append("FLOOR ROWS (medians; ratio = baseline time / ours, > 1 means ours is faster)")
         lines.append(
             C.table(
                 ["row", "ours s", "baseline", "baseline s", "ratio", "floor", ""],
-                rows12,
+                frows,
                 align="lrlrrrl",
             )
         )
-        checks += checks12
+        checks += fchecks
     resets = [r["save"].get("hwm_reset") for c in res for r in res[c] if "hwm_reset" in r["save"]]
     lines.append("")
     lines.append(
@@ -800,10 +800,10 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
-def issue12_rows(
+def floor_rows(
     args: argparse.Namespace, res: dict[str, Any], times: Callable[..., list[float]]
 ) -> tuple[list[list[str]], list[tuple[str, bool]]]:
-    """Issue 12's rows: (ours, baseline, floor) as table rows and floor checks. A time is the median
+    """The floor rows: (ours, baseline, floor) as table rows and floor checks. A time is the median
     wall time of a case's save, or of its warm or cold load; a ``+`` sums two medians (save +
     load)."""
 
@@ -898,7 +898,9 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", default="/tmp", help="directory (filesystem) to benchmark (default /tmp)"
     )
     p.add_argument("--cases", default="", help=f"comma-separated subset of: {', '.join(CASES)}")
-    p.add_argument("--issue12", action="store_true", help=f"only issue 12's cases ({ISSUE12})")
+    p.add_argument(
+        "--floor-rows", action="store_true", help=f"only the floor rows' cases ({FLOOR_CASES})"
+    )
     p.add_argument("--small", action="store_true", help=f"only the small-tensor cases ({SMALL})")
     p.add_argument("--small-count", type=int, default=10_000)
     p.add_argument("--small-bytes", type=int, default=4096)
@@ -933,8 +935,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.reps < 1:
         p.error("--reps must be >= 1")
-    if args.issue12 and not args.cases:
-        args.cases = ISSUE12
+    if args.floor_rows and not args.cases:
+        args.cases = FLOOR_CASES
     if args.small and not args.cases:
         args.cases = SMALL
     out = run(args)

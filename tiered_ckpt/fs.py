@@ -1,8 +1,10 @@
 """POSIX primitives below the commit protocols: this node's and process's identity (host name,
 kernel boot id, pid namespace; owner tokens that survive pid reuse and tell machines with one host
 name apart; liveness of an owner), unique temp names that name their owner, save ids
-and timestamps, and raw write helpers (``write(2)`` until done, writeback hints). Nothing here makes
-a file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync, rename, directory fsync).
+and timestamps, raw write helpers (``write(2)`` until done, writeback hints) and read helpers
+(read-ahead advice, how much of a file is in the page cache, an ``O_DIRECT`` descriptor of an open
+file). Nothing here makes a file durable: that is :mod:`tiered_ckpt.local.commit`'s job (fsync,
+rename, directory fsync).
 """
 
 from __future__ import annotations
@@ -244,6 +246,102 @@ def advise_sequential(fd: int, offset: int, nbytes: int) -> None:
         advise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
     except OSError:
         pass
+
+
+#: Alignment of ``O_DIRECT`` reads (offset, length and buffer address): 4 KiB covers the logical
+#: block size of the disks and filesystems that take ``O_DIRECT`` (512 B or 4 KiB).
+DIRECT_ALIGN = 4096
+
+
+def _load_syscall() -> Callable[..., int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn.restype = ctypes.c_long
+        return fn  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_SYSCALL = _load_syscall()
+#: ``cachestat(2)`` (Linux >= 6.5): the same number on every architecture (the generic table).
+_NR_CACHESTAT = 451
+
+
+def cached_fraction(fd: int, nbytes: int) -> float | None:
+    """The fraction of the first ``nbytes`` of ``fd`` that sits in the page cache now, from
+    ``cachestat(2)`` (Linux >= 6.5), else from ``mincore(2)`` over a read-only mapping (Linux,
+    nothing is faulted in); ``None`` where neither answers (not Linux, a file that cannot be
+    mapped). Only a hint (the cache changes under it)."""
+    if nbytes <= 0:
+        return 1.0
+    if _SYSCALL is None or os.uname().sysname != "Linux":
+        return None
+    import ctypes
+    import mmap
+
+    rng = (ctypes.c_uint64 * 2)(0, nbytes)
+    st = (ctypes.c_uint64 * 5)()  # nr_cache, nr_dirty, nr_writeback, nr_evicted, ...
+    if _SYSCALL(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:
+        return min(1.0, st[0] / -(-nbytes // mmap.PAGESIZE))
+    return _mincore_fraction(fd, nbytes)  # an older kernel (ENOSYS)
+
+
+def _mincore_fraction(fd: int, nbytes: int) -> float | None:
+    try:
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        n = -(-nbytes // page)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        addr = libc.mmap(None, n * page, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(ctypes.c_void_p(addr), n * page, vec) != 0:
+                return None
+            return sum(b & 1 for b in bytes(vec)) / n
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), n * page)
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def open_direct(fd: int) -> int | None:
+    """A second read-only descriptor of the file open as ``fd``, with ``O_DIRECT`` (reads go from
+    the disk straight into the caller's buffer: no page cache pages to allocate, fill and copy
+    from). Reopened through ``/proc/self/fd`` (the same inode, whatever its path now; checked);
+    ``None`` where the platform, the filesystem or ``/proc`` does not allow it. The caller closes
+    it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        a, b = os.fstat(fd), os.fstat(dfd)
+        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) and stat.S_ISREG(b.st_mode):
+            return dfd
+    except OSError:
+        pass
+    os.close(dfd)
+    return None
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:

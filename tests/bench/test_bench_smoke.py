@@ -71,6 +71,11 @@ SMOKES: dict[str, Smoke] = {
         "ratio = floor / median",
         _json_has("out.json", "cases", "plan_rank"),
     ),
+    "cold_load.py": Smoke(  # 1 rank, ours and ours_prev (no torch): ~5-15 s
+        lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
+        "ratio = baseline median / ours",
+        _json_has("out.json", "results", "ours@1"),
+    ),
     "dcp_backend.py": Smoke(
         lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
         "ratio (DCP time / ours)",
@@ -85,6 +90,7 @@ SLOW = {
     "upload.py",
     "scale.py",
     "dcp_backend.py",
+    "cold_load.py",
 }  # ~30 s; 2-3 s each (quick-tier budget)
 
 

@@ -479,7 +479,7 @@ class TieredStorageReader(StorageReader):
             rs = self._remote_step(m.step, m.save_id)
         else:
             try:
-                return ShardReader(step_path(self.root, m.step), m, rank, self.stats)
+                return ShardReader(step_path(self.root, m.step), m, rank, self.stats, direct=True)
             except MissingShardError as e:
                 if self.remote_url is None:
                     raise MissingShardError(

@@ -25,8 +25,10 @@ Every failure raises :class:`MissingShardError`, :class:`ShardCorruptedError` or
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format import shard_file as fmt
 from tiered_ckpt.format.crc32c import Crc32c, first_bad_chunk
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, TensorRecord, numel
-from tiered_ckpt.fs import advise_sequential
+from tiered_ckpt.fs import DIRECT_ALIGN, advise_sequential, cached_fraction, open_direct
 from tiered_ckpt.locks import hold_step_lock
 from tiered_ckpt.safe_read import open_file
 
@@ -53,6 +55,14 @@ from tiered_ckpt.safe_read import open_file
 STREAM_BUFFER_BYTES = 1 << 20
 
 VERIFY_MODES = ("sha256", "crc32c")
+
+#: :class:`ShardReader` with ``direct=True`` reads a shard through O_DIRECT when less than this
+#: fraction of it is in the page cache (as :func:`tiered_ckpt.local.shard_io.read_verified`).
+DIRECT_BELOW_CACHED = 0.5
+#: ... and only ranges of at least this many bytes (smaller ones, the header, buffered) and at most
+#: this many (the bounce buffer, one per reading thread, stays small).
+DIRECT_MIN_READ = 1024 * 1024
+DIRECT_MAX_READ = 64 * 1024 * 1024
 
 
 @dataclass
@@ -232,20 +242,39 @@ class ShardReader:
     """Verified partial reads of rank ``rank`` 's shard of a committed step (see the module
     docstring).
 
-    Not thread-safe; one per thread. Use as a context manager or call :meth:`close`.
+    ``direct=True`` (a load that reads most of the shard in large ranges, several threads at once):
+    when less than :data:`DIRECT_BELOW_CACHED` of the file is in the page cache, ranges of at least
+    :data:`DIRECT_MIN_READ` bytes (up to :data:`DIRECT_MAX_READ`) are read through a second, ``O_DIRECT`` descriptor into a
+    per-thread bounce buffer and copied out (the page cache pages a buffered cold read allocates,
+    fills and copies from cost more than that copy); where the filesystem refuses it, buffered.
+
+    Not thread-safe, except :meth:`read_range` once :meth:`header` has returned (``pread`` only).
+    Use as a context manager or call :meth:`close`.
     """
 
     def __init__(
-        self, sdir: Path, manifest: ShardManifest, rank: int, stats: ReadStats | None = None
+        self,
+        sdir: Path,
+        manifest: ShardManifest,
+        rank: int,
+        stats: ReadStats | None = None,
+        *,
+        direct: bool = False,
     ) -> None:
         self.manifest = manifest
         self.record = manifest.shards[rank]
         self.where = f"step {manifest.step} rank {rank} ({self.record.path})"
         self.stats = stats
         self._fd = open_shard(sdir, self.record, self.where)
-        advise_sequential(
-            self._fd, 0, self.record.size_bytes
-        )  # a load reads most of it, in file order
+        self._dfd: int | None = None
+        if direct and self.record.size_bytes >= DIRECT_MIN_READ:
+            cached = cached_fraction(self._fd, self.record.size_bytes)
+            if cached is None or cached < DIRECT_BELOW_CACHED:
+                self._dfd = open_direct(self._fd)
+        self._direct = self._dfd is not None
+        self._bounce = threading.local()
+        if self._dfd is None:  # a load reads most of it, in file order
+            advise_sequential(self._fd, 0, self.record.size_bytes)
         self._header: fmt.ParsedHeader | None = None
         self._trusted = False  # the whole file was verified against its sha256
         self._tensors: dict[str, TensorRecord] = {}
@@ -260,6 +289,55 @@ class ShardReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        self._bounce = threading.local()
+
+    def _pread(self, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` from ``offset``: through the O_DIRECT descriptor (aligned, via this
+        thread's bounce buffer) for a large read when there is one, else buffered."""
+        dfd = self._dfd
+        n = buf.nbytes
+        if dfd is not None and self._direct and DIRECT_MIN_READ <= n <= DIRECT_MAX_READ:
+            a = offset - offset % DIRECT_ALIGN
+            e = -(-(offset + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+            bounce = getattr(self._bounce, "buf", None)
+            if bounce is None or len(bounce) < e - a:
+                bounce = self._bounce.buf = np.frombuffer(
+                    mmap.mmap(-1, e - a, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8
+                )
+            mv = memoryview(bounce)
+            pos = a
+            try:
+                while pos < offset + n:
+                    got = os.preadv(dfd, [mv[pos - a : e - a]], pos)
+                    if self.stats is not None:
+                        self.stats.add(got)
+                    if got == 0:
+                        raise ShardCorruptedError(f"{self.where}: file ended at byte {pos}")
+                    pos += got
+                    if pos % DIRECT_ALIGN and pos < offset + n:
+                        break  # an unaligned short read: the rest buffered
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise ShardCorruptedError(
+                        f"{self.where}: read failed: {exc.strerror or exc}"
+                    ) from exc
+                # the filesystem takes the O_DIRECT open, not the read: buffered from now on (the
+                # descriptor stays open until close(): another thread may be reading through it)
+                self._direct = False
+                pos = a
+            done = max(0, min(pos, offset + n) - offset)
+            if done:  # numpy's copy runs without the GIL: the other readers go on meanwhile
+                np.copyto(
+                    np.frombuffer(buf, np.uint8, count=done),
+                    bounce[offset - a : offset - a + done],
+                )
+            if done == n:
+                return
+            buf, offset = buf[done:], offset + done
+        pread_exact(self._fd, buf, offset, self.where, self.stats)
 
     @property
     def has_checksums(self) -> bool:
@@ -323,7 +401,7 @@ class ShardReader:
             if out is not None and exact
             else memoryview(np.empty(end - start if exact else b - a, np.uint8))
         )
-        pread_exact(self._fd, buf, base + (start if a == b else a), self.where, self.stats)
+        self._pread(buf, base + (start if a == b else a))
         if a != b:
             bad = first_bad_chunk(buf, cs, t.crc32c[k0 : -(-end // cs)])
             if bad is not None:
