@@ -63,7 +63,7 @@ def local_bytes(t: torch.Tensor) -> bytes:
 
 def compare(a: dict, b: dict) -> list[str]:
     bad = [k for k in a["model"] if local_bytes(a["model"][k]) != local_bytes(b["model"][k])]
-    want = {"step": 7, "betas": [0.9, 0.99], "blob": BLOB}
+    want = {"step": 7, "betas": (0.9, 0.99), "blob": BLOB}
     return bad + [k for k, v in want.items() if b["extra"][k] != v]
 
 
