@@ -1,7 +1,7 @@
 """Benchmark: a simulated big job, 512 ranks x 2,000 tensors per rank.
 
     python bench/scale.py [--ranks 512] [--tensors 2000] [--reps 3] [--json bench/out/scale.json]
-    python bench/scale.py --smoke            # 8 ranks x 50 tensors, 1 rep, no floors enforced
+    python bench/scale.py --smoke            # 8 ranks x 50 tensors, 1 rep, 4 nodes, no floors
     python bench/scale.py --dcp-only         # only the DCP metadata rows (no shard files)
 
 Real files with tiny tensors (``--tensor-bytes``, 16 by default: every tensor a float32 slice of a
@@ -573,6 +573,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.ranks, args.tensors, args.ls_steps, args.reps = 8, 50, 5, 1
+        args.share_nodes, args.bcast_ranks = min(args.share_nodes, 4), min(args.bcast_ranks, 2)
     dcp, raw = time_dcp_metadata(args.ranks, args.tensors, args.reps)
     bcast = time_broadcast(raw, args.bcast_ranks) if args.bcast_ranks > 1 else None
     del raw
