@@ -337,21 +337,25 @@ class TieredStorageReader(StorageReader):
                     f"{where}: rank 0 read step {m.step} from the bucket, this rank has no "
                     "remote_url"
                 )
-            from tiered_ckpt.remote.restore.ranged_read import remote_step_from
-
-            self.close()
-            self._remote = remote_step_from(
-                self.remote_url,
-                got.upload_manifest,
-                got.manifest,
-                endpoint_url=self.endpoint_url,
-                s3_client=self.s3_client,
-            )
+            self._open_remote_from(got)
             # a root holding the same save (another node's, when the leader's lacks the step)
             # reads its own shards from disk; the bucket's copy serves what it lacks
             self._from_bucket = here != m.save_id
         self.metadata_decode = "trusted"
         return m, info, metadata_json.decode_trusted(got.metadata, f"step {m.step}: DCP metadata")
+
+    def _open_remote_from(self, got: metadata_share.Shared) -> None:
+        """The bucket's copy of the save whose manifests the leader sent (no request)."""
+        from tiered_ckpt.remote.restore.ranged_read import remote_step_from
+
+        self.close()
+        self._remote = remote_step_from(
+            self.remote_url,
+            got.upload_manifest,
+            got.manifest,
+            endpoint_url=self.endpoint_url,
+            s3_client=self.s3_client,
+        )
 
     def _bucket_round(
         self, share: metadata_share.Share, got: metadata_share.Shared, where: str
@@ -371,16 +375,7 @@ class TieredStorageReader(StorageReader):
             return
         try:
             sent = metadata_share.unpack(reply, where)
-            from tiered_ckpt.remote.restore.ranged_read import remote_step_from
-
-            self.close()
-            self._remote = remote_step_from(
-                self.remote_url,
-                sent.upload_manifest,
-                sent.manifest,
-                endpoint_url=self.endpoint_url,
-                s3_client=self.s3_client,
-            )
+            self._open_remote_from(sent)
         except CheckpointError:
             self.close()  # the leader could not open it: this rank opens it on first need
 
