@@ -101,3 +101,23 @@ def default_sigint() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+# --- Order of the run
+# The slow tests first, the folders of the longest ones (drills, demo) leading: with two workers
+# (pytest-xdist hands tests out in collection order) the long tests then overlap each other and
+# the many short ones fill the end, instead of one worker finishing a drill alone. A stable sort:
+# a module's tests stay together and in their order, so module fixtures are set up once.
+
+_FOLDER_ORDER = ("multinode", "multiproc", "integrations", "bench", "dcp", "s3", "local", "golden")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def key(item: pytest.Item) -> tuple[int, int]:
+        parts = item.nodeid.split("/")
+        folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+        rank = _FOLDER_ORDER.index(folder) if folder in _FOLDER_ORDER else len(_FOLDER_ORDER)
+        return (0 if item.get_closest_marker("slow") else 1, rank)
+
+    items.sort(key=key)

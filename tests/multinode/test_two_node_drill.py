@@ -22,7 +22,8 @@ reference's exactly (max |loss diff| 0.0, by the example's design).
     supersedes the first attempt's steps after R, and the final step it offers (and each node's
     disk holds) is the new attempt's save.
 
-``tiered_ckpt.examples.train_zero`` (the native manager) runs (a) and (d);
+``tiered_ckpt.examples.train_zero`` (the native manager) runs (d) (its SIGKILL of every rank and
+restart is tests/multiproc/test_resume_drill.py's and the demo's story);
 ``tiered_ckpt.examples.train_fsdp2`` (FSDP2, saved through DCP into each node's own disk: every
 node's root committed, :mod:`tiered_ckpt.dcp.node_roots`) runs (a+rollback), (b) and (c), each
 example against its own uninterrupted run. (The native manager's cluster loss is also the demo's
@@ -432,12 +433,6 @@ def _after_restart(
         f"max abs loss difference = {diff!r}"
     )
     assert diff == 0.0
-
-
-def test_a_sigkill_both_nodes_then_restart(
-    cluster: Cluster, reference: dict[int, float], tmp_path: Path
-) -> None:
-    _sigkill_both_nodes(cluster, reference, tmp_path, "train_zero")
 
 
 def _sigkill_both_nodes(
