@@ -104,10 +104,11 @@ def default_sigint() -> Iterator[None]:
 
 
 # --- Order of the run
-# The slow tests first, the folders of the longest ones (drills, demo) leading: with two workers
-# (pytest-xdist hands tests out in collection order) the long tests then overlap each other and
-# the many short ones fill the end, instead of one worker finishing a drill alone. A stable sort:
-# a module's tests stay together and in their order, so module fixtures are set up once.
+# The slow tests first, the folders of the longest ones (drills, demo) leading: pytest-xdist hands
+# tests out in collection order and a worker that runs out steals from the other's queue
+# (``--dist worksteal``, pyproject.toml), so the long tests overlap each other and the many short
+# ones fill the end, instead of one worker finishing a drill alone. A stable sort: a module's tests
+# stay together and in their order.
 
 _FOLDER_ORDER = ("multinode", "multiproc", "integrations", "bench", "dcp", "s3", "local", "golden")
 
