@@ -14,12 +14,18 @@ root, one AdamW step so both moments exist, ``get_state_dict``) that times, betw
 rank 0:
 
   save        ``dcp.save`` of step 1 (ours: the local tier's commit included: shards fsynced,
-  manifest last) async       ``dcp.async_save`` (thread mode, a dedicated gloo group) of step 2: the
-  time the caller is
-              blocked (staging), then the wait for its completion (not part of the ratio)
-  load        ``dcp.load`` of step 1 into the state dict (ours: sha256/CRC32C verified reads), page
-  cache
-              dropped before it where permitted (root), so the load is cold
+              manifest last)
+  async       ``dcp.async_save`` (thread mode, a dedicated gloo group) of step 2: the time the
+              caller is blocked (staging), then the wait for its completion (not part of the
+              ratio); then the same for step 3 with the same stager (its buffers reused): ours a
+              ``TieredStager`` given to the writer, DCP's a ``DefaultStager`` given as
+              ``async_stager`` (what ``dcp.async_save`` makes when given none)
+  load        ``dcp.load`` of step 1 into the state dict (ours: CRC32C of every chunk verified),
+              page cache dropped before it where permitted (root), so the load is cold
+
+CPU seconds (``time.process_time``: every thread of a rank, summed over the ranks) are reported
+per phase. Case ``ours_dcpstager`` is ours staged by DCP's ``DefaultStager`` (one thread, as
+before the writer had its own stager): the async rows' before/after in one run.
 
 Floors: save throughput >= 1.3 x DCP's, async-save blocking time <= 0.5 x DCP's own async
 save, load >= 1.5 x DCP's. Case ``ours_buffered`` is ours with the reader's O_DIRECT path off (cold
