@@ -14,12 +14,18 @@ root, one AdamW step so both moments exist, ``get_state_dict``) that times, betw
 rank 0:
 
   save        ``dcp.save`` of step 1 (ours: the local tier's commit included: shards fsynced,
-  manifest last) async       ``dcp.async_save`` (thread mode, a dedicated gloo group) of step 2: the
-  time the caller is
-              blocked (staging), then the wait for its completion (not part of the ratio)
-  load        ``dcp.load`` of step 1 into the state dict (ours: sha256/CRC32C verified reads), page
-  cache
-              dropped before it where permitted (root), so the load is cold
+              manifest last)
+  async       ``dcp.async_save`` (thread mode, a dedicated gloo group) of step 2: the time the
+              caller is blocked (staging), then the wait for its completion (not part of the
+              ratio); then the same for step 3 with the same stager (its buffers reused): ours a
+              ``TieredStager`` given to the writer, DCP's a ``DefaultStager`` given as
+              ``async_stager`` (what ``dcp.async_save`` makes when given none)
+  load        ``dcp.load`` of step 1 into the state dict (ours: CRC32C of every chunk verified),
+              page cache dropped before it where permitted (root), so the load is cold
+
+CPU seconds (``time.process_time``: every thread of a rank, summed over the ranks) are reported
+per phase. Case ``ours_dcpstager`` is ours staged by DCP's ``DefaultStager`` (one thread, as
+before the writer had its own stager): the async rows' before/after in one run.
 
 Floors: save throughput >= 1.3 x DCP's, async-save blocking time <= 0.5 x DCP's own async
 save, load >= 1.5 x DCP's. Case ``ours_buffered`` is ours with the reader's O_DIRECT path off (cold
@@ -44,7 +50,9 @@ import _common as C  # bench/ is sys.path[0] when a script of it runs
 
 #: ``ours_buffered``: ours with the reader's O_DIRECT path off (shards read through the page cache,
 #: as before it existed): the load's before/after in one run.
-CASES = ("ours", "ours_buffered", "dcp")
+#: ``ours_dcpstager``: ours staged by DCP's ``DefaultStager`` (one thread, as before the writer
+#: had its own stager): the async rows' before/after in one run.
+CASES = ("ours", "ours_buffered", "ours_dcpstager", "dcp")
 
 
 def _free_port() -> int:
@@ -99,9 +107,23 @@ def _state_bytes(sd: Any) -> int:
     return total
 
 
-def _backend(case: str, root: Path, step: int, *, reader: bool) -> dict[str, Any]:
+def _stager(case: str) -> Any:
+    """The stager one rank keeps for its async saves: ours (``TieredStager``, given to the
+    writer) or DCP's ``DefaultStager`` (what ``dcp.async_save`` makes when given none)."""
+    if case in ("ours", "ours_buffered"):
+        from tiered_ckpt.dcp.staging import TieredStager
+
+        return TieredStager()
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(False, False, False, False))
+
+
+def _backend(
+    case: str, root: Path, step: int, *, reader: bool, stager: Any = None
+) -> dict[str, Any]:
     """The ``storage_writer``/``storage_reader`` and ``planner`` keyword arguments of one
-    backend."""
+    backend (and DCP's ``async_stager`` where the stager is DCP's)."""
     import torch.distributed.checkpoint as dcp
 
     if case.startswith("ours"):
@@ -117,11 +139,23 @@ def _backend(case: str, root: Path, step: int, *, reader: bool) -> dict[str, Any
                 "storage_reader": TieredStorageReader(root, step),
                 "planner": TieredLoadPlanner(),
             }
-        return {"storage_writer": TieredStorageWriter(root, step), "planner": TieredSavePlanner()}
+        if case == "ours_dcpstager" and stager is not None:
+            return {
+                "storage_writer": TieredStorageWriter(root, step),
+                "planner": TieredSavePlanner(),
+                "async_stager": stager,
+            }
+        return {
+            "storage_writer": TieredStorageWriter(root, step, stager=stager),
+            "planner": TieredSavePlanner(),
+        }
     path = root / f"dcp_step_{step}"
     if reader:
         return {"storage_reader": dcp.FileSystemReader(path)}
-    return {"storage_writer": dcp.FileSystemWriter(path, sync_files=True)}
+    kw: dict[str, Any] = {"storage_writer": dcp.FileSystemWriter(path, sync_files=True)}
+    if stager is not None:
+        kw["async_stager"] = stager
+    return kw
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -149,29 +183,40 @@ def worker(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {"state_bytes": sum(sizes)}
 
     kw = _backend(args.case, root, 1, reader=False)  # imports done before the clock starts
+    cpu: dict[str, float] = {}  # this rank's CPU seconds (every thread) per phase
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     dcp.save(sd, **kw)
+    cpu["save_cpu_s"] = time.process_time() - c0
     dist.barrier()
     out["save_s"] = time.perf_counter() - t0
 
-    kw = _backend(args.case, root, 2, reader=False)
-    dist.barrier()
-    t0 = time.perf_counter()
-    fut = dcp.async_save(sd, process_group=async_pg, **kw)
-    out["async_block_s"] = time.perf_counter() - t0
-    fut.result()
-    dist.barrier()
-    out["async_total_s"] = time.perf_counter() - t0
+    stager = _stager(args.case)  # kept for both async saves: the second reuses its buffers
+    for step, key in ((2, "async"), (3, "async_again")):
+        kw = _backend(args.case, root, step, reader=False, stager=stager)
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fut = dcp.async_save(sd, process_group=async_pg, **kw)
+        out[f"{key}_block_s"] = time.perf_counter() - t0
+        cpu[f"{key}_block_cpu_s"] = time.process_time() - c0
+        fut.result()
+        dist.barrier()
+        out[f"{key}_total_s"] = time.perf_counter() - t0
+    stager.close()
 
     if rank == 0:
         out["cold"] = C.drop_caches()
     kw = _backend(args.case, root, 1, reader=True)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     dcp.load(sd, **kw)
+    cpu["load_cpu_s"] = time.process_time() - c0
     dist.barrier()
     out["load_s"] = time.perf_counter() - t0
+    cpus: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(cpus, cpu)
+    for k in cpu:  # summed over the ranks
+        out[k] = sum(c[k] for c in cpus)
     if rank == 0:
         out["disk_bytes"] = C.dir_bytes(root)
         C.emit_result(out)
@@ -234,7 +279,14 @@ def report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> tu
     med = {
         c: {
             k: C.median(r[k] for r in res[c])
-            for k in ("save_s", "async_block_s", "async_total_s", "load_s")
+            for k in (
+                "save_s",
+                "async_block_s",
+                "async_total_s",
+                "async_again_block_s",
+                "async_again_total_s",
+                "load_s",
+            )
         }
         for c in CASES
     }
@@ -245,9 +297,17 @@ def report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> tu
         ("sync save", "save_s"),
         ("async save, caller blocked", "async_block_s"),
         ("async save, until done", "async_total_s"),
+        ("2nd async save (stager reused), caller blocked", "async_again_block_s"),
+        ("2nd async save, until done", "async_again_total_s"),
         ("load (cold cache)", "load_s"),
     ):
         o, d = med["ours"][key], med["dcp"][key]
+        rows.append([label, f"{o:.3f} s", f"{d:.3f} s", f"{C.ratio(d, o):.2f}x"])
+    for label, key in (
+        ("async blocked, ours staged by DCP's DefaultStager (before)", "async_block_s"),
+        ("2nd async blocked, ours staged by DCP's DefaultStager (before)", "async_again_block_s"),
+    ):
+        o, d = med["ours_dcpstager"][key], med["dcp"][key]
         rows.append([label, f"{o:.3f} s", f"{d:.3f} s", f"{C.ratio(d, o):.2f}x"])
     ob = med["ours_buffered"]["load_s"]
     rows.append(
@@ -258,7 +318,12 @@ def report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> tu
             f"{C.ratio(med['dcp']['load_s'], ob):.2f}x",
         ]
     )
-    for label, key in (("save", "save_s"), ("async blocked", "async_block_s"), ("load", "load_s")):
+    for label, key in (
+        ("save", "save_s"),
+        ("async blocked", "async_block_s"),
+        ("2nd async blocked", "async_again_block_s"),
+        ("load", "load_s"),
+    ):
         lo, hi = C.spread([r[key] for r in res["ours"]])
         dlo, dhi = C.spread([r[key] for r in res["dcp"]])
         rows.append([f"  {label} min-max", f"{lo:.2f}-{hi:.2f}", f"{dlo:.2f}-{dhi:.2f}", ""])
@@ -268,8 +333,16 @@ def report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> tu
         f"interleaved repetitions",
         C.machine_note(),
         f"page cache dropped before loads: {all(r.get('cold') for c in CASES for r in res[c])}",
-        f"bytes on disk per step: ours {res['ours'][0]['disk_bytes'] / 2:.0f}, DCP "
-        f"{res['dcp'][0]['disk_bytes'] / 2:.0f}",
+        f"bytes on disk per step: ours {res['ours'][0]['disk_bytes'] / 3:.0f}, DCP "
+        f"{res['dcp'][0]['disk_bytes'] / 3:.0f}",
+        "CPU seconds, all ranks and threads, medians: "
+        + "; ".join(
+            f"{c}: save {C.median(r['save_cpu_s'] for r in res[c]):.2f}, async blocked "
+            f"{C.median(r['async_block_cpu_s'] for r in res[c]):.2f} (2nd "
+            f"{C.median(r['async_again_block_cpu_s'] for r in res[c]):.2f}), load "
+            f"{C.median(r['load_cpu_s'] for r in res[c]):.2f}"
+            for c in CASES
+        ),
         "",
         C.table(
             ["", "ours", "DCP FileSystemWriter(sync_files=True)/Reader", "ratio (DCP time / ours)"],
@@ -292,6 +365,10 @@ def report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> tu
     )
     lines.append(line)
     ok &= passed
+    lines.append(
+        "(reported)  2nd async save (stagers reused) blocking time vs DCP's: "
+        f"{C.ratio(med['ours']['async_again_block_s'], med['dcp']['async_again_block_s']):.3f}"
+    )
     return "\n".join(lines), ok
 
 
@@ -326,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     for rep, case in C.interleaved(CASES, args.reps):
         r = run_group(args, case, base)
         print(
-            f"rep {rep} {case}: save {r['save_s']:.3f} s, async blocked {r['async_block_s']:.3f} s, "
-            f"load {r['load_s']:.3f} s",
+            f"rep {rep} {case}: save {r['save_s']:.3f} s, async blocked {r['async_block_s']:.3f} s "
+            f"(2nd {r['async_again_block_s']:.3f} s), load {r['load_s']:.3f} s, "
+            f"load average {os.getloadavg()[0]:.2f}",
             file=sys.stderr,
             flush=True,
         )

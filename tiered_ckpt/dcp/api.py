@@ -194,8 +194,10 @@ def async_save(
     node_groups: Sequence[Sequence[int]] | None = None,
     **writer_kw: Any,
 ) -> Any:
-    """``dcp.async_save`` of ``state_dict`` as step ``step`` of ``root``: DCP stages the state into
-    host memory (pass one ``async_stager`` to every call to reuse its buffers), then saves in a
+    """``dcp.async_save`` of ``state_dict`` as step ``step`` of ``root``: the state is staged into
+    host memory (by default by the writer's own :class:`~tiered_ckpt.dcp.staging.TieredStager`,
+    parallel copy threads; pass one ``async_stager``, a ``TieredStager`` or DCP's, to every call to
+    reuse its buffers), then saved in a
     thread (``THREAD``: pass a dedicated gloo ``process_group`` to keep its collectives off the
     training group's) or in DCP's checkpoint process (``PROCESS``: it builds its own gloo group and
     ignores ``process_group``; the calling script needs a ``if __name__ == "__main__":`` guard).

@@ -11,7 +11,8 @@ torchtitan-style loop (every rank; one shared ``root``, or node-local roots)::
     mgr.close()
 
 Saves run through **DCP's** async machinery: ``dcp.async_save`` (:func:`tiered_ckpt.dcp.async_save`)
-with one ``DefaultStager`` kept for the manager's life and, in ``async_mode="thread"``, the save
+with one :class:`~tiered_ckpt.dcp.staging.TieredStager` kept for the manager's life (parallel copy
+threads, buffers reused from one save to the next) and, in ``async_mode="thread"``, the save
 group of a :class:`~tiered_ckpt.training.dist.SaveCoordinator` (a dedicated gloo group); in
 ``"process"`` mode DCP's checkpoint process runs the save (scripts need a ``__main__`` guard).
 Rotation and upload gating run at the commit, in the storage writer's ``finish`` on DCP's
@@ -36,11 +37,11 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tiered_ckpt.dcp import api
 from tiered_ckpt.dcp.node_roots import group_of, node_groups
+from tiered_ckpt.dcp.staging import TieredStager
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.training.core import ManagerCore, SaveOutcome
 from tiered_ckpt.training.dist import SaveCoordinator
@@ -127,9 +128,7 @@ class DCPCheckpointManager(ManagerCore):
             resharding=groups is None,
         )
         self.async_mode = async_mode
-        self._stager = (
-            DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
-        )
+        self._stager = TieredStager() if async_save else None
 
     def _writer_kw(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         assert self._lineage is not None

@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -83,6 +84,7 @@ from tiered_ckpt.dcp.items import (
     stored_name,
     tensor_array,
 )
+from tiered_ckpt.dcp.staging import TieredStager
 from tiered_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -237,7 +239,7 @@ def is_step_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
 _LAST_NONCES: dict[int, str] = {}
 
 
-class TieredStorageWriter(StorageWriter):
+class TieredStorageWriter(StorageWriter, AsyncStager):
     """Writes a DCP save as step ``step`` of the local root ``root`` (see the module docstring for
     the lifecycle). ``replace``: re-save a committed step (it is un-committed first); otherwise a
     committed step raises :class:`~tiered_ckpt.errors.CheckpointExistsError` in planning, before
@@ -251,9 +253,16 @@ class TieredStorageWriter(StorageWriter):
     coordinator then commits only those ranks' shards (``node_ranks.json`` says so) and records the
     metadata's sha256 for the other nodes' copies. ``None``: one root for every rank.
 
-    Picklable (process-mode ``async_save``). ``ValueError`` for a bad step, ``extra`` or
-    ``chunk_bytes``.
+    ``dcp.async_save`` stages through the writer (DCP's ``AsyncStager`` protocol): the copy of
+    ``stager`` (a :class:`~tiered_ckpt.dcp.staging.TieredStager`: parallel copy threads, buffers
+    reused from one save to the next; pass the same one to every writer to reuse them), or, by
+    default, a stager of this writer's own (its buffers live as long as the writer).
+
+    Picklable (process-mode ``async_save``; the stager travels without its buffers).
+    ``ValueError`` for a bad step, ``extra`` or ``chunk_bytes``.
     """
+
+    _synchronize_after_execute = False  # stage() returns a finished copy
 
     def __init__(
         self,
@@ -267,6 +276,7 @@ class TieredStorageWriter(StorageWriter):
         run_id: str | None = None,
         attempt: int | None = None,
         node_ranks: Sequence[int] | None = None,
+        stager: TieredStager | None = None,
     ) -> None:
         super().__init__()
         step_dir_name(step)  # validates step
@@ -281,7 +291,27 @@ class TieredStorageWriter(StorageWriter):
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.rotation, self.run_id, self.attempt = rotation, run_id, attempt
         self.node_ranks = sorted(int(r) for r in node_ranks) if node_ranks is not None else None
+        self.stager = stager
+        self._own_stager = stager is None
         self._reset_save()
+
+    # --- staging (dcp.async_save)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state_dict`` in host buffers (:meth:`TieredStager.stage
+        <tiered_ckpt.dcp.staging.TieredStager.stage>` of :attr:`stager`, made on first use)."""
+        if self.stager is None:
+            self.stager = TieredStager()
+        return self.stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns a finished copy."""
+
+    def close(self) -> None:
+        """Free the buffers of a stager this writer made itself (not of one passed in)."""
+        if self._own_stager and self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def _reset_save(self) -> None:
         self.is_coordinator = False
