@@ -31,3 +31,11 @@ def test_another_data_path_gets_its_own_loader(tmp_path, monkeypatch) -> None:
     b = make_s3_client(endpoint_url="http://127.0.0.1:9")
     assert _loader(b) is not _loader(a)
     assert str(tmp_path) in _loader(b).search_paths
+
+
+def test_the_shared_search_path_does_not_grow() -> None:
+    first = list(_loader(make_s3_client(endpoint_url="http://127.0.0.1:9")).search_paths)
+    for _ in range(5):
+        c = make_s3_client(endpoint_url="http://127.0.0.1:9")
+    assert _loader(c).search_paths == first
+    assert len(set(first)) == len(first)

@@ -62,10 +62,14 @@ def _new_session(profile_name: str | None, region_name: str | None) -> boto3.ses
         loader = _loaders.get(data_path)
         if loader is None:
             loader = _loaders[data_path] = botocore.loaders.create_loader(data_path)
-    core.register_component("data_loader", loader)
-    return boto3.session.Session(
-        botocore_session=core, profile_name=profile_name, region_name=region_name
-    )
+        core.register_component("data_loader", loader)
+        session = boto3.session.Session(
+            botocore_session=core, profile_name=profile_name, region_name=region_name
+        )
+        # every boto3 session appends its own data folder to the loader's search path: keep one
+        paths = loader.search_paths
+        paths[:] = list(dict.fromkeys(paths))
+    return session
 
 
 def make_s3_client(
