@@ -23,18 +23,14 @@ them.
 from __future__ import annotations
 
 import copy
-import os
-import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-#: Contiguous host tensors larger than this are copied in pieces of this many bytes.
-PIECE_BYTES = 8 << 20
+from tiered_ckpt.training.staging import PIECE_BYTES, PieceCopier
 
 
 def _cuda_available() -> bool:
@@ -63,19 +59,13 @@ class TieredStager(AsyncStager):
         piece_bytes: int = PIECE_BYTES,
         pinned: bool | None = None,
     ) -> None:
-        self.threads = int(threads) if threads is not None else (os.cpu_count() or 1)
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        if piece_bytes < 1:
-            raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
-        self.piece_bytes = int(piece_bytes)
+        self._copier = PieceCopier(threads, piece_bytes, _copy_pieces, "tiered-ckpt-dcp-stage")
+        self.threads, self.piece_bytes = self._copier.threads, self._copier.piece_bytes
         self.pinned = _cuda_available() if pinned is None else bool(pinned)
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._used: set[tuple[Any, ...]] = set()
         self._host: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._device: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
         #: Buffers allocated by the last :meth:`stage` (0 when every buffer was reused).
         self.allocated = 0
 
@@ -91,10 +81,7 @@ class TieredStager(AsyncStager):
     def close(self) -> None:
         """Stop the copy threads and free the buffers. Idempotent; a later :meth:`stage` starts
         again (allocating anew)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._copier.close()
         self._buffers = {}
 
     def synchronize_staging(self) -> None:
@@ -174,45 +161,12 @@ class TieredStager(AsyncStager):
         return [(d[i : i + step], s[i : i + step], min(step, n - i)) for i in range(0, n, step)]
 
     def _copy_host(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        pieces = [p for dst, src in copies for p in self._pieces(dst, src)]
-        total = sum(p[2] for p in pieces)
-        workers = min(self.threads, len(pieces), max(1, total // self.piece_bytes))
-        if workers <= 1:
-            _copy_pieces(pieces)
-            return
-        groups: list[list[tuple[Any, Any, int]]] = [[] for _ in range(workers)]
-        share, acc, g = total / workers, 0, 0
-        for p in pieces:  # consecutive pieces of about equal bytes per thread
-            if acc >= share * (g + 1) and g < workers - 1:
-                g += 1
-            groups[g].append(p)
-            acc += p[2]
-        pool = self._executor()
-        futures = [pool.submit(_copy_pieces, grp) for grp in groups[1:] if grp]
-        try:
-            _copy_pieces(groups[0])  # the caller's share
-        finally:
-            for f in futures:
-                f.result()  # re-raises a worker's failure, after every piece has finished
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=max(1, self.threads - 1), thread_name_prefix="tiered-ckpt-dcp-stage"
-                )
-            return self._pool
+        self._copier.run([p for dst, src in copies for p in self._pieces(dst, src)])
 
     def __getstate__(self) -> dict[str, Any]:
         # a stager travelling to DCP's checkpoint process (process mode) goes without its
-        # buffers and threads: it stages in the caller's process only
-        state = dict(self.__dict__)
-        state.update(_buffers={}, _pool=None, _lock=None, _host=[], _device=[], _used=set())
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        # buffers (and its copier without its threads): it stages in the caller's process only
+        return {**self.__dict__, "_buffers": {}, "_host": [], "_device": [], "_used": set()}
 
 
 def _copy_pieces(pieces: list[tuple[Any, Any, int]]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,7 +30,7 @@ import numpy as np
 from tiered_ckpt.errors import UnsupportedStateError
 from tiered_ckpt.state import GlobalSlice, Replicated
 
-__all__ = ["Stager", "copy_json", "PIECE_BYTES"]
+__all__ = ["Stager", "PieceCopier", "copy_json", "PIECE_BYTES"]
 
 #: Arrays larger than this are copied in pieces of this many bytes (spread over the threads).
 PIECE_BYTES = 8 << 20
@@ -85,6 +85,79 @@ def copy_json(value: Any, where: str) -> Any:
     )
 
 
+class PieceCopier:
+    """Copies ``(dst, src, nbytes)`` pieces on a pool of ``threads`` threads, the caller's among
+    them: the pieces are spread in consecutive runs of about equal bytes, one run per thread, and
+    at most one thread per ``piece_bytes`` of the total is used (fewer bytes than twice
+    ``piece_bytes`` are copied by the caller's thread alone: a hand-off costs more than it saves).
+    ``copy`` copies one run; it must release the GIL for the threads to overlap (``np.copyto``,
+    ``Tensor.copy_``). ``threads=None`` = ``os.cpu_count()``. Raises ``ValueError`` for
+    ``threads < 1`` or ``piece_bytes < 1``. Pickles without its threads."""
+
+    def __init__(
+        self,
+        threads: int | None,
+        piece_bytes: int,
+        copy: Callable[[list[tuple[Any, Any, int]]], None],
+        name: str,
+    ) -> None:
+        self.threads = int(threads) if threads is not None else (os.cpu_count() or 1)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
+        self.piece_bytes = int(piece_bytes)
+        self._copy, self._name = copy, name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, pieces: list[tuple[Any, Any, int]]) -> None:
+        """Copy every piece; returns when all are copied (re-raises a thread's failure, after
+        every piece has finished)."""
+        total = sum(p[2] for p in pieces)
+        workers = min(self.threads, len(pieces), max(1, total // self.piece_bytes))
+        if workers <= 1:
+            self._copy(pieces)
+            return
+        # Consecutive pieces of about equal bytes per thread (each thread streams its own range).
+        groups: list[list[tuple[Any, Any, int]]] = [[] for _ in range(workers)]
+        share, acc, g = total / workers, 0, 0
+        for p in pieces:
+            if acc >= share * (g + 1) and g < workers - 1:
+                g += 1
+            groups[g].append(p)
+            acc += p[2]
+        pool = self._executor()
+        futures = [pool.submit(self._copy, grp) for grp in groups[1:] if grp]
+        try:
+            self._copy(groups[0])  # the caller's share
+        finally:
+            for f in futures:
+                f.result()
+
+    def close(self) -> None:
+        """Stop the threads. Idempotent; a later :meth:`run` starts them again."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=max(1, self.threads - 1), thread_name_prefix=self._name
+                )
+            return self._pool
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
 class Stager:
     """Reusable host buffers for the arrays of a state, filled by a pool of copy threads; see the
     module docstring.
@@ -105,18 +178,12 @@ class Stager:
         piece_bytes: int = PIECE_BYTES,
         pinned: bool | None = None,
     ) -> None:
-        self.threads = int(threads) if threads is not None else (os.cpu_count() or 1)
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        if piece_bytes < 1:
-            raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
-        self.piece_bytes = int(piece_bytes)
+        self._copier = PieceCopier(threads, piece_bytes, _copy_pieces, "tiered-ckpt-stage")
+        self.threads, self.piece_bytes = self._copier.threads, self._copier.piece_bytes
         self.pinned = _cuda_available() if pinned is None else bool(pinned)
         self._buffers: dict[tuple[str, ...], np.ndarray] = {}
         self._used: set[tuple[str, ...]] = set()
         self._copies: list[tuple[np.ndarray, np.ndarray]] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -126,10 +193,7 @@ class Stager:
     def close(self) -> None:
         """Stop the copy threads (the buffers stay until the stager is dropped). Idempotent; a
         later :meth:`stage` starts them again."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._copier.close()
 
     def _buffer(self, path: tuple[str, ...], a: np.ndarray) -> np.ndarray:
         buf = self._buffers.get(path)
@@ -185,35 +249,7 @@ class Stager:
         ]
 
     def _copy_all(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        pieces = [p for dst, src in copies for p in self._pieces(dst, src)]
-        total = sum(p[2] for p in pieces)
-        workers = min(self.threads, len(pieces), max(1, total // self.piece_bytes))
-        if workers <= 1:
-            _copy_pieces(pieces)
-            return
-        # Consecutive pieces of about equal bytes per thread (each thread streams its own range).
-        groups: list[list[tuple[np.ndarray, np.ndarray, int]]] = [[] for _ in range(workers)]
-        share, acc, g = total / workers, 0, 0
-        for p in pieces:
-            if acc >= share * (g + 1) and g < workers - 1:
-                g += 1
-            groups[g].append(p)
-            acc += p[2]
-        pool = self._executor()
-        futures = [pool.submit(_copy_pieces, grp) for grp in groups[1:] if grp]
-        try:
-            _copy_pieces(groups[0])  # the caller's share
-        finally:
-            for f in futures:
-                f.result()  # re-raises a worker's failure (after every piece has finished)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=max(1, self.threads - 1), thread_name_prefix="tiered-ckpt-stage"
-                )
-            return self._pool
+        self._copier.run([p for dst, src in copies for p in self._pieces(dst, src)])
 
     # --- the walk
 
